@@ -1,0 +1,132 @@
+"""``attention(q, k, v, ...)``: the differentiable entry point, on one device or a mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from . import kernels
+from .kernels import Dropout, Kernel
+from .layout import Layout
+from .spec import AttentionSpec
+
+log = logging.getLogger("sdpa_fusion")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``attention`` will run: the local spec, the kernel and why, and the schedule."""
+
+    spec: AttentionSpec
+    kernel: Kernel
+    skipped: tuple[str, ...]
+    schedule: object
+
+    def __str__(self) -> str:
+        lines = [
+            f"schedule: {self.schedule}",
+            f"local problem: {self.spec}",
+            f"kernel: {self.kernel.name}",
+        ]
+        lines += [f"  skipped: {reason}" for reason in self.skipped]
+        if getattr(self.schedule, "mesh", None) is not None:
+            lines.append(f"per rank: {self.schedule.describe(self.schedule.global_spec(self.spec))}")
+        return "\n".join(lines)
+
+
+def _default_schedule():
+    from schedules.replicated import Replicated
+
+    return Replicated(None)
+
+
+def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", schedule=None,
+         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None) -> Plan:
+    """Validate the call on every rank and choose the kernel; raises the same ValueError on
+    every rank of the schedule's mesh when any rank's input is bad, before any data moves."""
+    schedule = schedule if schedule is not None else _default_schedule()
+    error, spec, chosen = None, None, None
+    try:
+        spec = AttentionSpec.from_tensors(
+            q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
+            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+        )
+        schedule.validate(spec)
+        chosen = kernels.select(kernel, spec, q.device)
+    except ValueError as e:
+        error = e
+    mesh = getattr(schedule, "mesh", None)
+    if mesh is not None and mesh.world_size > 1:
+        _agree_on(mesh, schedule, spec, error)
+    if error is not None:
+        raise error
+    return Plan(spec, chosen[0], tuple(chosen[1]), schedule)
+
+
+def _agree_on(mesh, schedule, spec, error) -> None:
+    """Exchange every rank's verdict and raise the first rank's error on all ranks."""
+    verdicts = mesh.agree((str(error) if error else None, type(error).__name__, spec))
+    for rank, (message, kind, _) in enumerate(verdicts):
+        if message is not None:
+            if error is None or rank != mesh.rank:
+                raise ValueError(f"rank {rank}: {message}")
+            raise error
+    specs = {s for _, _, s in verdicts}
+    if len(specs) > 1:
+        shown = "; ".join(f"rank {r}: {s}" for r, (_, _, s) in enumerate(verdicts))
+        raise ValueError(
+            f"schedule {schedule.name!r} needs the same local problem on every rank, got {shown}; "
+            f"shard every tensor with schedule.shard(...)"
+        )
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: Plan):
+        dropout = Dropout(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
+        out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.dropout = plan, dropout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        dout = plan.spec.layout.to(dout) if plan.spec.layout.is_varlen else _like(dout, q)
+        dq, dk, dv = plan.schedule.backward(dout, q, k, v, out, lse, plan.spec, plan.kernel, ctx.dropout)
+        return dq, dk, dv, None
+
+
+def _like(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    from .kernels.base import layout_of
+
+    return layout_of(model).to(t)
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
+              layout: Layout | str = "bhse", kernel: str | Kernel = "auto", schedule=None,
+              dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None) -> torch.Tensor:
+    """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
+
+    ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
+    mesh on this rank's shards. ``kernel`` names the local kernel ("auto", "cudnn", "flash",
+    "nvfuser", "reference"). Differentiable in q, k, v. DTensors sharded the way the
+    schedule shards are accepted and a DTensor is returned.
+    """
+    from .dtensor import unwrap_dtensors
+
+    (q, k, v), rewrap = unwrap_dtensors((q, k, v), schedule)
+    p = plan(q, k, v, causal=causal, scale=scale, layout=layout, kernel=kernel, schedule=schedule,
+             dropout_p=dropout_p, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    if p.skipped:
+        log.info("kernel='auto' chose %s (%s)", p.kernel.name, "; ".join(p.skipped))
+    return rewrap(_Attention.apply(q, k, v, p))
+
+
+def explain(q, k, v, **kwargs) -> Plan:
+    """The plan ``attention(q, k, v, **kwargs)`` would run: kernel chosen (and why), schedule
+    and per-rank cost. Accepts the same keywords as ``attention``."""
+    return plan(q, k, v, **kwargs)

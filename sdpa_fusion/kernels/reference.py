@@ -1,0 +1,80 @@
+"""The reference kernel: attention written out in fp32 on any device, forward and backward.
+
+It is the oracle of the test suite and the kernel of CPU ranks. The backward is the explicit
+softmax-attention gradient (no autograd), given the global out and lse of each query row:
+
+    P  = exp(scale * Q K^T - lse)          (masked entries 0)
+    dV = P^T dO
+    dS = P * (dO V^T - rowsum(dO * O))
+    dQ = scale * dS K,   dK = scale * dS^T Q
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import Layout
+from .base import Dropout, Kernel, layout_of, register
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, S, E] -> [B, H_kv, G, S, E] in fp32 (query heads grouped by their K/V head)."""
+    return q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
+
+
+def _probabilities(q, k, lse, *, causal, scale):
+    """P [B, H_kv, G, S_q, S_kv] in fp32 from the given lse; masked entries are 0."""
+    kv_heads = k.shape[1]
+    scores = torch.einsum("bhgqe,bhke->bhgqk", _grouped(q, kv_heads), k.float()) * scale
+    if causal:
+        scores = scores.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        lse = lse.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
+    finite = torch.isfinite(lse)
+    p = torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1))
+    p = torch.where(finite.unsqueeze(-1), p, 0.0)
+    return p, lse
+
+
+def _causal_mask(s_q: int, s_kv: int, device) -> torch.Tensor:
+    """True where key j is hidden from query i (j > i, aligned top-left)."""
+    i = torch.arange(s_q, device=device).unsqueeze(1)
+    j = torch.arange(s_kv, device=device).unsqueeze(0)
+    return j > i
+
+
+def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, G, S, E] fp32 -> [B, H, S, E] in model's dtype and layout."""
+    return layout_of(model).to(t.flatten(1, 2).to(model.dtype))
+
+
+class ReferenceKernel(Kernel):
+    name = "reference"
+    gpu_only = False
+
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+        p, lse = _probabilities(q, k, None, causal=causal, scale=scale)
+        out = torch.einsum("bhgqk,bhke->bhgqe", p, v.float())
+        return _out(out, q), lse.flatten(1, 2).contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+        kv_heads = k.shape[1]
+        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale)
+        do = _grouped(dout, kv_heads)
+        delta = (do * _grouped(out, kv_heads)).sum(-1, keepdim=True)
+        dv = torch.einsum("bhgqk,bhgqe->bhke", p, do)
+        dp = torch.einsum("bhgqe,bhke->bhgqk", do, v.float())
+        ds = p * (dp - delta)
+        dq = torch.einsum("bhgqk,bhke->bhgqe", ds, k.float()) * scale
+        dk = torch.einsum("bhgqk,bhgqe->bhke", ds, _grouped(q, kv_heads)) * scale
+        kv_layout = layout_of(k)
+        return (
+            _out(dq, q),
+            kv_layout.to(dk.to(k.dtype)),
+            kv_layout.to(dv.to(v.dtype)),
+        )
+
+
+register(ReferenceKernel())

@@ -1,0 +1,206 @@
+"""The device mesh: ranks from the launcher, torch.distributed groups and nvFuser meshes.
+
+    mesh = init_mesh((4,), ("seq",))             # under mpirun, torchrun or srun
+    mesh = init_mesh((2, 2), ("heads", "seq"))   # 2-D: heads across rows, sequence across columns
+
+Communication goes through torch.distributed (NCCL with GPUs, gloo without); the nvFuser
+``DeviceMesh`` of each named dim annotates fusions. A small gloo group carries control
+messages (``agree``) so that every rank can check every other rank's input before any data
+moves, and raise the same error everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SDPA_FUSION_TIMEOUT_S", 300)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """Rank, world size and local rank as the launcher gave them."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str
+
+
+def launch_env(environ=os.environ) -> LaunchEnv | None:
+    """Read the launcher's variables: Open MPI, torchrun, then SLURM; None when absent."""
+    for launcher, rank, size, local in (
+        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ):
+        if rank in environ and size in environ:
+            return LaunchEnv(
+                int(environ[rank]), int(environ[size]), int(environ.get(local, environ[rank])), launcher
+            )
+    return None
+
+
+class Mesh:
+    """A named N-D mesh of ranks. Build it with ``init_mesh``."""
+
+    def __init__(self, torch_mesh, names: tuple[str, ...], device: torch.device, control_group):
+        self.torch_mesh = torch_mesh
+        self.names = names
+        self.shape = tuple(torch_mesh.mesh.shape)
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._control = control_group
+        self._nvfuser_meshes = {}
+
+    def _dim(self, name: str) -> int:
+        if name not in self.names:
+            raise ValueError(f"mesh has no dim {name!r}; its dims are {list(self.names)}")
+        return self.names.index(name)
+
+    def size(self, name: str | None = None) -> int:
+        """Ranks along dim ``name`` (all ranks when None)."""
+        return self.world_size if name is None else self.shape[self._dim(name)]
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along dim ``name``."""
+        return self.torch_mesh.get_coordinate()[self._dim(name)]
+
+    def group(self, name: str):
+        """The torch.distributed process group of this rank's line along dim ``name``."""
+        return self.torch_mesh.get_group(self._dim(name)) if len(self.names) > 1 else \
+            self.torch_mesh.get_group()
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's line along dim ``name``, in mesh order."""
+        index = list(self.torch_mesh.get_coordinate())
+        index[self._dim(name)] = slice(None)
+        return [int(r) for r in self.torch_mesh.mesh[tuple(index)].tolist()]
+
+    def nvfuser_mesh(self, name: str):
+        """The nvFuser DeviceMesh of this rank's line along dim ``name``."""
+        if name not in self._nvfuser_meshes:
+            import nvfuser_direct as nvfuser
+
+            self._nvfuser_meshes[name] = nvfuser.multidevice.DeviceMesh(torch.tensor(self.ranks(name)))
+        return self._nvfuser_meshes[name]
+
+    def agree(self, value):
+        """Every rank's ``value`` (any picklable object), gathered on every rank, in rank order."""
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self._control)
+        return values
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+        return f"Mesh({dims}; rank {self.rank} of {self.world_size} on {self.device})"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_address(env: LaunchEnv) -> tuple[str, str]:
+    """MASTER_ADDR/PORT from the environment, or agreed through MPI when mpirun started us."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        return addr, port
+    if env.launcher == "mpirun":
+        from mpi4py import MPI
+
+        chosen = (socket.gethostname(), str(_free_port())) if env.rank == 0 else None
+        host, port = MPI.COMM_WORLD.bcast(chosen, root=0)
+        return (addr or ("127.0.0.1" if host == socket.gethostname() else host)), port
+    raise ValueError(
+        f"{env.launcher} started {env.world_size} ranks but MASTER_ADDR/MASTER_PORT are not set; "
+        f"export them (the address and a free port of rank 0)"
+    )
+
+
+def init_mesh(
+    shape: tuple[int, ...] = (-1,),
+    names: tuple[str, ...] = ("seq",),
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> Mesh:
+    """Join (or start) torch.distributed from the launcher's environment and build a mesh.
+
+    ``shape`` may hold one -1 (the rest of the world). The backend is NCCL when CUDA is
+    available, else gloo. With no launcher, a one-rank mesh runs in this process.
+    """
+    shape, names = tuple(int(s) for s in shape), tuple(names)
+    if len(shape) != len(names):
+        raise ValueError(f"mesh shape {shape} and names {names} must have the same length")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh dim names {names} must be distinct")
+    env = launch_env()
+    world = env.world_size if env else (dist.get_world_size() if dist.is_initialized() else 1)
+    shape = _resolve_shape(shape, world)
+    size = 1
+    for s in shape:
+        size *= s
+    if size != world:
+        how = f"{env.launcher} started {world}" if env else "no launcher (mpirun, torchrun, srun) started"
+        raise ValueError(
+            f"mesh shape {shape} needs {size} ranks but {how} rank(s); launch {size} ranks "
+            f"or choose a mesh whose sizes multiply to {world}"
+        )
+    use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    device = torch.device("cpu")
+    if use_cuda:
+        local = env.local_rank if env else 0
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized():
+        _init_process_group(env, backend, device, timeout)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return Mesh(torch_mesh, names, device, control)
+
+
+def _resolve_shape(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape} may hold at most one -1")
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        if world % known:
+            raise ValueError(f"mesh shape {shape}: {world} ranks do not divide by {known}")
+        shape = tuple(world // known if s == -1 else s for s in shape)
+    if any(s < 1 for s in shape):
+        raise ValueError(f"mesh shape {shape} must hold positive sizes")
+    return shape
+
+
+def _init_process_group(env: LaunchEnv | None, backend, device, timeout) -> None:
+    kwargs = dict(backend=backend, timeout=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    if env is None or env.world_size == 1:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    addr, port = _rendezvous_address(env)
+    dist.init_process_group(
+        init_method=f"tcp://{addr}:{port}", rank=env.rank, world_size=env.world_size, **kwargs
+    )
+
+
+def close_mesh() -> None:
+    """Leave torch.distributed (call before exit: gloo threads can abort at teardown)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,173 @@
+"""AttentionSpec: everything that determines one attention problem, checked in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .layout import Layout, check_cu_seqlens, check_layout, seqlens_of
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Shape, dtype and options of scaled-dot-product attention.
+
+    Shapes are logical [B, H, S, E]. ``kv_heads < heads`` is grouped-query attention (GQA).
+    ``causal`` masks key j for query i when j > i (top-left aligned). ``scale`` defaults to
+    1/sqrt(head_dim). For the packed ``thd`` layout, ``batch`` is 1, ``q_len``/``kv_len`` are
+    the packed token counts and ``cu_seqlens`` (and ``cu_seqlens_padded``) delimit sequences.
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    causal: bool = False
+    scale: float | None = None
+    dropout_p: float = 0.0
+    layout: Layout = Layout.BHSE
+    cu_seqlens: tuple[int, ...] | None = None
+    cu_seqlens_padded: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "layout", Layout.of(self.layout))
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per K/V head (1 without GQA)."""
+        return self.heads // self.kv_heads
+
+    def replace(self, **changes) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> "AttentionSpec":
+        """Raise ValueError naming the argument and the fix for any bad combination."""
+        for name in ("batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.head_dim % 8:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be a multiple of 8 (attention kernels load "
+                f"16-byte vectors); pad the head dim to {8 * math.ceil(self.head_dim / 8)}"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads} for "
+                f"grouped-query attention; choose kv_heads among the divisors of {self.heads}"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype} is not supported; use torch.bfloat16 or torch.float16 "
+                f"(torch.float32 for the reference kernel)"
+            )
+        if not 0.0 <= self.dropout_p < 1.0:
+            raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise ValueError(f"scale={self.scale!r} must be a positive number or None")
+        if self.layout.is_varlen:
+            self._validate_varlen()
+        return self
+
+    def _validate_varlen(self) -> None:
+        if self.batch != 1:
+            raise ValueError(f"layout='thd' packs sequences along T; batch must be 1, got {self.batch}")
+        if self.cu_seqlens is None:
+            raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths)")
+        if self.q_len != self.kv_len:
+            raise ValueError(
+                f"layout='thd' needs q and k/v packed alike; got {self.q_len} query tokens "
+                f"and {self.kv_len} key tokens"
+            )
+        if self.cu_seqlens_padded is not None:
+            if len(self.cu_seqlens_padded) != len(self.cu_seqlens):
+                raise ValueError(
+                    f"cu_seqlens_padded has {len(self.cu_seqlens_padded)} entries but "
+                    f"cu_seqlens has {len(self.cu_seqlens)}; give one entry per sequence plus one"
+                )
+            real = seqlens_of(list(self.cu_seqlens))
+            room = seqlens_of(list(self.cu_seqlens_padded))
+            if any(r > p for r, p in zip(real, room)):
+                raise ValueError(
+                    f"cu_seqlens_padded={list(self.cu_seqlens_padded)} leaves less room than "
+                    f"the sequence lengths {real} need; each padded length must be >= its "
+                    f"sequence length"
+                )
+
+    def sequences(self) -> list[tuple[int, int]]:
+        """(start, length) of every packed sequence (``thd`` only)."""
+        starts = self.cu_seqlens_padded or self.cu_seqlens
+        return [(s, n) for s, n in zip(starts, seqlens_of(list(self.cu_seqlens)))]
+
+    def flops(self, *, backward: bool = False) -> float:
+        """Matmul FLOPs: 4*b*h*s_q*s_kv*e (halved when causal), 3.5x for forward+backward."""
+        if self.layout.is_varlen:
+            pairs = sum(n * n for _, n in self.sequences())
+        else:
+            pairs = self.batch * self.q_len * self.kv_len
+        f = 4.0 * self.heads * pairs * self.head_dim * (0.5 if self.causal else 1.0)
+        return f * 3.5 if backward else f
+
+    @classmethod
+    def from_tensors(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: Layout | str = Layout.BHSE,
+        causal: bool = False,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+    ) -> "AttentionSpec":
+        """Build and validate the spec of q, k, v, checking that each has ``layout``."""
+        layout = Layout.of(layout)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            check_layout(name, t, layout)
+        if k.shape != v.shape:
+            raise ValueError(
+                f"k {list(k.shape)} and v {list(v.shape)} must have the same shape"
+            )
+        if q.dtype != k.dtype or q.dtype != v.dtype:
+            raise ValueError(
+                f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
+                f"to the same dtype"
+            )
+        if len({q.device, k.device, v.device}) != 1:
+            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        if layout.is_varlen:
+            (t_q, h, e), (t_k, h_kv, e_k) = q.shape, k.shape
+            b = 1
+            cu = tuple(check_cu_seqlens("cu_seqlens", cu_seqlens, t_q))
+            padded = None
+            if cu_seqlens_padded is not None:
+                padded = tuple(check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, t_q))
+        else:
+            (b, h, t_q, e), (b_k, h_kv, t_k, e_k) = q.shape, k.shape
+            if b_k != b:
+                raise ValueError(f"q has batch {b} but k and v have batch {b_k}; they must match")
+            cu = padded = None
+        if e_k != e:
+            raise ValueError(
+                f"q has head dim {e} but k and v have {e_k}; q, k and v must share the head dim"
+            )
+        return cls(
+            batch=b, heads=h, kv_heads=h_kv, q_len=t_q, kv_len=t_k, head_dim=e,
+            dtype=q.dtype, causal=bool(causal), scale=scale, dropout_p=float(dropout_p),
+            layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded,
+        ).validate()
