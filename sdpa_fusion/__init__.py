@@ -6,7 +6,18 @@ from .layout import Layout
 from .mesh import Mesh, close_mesh, init_mesh
 from .spec import AttentionSpec
 
+_DEFINITIONS = ("LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward")
+
 __all__ = [
-    "AttentionSpec", "KernelUnavailable", "Layout", "Mesh", "Plan", "attention", "close_mesh",
-    "explain", "init_mesh", "plan",
+    "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "Plan", "SdpaBackward",
+    "SdpaForward", "SdpaForwardBackward", "attention", "close_mesh", "explain", "init_mesh", "plan",
 ]
+
+
+def __getattr__(name: str):
+    """The fusion definitions, imported on first use so that nvfuser_direct stays optional."""
+    if name in _DEFINITIONS:
+        from . import definitions
+
+        return getattr(definitions, name)
+    raise AttributeError(f"module 'sdpa_fusion' has no attribute {name!r}")

@@ -1,21 +1,130 @@
-"""The nvFuser kernel: SdpaForward / SdpaBackward fusions (sdpfa_fwd / sdpfa_bwd).
+"""The nvFuser kernel: attention through the fusions of ``sdpa_fusion.definitions``.
 
-Placeholder until the fusion definitions land."""
+Every call takes the shared fusion for its problem (``Definition.cached``); batch and sequence
+lengths are symbolic there, so one compiled fusion serves all lengths. ``split_heads`` gives a
+kernel whose fusions carry nvFuser's DID head split; it is called with this rank's head shards,
+as nvFuser's multidevice SDPA tests do. With dropout, the forward stores the philox seed and
+offset in the ``Dropout`` it is given and the backward replays them.
+"""
 
 from __future__ import annotations
 
-from .base import Kernel, register
+import functools
+
+import torch
+
+from ..spec import AttentionSpec
+from .base import Dropout, Kernel, layout_of, register
+
+INSTALL_HINT = "pip install nvfuser-cu128-torch210 (or nvfuser-cu130-torch210)"
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why ``nvfuser_direct`` cannot be imported here, or None when it can."""
+    try:
+        import nvfuser_direct  # noqa: F401
+    except (ImportError, OSError) as e:
+        return str(e)
+    return None
 
 
 class NvFuserKernel(Kernel):
+    """nvFuser's ``sdpfa_fwd`` / ``sdpfa_bwd`` (ATen FlashAttention-2 inside a fusion)."""
+
     name = "nvfuser"
     supports_dropout = True
 
-    def forward(self, q, k, v, *, causal, scale, dropout=None):
-        raise NotImplementedError
+    def __init__(self, mesh=None, parts: int = 1):
+        self.mesh, self.parts = mesh, parts
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None):
-        raise NotImplementedError
+    def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
+        error = import_error()
+        if error is not None:
+            return f"kernel 'nvfuser' needs nvfuser_direct ({INSTALL_HINT}): {error}"
+        if spec.causal and spec.q_len != spec.kv_len:
+            return (
+                f"kernel 'nvfuser' runs ATen flash, which aligns the causal mask bottom-right, "
+                f"so causal with q_len={spec.q_len} != kv_len={spec.kv_len} is not the top-left "
+                f"mask asked for"
+            )
+        if spec.head_dim > 256:
+            return f"kernel 'nvfuser' supports head_dim <= 256, got {spec.head_dim}"
+        return None
+
+    def split_heads(self, mesh, dim: str) -> "NvFuserKernel":
+        return NvFuserKernel(mesh.nvfuser_mesh(dim), mesh.size(dim))
+
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+        spec = self._spec(q, k, causal, scale, dropout)
+        outs = self._fusion("SdpaForward", spec).execute(
+            self._dense(spec, q, k, v), **self._scalars(spec)
+        )
+        if spec.dropout_p > 0:
+            dropout.seed, dropout.offset = outs[2], outs[3]
+        return outs[0], outs[1]
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+        spec = self._spec(q, k, causal, scale, dropout)
+        inputs = [*self._dense(spec, dout, q, k, v, out), lse.contiguous(),
+                  *_rng_state(spec, dropout, q.device)]
+        dq, dk, dv = self._fusion("SdpaBackward", spec).execute(inputs, **self._scalars(spec))
+        return dq, dk, dv
+
+    def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None):
+        """(out, lse, dq, dk, dv) from one fusion of forward and backward."""
+        spec = self._spec(q, k, causal, scale, dropout)
+        outs = self._fusion("SdpaForwardBackward", spec).execute(
+            self._dense(spec, q, k, v, dout), **self._scalars(spec)
+        )
+        if spec.dropout_p > 0:
+            dropout.seed, dropout.offset = outs[5], outs[6]
+        return tuple(outs[:5])
+
+    def _spec(self, q, k, causal, scale, dropout) -> AttentionSpec:
+        """The problem the fusion is defined for: global head counts under a head split."""
+        b, h, s_q, e = q.shape
+        return AttentionSpec(
+            batch=b, heads=h * self.parts, kv_heads=k.shape[1] * self.parts, q_len=s_q,
+            kv_len=k.shape[2], head_dim=e, dtype=q.dtype, causal=bool(causal), scale=scale,
+            dropout_p=dropout.p if dropout is not None else 0.0, layout=layout_of(q),
+        )
+
+    def _fusion(self, name: str, spec: AttentionSpec):
+        from .. import definitions
+
+        return getattr(definitions, name).cached(spec, mesh=self.mesh, parts=self.parts)
+
+    @staticmethod
+    def _dense(spec: AttentionSpec, *tensors):
+        """``tensors`` dense in the query's layout (themselves when they already are)."""
+        return [spec.layout.to(t) for t in tensors]
+
+    @staticmethod
+    def _scalars(spec: AttentionSpec) -> dict:
+        return {"scale": spec.softmax_scale, "dropout_p": spec.dropout_p}
+
+    def __repr__(self) -> str:
+        split = f" split over {self.parts} on {self.mesh}" if self.mesh is not None else ""
+        return f"<kernel {self.name}{split}>"
+
+
+def _rng_state(spec: AttentionSpec, dropout: Dropout | None, device) -> list:
+    """The philox seed and offset a dropout backward replays (zeros, unused, without dropout)."""
+    if spec.dropout_p == 0:
+        return list(_zero_rng_state(torch.device(device)))
+    if dropout.seed is None or dropout.offset is None:
+        raise ValueError(
+            f"dropout (p={dropout.p}) has no philox seed/offset; pass the Dropout object that "
+            f"the forward filled in, so the backward replays its mask"
+        )
+    return [dropout.seed, dropout.offset]
+
+
+@functools.cache
+def _zero_rng_state(device: torch.device):
+    return (torch.zeros(2, dtype=torch.uint64, device=device),
+            torch.zeros((), dtype=torch.uint64, device=device))
 
 
 register(NvFuserKernel())

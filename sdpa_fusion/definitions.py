@@ -1,0 +1,406 @@
+"""Attention as nvFuser fusion definitions, in the subclass style of nvFuser's older frontend.
+
+    fd = SdpaForward(spec)                  # definition() runs here
+    fd.multidevice_schedule(mesh, parts)    # optional: split heads over an nvFuser DeviceMesh
+    out, lse = fd.execute([q, k, v])        # CUDA tensors laid out as spec.layout says
+    print(fd)                               # a script that rebuilds this fusion
+
+``definition()`` declares tensors and ops; ``multidevice_schedule`` only annotates them (mesh,
+outer split of the head axis, ``mesh_x``), the split nvFuser's multidevice tests keep. Batch
+and sequence lengths are symbolic, so ``cached`` gives one compiled fusion per head count, head
+dim, dtype, layout and mask. The softmax scale (and the dropout probability) are scalar inputs
+that ``execute`` appends, so the printed script keeps them exact. Grouped-query attention
+repeats each K/V head inside the fusion and sums the K/V gradients over each group in fp32.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from nvfuser_direct import DataType, FusionDefinition, FusionGuard, ParallelType, translate_fusion
+from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
+
+from .layout import Layout, check_layout
+from .spec import AttentionSpec
+
+_CACHE: dict[tuple, "Definition"] = {}
+
+_SCRIPT_HEADER = """import torch
+import nvfuser_direct as nvfuser
+from nvfuser_direct import FusionDefinition, DataType, ParallelType
+"""
+
+_SCHEDULE_SCRIPT = """def multidevice_schedule(fd : FusionDefinition) -> None :
+    mesh = nvfuser.multidevice.DeviceMesh({devices})
+    for tv in fd.fusion.inputs():
+        if tv.is_tensor():
+            tv.set_device_mesh(mesh)
+        if tv.is_tensor() and tv.ndim >= 3:
+            tv.outer_split(1, {parts})
+            tv.axis(1).parallelize(ParallelType.mesh_x)
+"""
+
+
+def _split_heads(fusion, mesh, parts: int) -> None:
+    """What ``_SCHEDULE_SCRIPT`` prints: every tensor input on ``mesh``, its head axis split
+    over it. Outputs and intermediates follow by nvFuser's sharding propagation."""
+    for tv in fusion.inputs():
+        if tv.is_tensor():
+            tv.set_device_mesh(mesh)
+        if tv.is_tensor() and tv.ndim >= 3:
+            tv.outer_split(1, parts)
+            tv.axis(1).parallelize(ParallelType.mesh_x)
+
+
+def _device_ids(mesh) -> list[int]:
+    return [int(d) for d in re.findall(r"-?\d+", str(mesh))]
+
+
+class Definition(FusionDefinition):
+    """A FusionDefinition built by ``definition()`` at construction.
+
+    Subclasses name their tensor inputs and outputs (``input_names``, ``output_names``) and
+    list which axes a head split divides (``split_extents``).
+    """
+
+    input_names: tuple[str, ...] = ()
+    output_names: tuple[str, ...] = ()
+
+    def __init__(self):
+        super().__init__()
+        self.mesh, self.parts = None, 1
+        with self:
+            self.definition()
+
+    def definition(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def signature(cls, *args, **kwargs) -> tuple:
+        """What the definition depends on: instances with equal signatures are interchangeable."""
+        return args, tuple(sorted(kwargs.items()))
+
+    @classmethod
+    def cached(cls, *args, mesh=None, parts: int = 1, **kwargs) -> "Definition":
+        """The shared instance for these arguments, built (and scheduled on ``mesh``) once."""
+        key = (cls, cls.signature(*args, **kwargs), None if mesh is None else str(mesh), parts)
+        if key not in _CACHE:
+            fd = cls(*args, **kwargs)
+            if mesh is not None:
+                fd.multidevice_schedule(mesh, parts)
+            _CACHE[key] = fd
+        return _CACHE[key]
+
+    def split_extents(self) -> dict[str, int]:
+        return {}
+
+    def multidevice_schedule(self, mesh, parts: int) -> None:
+        """Split the head axis (logical dim 1) of every tensor input into ``parts`` on the 1-D
+        nvFuser ``mesh``, as nvFuser's ``test_sdpa_loop_split`` does; each rank then executes
+        with its own head shards and gets its own shards of the outputs."""
+        if hasattr(self, "fec"):
+            raise ValueError(
+                f"{type(self).__name__}.multidevice_schedule must come before the first "
+                f"execute; build a new definition (or use .cached(..., mesh=, parts=))"
+            )
+        if self.mesh is not None:
+            raise ValueError(f"{type(self).__name__} is already scheduled on {self.mesh}")
+        if parts != mesh.size:
+            raise ValueError(f"parts={parts} must equal the size {mesh.size} of mesh {mesh}")
+        for name, extent in self.split_extents().items():
+            if extent % parts:
+                raise ValueError(
+                    f"{name}={extent} must be divisible by parts={parts} for a head split; "
+                    f"choose parts among the divisors of {extent}"
+                )
+        guard = FusionGuard(self._fusion)
+        try:
+            _split_heads(self._fusion, mesh, parts)
+        finally:
+            del guard
+        self.mesh, self.parts = mesh, parts
+
+    def scalar_inputs(self, **values) -> list:
+        """Values of the scalar inputs, appended after the tensors by ``execute``."""
+        if values:
+            raise ValueError(f"{type(self).__name__} takes no {', '.join(values)}")
+        return []
+
+    def check_inputs(self, inputs: list) -> None:
+        if len(inputs) != len(self.input_names):
+            raise ValueError(
+                f"{type(self).__name__} takes {len(self.input_names)} tensors "
+                f"({', '.join(self.input_names)}), got {len(inputs)}"
+            )
+
+    def execute(self, inputs, *, device=None, **scalars) -> list[torch.Tensor]:
+        """The outputs (``output_names``) for CUDA ``inputs`` (local shards once scheduled)."""
+        inputs = list(inputs)
+        self.check_inputs(inputs)
+        return super().execute(inputs + self.scalar_inputs(**scalars), device=device)
+
+    def __str__(self) -> str:
+        return self.repro_script_for(None)
+
+    def repro_script_for(self, inputs: list | None = None) -> str:
+        """A script that rebuilds this fusion (and runs it on stand-ins for ``inputs``)."""
+        parts = [_SCRIPT_HEADER, translate_fusion(self.fusion)]
+        body = "with FusionDefinition() as fd:\n    nvfuser_fusion(fd)\n"
+        if self.mesh is not None:
+            parts.append(_SCHEDULE_SCRIPT.format(devices=_device_ids(self.mesh), parts=self.parts))
+            body += "    multidevice_schedule(fd)\n"
+        parts.append(body)
+        if inputs is not None:
+            parts.append("inputs = [\n" + "".join(f"    {_source_of(x)},\n" for x in inputs) + "]\n")
+            parts.append("fd.execute(inputs)\n")
+        return "\n".join(parts)
+
+
+def _source_of(x) -> str:
+    """Python source of a stand-in for input ``x`` (same shape, strides and dtype)."""
+    if not isinstance(x, torch.Tensor):
+        return repr(x)
+    make = "torch.randn" if x.dtype.is_floating_point else "torch.zeros"
+    return (
+        f"{make}({x.numel()}, dtype={x.dtype}, device='{x.device}')"
+        f".as_strided({tuple(x.shape)}, {x.stride()})"
+    )
+
+
+def _check_attention_spec(spec: AttentionSpec) -> AttentionSpec:
+    spec.validate()
+    if spec.layout.is_varlen:
+        raise ValueError(
+            "layout='thd' has no fusion definition; run packed sequences one by one as "
+            "'bshe' views (sdpa_fusion.local does)"
+        )
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={spec.dtype}: nvFuser's sdpfa takes torch.float16 or torch.bfloat16")
+    if spec.head_dim > 256:
+        raise ValueError(f"head_dim={spec.head_dim}: flash attention supports head_dim <= 256")
+    return spec
+
+
+class _Attention(Definition):
+    """Shared parts of the attention definitions; ``spec`` holds global head counts.
+
+    A causal mask follows ATen flash: aligned bottom-right when q_len != kv_len.
+    """
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = _check_attention_spec(spec)
+        super().__init__()
+
+    @classmethod
+    def signature(cls, spec: AttentionSpec) -> tuple:
+        return (spec.heads, spec.kv_heads, spec.head_dim, spec.dtype, spec.causal,
+                spec.dropout_p > 0, spec.layout)
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.spec.dropout_p > 0
+
+    def split_extents(self) -> dict[str, int]:
+        return {"heads": self.spec.heads, "kv_heads": self.spec.kv_heads}
+
+    def scalar_inputs(self, *, scale: float | None = None, dropout_p: float | None = None) -> list:
+        scale = self.spec.softmax_scale if scale is None else scale
+        if not self.has_dropout:
+            if dropout_p:
+                raise ValueError(
+                    f"dropout_p={dropout_p} given to a definition built without dropout; "
+                    f"build it from a spec with dropout_p > 0"
+                )
+            return [float(scale)]
+        return [float(self.spec.dropout_p if dropout_p is None else dropout_p), float(scale)]
+
+    def check_inputs(self, inputs: list) -> None:
+        super().check_inputs(inputs)
+        for name, t in zip(self.input_names, inputs):
+            if t.dim() == 4:
+                check_layout(name, t, self.spec.layout)
+
+    # ---- pieces of the definitions -------------------------------------------------------
+    def _tensor(self, heads: int):
+        """A [B, heads, S, E] input in the spec's dtype and layout."""
+        return self.define_tensor(
+            shape=[-1, heads, -1, self.spec.head_dim], contiguity=True,
+            dtype=torch_dtype_to_nvfuser_dtype(self.spec.dtype),
+            stride_order=self.spec.layout.stride_order,
+        )
+
+    def _lse(self):
+        return self.define_tensor(
+            shape=[-1, self.spec.heads, -1], contiguity=True, dtype=DataType.Float
+        )
+
+    def _rng_state(self):
+        """Philox seed (uint64 [2]) and offset (uint64 []) of a dropout forward."""
+        seed = self.define_tensor(shape=[2], contiguity=True, dtype=DataType.UInt64)
+        offset = self.define_tensor(shape=[], dtype=DataType.UInt64)
+        return seed, offset
+
+    def _scalars(self):
+        """(dropout_p, is_causal, scale): dropout_p and scale are inputs when symbolic."""
+        dropout_p = self.define_scalar(None, dtype=DataType.Double) if self.has_dropout else 0.0
+        scale = self.define_scalar(None, dtype=DataType.Double)
+        return dropout_p, self.define_scalar(self.spec.causal, dtype=DataType.Bool), scale
+
+    def _expand_kv(self, t):
+        """[B, H_kv, S, E] -> [B, H, S, E]: each K/V head repeated for its group (GQA)."""
+        groups, h_kv, e = self.spec.groups, self.spec.kv_heads, self.spec.head_dim
+        if groups == 1:
+            return t
+        b, s = self.ops.size(t, 0), self.ops.size(t, 2)
+        t = self.ops.broadcast_in_dim(t, shape=[b, h_kv, 1, s, e], broadcast_dims=[0, 1, 3, 4])
+        t = self.ops.expand(t, shape=[b, h_kv, groups, s, e])
+        return self.ops.reshape(t, [b, h_kv * groups, s, e])
+
+    def _reduce_kv(self, grad):
+        """[B, H, S, E] -> [B, H_kv, S, E]: gradients of a group summed in fp32 (GQA)."""
+        groups, h_kv, e = self.spec.groups, self.spec.kv_heads, self.spec.head_dim
+        if groups == 1:
+            return grad
+        b, s = self.ops.size(grad, 0), self.ops.size(grad, 2)
+        grad = self.ops.reshape(grad, [b, h_kv, groups, s, e])
+        grad = self.ops.sum(grad, [2], dtype=DataType.Float)
+        grad = self.ops.cast(grad, torch_dtype_to_nvfuser_dtype(self.spec.dtype))
+        return self.ops.stride_order(grad, self.spec.layout.stride_order)
+
+
+class SdpaForward(_Attention):
+    """q, k, v -> out [B,H,S,E] (q's layout), lse fp32 [B,H,S] (+ philox seed, offset)."""
+
+    input_names = ("q", "k", "v")
+
+    @property
+    def output_names(self):
+        return ("out", "lse") + (("seed", "offset") if self.has_dropout else ())
+
+    def definition(self) -> None:
+        q = self._tensor(self.spec.heads)
+        k, v = (self._tensor(self.spec.kv_heads) for _ in range(2))
+        dropout_p, is_causal, scale = self._scalars()
+        out, lse, seed, offset = self.ops.sdpfa_fwd(
+            q, self._expand_kv(k), self._expand_kv(v),
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        )
+        for t in (out, lse) + ((seed, offset) if self.has_dropout else ()):
+            self.add_output(t)
+
+
+class SdpaBackward(_Attention):
+    """dout, q, k, v, out, lse, seed, offset -> dq, dk, dv, each in its input's layout.
+
+    ``out`` and ``lse`` are those of the whole row (global), so a ring can apply it per block.
+    ``seed`` and ``offset`` are the philox state of a dropout forward; without dropout ATen
+    ignores them (pass any uint64 [2] and [] tensors), as nvFuser's own SDPA tests do.
+    """
+
+    input_names = ("dout", "q", "k", "v", "out", "lse", "seed", "offset")
+    output_names = ("dq", "dk", "dv")
+
+    def definition(self) -> None:
+        dout, q = self._tensor(self.spec.heads), self._tensor(self.spec.heads)
+        k, v = (self._tensor(self.spec.kv_heads) for _ in range(2))
+        out, lse = self._tensor(self.spec.heads), self._lse()
+        seed, offset = self._rng_state()
+        dropout_p, is_causal, scale = self._scalars()
+        dq, dk, dv = self.ops.sdpfa_bwd(
+            dout, q, self._expand_kv(k), self._expand_kv(v), out, lse,
+            dropout_p, is_causal, seed, offset, scale,
+        )
+        for t in (dq, self._reduce_kv(dk), self._reduce_kv(dv)):
+            self.add_output(t)
+
+
+class SdpaForwardBackward(_Attention):
+    """q, k, v, dout -> out, lse, dq, dk, dv (+ seed, offset) in one fusion."""
+
+    input_names = ("q", "k", "v", "dout")
+
+    @property
+    def output_names(self):
+        return ("out", "lse", "dq", "dk", "dv") + (("seed", "offset") if self.has_dropout else ())
+
+    def definition(self) -> None:
+        q = self._tensor(self.spec.heads)
+        k, v = (self._tensor(self.spec.kv_heads) for _ in range(2))
+        dout = self._tensor(self.spec.heads)
+        dropout_p, is_causal, scale = self._scalars()
+        k_x, v_x = self._expand_kv(k), self._expand_kv(v)
+        out, lse, seed, offset = self.ops.sdpfa_fwd(
+            q, k_x, v_x, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+        dq, dk, dv = self.ops.sdpfa_bwd(
+            dout, q, k_x, v_x, out, lse, dropout_p, is_causal, seed, offset, scale
+        )
+        for t in (out, lse, dq, self._reduce_kv(dk), self._reduce_kv(dv)):
+            self.add_output(t)
+        if self.has_dropout:
+            self.add_output(seed)
+            self.add_output(offset)
+
+
+class LseMerge(Definition):
+    """Two partial attention results combined by their log-sum-exp, in fp32.
+
+    out_a, lse_a (usually fp32 accumulators) and out_b, lse_b (a block's result) ->
+    out fp32 [B,H,S,E] in ``layout``, lse fp32 [B,H,S]:
+
+        m   = max(lse_a, lse_b), or 0 where both are -inf (rows no key reaches yet)
+        lse = m + log(exp(lse_a - m) + exp(lse_b - m))
+        out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / exp(lse - m)
+
+    Rows with both lse -inf give out 0 and lse -inf, never NaN. Inputs may be views into a
+    sub-range of the sequence (only the innermost dim must be dense).
+    """
+
+    input_names = ("out_a", "lse_a", "out_b", "lse_b")
+    output_names = ("out", "lse")
+
+    def __init__(self, heads: int, head_dim: int, *, layout: Layout | str = Layout.BHSE,
+                 acc_dtype: torch.dtype = torch.float32, block_dtype: torch.dtype = torch.bfloat16):
+        self.heads, self.head_dim, self.layout = heads, head_dim, Layout.of(layout)
+        self.acc_dtype, self.block_dtype = acc_dtype, block_dtype
+        if self.layout.is_varlen:
+            raise ValueError("LseMerge takes layout 'bhse' or 'bshe'; view packed tensors as 'bshe'")
+        for name, dtype in (("acc_dtype", acc_dtype), ("block_dtype", block_dtype)):
+            if not dtype.is_floating_point:
+                raise ValueError(f"{name}={dtype} must be a floating-point dtype")
+        super().__init__()
+
+    def split_extents(self) -> dict[str, int]:
+        return {"heads": self.heads}
+
+    def _out(self, dtype: torch.dtype):
+        return self.define_tensor(
+            shape=[-1, self.heads, -1, self.head_dim], contiguity=[False, False, False, True],
+            dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order,
+        )
+
+    def _lse(self):
+        return self.define_tensor(
+            shape=[-1, self.heads, -1], contiguity=[False, False, True], dtype=DataType.Float
+        )
+
+    def definition(self) -> None:
+        out_a, lse_a = self._out(self.acc_dtype), self._lse()
+        out_b, lse_b = self._out(self.block_dtype), self._lse()
+        ops = self.ops
+        m = ops.maximum(lse_a, lse_b)
+        m = ops.where(ops.isneginf(m), 0.0, m)
+        w_a, w_b = ops.exp(ops.sub(lse_a, m)), ops.exp(ops.sub(lse_b, m))
+        total = ops.add(w_a, w_b)
+        lse = ops.add(m, ops.log(total))
+        inv = ops.reciprocal(ops.where(ops.eq(total, 0.0), 1.0, total))
+        w_a, w_b = (ops.broadcast(ops.mul(w, inv), [False, False, False, True]) for w in (w_a, w_b))
+        out = ops.add(
+            ops.mul(ops.cast(out_a, DataType.Float), w_a), ops.mul(ops.cast(out_b, DataType.Float), w_b)
+        )
+        self.add_output(ops.stride_order(out, self.layout.stride_order))
+        self.add_output(lse)
+
+
+__all__ = ["Definition", "LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward"]

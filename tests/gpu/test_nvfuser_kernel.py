@@ -1,0 +1,245 @@
+"""The nvfuser kernel and fusions on a CUDA GPU, against torch SDPA and the fp32 reference.
+
+Run on a GPU machine: python -m pytest -q tests/gpu
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sdpa_fusion.kernels import Dropout, get
+from sdpa_fusion.kernels.base import expand_kv_heads, reduce_kv_heads
+from sdpa_fusion.kernels.nvfuser import import_error
+from sdpa_fusion.layout import Layout, has_layout
+from sdpa_fusion.merge import _merge_fused, _merge_torch, accumulators, merge_into
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(import_error() is not None, reason="needs nvfuser_direct"),
+]
+
+B, H = 2, 8
+TOLERANCE = {torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+LAYOUTS = pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+kernel = get("nvfuser")
+
+
+def randn(shape, dtype, layout, scale=1.0):
+    return layout.to(torch.randn(shape, device="cuda", dtype=torch.float32).mul(scale).to(dtype))
+
+
+def problem(dtype, layout, kv_heads=H, s_q=256, s_kv=256, e=64):
+    q = randn((B, H, s_q, e), dtype, layout)
+    k, v = (randn((B, kv_heads, s_kv, e), dtype, layout) for _ in range(2))
+    dout = randn((B, H, s_q, e), dtype, layout)
+    return q, k, v, dout
+
+
+def torch_sdpa(q, k, v, dout, causal, scale=None):
+    """(out, dq, dk, dv) from torch's flash attention on K/V heads repeated for GQA, the K/V
+    gradients summed over each group in fp32 (what the fusion does)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    out.backward(dout)
+    return out, q.grad, reduce_kv_heads(k.grad, groups), reduce_kv_heads(v.grad, groups)
+
+
+def reference_lse(q, k, v, causal, scale):
+    return get("reference").forward(q, k, v, causal=causal, scale=scale)[1]
+
+
+def assert_close_all(actual, expected, dtype):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(a, b, **TOLERANCE[dtype], msg=lambda m: f"{name}: {m}")
+
+
+CASES = [
+    pytest.param(dict(kv_heads=H), id="mha"),
+    pytest.param(dict(kv_heads=2), id="gqa"),
+    pytest.param(dict(kv_heads=2, e=128), id="gqa-e128"),
+    pytest.param(dict(e=128, s_q=128, s_kv=384), id="e128-sq128-skv384"),
+]
+
+
+@DTYPES
+@LAYOUTS
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_backward_match_torch(dtype, layout, causal, case):
+    if causal and case.get("s_q", 256) != case.get("s_kv", 256):
+        pytest.skip("causal with q_len != kv_len is reported unavailable (ATen aligns bottom-right)")
+    q, k, v, dout = problem(dtype, layout, **case)
+    scale = 1 / math.sqrt(q.shape[-1])
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    assert_close_all((out, dq, dk, dv), torch_sdpa(q, k, v, dout, causal), dtype)
+    torch.testing.assert_close(lse, reference_lse(q, k, v, causal, scale), atol=2e-3, rtol=1e-3)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert has_layout(t, layout), f"{name} strides {t.stride()} are not {layout}"
+
+
+@LAYOUTS
+@pytest.mark.parametrize("kv_heads", [H, 2], ids=["mha", "gqa"])
+def test_forward_backward_fusion(layout, kv_heads):
+    q, k, v, dout = problem(torch.bfloat16, layout, kv_heads=kv_heads)
+    out, lse, dq, dk, dv = kernel.forward_backward(q, k, v, dout, causal=True, scale=0.1)
+    assert_close_all((out, dq, dk, dv), torch_sdpa(q, k, v, dout, True, scale=0.1), torch.bfloat16)
+    torch.testing.assert_close(lse, reference_lse(q, k, v, True, 0.1), atol=2e-3, rtol=1e-3)
+
+
+def test_one_fusion_serves_all_lengths():
+    from sdpa_fusion.definitions import SdpaForward
+
+    q, k, v, _ = problem(torch.bfloat16, Layout.BSHE, s_q=128, s_kv=128)
+    kernel.forward(q, k, v, causal=True, scale=0.125)
+    fd = SdpaForward.cached(kernel._spec(q, k, True, 0.125, None))
+    q, k, v, dout = problem(torch.bfloat16, Layout.BSHE, s_q=320, s_kv=320)
+    out, _ = kernel.forward(q, k, v, causal=True, scale=0.125)
+    assert SdpaForward.cached(kernel._spec(q, k, True, 0.125, None)) is fd
+    want = torch_sdpa(q, k, v, dout, True, scale=0.125)[0]
+    torch.testing.assert_close(out, want, **TOLERANCE[torch.bfloat16])
+
+
+def test_head_split_on_a_one_device_mesh():
+    import nvfuser_direct as nvfuser
+
+    split = type(kernel)(nvfuser.multidevice.DeviceMesh([torch.cuda.current_device()]), 1)
+    q, k, v, dout = problem(torch.bfloat16, Layout.BSHE, kv_heads=2)
+    out, lse = split.forward(q, k, v, causal=True, scale=0.125)
+    dq, dk, dv = split.backward(dout, q, k, v, out, lse, causal=True, scale=0.125)
+    assert_close_all((out, dq, dk, dv), torch_sdpa(q, k, v, dout, True, scale=0.125), torch.bfloat16)
+
+
+# ---- LseMerge -----------------------------------------------------------------------------
+def partials(layout, s=256, e=128):
+    out = randn((B, H, s, e), torch.float32, layout)
+    block = randn((B, H, s, e), torch.bfloat16, layout)
+    lse, block_lse = (torch.randn(B, H, s, device="cuda") * 4 for _ in range(2))
+    lse[:, :, :16] = float("-inf")          # rows the accumulator has no key for yet
+    block_lse[:, :, 8:24] = float("-inf")   # rows the block masks entirely (8..15: both)
+    return out, lse, block, block_lse
+
+
+@LAYOUTS
+def test_lse_merge_fusion_matches_torch(layout):
+    out, lse, block, block_lse = partials(layout)
+    fused_out, fused_lse = _merge_fused(out, lse, block, block_lse)
+    want_out, want_lse = _merge_torch(out, lse, block, block_lse)
+    assert not fused_out.isnan().any() and not fused_lse.isnan().any()
+    torch.testing.assert_close(fused_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert has_layout(fused_out, layout) and fused_out.dtype == torch.float32
+    assert torch.isneginf(fused_lse[:, :, 8:16]).all() and (fused_out[:, :, 8:16] == 0).all()
+
+
+@LAYOUTS
+def test_lse_merge_fusion_into_a_slice(layout):
+    out, lse, block, block_lse = partials(layout)
+    rows = slice(64, 192)
+    want_out, want_lse = out.clone(), lse.clone()
+    want_out[:, :, rows], want_lse[:, :, rows] = _merge_torch(
+        out[:, :, rows], lse[:, :, rows], block[:, :, rows], block_lse[:, :, rows]
+    )
+    merge_into(out, lse, layout.to(block[:, :, rows]), block_lse[:, :, rows].contiguous(), rows=rows)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_lse_merge_fusion_over_two_kv_blocks():
+    q, k, v, _ = problem(torch.bfloat16, Layout.BSHE, kv_heads=2, s_q=256, s_kv=512)
+    out_acc, lse_acc = accumulators(q)
+    for k_i, v_i in zip(k.chunk(2, dim=2), v.chunk(2, dim=2)):
+        merge_into(out_acc, lse_acc, *kernel.forward(q, k_i, v_i, causal=False, scale=0.125))
+    want_out, want_lse = kernel.forward(q, k, v, causal=False, scale=0.125)
+    torch.testing.assert_close(out_acc, want_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse_acc, want_lse, atol=1e-4, rtol=1e-4)
+
+
+# ---- dropout ------------------------------------------------------------------------------
+S = 128  # S == E: with v = I, out = the dropped, rescaled attention matrix itself
+P = 0.2
+
+
+def identity_run(seed, layout=Layout.BHSE):
+    """q = 0 (uniform attention 1/S), v = I: out * S * (1 - p) is the keep mask."""
+    q = randn((B, H, S, S), torch.bfloat16, layout, scale=0.0)
+    k = randn((B, H, S, S), torch.bfloat16, layout)
+    v = layout.to(torch.eye(S, device="cuda", dtype=torch.bfloat16).expand(B, H, S, S))
+    torch.manual_seed(seed)
+    out, _ = kernel.forward(q, k, v, causal=False, scale=1.0, dropout=Dropout(P))
+    return out.float() * S * (1 - P)
+
+
+def keep_mask(seed):
+    scaled = identity_run(seed)
+    assert (scaled - scaled.round()).abs().max() < 0.05, "out * S * (1-p) should be 0 or 1"
+    return scaled.round()
+
+
+def test_dropout_drops_a_fraction_p():
+    """Each of the n = B*H*S*S weights is dropped with probability p: the dropped fraction lies
+    within six binomial standard deviations sqrt(p(1-p)/n) of p (about 0.005 here; flash
+    quantizes the keep probability to 1/256 steps, a bias of 0.0008)."""
+    mask = keep_mask(0)
+    n = mask.numel()
+    dropped = 1 - mask.mean().item()
+    bound = 6 * math.sqrt(P * (1 - P) / n)  # six binomial standard deviations
+    assert abs(dropped - P) < bound, f"dropped {dropped:.4f} of {n}, expected {P} +- {bound:.4f}"
+
+
+def test_dropout_is_reproducible_by_seed():
+    assert torch.equal(identity_run(7), identity_run(7))
+    assert not torch.equal(identity_run(7), identity_run(8))
+
+
+@LAYOUTS
+def test_dropout_backward_replays_the_forward_mask(layout):
+    """With the mask M of the identity run (same seed, same shapes), out = (softmax * M/(1-p)) v
+    and the gradients are those of that expression."""
+    mask = keep_mask(1234)
+    q, k, v, dout = (randn((B, H, S, S), torch.bfloat16, layout) for _ in range(4))
+    dropout = Dropout(P)
+    torch.manual_seed(1234)
+    out, lse = kernel.forward(q, k, v, causal=False, scale=S ** -0.5, dropout=dropout)
+    assert dropout.seed is not None and dropout.offset is not None
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=False, scale=S ** -0.5, dropout=dropout)
+
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    probs = torch.softmax(q32 @ k32.transpose(-1, -2) * S ** -0.5, dim=-1)
+    want = (probs * mask / (1 - P)) @ v32
+    want.backward(dout.float())
+    expected = (want, q32.grad, k32.grad, v32.grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), expected):
+        torch.testing.assert_close(a.float(), b, atol=1e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+def test_dropout_forward_backward_fusion_replays_its_mask():
+    mask = keep_mask(99)
+    q = randn((B, H, S, S), torch.bfloat16, Layout.BHSE, scale=0.0)
+    k = randn((B, H, S, S), torch.bfloat16, Layout.BHSE)
+    v = torch.randn(B, H, S, S, device="cuda").bfloat16()
+    dout = torch.randn(B, H, S, S, device="cuda").bfloat16()
+    torch.manual_seed(99)
+    dropout = Dropout(P)
+    out, _, _, _, dv = kernel.forward_backward(q, k, v, dout, causal=False, scale=1.0, dropout=dropout)
+    attention = mask / (S * (1 - P))  # q = 0: uniform 1/S, dropped and rescaled
+    torch.testing.assert_close(out.float(), attention @ v.float(), atol=1e-2, rtol=2e-2)
+    want_dv = attention.transpose(-1, -2) @ dout.float()
+    torch.testing.assert_close(dv.float(), want_dv, atol=1e-2, rtol=2e-2)
+    assert dropout.seed is not None
+
+
+def test_backward_without_the_forward_rng_state_raises():
+    q, k, v, dout = problem(torch.bfloat16, Layout.BHSE)
+    with pytest.raises(ValueError, match="pass the Dropout object that the forward filled in"):
+        kernel.backward(dout, q, k, v, q, torch.zeros(B, H, 256, device="cuda"), causal=False,
+                        scale=0.1, dropout=Dropout(P))

@@ -1,0 +1,117 @@
+"""merge_partial and friends (torch path on CPU) against attention over the whole key range.
+
+Run: python -m pytest -q tests/test_merge.py
+"""
+
+import pytest
+import torch
+
+from sdpa_fusion.kernels import get
+from sdpa_fusion.layout import Layout, has_layout
+from sdpa_fusion.merge import accumulators, finish, merge_into, merge_partial
+
+B, H, H_KV, S, E = 2, 4, 2, 64, 16
+SCALE = E ** -0.5
+LAYOUTS = pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
+reference = get("reference")
+
+
+def qkv(layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, E, generator=g)
+    k, v = (torch.randn(B, H_KV, S, E, generator=g) for _ in range(2))
+    return [layout.to(t) for t in (q, k, v)]
+
+
+def halves(t):
+    return t[:, :, : S // 2], t[:, :, S // 2:]
+
+
+def full(q, k, v, causal=False):
+    return reference.forward(q, k, v, causal=causal, scale=SCALE)
+
+
+@LAYOUTS
+def test_two_blocks_give_full_attention(layout):
+    q, k, v = qkv(layout)
+    (k_a, k_b), (v_a, v_b) = halves(k), halves(v)
+    out_a, lse_a = full(q, k_a, v_a)
+    out_b, lse_b = full(q, k_b, v_b)
+    out, lse = merge_partial(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = full(q, k, v)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert out.dtype == lse.dtype == torch.float32 and has_layout(out, layout)
+
+
+def test_merge_is_symmetric():
+    q, k, v = qkv(Layout.BHSE)
+    (k_a, k_b), (v_a, v_b) = halves(k), halves(v)
+    a, b = full(q, k_a, v_a), full(q, k_b, v_b)
+    for x, y in zip(merge_partial(*a, *b), merge_partial(*b, *a)):
+        torch.testing.assert_close(x, y)
+
+
+def causal_second_block(q, k_b, v_b):
+    """Keys [S/2, S) under a causal mask: rows < S/2 see none of them (lse -inf, out 0)."""
+    out = torch.zeros_like(q)
+    lse = torch.full((B, H, S), float("-inf"))
+    o, l = full(halves(q)[1], k_b, v_b, causal=True)
+    out[:, :, S // 2:], lse[:, :, S // 2:] = o, l
+    return out, lse
+
+
+@LAYOUTS
+def test_fully_masked_rows_merge_without_nan(layout):
+    q, k, v = qkv(layout)
+    (k_a, k_b), (v_a, v_b) = halves(k), halves(v)
+    out_a, lse_a = full(q, k_a, v_a, causal=True)
+    out_b, lse_b = causal_second_block(q, k_b, v_b)
+    assert torch.isneginf(lse_b[:, :, : S // 2]).all()
+    out, lse = merge_partial(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = full(q, k, v, causal=True)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_masked_in_both_stay_zero_and_minus_inf():
+    out, lse = accumulators(torch.empty(B, H, S, E))
+    block = torch.randn(B, H, S, E)
+    out, lse = merge_partial(out, lse, block, torch.full((B, H, S), float("-inf")))
+    assert not out.isnan().any() and (out == 0).all() and torch.isneginf(lse).all()
+
+
+@LAYOUTS
+def test_ring_loop_with_a_slice_merge(layout):
+    """Step 1: all queries see keys [0, S/2) causally; step 2: only the second half of the
+    queries see keys [S/2, S), merged into rows [S/2, S) of the accumulators."""
+    q, k, v = qkv(layout)
+    (k_a, k_b), (v_a, v_b) = halves(k), halves(v)
+    out_acc, lse_acc = accumulators(q)
+    assert has_layout(out_acc, layout) and torch.isneginf(lse_acc).all()
+    merge_into(out_acc, lse_acc, *full(q, k_a, v_a, causal=True))
+    merge_into(out_acc, lse_acc, *full(halves(q)[1], k_b, v_b, causal=True), rows=slice(S // 2, None))
+    want_out, want_lse = full(q, k, v, causal=True)
+    torch.testing.assert_close(out_acc, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_acc, want_lse, atol=1e-5, rtol=1e-5)
+    out = finish(out_acc, torch.bfloat16, layout)
+    assert out.dtype == torch.bfloat16 and has_layout(out, layout)
+
+
+def test_bf16_blocks_accumulate_in_fp32():
+    q, k, v = (t.bfloat16() for t in qkv(Layout.BSHE))
+    out_acc, lse_acc = accumulators(q)
+    for k_i, v_i in zip(halves(k), halves(v)):
+        merge_into(out_acc, lse_acc, *full(q, k_i, v_i))
+    assert out_acc.dtype == torch.float32
+    want_out, _ = full(q, k, v)
+    out = finish(out_acc, torch.bfloat16, Layout.BSHE)
+    torch.testing.assert_close(out, want_out, atol=1e-2, rtol=1e-2)
+
+
+def test_shape_errors():
+    out, lse = accumulators(torch.empty(B, H, S, E))
+    with pytest.raises(ValueError, match="pass rows= to merge a block into part"):
+        merge_partial(out, lse, out[:, :, :8], lse[:, :, :8])
+    with pytest.raises(ValueError, match=r"block_lse \[2, 4, 8\] must be out's \[B, H, S\]"):
+        merge_partial(out, lse, out, lse[:, :, :8])
