@@ -9,6 +9,7 @@ from __future__ import annotations
 from .base import Description, Schedule
 from .head_parallel import HeadParallel
 from .replicated import Replicated
+from .ring import Ring
 
 _REGISTRY: dict[str, type[Schedule]] = {}
 
@@ -32,7 +33,7 @@ def get(name: str, mesh=None, **options) -> Schedule:
     return _REGISTRY[name](mesh, **options)
 
 
-for _cls in (Replicated, HeadParallel):
+for _cls in (Replicated, HeadParallel, Ring):
     register(_cls)
 
 __all__ = ["Description", "Schedule", "get", "names", "register"]

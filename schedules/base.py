@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from sdpa_fusion.kernels import Dropout, Kernel
 from sdpa_fusion.layout import Layout
 from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
+
+from .comm import Communicator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Schedule(abc.ABC):
     @property
     def group(self):
         return self.mesh.group(self.dim)
+
+    @functools.cached_property
+    def comm(self) -> Communicator:
+        """The communicator over this schedule's mesh dim (counts the bytes it moves)."""
+        return Communicator(self.group, self.mesh.ranks(self.dim), self.index)
 
     # ---- the contract --------------------------------------------------------------------
     def global_spec(self, spec: AttentionSpec) -> AttentionSpec:

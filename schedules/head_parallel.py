@@ -24,7 +24,7 @@ class HeadParallel(Schedule):
         super().validate(spec)
 
     def _kernel(self, kernel):
-        return kernel.split_heads(self.mesh.nvfuser_mesh(self.dim), self.size) if self.size > 1 else kernel
+        return kernel.split_heads(self.mesh, self.dim) if self.size > 1 else kernel
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         return local_forward(self._kernel(kernel), q, k, v, spec, dropout)

@@ -67,15 +67,13 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
 
 def _agree_on(mesh, schedule, spec, error) -> None:
     """Exchange every rank's verdict and raise the first rank's error on all ranks."""
-    verdicts = mesh.agree((str(error) if error else None, type(error).__name__, spec))
-    for rank, (message, kind, _) in enumerate(verdicts):
+    verdicts = mesh.agree((str(error) if error else None, spec))
+    for rank, (message, _) in enumerate(verdicts):
         if message is not None:
-            if error is None or rank != mesh.rank:
-                raise ValueError(f"rank {rank}: {message}")
-            raise error
-    specs = {s for _, _, s in verdicts}
+            raise ValueError(f"rank {rank}: {message}") from (error if rank == mesh.rank else None)
+    specs = {s for _, s in verdicts}
     if len(specs) > 1:
-        shown = "; ".join(f"rank {r}: {s}" for r, (_, _, s) in enumerate(verdicts))
+        shown = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(verdicts))
         raise ValueError(
             f"schedule {schedule.name!r} needs the same local problem on every rank, got {shown}; "
             f"shard every tensor with schedule.shard(...)"

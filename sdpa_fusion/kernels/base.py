@@ -61,9 +61,10 @@ class Kernel(abc.ABC):
     def _unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
         return None
 
-    def split_heads(self, nvfuser_mesh, parts: int) -> "Kernel":
-        """This kernel for local head shards of a head-parallel schedule (itself by default;
-        the nvFuser kernel returns one whose fusions carry the DID split)."""
+    def split_heads(self, mesh, dim: str) -> "Kernel":
+        """This kernel for the local head shards of a head-parallel schedule over ``mesh``'s
+        dim ``dim``: itself by default; the nvFuser kernel returns one whose fusions carry
+        the DID split."""
         return self
 
     def check(self, spec: AttentionSpec, device: torch.device) -> None:

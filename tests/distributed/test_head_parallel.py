@@ -1,0 +1,107 @@
+"""head_parallel and replicated schedules vs the single-process reference.
+
+    mpirun -np 2 python -m pytest tests/distributed/test_head_parallel.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import schedules
+import sdpa_fusion
+
+from .conftest import assert_matches, make_problem, run_schedule
+
+
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_head_parallel_matches_reference(mesh, layout, causal, gqa):
+    p = mesh.size()
+    heads, kv_heads = 2 * p, (p if gqa else 2 * p)
+    problem = make_problem(h=heads, h_kv=kv_heads, s=24, layout=layout, causal=causal, scale=0.4)
+    assert_matches(problem, run_schedule(schedules.get("head_parallel", mesh), problem))
+
+
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_head_parallel_bf16(mesh, layout):
+    problem = make_problem(h=2 * mesh.size(), s=40, layout=layout, causal=True, dtype=torch.bfloat16)
+    assert_matches(problem, run_schedule(schedules.get("head_parallel", mesh), problem), torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_replicated_matches_reference(mesh, causal):
+    problem = make_problem(h=4, h_kv=2, s=20, causal=causal)
+    assert_matches(problem, run_schedule(schedules.get("replicated", mesh), problem))
+
+
+def test_head_parallel_describe_has_no_communication(mesh):
+    sched = schedules.get("head_parallel", mesh)
+    spec = sdpa_fusion.AttentionSpec(1, 8 * mesh.size(), 8 * mesh.size(), 128, 128, 64, causal=True)
+    d = sched.describe(spec)
+    assert (d.bytes_sent, d.bytes_received) == (0, 0)
+    assert d.flops == pytest.approx(spec.flops() / mesh.size())
+
+
+def test_heads_not_divisible_raise_before_any_collective(mesh):
+    sched = schedules.get("head_parallel", mesh)
+    t = torch.randn(1, 2 * mesh.size() + 1, 8, 16)
+    with pytest.raises(ValueError, match=rf"heads {2 * mesh.size() + 1} must be divisible by the {mesh.size()} ranks"):
+        sched.shard(t)
+
+
+def test_kv_heads_not_divisible(mesh):
+    if mesh.size() == 1:
+        pytest.skip("every head count divides by one rank")
+    sched = schedules.get("head_parallel", mesh)
+    k = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="heads 1 must be divisible"):
+        sched.shard(k)
+
+
+def test_mismatched_local_shapes_raise_on_every_rank(mesh):
+    """Rank 0 passes a different sequence length: every rank raises the same error."""
+    sched = schedules.get("head_parallel", mesh)
+    s = 16 if mesh.rank == 0 else 8
+    q = k = v = torch.randn(1, 2, s, 16)
+    if mesh.size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    with pytest.raises(ValueError, match="same local problem on every rank"):
+        sdpa_fusion.attention(q, k, v, schedule=sched, kernel="reference")
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(mesh):
+    """Rank 0 claims the wrong layout: every rank raises, naming rank 0 and the argument."""
+    if mesh.size() == 1:
+        pytest.skip("needs a second rank to observe the error")
+    sched = schedules.get("head_parallel", mesh)
+    q = torch.randn(1, 8, 2, 16)
+    if mesh.rank == 0:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match=r"rank 0: q .* does not have the layout 'bhse'"):
+        sdpa_fusion.attention(q, q.contiguous(), q.contiguous(), schedule=sched, kernel="reference")
+
+
+def test_dropout_under_multidevice_schedule_is_refused(mesh):
+    if mesh.size() == 1:
+        pytest.skip("a one-rank mesh runs dropout like one device")
+    sched = schedules.get("head_parallel", mesh)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported under the multidevice"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference", dropout_p=0.1)
+
+
+def test_dtensor_in_dtensor_out(mesh):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    problem = make_problem(h=2 * mesh.size(), s=16, causal=True)
+    sched = schedules.get("head_parallel", mesh)
+    q, k, v = (distribute_tensor(t, mesh.torch_mesh, [Shard(1)]).requires_grad_()
+               for t in (problem.q, problem.k, problem.v))
+    out = sdpa_fusion.attention(q, k, v, causal=True, schedule=sched, kernel="reference")
+    assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+    out.backward(distribute_tensor(problem.dout, mesh.torch_mesh, [Shard(1)]))
+    torch.testing.assert_close(out.full_tensor(), problem.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.grad.full_tensor(), problem.dq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.grad.full_tensor(), problem.dk, rtol=1e-5, atol=1e-5)
