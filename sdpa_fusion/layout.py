@@ -118,8 +118,12 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
         )
 
 
-def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> list[int]:
-    """Validate cumulative sequence lengths of a packed tensor; return them as a list."""
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int, *,
+                     exact: bool = True) -> list[int]:
+    """Validate cumulative sequence lengths of a packed tensor; return them as a list.
+
+    ``exact``: the last entry must equal ``total_tokens`` (else it may be smaller, as the
+    real ``cu_seqlens`` of sequences padded by ``cu_seqlens_padded`` are)."""
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
@@ -128,14 +132,22 @@ def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int) -> 
             f"got shape {list(cu_seqlens.shape)} dtype {cu_seqlens.dtype}"
         )
     values = [int(x) for x in cu_seqlens.tolist()]
+    check_offsets(name, values, total_tokens, exact=exact)
+    return values
+
+
+def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: bool = True) -> None:
+    """Raise a ValueError naming ``name`` unless ``values`` are cumulative sequence lengths
+    [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``)."""
+    if len(values) < 2:
+        raise ValueError(f"{name}={values} needs at least 2 entries [0, l0, l0+l1, ...]")
     if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name}={values} must start at 0 and never decrease")
-    if values[-1] != total_tokens:
+    if values[-1] != total_tokens and (exact or values[-1] > total_tokens):
         raise ValueError(
             f"{name} ends at {values[-1]} but the packed tensor has {total_tokens} tokens; "
-            f"the last entry must equal T"
+            f"the last entry must equal T" + ("" if exact else " or, with padding, not exceed it")
         )
-    return values
 
 
 def seqlens_of(cu_seqlens: list[int]) -> list[int]:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .layout import Layout, check_cu_seqlens, check_layout, seqlens_of
+from .layout import Layout, check_cu_seqlens, check_layout, check_offsets, seqlens_of
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -90,7 +90,10 @@ class AttentionSpec:
                 f"layout='thd' needs q and k/v packed alike; got {self.q_len} query tokens "
                 f"and {self.kv_len} key tokens"
             )
-        if self.cu_seqlens_padded is not None:
+        padded = self.cu_seqlens_padded is not None
+        check_offsets("cu_seqlens", list(self.cu_seqlens), self.q_len, exact=not padded)
+        if padded:
+            check_offsets("cu_seqlens_padded", list(self.cu_seqlens_padded), self.q_len)
             if len(self.cu_seqlens_padded) != len(self.cu_seqlens):
                 raise ValueError(
                     f"cu_seqlens_padded has {len(self.cu_seqlens_padded)} entries but "
@@ -153,10 +156,11 @@ class AttentionSpec:
         if layout.is_varlen:
             (t_q, h, e), (t_k, h_kv, e_k) = q.shape, k.shape
             b = 1
-            cu = tuple(check_cu_seqlens("cu_seqlens", cu_seqlens, t_q))
             padded = None
             if cu_seqlens_padded is not None:
                 padded = tuple(check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, t_q))
+            # With padding the real sequences end before T; cu_seqlens_padded ends at T.
+            cu = tuple(check_cu_seqlens("cu_seqlens", cu_seqlens, t_q, exact=padded is None))
         else:
             (b, h, t_q, e), (b_k, h_kv, t_k, e_k) = q.shape, k.shape
             if b_k != b:

@@ -37,11 +37,12 @@ class FlashKernel(Kernel):
         groups = q.shape[1] // k.shape[1]
         k_x, v_x = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         s_q, s_k = q.shape[2], k.shape[2]
-        empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        # No cum_seq_q/k, as the forward returns for dense tensors (an empty tensor there reads
+        # as packed input). The RNG state is unused without dropout.
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
         offset = torch.zeros((), dtype=torch.uint64, device=q.device)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k_x, v_x, out, lse, empty, empty, s_q, s_k, 0.0, causal, seed, offset,
+            dout, q, k_x, v_x, out, lse, None, None, s_q, s_k, 0.0, causal, seed, offset,
             scale=scale,
         )
         return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
@@ -71,11 +72,12 @@ class CudnnKernel(Kernel):
         groups = q.shape[1] // k.shape[1]
         k_x, v_x = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         s_q, s_k = q.shape[2], k.shape[2]
-        seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+        # As the forward returns them for dense tensors: int64 scalars for the RNG state and
+        # no cum_seq_q/k (an empty tensor there reads as packed input and fails a dim check).
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
-        empty = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k_x, v_x, out, lse.unsqueeze(-1), seed, offset, None, empty, empty,
+            dout, q, k_x, v_x, out, lse.unsqueeze(-1), seed, offset, None, None, None,
             s_q, s_k, 0.0, causal, scale=scale,
         )
         return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The whole test suite on this machine (CPU is enough; GPU tests skip without a GPU):
+#   1. single-process tests:   pytest -q tests  (tests/distributed left out)
+#   2. distributed tests:      mpirun -np 2 ... pytest -q tests/distributed
+#   3.                         mpirun -np 4 ... pytest -q tests/distributed
+# Each stage runs under `timeout`; the script fails if any stage fails, times out or
+# collects no tests. Extra arguments go to every pytest run (e.g. -x, -k ring).
+#
+# Environment: SDPA_FUSION_VENV (default .venv), SDPA_TEST_TIMEOUT_S (single-process stage,
+# default 480), SDPA_MPI_TIMEOUT_S (each mpirun stage, default 360).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${SDPA_FUSION_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+if [[ ! -x "$PY" ]]; then
+  echo "test: $PY not found; run scripts/setup.sh (or make test) first" >&2
+  exit 2
+fi
+
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+# Open MPI refuses to start as root without these.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+SINGLE_TIMEOUT="${SDPA_TEST_TIMEOUT_S:-480}"
+MPI_TIMEOUT="${SDPA_MPI_TIMEOUT_S:-360}"
+
+# Colours only on a terminal (several ranks share one output stream under mpirun).
+color=no
+[[ -t 1 ]] && color=yes
+
+summary=()
+failed=0
+
+# stage NAME TIMEOUT_S COMMAND...
+stage() {
+  local name="$1" limit="$2"
+  shift 2
+  echo
+  echo "=== $name: $*"
+  local start=$SECONDS rc verdict
+  timeout --kill-after=30 "$limit" "$@"
+  rc=$?
+  case "$rc" in
+    0) verdict="passed" ;;
+    5) verdict="FAILED: no tests were collected (pytest exit 5)" ;;
+    124 | 137) verdict="FAILED: timed out after ${limit} s" ;;
+    *) verdict="FAILED (exit $rc)" ;;
+  esac
+  [[ "$rc" == 0 ]] || failed=1
+  summary+=("$(printf '%-34s %-48s %5d s' "$name" "$verdict" $((SECONDS - start)))")
+}
+
+stage "single-process (pytest tests)" "$SINGLE_TIMEOUT" \
+  "$PY" -m pytest -q --color="$color" --ignore=tests/distributed tests "$@"
+
+if [[ -d tests/distributed ]]; then
+  for np in 2 4; do
+    # Several ranks share few cores: one intra-op thread per rank, no core binding; every
+    # output line tagged with the rank that wrote it.
+    stage "distributed (mpirun -np $np)" "$MPI_TIMEOUT" \
+      env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+      "$VENV/bin/mpirun" -np "$np" --oversubscribe --bind-to none --output tag \
+      "$PY" -m pytest -q --color="$color" tests/distributed "$@"
+  done
+else
+  summary+=("$(printf '%-34s %-48s' "distributed (mpirun)" "skipped: tests/distributed does not exist")")
+fi
+
+echo
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
+if [[ "$failed" != 0 ]]; then
+  echo "=== test suite FAILED"
+  exit 1
+fi
+echo "=== test suite passed"

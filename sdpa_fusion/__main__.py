@@ -1,0 +1,7 @@
+"""``python -m sdpa_fusion demo | explain | bench`` (see ``sdpa_fusion.cli``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,306 @@
+"""The command line: ``python -m sdpa_fusion demo | explain | bench``.
+
+    python -m sdpa_fusion demo                      # definitions + a checked fwd/bwd run
+    python -m sdpa_fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
+    python -m sdpa_fusion bench [args of benchmarks/single_gpu.py]
+
+``demo`` on a machine without a GPU prints the nvFuser fusion definitions it would run and
+checks the reference kernel against torch SDPA (forward and backward); with a GPU it runs
+forward and backward through the ``nvfuser`` and ``auto`` kernels, checks them against torch
+SDPA and reports TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .spec import AttentionSpec
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Largest |error| / max |oracle| accepted by ``demo``: the kernel's output dtype against an
+# fp32 (GPU) or fp64 (CPU) oracle computed from the same inputs.
+RELATIVE_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+CPU_SHAPE = dict(batch=2, heads=8, kv_heads=2, seq=256, head_dim=64)
+GPU_SHAPE = dict(batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128)
+
+
+# ---- arguments -------------------------------------------------------------------------------
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("problem (defaults depend on the device)")
+    g.add_argument("--batch", type=int)
+    g.add_argument("--heads", type=int, help="query heads")
+    g.add_argument("--kv-heads", type=int, help="key/value heads (fewer than --heads: GQA)")
+    g.add_argument("--seq", type=int, help="query length (and key length unless --kv-seq)")
+    g.add_argument("--kv-seq", type=int, help="key/value length")
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    g.add_argument("--layout", choices=["bhse", "bshe"], default="bshe")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scale", type=float, help="softmax scale (default 1/sqrt(head_dim))")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sdpa_fusion",
+        description="Scaled-dot-product attention as nvFuser fusions, over device meshes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,bench}")
+    demo = sub.add_parser("demo", help="print the fusion definitions and run a checked fwd+bwd")
+    _add_problem_args(demo)
+    demo.add_argument("--kernels", help="comma-separated kernels to run (default: nvfuser,auto "
+                                        "on a GPU, reference on a CPU)")
+    demo.add_argument("--iters", type=int, default=20, help="timed iterations on a GPU")
+    explain = sub.add_parser("explain", help="print the plan attention() would run for a shape")
+    _add_problem_args(explain)
+    explain.add_argument("--kernel", default="auto", help="auto, cudnn, flash, nvfuser, reference")
+    explain.add_argument(
+        "--schedule", help="a schedule name (schedules.names()); the mesh comes from the launcher"
+    )
+    sub.add_parser("bench", help="benchmarks/single_gpu.py (its arguments follow)", add_help=False)
+    return parser
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU here")
+    return torch.device(name)
+
+
+def spec_from_args(args: argparse.Namespace, device: torch.device) -> AttentionSpec:
+    """The AttentionSpec the flags describe, defaults filled in for ``device``."""
+    d = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
+    heads = args.heads or d["heads"]
+    kv_heads = args.kv_heads or (d["kv_heads"] if args.heads is None else heads)
+    seq = args.seq or d["seq"]
+    try:
+        return AttentionSpec(
+            batch=args.batch or d["batch"], heads=heads, kv_heads=kv_heads, q_len=seq,
+            kv_len=args.kv_seq or seq, head_dim=args.head_dim or d["head_dim"],
+            dtype=DTYPES[args.dtype], causal=args.causal, scale=args.scale, layout=args.layout,
+        ).validate()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def make_inputs(spec: AttentionSpec, device, *, generator=None, empty=False):
+    """q, k, v (and dout) in the spec's layout, standard normal unless ``empty``."""
+    q_shape = (spec.batch, spec.heads, spec.q_len, spec.head_dim)
+    kv_shape = (spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim)
+    tensors = []
+    for shape in (q_shape, kv_shape, kv_shape, q_shape):
+        t = spec.layout.empty(shape, dtype=spec.dtype, device=device)
+        if not empty:
+            t.copy_(torch.randn(shape, generator=generator, device=device, dtype=torch.float32))
+        tensors.append(t)
+    return tensors
+
+
+# ---- demo ------------------------------------------------------------------------------------
+def print_definitions(spec: AttentionSpec) -> None:
+    """Print the nvFuser fusion definitions of ``spec`` (when the package provides them)."""
+    import sdpa_fusion
+
+    shown = False
+    for name in ("SdpaForward", "SdpaBackward"):
+        try:
+            cls = getattr(sdpa_fusion, name, None)
+        except ImportError as e:  # the definitions need nvfuser_direct
+            print(f"--- nvFuser fusion definitions: cannot import them here ({e})")
+            return
+        if cls is None:
+            continue
+        print(f"--- {name}({_short(spec)})")
+        try:
+            print(cls(spec))
+        except (ImportError, RuntimeError, ValueError) as e:
+            print(f"    (cannot build it here: {type(e).__name__}: {e})")
+        shown = True
+    if not shown:
+        print("--- nvFuser fusion definitions: not available in this version of sdpa_fusion")
+
+
+def _short(spec: AttentionSpec) -> str:
+    s = (f"b={spec.batch} h={spec.heads} h_kv={spec.kv_heads} s_q={spec.q_len} "
+         f"s_kv={spec.kv_len} e={spec.head_dim} {str(spec.dtype).replace('torch.', '')} "
+         f"{spec.layout}")
+    return s + (" causal" if spec.causal else "")
+
+
+def torch_oracle(spec: AttentionSpec, q, k, v, dout, dtype):
+    """out, dq, dk, dv of torch SDPA on ``dtype`` copies (explicit top-left causal mask)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    qo, ko, vo = leaves
+    groups = spec.heads // spec.kv_heads
+    ke, ve = (t.repeat_interleave(groups, dim=1) for t in (ko, vo))
+    mask = None
+    if spec.causal:
+        i = torch.arange(spec.q_len, device=q.device).unsqueeze(1)
+        mask = torch.arange(spec.kv_len, device=q.device).unsqueeze(0) <= i
+    out = F.scaled_dot_product_attention(qo, ke, ve, attn_mask=mask, scale=spec.scale)
+    out.backward(dout.to(dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def run_attention(spec: AttentionSpec, kernel: str, q, k, v, dout):
+    """out, dq, dk, dv of ``sdpa_fusion.attention`` with ``kernel``."""
+    import sdpa_fusion
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(
+        *leaves, causal=spec.causal, scale=spec.scale, layout=spec.layout, kernel=kernel
+    )
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def compare(results, oracle, dtype) -> bool:
+    """Print max |error| of out, dq, dk, dv against the oracle; True when all are in tolerance."""
+    ok = True
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results, oracle):
+        err = (got.double() - want.double()).abs().max().item()
+        rel = err / max(want.double().abs().max().item(), 1e-30)
+        good = rel <= RELATIVE_TOLERANCE[dtype]
+        ok &= good
+        print(f"    {name}: max |error| {err:.3e}  (relative {rel:.2e}) {'ok' if good else 'TOO LARGE'}")
+    return ok
+
+
+def _time(fn, iters: int) -> float:
+    """Seconds per call of ``fn`` on the GPU (CUDA events, after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def demo(args: argparse.Namespace) -> int:
+    import sdpa_fusion
+    from .kernels import KernelUnavailable, names
+
+    device = _device(args.device)
+    spec = spec_from_args(args, device)
+    kernels = ("reference",) if device.type == "cpu" else ("nvfuser", "auto")
+    if args.kernels:
+        kernels = tuple(name.strip() for name in args.kernels.split(",") if name.strip())
+        unknown = [name for name in kernels if name not in names()]
+        if unknown:
+            raise SystemExit(f"error: --kernels {','.join(unknown)}: not known; choose among {names()}")
+    print(f"sdpa-fusion demo on {device}: {_short(spec)}")
+    print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
+    print_definitions(spec)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = make_inputs(spec, device, generator=generator)
+    oracle_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    oracle = torch_oracle(spec, q, k, v, dout, oracle_dtype)
+    ok = True
+    for kernel in kernels:
+        print(f"--- kernel={kernel!r} against torch SDPA in {str(oracle_dtype).replace('torch.', '')}")
+        try:
+            plan = sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale,
+                                       layout=spec.layout, kernel=kernel)
+            if kernel == "auto":
+                print(f"    auto chose {plan.kernel.name!r}")
+            results = run_attention(spec, kernel, q, k, v, dout)
+        except (KernelUnavailable, NotImplementedError) as e:
+            print(f"    not run: {type(e).__name__}: {e or 'not implemented yet'}")
+            continue
+        ok &= compare(results, oracle, spec.dtype)
+        if device.type == "cuda":
+            _report_speed(spec, kernel, q, k, v, dout, args.iters)
+    print("demo: all checks passed" if ok else "demo: some results are outside tolerance")
+    return 0 if ok else 1
+
+
+def _report_speed(spec, kernel, q, k, v, dout, iters) -> None:
+    import sdpa_fusion
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def forward():
+        with torch.no_grad():
+            sdpa_fusion.attention(*leaves, causal=spec.causal, scale=spec.scale,
+                                  layout=spec.layout, kernel=kernel)
+
+    def forward_backward():
+        out = sdpa_fusion.attention(*leaves, causal=spec.causal, scale=spec.scale,
+                                    layout=spec.layout, kernel=kernel)
+        out.backward(dout)
+
+    for name, fn, flops in (("forward", forward, spec.flops()),
+                            ("forward+backward", forward_backward, spec.flops(backward=True))):
+        seconds = _time(fn, iters)
+        print(f"    {name}: {seconds * 1e3:.3f} ms, {flops / seconds / 1e12:.1f} TFLOP/s")
+
+
+# ---- explain ---------------------------------------------------------------------------------
+def explain(args: argparse.Namespace) -> int:
+    import sdpa_fusion
+
+    device = _device(args.device)
+    spec = spec_from_args(args, device)
+    q, k, v, _ = make_inputs(spec, device, empty=True)
+    schedule = None
+    if args.schedule:
+        import schedules
+
+        dim = "heads" if args.schedule == "head_parallel" else "seq"
+        mesh = sdpa_fusion.init_mesh((-1,), (dim,))
+        schedule = schedules.get(args.schedule, mesh)
+        q, k, v = (schedule.shard(t, layout=spec.layout) for t in (q, k, v))
+    try:
+        plan = sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale,
+                                   layout=spec.layout, kernel=args.kernel, schedule=schedule)
+        print(plan)
+        print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
+        return 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if schedule is not None:
+            sdpa_fusion.close_mesh()
+
+
+# ---- bench -----------------------------------------------------------------------------------
+CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def bench(argv: list[str]) -> int:
+    """Run ``benchmarks.single_gpu.main(argv)`` (the benchmarks live in the source checkout)."""
+    if not (CHECKOUT / "benchmarks" / "single_gpu.py").is_file():
+        print("bench: benchmarks/single_gpu.py is not here; run from a source checkout that "
+              "has it (python -m benchmarks.single_gpu --help)", file=sys.stderr)
+        return 2
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    module = importlib.import_module("benchmarks.single_gpu")
+    result = module.main(argv)
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    rc = {"demo": demo, "explain": explain}[args.command](args)
+    if args.command == "demo":
+        print(f"({time.perf_counter() - start:.1f} s)")
+    return rc

@@ -1,0 +1,107 @@
+"""Helpers shared by the single-process tests.
+
+- ``rng``: a torch.Generator seeded the same for every test (and every rank).
+- ``assert_close(actual, expected, dtype=None)``: compares in fp64 with the tolerances of
+  TOLERANCES for the dtype the result was computed in (``actual.dtype`` unless given).
+- ``sdpa_oracle(q, k, v, dout, causal=, scale=)``: out, lse, dq, dk, dv of torch SDPA with
+  autograd on fp64 copies (top-left causal mask, GQA through enable_gqa).
+- tests marked ``gpu`` are skipped when torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+SEED = 1234
+
+# (atol, rtol) for results computed in a dtype and compared against an fp64 oracle, on inputs
+# of unit scale. fp32 accumulation over a few hundred keys stays near 1e-5; bf16 and fp16
+# outputs are off by their rounding (2^-8 and 2^-11 relative) plus the rounding of the
+# inputs the gradients are built from.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for results computed in ``dtype``."""
+    return TOLERANCES[dtype]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
+                  msg: str = "") -> None:
+    atol, rtol = tolerance(dtype or actual.dtype)
+    assert actual.shape == expected.shape, f"{msg}: shape {list(actual.shape)} != {list(expected.shape)}"
+    torch.testing.assert_close(
+        actual.double(), expected.double(), atol=atol, rtol=rtol,
+        msg=lambda m: f"{msg}: {m}" if msg else m,
+    )
+
+
+@pytest.fixture
+def assert_close():
+    """``assert_close(actual, expected, dtype=None, msg="")`` with TOLERANCES per dtype."""
+    return _assert_close
+
+
+def causal_mask(s_q: int, s_kv: int, device=None) -> torch.Tensor:
+    """True where query i may see key j: j <= i (top-left aligned, also when s_q != s_kv)."""
+    return torch.ones(s_q, s_kv, dtype=torch.bool, device=device).tril()
+
+
+def _sdpa_oracle(q, k, v, dout, *, causal: bool, scale: float | None = None):
+    """out, lse, dq, dk, dv of torch SDPA on fp64 copies of logical [B, H, S, E] tensors."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s_q, s_kv = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if causal and s_q == s_kv:
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:  # explicit mask: torch's own alignment for s_q != s_kv is not what we test against
+        mask = causal_mask(s_q, s_kv, q.device) if causal else None
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out.backward(dout.double())
+    groups = q.shape[1] // k.shape[1]
+    scores = qd.detach() @ kd.detach().repeat_interleave(groups, 1).transpose(-1, -2)
+    scores = scores * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        scores = scores.masked_fill(~causal_mask(s_q, s_kv, q.device), float("-inf"))
+    return out.detach(), torch.logsumexp(scores, dim=-1), qd.grad, kd.grad, vd.grad
+
+
+@pytest.fixture
+def sdpa_oracle():
+    """``sdpa_oracle(q, k, v, dout, causal=, scale=None) -> (out, lse, dq, dk, dv)`` in fp64."""
+    return _sdpa_oracle
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    """A CPU generator seeded with SEED (the same in every test and on every rank)."""
+    return torch.Generator().manual_seed(SEED)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch sees none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+try:  # keep property tests deterministic and free of timing flakes on busy CI machines
+    from hypothesis import settings
+
+    settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+    settings.register_profile("dev", deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+except ImportError:
+    pass

@@ -1,0 +1,169 @@
+"""``sdpa_fusion.attention`` on one device (CPU): layouts of outputs and gradients, packed
+(thd) sequences, kernel choice and its errors, ``explain``.
+
+Run: pytest -q tests/test_attention.py
+Oracle: torch SDPA with autograd on fp64 copies (``sdpa_oracle`` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sdpa_fusion
+from sdpa_fusion import KernelUnavailable, Layout
+from sdpa_fusion.kernels import get, names
+from sdpa_fusion.layout import has_layout, sequence_view
+
+
+def make(shape, layout: Layout, rng, dtype=torch.float32, grad=False) -> torch.Tensor:
+    t = layout.to(torch.randn(shape, generator=rng).to(dtype))
+    return t.requires_grad_() if grad else t
+
+
+def qkv(rng, layout=Layout.BSHE, b=2, h=4, h_kv=2, s_q=24, s_kv=24, e=16, dtype=torch.float32):
+    q = make((b, h, s_q, e), layout, rng, dtype, grad=True)
+    k, v = (make((b, h_kv, s_kv, e), layout, rng, dtype, grad=True) for _ in range(2))
+    return q, k, v
+
+
+# ---- dense layouts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
+def test_matches_torch_and_keeps_layouts(layout, causal, kernel, rng, assert_close, sdpa_oracle):
+    q, k, v = qkv(rng, layout, s_q=24, s_kv=24 if causal else 31)
+    dout = make(q.shape, layout, rng)
+    out = sdpa_fusion.attention(q, k, v, causal=causal, layout=str(layout), kernel=kernel)
+    out.backward(dout)
+    assert has_layout(out, layout), "the output keeps the query's layout"
+    for name, t in zip("qkv", (q, k, v)):
+        assert has_layout(t.grad, layout), f"d{name} is in the layout of {name}"
+    want_out, _, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=causal)
+    assert_close(out, want_out, msg="out")
+    for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), (dq, dk, dv)):
+        assert_close(got, want, msg=name)
+
+
+def test_bf16_with_scale_and_gqa(rng, assert_close, sdpa_oracle):
+    q, k, v = qkv(rng, Layout.BSHE, h=8, h_kv=2, s_q=37, s_kv=37, dtype=torch.bfloat16)
+    dout = make(q.shape, Layout.BSHE, rng, torch.bfloat16)
+    out = sdpa_fusion.attention(q, k, v, causal=True, scale=0.2, layout="bshe")
+    out.backward(dout)
+    want_out, _, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=True, scale=0.2)
+    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    for got, want in zip((out, q.grad, k.grad, v.grad), (want_out, dq, dk, dv)):
+        assert_close(got, want)
+
+
+def test_gradient_in_another_layout_is_accepted(rng, assert_close, sdpa_oracle):
+    q, k, v = qkv(rng, Layout.BSHE)
+    dout = make(q.shape, Layout.BHSE, rng)
+    sdpa_fusion.attention(q, k, v, layout="bshe", kernel="reference").backward(dout)
+    *_, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=False)
+    assert has_layout(q.grad, Layout.BSHE)
+    assert_close(q.grad, dq)
+
+
+def test_claimed_layout_is_checked(rng):
+    q, k, v = qkv(rng, Layout.BSHE)
+    with pytest.raises(ValueError, match=r"^q .* does not have the layout 'bhse' it claims"):
+        sdpa_fusion.attention(q, k, v, layout="bhse")
+
+
+# ---- packed sequences (thd) ------------------------------------------------------------------
+def cu(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_thd_matches_torch_per_sequence(padded, causal, rng, assert_close, sdpa_oracle):
+    lengths = [7, 1, 13, 9]
+    room = [8, 4, 16, 12] if padded else lengths
+    starts = [sum(room[:i]) for i in range(len(room))]
+    total = sum(room)
+    cu_seqlens = cu(*[sum(lengths[:i]) for i in range(len(lengths) + 1)])
+    cu_padded = cu(*starts, total) if padded else None
+    h, h_kv, e = 4, 2, 16
+    q = make((total, h, e), Layout.THD, rng, grad=True)
+    k, v = (make((total, h_kv, e), Layout.THD, rng, grad=True) for _ in range(2))
+    dout = make((total, h, e), Layout.THD, rng)
+
+    out = sdpa_fusion.attention(q, k, v, causal=causal, layout="thd", cu_seqlens=cu_seqlens,
+                                cu_seqlens_padded=cu_padded)
+    out.backward(dout)
+
+    assert out.shape == (total, h, e) and has_layout(out, Layout.THD)
+    real = torch.zeros(total, dtype=torch.bool)
+    for start, n in zip(starts, lengths):
+        real[start:start + n] = True
+        views = [sequence_view(t.detach(), start, start + n) for t in (q, k, v, dout)]
+        want = sdpa_oracle(*views, causal=causal)
+        got = [sequence_view(t, start, start + n) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want[0], *want[2:])):
+            assert_close(g, w, msg=f"{name} of the sequence at {start}")
+    if padded:
+        for name, t in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad)):
+            assert t[~real].abs().max().item() == 0, f"{name} is zero on padding tokens"
+
+
+def test_thd_sequences_do_not_see_each_other(rng):
+    q, k, v = (make((10, 2, 8), Layout.THD, rng) for _ in range(3))
+    out = sdpa_fusion.attention(q, k, v, layout="thd", cu_seqlens=cu(0, 4, 10))
+    v2 = v.clone()
+    v2[4:] += 100.0  # only the second sequence's values change
+    out2 = sdpa_fusion.attention(q, k, v2, layout="thd", cu_seqlens=cu(0, 4, 10))
+    assert torch.equal(out[:4], out2[:4])
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "nvfuser"])
+def test_gpu_kernels_on_cpu_tensors_raise_kernel_unavailable(kernel, rng):
+    q, k, v = qkv(rng, dtype=torch.bfloat16)
+    with pytest.raises(KernelUnavailable, match=rf"^kernel '{kernel}' runs on CUDA GPUs only; .* on cpu"):
+        sdpa_fusion.attention(q, k, v, layout="bshe", kernel=kernel)
+
+
+def test_kernel_unavailable_is_a_value_error():
+    assert issubclass(KernelUnavailable, ValueError)
+
+
+def test_unknown_kernel_lists_the_known_ones(rng):
+    q, k, v = qkv(rng)
+    known = r"\['cudnn', 'flash', 'nvfuser', 'reference', 'auto'\]"
+    with pytest.raises(ValueError, match=rf"^kernel='triton' is not known; choose one of {known}"):
+        sdpa_fusion.attention(q, k, v, layout="bshe", kernel="triton")
+
+
+def test_kernel_names():
+    assert {"auto", "cudnn", "flash", "nvfuser", "reference"} <= set(names())
+
+
+def test_a_kernel_object_can_be_passed(rng, assert_close):
+    q, k, v = qkv(rng)
+    ref = get("reference")
+    assert_close(sdpa_fusion.attention(q, k, v, layout="bshe", kernel=ref),
+                 sdpa_fusion.attention(q, k, v, layout="bshe", kernel="reference"))
+
+
+def test_dropout_without_a_dropout_kernel(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(KernelUnavailable, match=r"kernel 'reference' has no dropout"):
+        sdpa_fusion.attention(q, k, v, layout="bshe", dropout_p=0.1)
+
+
+# ---- explain ---------------------------------------------------------------------------------
+def test_explain_reports_the_reference_kernel_on_cpu(rng):
+    q, k, v = qkv(rng)
+    plan = sdpa_fusion.explain(q, k, v, layout="bshe", causal=True)
+    assert plan.kernel.name == "reference"
+    assert plan.spec.causal and plan.spec.layout is Layout.BSHE and plan.spec.kv_heads == 2
+    text = str(plan)
+    assert "kernel: reference" in text and "replicated" in text
+
+
+def test_explain_raises_what_attention_would(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(KernelUnavailable, match="CUDA"):
+        sdpa_fusion.explain(q, k, v, layout="bshe", kernel="flash")
