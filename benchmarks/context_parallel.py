@@ -1,0 +1,436 @@
+"""Context parallelism: our sequence schedules against PyTorch's context_parallel and one GPU.
+
+    python -m benchmarks.context_parallel --single-gpu     # one-GPU baseline, ~1.5 min; first
+    mpirun -np 4 python -m benchmarks.context_parallel     # the schedules, ~4-5 min on 4 H200s
+    mpirun -np 4 --oversubscribe python -m benchmarks.context_parallel --tiny   # CPU ranks
+
+The problem: b=1, 32 heads of 128, bf16, s = 32K..256K, causal and not, forward and
+forward+backward. Implementations:
+  ring, allgather, ulysses     sdpa_fusion.attention(..., schedule=schedules.get(name, mesh,
+                               partition="load_balanced" if causal else "contiguous"),
+                               kernel="auto"); a name missing from schedules.names() is
+                               recorded as unavailable, a schedule that takes no partition
+                               option runs without it
+  torch-cp allgather|alltoall  torch.distributed.tensor.experimental.context_parallel with
+                               set_rotate_method(...), under sdpa_kernel(CUDNN_ATTENTION); its
+                               head-tail load balancer when causal
+  1 GPU auto                   the whole problem on one GPU (``--single-gpu``, a separate run
+                               without mpirun, so no rank idles inside a collective); the
+                               distributed run merges its JSON when present
+Per-GPU TFLOP/s = AttentionSpec.flops of the whole problem / ranks / the slowest rank's median
+time. Timed iterations run back to back after a barrier (a training loop's steady state);
+``--sync-each`` puts a barrier before every iteration instead. Memory: ``peak_gib`` is the largest
+``max_memory_allocated`` of any rank over the timed iterations, ``step_gib`` that peak minus
+what was allocated before them (the step's own working memory). PyTorch's context_parallel
+shards its buffers in place with ``resize_``, which keeps each buffer's full storage, so
+compare ``step_gib`` there. Outputs up to ``--check-max-seq`` are compared with the one-device
+result (``rel_err``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks import common
+
+NAME = "context_parallel"
+SCHEDULES = ("ring", "allgather", "ulysses")
+TORCH_ROTATES = ("allgather", "alltoall")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-lens", type=common.int_list,
+                   default=common.int_list("32k,64k,128k,256k"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--torch-cp", default=",".join(TORCH_ROTATES),
+                   help="rotate methods of torch's context_parallel to run ('' for none)")
+    p.add_argument("--kernel", default="auto", help="local kernel of our schedules")
+    p.add_argument("--partition", default="load_balanced", help="partition option when causal")
+    p.add_argument("--partition-full", default="contiguous", help="partition option when not")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--warmup", type=int, default=None, help="default: 2 up to 64K, then 1")
+    p.add_argument("--iters", type=int, default=None, help="default: 8 up to 64K, 5, then 3")
+    p.add_argument("--check-max-seq", type=common.int_list, default=[65536])
+    p.add_argument("--single-gpu", action="store_true",
+                   help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
+    p.add_argument("--sync-each", action="store_true",
+                   help="barrier (one GPU: synchronize) before every timed iteration")
+    p.add_argument("--timeout-s", type=float, default=300, help="collective timeout")
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="stop starting new cases after this long (0: no limit)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU ranks (gloo)")
+    common.add_output_args(p)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq_lens, args.heads, args.head_dim = [64, 128], 8, 16
+        args.warmup, args.iters = 1, 3
+    args.modes = args.modes.split(",")
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    args.torch_cp = [s for s in args.torch_cp.split(",") if s]
+    args.causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    args.name = NAME + ("_single" if args.single_gpu else "") + ("_tiny" if args.tiny else "")
+    return args
+
+
+def iterations(args, s: int) -> tuple[int, int]:
+    """(warmup, timed iterations) at sequence length ``s``: fewer as the steps grow long."""
+    warmup = args.warmup if args.warmup is not None else (2 if s <= 65536 else 1)
+    iters = args.iters if args.iters is not None else (8 if s <= 65536 else 5 if s <= 131072 else 3)
+    return warmup, iters
+
+
+def global_spec(args, s: int, causal: bool):
+    from sdpa_fusion import AttentionSpec
+
+    return AttentionSpec(batch=args.batch, heads=args.heads, kv_heads=args.heads, q_len=s,
+                         kv_len=s, head_dim=args.head_dim, dtype=DTYPES[args.dtype],
+                         causal=causal, layout="bhse")
+
+
+def full_inputs(args, s, device):
+    return common.random_inputs(args.batch, args.heads, s, args.head_dim,
+                                dtype=DTYPES[args.dtype], device=device, requires_grad=False)
+
+
+def leaves(tensors):
+    """q, k, v as fresh leaves that require grad, and dout."""
+    q, k, v, dout = (t.detach() for t in tensors)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
+def train(fn):
+    def step(x):
+        q, k, v, dout = x
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+    return step
+
+
+def by_mode(fn):
+    return {"fwd": lambda x: fn(x[0], x[1], x[2]), "fwd+bwd": train(fn)}
+
+
+def panel(causal: bool, mode: str) -> str:
+    return f"{'causal' if causal else 'full'} {mode}"
+
+
+def reference_output(args, s, causal, device):
+    """The one-device output of the whole problem, for the correctness check; None above
+    ``--check-max-seq``."""
+    if s > args.check_max_seq[0]:
+        return None
+    import sdpa_fusion
+
+    kernel = "reference" if device.type == "cpu" else args.kernel
+    with torch.no_grad():
+        return sdpa_fusion.attention(*full_inputs(args, s, device)[:3], causal=causal,
+                                     kernel=kernel)
+
+
+def checked(fn, inputs, unshard, ref) -> float | None:
+    """rel_err of ``unshard(fn(q, k, v))`` against ``ref``; None when unchecked or failed."""
+    if ref is None:
+        return None
+    try:
+        with torch.no_grad():
+            return common.relative_error(unshard(fn(*inputs[:3])), ref)
+    except Exception as e:  # noqa: BLE001 -- the timed run records the failure
+        print(f"check failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+# ---- one GPU ------------------------------------------------------------------------------
+def single_gpu(args) -> int:
+    import sdpa_fusion
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel = "reference" if device.type == "cpu" else args.kernel
+    record = new_record(args, f"one device, {kernel} kernel", "benchmarks.context_parallel")
+    deadline, start = common.Deadline(args.max_seconds), time.monotonic()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    each = dict(before_each=sync) if args.sync_each else dict(before_timing=sync)
+    for s in args.seq_lens:
+        warmup, iters = iterations(args, s)
+        for causal in args.causals:
+            if deadline.left() <= 0:
+                continue
+            spec = global_spec(args, s, causal)
+
+            def fn(q, k, v, c=causal):
+                return sdpa_fusion.attention(q, k, v, causal=c, kernel=kernel)
+
+            try:
+                inputs = [leaves(full_inputs(args, s, device))]
+            except Exception as e:  # noqa: BLE001 -- does not fit: recorded
+                inputs, error = None, common.failure(e)
+            for mode in args.modes:
+                m = (common.measure(by_mode(fn)[mode], inputs, warmup=warmup, iters=iters,
+                                    **each) if inputs else error)
+                record["rows"].append(common.make_row(
+                    panel(causal, mode), f"1 GPU {args.kernel}", s, m,
+                    spec.flops(backward=mode == "fwd+bwd"), mode=mode, ranks=1, kernel=kernel,
+                    **fields(args)))
+            del inputs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            progress(start, s, causal, record["rows"][-len(args.modes):])
+            common.save(args.name, record, results_dir=args.results_dir, plot=False)
+    return finish_record(args, record, start)
+
+
+# ---- several GPUs -------------------------------------------------------------------------
+def schedule_rows(args, mesh, name, s, causal, ref) -> list[dict]:
+    """Time our schedule ``name`` in every mode."""
+    import schedules
+    import sdpa_fusion
+
+    impl = name
+    if name not in schedules.names():
+        m = common.Measurement(status="unavailable", error=f"schedule {name!r} is not registered "
+                               f"(schedules.names() = {schedules.names()})")
+        return [row(args, mesh, impl, s, causal, mode, m) for mode in args.modes]
+    try:
+        sched, options = make_schedule(args, mesh, name, causal)
+        full = full_inputs(args, s, mesh.device)
+        inputs = [leaves([sched.shard(t, layout="bhse").detach().clone() for t in full])]
+        del full
+    except Exception as e:  # noqa: BLE001 -- the same on every rank: recorded
+        return [row(args, mesh, impl, s, causal, mode, common.failure(e)) for mode in args.modes]
+
+    def fn(q, k, v):
+        return sdpa_fusion.attention(q, k, v, causal=causal, kernel=args.kernel, schedule=sched)
+
+    rel_err = checked(fn, inputs[0], lambda out: sched.unshard(out, layout="bhse"), ref)
+    rows = [timed_row(args, mesh, impl, s, causal, mode, step, inputs, rel_err=rel_err,
+                      options=options, kernel=args.kernel)
+            for mode, step in by_mode(fn).items() if mode in args.modes]
+    del inputs
+    return rows
+
+
+def make_schedule(args, mesh, name, causal):
+    """(schedule, options it took): with the partition option, or without when it takes none."""
+    import schedules
+
+    options = {"partition": args.partition if causal else args.partition_full}
+    try:
+        sched = schedules.get(name, mesh, **options)
+    except TypeError:
+        sched, options = schedules.get(name, mesh), {}
+    partition = getattr(sched, "partition", None)
+    return sched, {**options, "partition_used": getattr(partition, "name", partition)}
+
+
+def torch_cp_api():
+    """(context_parallel, context_parallel_unshard, set_rotate_method, options) from torch,
+    looked up defensively: the API is experimental and moves between releases."""
+    where = ("torch.distributed.tensor.experimental._attention",
+             "torch.distributed.tensor.experimental._context_parallel._attention")
+    missing = []
+    for module_name in where:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            missing.append(f"{module_name}: {e}")
+            continue
+        names = ("context_parallel", "context_parallel_unshard", "set_rotate_method", "_cp_options")
+        found = [getattr(module, n, None) for n in names]
+        if all(x is not None for x in found):
+            return tuple(found)
+        missing.append(f"{module_name} lacks context_parallel/context_parallel_unshard/"
+                       f"set_rotate_method/_cp_options")
+    raise ImportError("; ".join(missing))
+
+
+def torch_cp_rows(args, mesh, rotate, s, causal, ref) -> list[dict]:
+    """Time torch's context_parallel with ``rotate`` ("allgather" | "alltoall") in every mode.
+
+    Its buffers are sharded in place on entry, so it gets plain tensors and the leaves are
+    made inside the context (as torchtitan does). Its load balancer (head-tail) is on for
+    causal attention and must be off otherwise."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    impl = f"torch-cp {rotate}"
+    try:
+        context_parallel, unshard, set_rotate_method, options = torch_cp_api()
+    except ImportError as e:
+        return [row(args, mesh, impl, s, causal, mode, common.failure(e)) for mode in args.modes]
+    saved = (options.enable_load_balance, options.rotate_method)
+    rows = []
+    try:
+        set_rotate_method(rotate)
+        options.enable_load_balance = causal
+        buffers = list(full_inputs(args, s, mesh.device))
+        backend = SDPBackend.CUDNN_ATTENTION if mesh.device.type == "cuda" else SDPBackend.MATH
+        with sdpa_kernel(backend), context_parallel(
+            mesh.torch_mesh, buffers=buffers, buffer_seq_dims=[2] * 4,
+            no_restore_buffers=set(buffers),
+        ):
+            inputs = [leaves(buffers)]
+
+            def fn(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            rel_err = checked(fn, inputs[0],
+                              lambda out: unshard(mesh.torch_mesh, [out], [2])[0], ref)
+            for mode, step in by_mode(fn).items():
+                if mode in args.modes:
+                    rows.append(timed_row(args, mesh, impl, s, causal, mode, step, inputs,
+                                          rel_err=rel_err, kernel=f"torch {backend.name}"))
+            del inputs
+    except Exception as e:  # noqa: BLE001 -- recorded; every rank fails alike
+        done = {r["mode"] for r in rows}
+        rows += [row(args, mesh, impl, s, causal, mode, common.failure(e))
+                 for mode in args.modes if mode not in done]
+    finally:
+        options.enable_load_balance, options.rotate_method = saved
+    return rows
+
+
+def timed_row(args, mesh, impl, s, causal, mode, step, inputs, **extra) -> dict:
+    warmup, iters = iterations(args, s)
+    each = dict(before_each=dist.barrier) if args.sync_each else dict(before_timing=dist.barrier)
+    m = common.measure(step, inputs, warmup=warmup, iters=iters, **each)
+    return row(args, mesh, impl, s, causal, mode, common.combine_ranks(mesh.agree(m)), **extra)
+
+
+def row(args, mesh, impl, s, causal, mode, m, **extra) -> dict:
+    flops = global_spec(args, s, causal).flops(backward=mode == "fwd+bwd") / mesh.world_size
+    return common.make_row(panel(causal, mode), impl, s, m, flops, mode=mode,
+                           ranks=mesh.world_size, **fields(args), **extra)
+
+
+def fields(args) -> dict:
+    return dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
+
+
+def distributed(args) -> int:
+    import sdpa_fusion
+
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    mesh = sdpa_fusion.init_mesh((-1,), ("seq",), timeout=timeout)
+    try:
+        record = new_record(args, f"context parallel over {mesh.world_size} ranks",
+                            "benchmarks.context_parallel")
+        deadline, start = common.Deadline(args.max_seconds), time.monotonic()
+        for s in args.seq_lens:
+            for causal in args.causals:
+                if not mesh.agree(deadline.left() > 0)[0]:
+                    continue
+                ref = reference_output(args, s, causal, mesh.device)
+                rows = []
+                for name in args.schedules:
+                    rows += schedule_rows(args, mesh, name, s, causal, ref)
+                for rotate in args.torch_cp:
+                    rows += torch_cp_rows(args, mesh, rotate, s, causal, ref)
+                del ref
+                if mesh.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if mesh.rank == 0:
+                    record["rows"] += rows
+                    progress(start, s, causal, rows)
+                    common.save(args.name, record, results_dir=args.results_dir, plot=False)
+        if mesh.rank == 0:
+            merge_baseline(args, record)
+            finish_record(args, record, start)
+    finally:
+        sdpa_fusion.close_mesh()
+    return 0
+
+
+# ---- records ------------------------------------------------------------------------------
+def new_record(args, title, module) -> dict:
+    return {
+        "title": title,
+        "environment": common.environment(module),
+        "settings": {
+            "seq_lens": args.seq_lens, "batch": args.batch, "heads": args.heads,
+            "head_dim": args.head_dim, "dtype": args.dtype, "modes": args.modes,
+            "schedules": args.schedules, "torch_cp": args.torch_cp, "kernel": args.kernel,
+            "partition_when_causal": args.partition, "partition_when_full": args.partition_full,
+            "layout": "bhse",
+            "iterations": {common.short(s): iterations(args, s) for s in args.seq_lens},
+            "check_max_seq": args.check_max_seq[0],
+            "timing": ("barrier before every iteration" if args.sync_each else
+                       "back-to-back iterations after a barrier")
+            + "; slowest rank's median; TFLOP/s per GPU = AttentionSpec.flops of the whole "
+              "problem / ranks / time",
+        },
+        "rows": [],
+    }
+
+
+def merge_baseline(args, record) -> None:
+    """Add the one-GPU rows of ``--single-gpu``'s JSON, when it ran on the same problem."""
+    path = args.results_dir / f"{NAME}_single{'_tiny' if args.tiny else ''}.json"
+    if not path.exists():
+        record["baseline"] = f"{path.name} not found; run with --single-gpu first"
+        return
+    base = json.loads(path.read_text())
+    keys = ("batch", "heads", "head_dim", "dtype")
+    if any(base["settings"].get(k) != record["settings"][k] for k in keys):
+        record["baseline"] = f"{path.name} is for another problem ({keys} differ); not merged"
+        return
+    record["rows"] += [dict(r, baseline_from=path.name) for r in base["rows"]]
+    record["baseline"] = {"file": path.name, "environment": base["environment"]}
+
+
+def ratios(rows) -> list[dict]:
+    """Per-GPU TFLOP/s of each implementation over the one-GPU TFLOP/s at the same size."""
+    t = {(r["panel"], r["seq_len"], r["impl"]): r["tflops"] for r in rows if r["tflops"]}
+    base = {(p, s): v for (p, s, impl), v in t.items() if impl.startswith("1 GPU")}
+    return [{"panel": p, "seq_len": s, "impl": impl, "ratio": v / base[(p, s)], "status": "ok"}
+            for (p, s, impl), v in t.items() if (p, s) in base and not impl.startswith("1 GPU")]
+
+
+def progress(start, s, causal, rows) -> None:
+    cells = ", ".join(f"{r['impl']}:{r['mode']}="
+                      + (common.number(r["tflops"]) if r["tflops"] else r["status"]) for r in rows)
+    print(f"[{time.monotonic() - start:6.1f}s] s={common.short(s)} causal={causal}: {cells}",
+          flush=True)
+
+
+def finish_record(args, record, start) -> int:
+    record["ratios"] = ratios(record["rows"])
+    record["elapsed_s"] = round(time.monotonic() - start, 1)
+    paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                        metrics=("tflops", "step_gib"))
+    rows = record["rows"]
+    print("\nTFLOP/s per GPU")
+    print(common.format_table(rows, row_keys=("panel", "seq_len")))
+    print("\npeak memory per GPU, GiB (step's own in step_gib)")
+    print(common.format_table(rows, row_keys=("panel", "seq_len"), value="peak_gib", fmt="{:.1f}"))
+    if record["ratios"]:
+        print("\nper-GPU TFLOP/s / one GPU")
+        print(common.format_table(record["ratios"], row_keys=("panel", "seq_len"), value="ratio",
+                                  fmt="{:.2f}"))
+    bad = [r for r in rows if r.get("rel_err") is not None and not r["rel_err"] < 2e-2]
+    for r in bad:
+        print(f"SUSPECT: {r['impl']} {r['panel']} s={r['seq_len']}: rel_err={r['rel_err']:.3g}")
+    common.print_failures(rows)
+    print(f"\nwrote {', '.join(str(p) for p in paths)} in {record['elapsed_s']} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return single_gpu(args) if args.single_gpu else distributed(args)
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,320 @@
+"""Single-GPU attention: our kernels against torch SDPA's backends, forward and forward+backward.
+
+    python -m benchmarks.single_gpu                  # the full sweep, about 2-3 min on an H200
+    python -m benchmarks.single_gpu --dry-run        # print the plan and the FLOPs, run nothing
+    python -m benchmarks.single_gpu --tiny           # seconds on a CPU: checks the script itself
+
+Implementations (``--impls``):
+  auto, cudnn, flash, nvfuser  sdpa_fusion.attention(q, k, v, kernel=K)
+  nvfuser-fused                nvFuser's fused forward+backward definition (fwd+bwd only),
+                               when the package provides it
+  torch-flash, torch-cudnn,    F.scaled_dot_product_attention under
+  torch-efficient, torch-math  sdpa_kernel(SDPBackend.<backend>)
+
+Shapes: the batch shrinks as the sequence grows so that b*s tokens stay constant
+(``--tokens``, default 32K), and heads*head_dim stays 2048 (32 heads of 64, 16 of 128), so
+every sequence length does the same work per token pair. "fwd" is the forward of a training
+step (inputs require grad); "fwd+bwd" adds ``torch.autograd.grad`` of the output. Every
+implementation's output is compared once with torch SDPA's (``rel_err``) before it is timed.
+Goals printed at the end: auto / best torch backend >= 0.95, nvfuser / torch-flash >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import common
+
+NAME = "single_gpu"
+OURS = ("auto", "cudnn", "flash", "nvfuser", "reference")
+TORCH_BACKENDS = {
+    "torch-flash": "FLASH_ATTENTION",
+    "torch-cudnn": "CUDNN_ATTENTION",
+    "torch-efficient": "EFFICIENT_ATTENTION",
+    "torch-math": "MATH",
+}
+GPU_IMPLS = ("auto", "cudnn", "flash", "nvfuser", "nvfuser-fused",
+             "torch-flash", "torch-cudnn", "torch-efficient")
+TINY_IMPLS = ("auto", "reference", "nvfuser", "nvfuser-fused", "torch-math", "torch-flash")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SUSPECT_ERROR = 2e-2  # bf16 attention lands near 1e-3..1e-2 of the reference
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-lens", type=common.int_list, default=common.int_list("4k,8k,16k,32k"))
+    p.add_argument("--head-dims", type=common.int_list, default=[64, 128])
+    p.add_argument("--heads", default="64:32,128:16",
+                   help="heads per head dim, 'hd:heads,...' (default: %(default)s)")
+    p.add_argument("--tokens", type=common.int_list, default=[32768],
+                   help="batch * seq_len (the batch is tokens // seq_len, at least 1)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--impls", default=",".join(GPU_IMPLS))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--layout", choices=("bhse", "bshe"), default="bhse")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15, help="most timed iterations per measurement")
+    p.add_argument("--budget-s", type=float, default=1.0,
+                   help="timed seconds per measurement; fewer iterations (>= 3) when slower")
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="stop starting new cases after this long (0: no limit)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes and CPU-capable impls, results as single_gpu_tiny.json")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    common.add_output_args(p)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq_lens, args.head_dims, args.tokens = [64, 128], [16, 32], [256]
+        args.heads = "16:4,32:2"
+        args.warmup, args.iters, args.budget_s = 1, 3, None
+        if args.impls == ",".join(GPU_IMPLS):
+            args.impls = ",".join(TINY_IMPLS)
+    pairs = (item.split(":") for item in args.heads.split(","))
+    args.heads_for = {int(hd): int(heads) for hd, heads in pairs}
+    args.impls = args.impls.split(",")
+    args.modes = args.modes.split(",")
+    args.causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    unknown = [i for i in args.impls if i not in (*OURS, "nvfuser-fused", *TORCH_BACKENDS)]
+    if unknown:
+        p.error(f"unknown impls {unknown}; choose from {[*OURS, 'nvfuser-fused', *TORCH_BACKENDS]}")
+    return args
+
+
+def cases(args):
+    """(head_dim, heads, batch, seq_len, causal) of every case, in run order."""
+    for hd in args.head_dims:
+        heads = args.heads_for[hd]
+        for s in args.seq_lens:
+            for causal in args.causals:
+                yield hd, heads, max(1, args.tokens[0] // s), s, causal
+
+
+def spec_of(args, hd, heads, batch, s, causal):
+    from sdpa_fusion import AttentionSpec
+
+    return AttentionSpec(batch=batch, heads=heads, kv_heads=heads, q_len=s, kv_len=s,
+                         head_dim=hd, dtype=DTYPES[args.dtype], causal=causal, layout=args.layout)
+
+
+# ---- what runs ----------------------------------------------------------------------------
+def attention_fn(impl: str, causal: bool, layout: str):
+    """(q, k, v) -> out for ``impl``."""
+    if impl in TORCH_BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
+
+        def torch_sdpa(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return torch_sdpa
+    import sdpa_fusion
+
+    def ours(q, k, v):
+        return sdpa_fusion.attention(q, k, v, causal=causal, layout=layout, kernel=impl)
+
+    return ours
+
+
+def fused_forward_backward(spec):
+    """(q, k, v, dout) -> outputs of nvFuser's fused forward+backward, and how it was found.
+
+    Looks for a ``forward_backward`` method on the nvfuser kernel, then for the
+    ``SdpaForwardBackward`` definition (``SdpaForwardBackward(spec).execute([q, k, v, dout])``).
+    """
+    from sdpa_fusion import kernels
+
+    method = getattr(kernels.get("nvfuser"), "forward_backward", None)
+    if method is not None:
+        def via_kernel(q, k, v, dout):
+            return method(q, k, v, dout, causal=spec.causal, scale=spec.softmax_scale)
+
+        return via_kernel, "kernels.get('nvfuser').forward_backward"
+    import sdpa_fusion
+
+    definition = getattr(sdpa_fusion, "SdpaForwardBackward", None)
+    if definition is None:
+        raise NotImplementedError("sdpa_fusion has no SdpaForwardBackward (nor a fused "
+                                  "forward_backward on the nvfuser kernel)")
+    fd = definition(spec)
+    return (lambda q, k, v, dout: fd.execute([q, k, v, dout])), "SdpaForwardBackward.execute"
+
+
+def forward_step(fn):
+    return lambda x: fn(x[0], x[1], x[2])
+
+
+def train_step(fn):
+    def step(x):
+        q, k, v, dout = x
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+    return step
+
+
+def check(fn, inputs, ref) -> float | None:
+    """Relative error of one forward against torch SDPA's output (None when not comparable)."""
+    with torch.no_grad():
+        out = fn(*inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return None
+    return common.relative_error(out, ref)
+
+
+# ---- the sweep ----------------------------------------------------------------------------
+def run_case(args, hd, heads, batch, s, causal) -> list[dict]:
+    spec = spec_of(args, hd, heads, batch, s, causal)
+    device = torch.device(args.device)
+    one_set = 4 * batch * heads * s * hd * spec.dtype.itemsize
+    sets = [common.random_inputs(batch, heads, s, hd, dtype=spec.dtype, device=device,
+                                 layout=args.layout, seed=i)
+            for i in range(common.rotation_count(one_set, device))]
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(*sets[0][:3], is_causal=causal)
+    fields = dict(batch=batch, heads=heads, head_dim=hd, causal=causal, layout=args.layout,
+                  dtype=args.dtype)
+    rows = []
+    for impl in args.impls:
+        checked = {}
+        for mode in args.modes:
+            if impl == "nvfuser-fused" and mode == "fwd":
+                continue
+            m, rel_err, via = run_one(args, impl, mode, spec, sets, ref, checked)
+            row = common.make_row(f"hd{hd} {'causal' if causal else 'full'} {mode}", impl, s, m,
+                                  spec.flops(backward=mode == "fwd+bwd"), mode=mode, **fields)
+            row.update(rel_err=rel_err, suspect=rel_err is not None and not rel_err < SUSPECT_ERROR)
+            if via:
+                row["via"] = via
+            rows.append(row)
+    del sets, ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_one(args, impl, mode, spec, sets, ref, checked: dict):
+    """(Measurement, rel_err, how the fused path was found) of one impl in one mode; the
+    output check runs once per impl (``checked`` keeps its result)."""
+    via = None
+    try:
+        if impl == "nvfuser-fused":
+            fused, via = fused_forward_backward(spec)
+            step = lambda x: fused(*(t.detach() for t in x))  # noqa: E731
+            fn = lambda q, k, v: fused(q, k, v, sets[0][3])  # noqa: E731
+        else:
+            fn = attention_fn(impl, spec.causal, args.layout)
+            step = forward_step(fn) if mode == "fwd" else train_step(fn)
+        if "rel_err" not in checked:
+            checked["rel_err"] = check(fn, sets[0][:3], ref)
+        rel_err = checked["rel_err"]
+    except Exception as e:  # noqa: BLE001 -- recorded as the row's status
+        return common.failure(e), None, via
+    m = common.measure(step, sets, warmup=args.warmup, iters=args.iters, budget_s=args.budget_s)
+    return m, rel_err, via
+
+
+def ratios(rows) -> list[dict]:
+    """Per case and size: auto / best torch backend, nvfuser / torch-flash (goal >= 0.95)."""
+    by_key = {}
+    for r in rows:
+        if r["tflops"] is not None:
+            by_key.setdefault((r["panel"], r["seq_len"]), {})[r["impl"]] = r["tflops"]
+    out = []
+    for (panel, s), t in by_key.items():
+        best = max((v for k, v in t.items() if k.startswith("torch-")), default=None)
+        entry = {"panel": panel, "seq_len": s, "torch_best": best}
+        if best and "auto" in t:
+            entry["auto/torch-best"] = t["auto"] / best
+        if "torch-flash" in t:
+            for ours in ("nvfuser", "nvfuser-fused"):
+                if ours in t:
+                    entry[f"{ours}/torch-flash"] = t[ours] / t["torch-flash"]
+        out.append(entry)
+    return out
+
+
+def print_summary(rows, ratio_rows) -> None:
+    print("\nTFLOP/s (per GPU)")
+    print(common.format_table(rows, row_keys=("panel", "seq_len")))
+    if ratio_rows:
+        print("\nratios (goal >= 0.95)")
+        keys = ("auto/torch-best", "nvfuser/torch-flash", "nvfuser-fused/torch-flash")
+        table = [{"panel": r["panel"], "seq_len": r["seq_len"], "impl": k, "ratio": r[k],
+                  "status": "ok"} for r in ratio_rows for k in keys if k in r]
+        if table:
+            print(common.format_table(table, row_keys=("panel", "seq_len"), value="ratio",
+                                      fmt="{:.2f}"))
+    suspects = [r for r in rows if r.get("suspect")]
+    for r in suspects:
+        print(f"SUSPECT: {r['impl']} {r['panel']} s={r['seq_len']}: rel_err={r['rel_err']}")
+
+
+def dry_run(args) -> None:
+    total = 0.0
+    for hd, heads, batch, s, causal in cases(args):
+        spec = spec_of(args, hd, heads, batch, s, causal)
+        f = sum(spec.flops(backward=m == "fwd+bwd") for m in args.modes)
+        total += f * len(args.impls)
+        print(f"hd={hd} heads={heads} batch={batch} s={common.short(s)} causal={causal}: "
+              f"{f / 1e12:.1f} TFLOP per impl per iteration")
+    iters = args.warmup + args.iters + 1
+    print(f"{len(args.impls)} impls x modes {args.modes}: {total / 1e12:.0f} TFLOP per iteration; "
+          f"at 400 TFLOP/s and {iters} iterations about {total * iters / 400e12:.0f} s of compute")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return 0
+    name = NAME + ("_tiny" if args.tiny else "")
+    record = {
+        "title": "single GPU attention",
+        "environment": common.environment("benchmarks.single_gpu"),
+        "settings": {
+            "seq_lens": args.seq_lens, "head_dims": args.head_dims, "heads_for_head_dim":
+            args.heads_for, "tokens_per_batch": args.tokens[0], "dtype": args.dtype,
+            "layout": args.layout, "impls": args.impls, "modes": args.modes,
+            "warmup": args.warmup, "max_iters": args.iters,
+            "budget_s_per_measurement": args.budget_s,
+            "shape_rule": "batch = tokens // seq_len; heads*head_dim = 2048 by default",
+            "fwd": "forward of a training step (q, k, v require grad)",
+            "fwd+bwd": "forward then torch.autograd.grad(out, (q, k, v), dout)",
+            "flops": "AttentionSpec.flops: 4*b*h*s^2*e (x0.5 causal), x3.5 for fwd+bwd",
+        },
+        "rows": [],
+    }
+    deadline = common.Deadline(args.max_seconds)
+    start = time.monotonic()
+    for hd, heads, batch, s, causal in cases(args):
+        label = f"hd={hd} h={heads} b={batch} s={common.short(s)} causal={causal}"
+        if deadline.left() <= 0:
+            print(f"skipped (time budget): {label}", flush=True)
+            continue
+        rows = run_case(args, hd, heads, batch, s, causal)
+        record["rows"] += rows
+        cells = ", ".join(f"{r['impl']}:{r['mode']}="
+                          + (common.number(r["tflops"]) if r["tflops"] is not None else r["status"])
+                          for r in rows)
+        print(f"[{time.monotonic() - start:6.1f}s] {label}: {cells}", flush=True)
+        common.save(name, record, results_dir=args.results_dir, plot=False)
+    record["ratios"] = ratios(record["rows"])
+    record["elapsed_s"] = round(time.monotonic() - start, 1)
+    paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                        metrics=("tflops",))
+    print_summary(record["rows"], record["ratios"])
+    common.print_failures(record["rows"])
+    print(f"\nwrote {', '.join(str(p) for p in paths)} in {record['elapsed_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks on one machine of 4 GPUs, in one command, every step under
+# `timeout`, everything collected flat into $OUT (at most 8 files).
+#
+#   scripts/gpu_session.sh [PART ...]          from the repo root
+#
+# PARTs, run in the order given (default: all):
+#   tests            tests-gpu, then tests-dist
+#   tests-gpu        python -m pytest -q tests/gpu, on GPU 0
+#   tests-dist       mpirun -np $NP python -m pytest -q tests/gpu_distributed
+#   bench            bench-single, bench-hp, bench-cp
+#   bench-single     python -m benchmarks.single_gpu                     (~2-3 min)
+#   bench-hp         mpirun -np $NP python -m benchmarks.head_parallel   (~1 min)
+#   bench-cp         bench-cp-single, then bench-cp-dist
+#   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
+#   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min)
+#   all              tests, then bench (12-15 min; to keep each command under 10 min,
+#                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
+#
+# Environment: OUT (where results go; default benchmarks/results/session), NP (ranks; 4),
+# BUDGET_S (seconds this whole command may take; 540: each step gets at most what is left,
+# and the benchmarks stop starting new cases in time to write their results), PYTHON
+# (python3), MPIRUN (mpirun), MPI_EXTRA (more mpirun options, e.g. --oversubscribe),
+# BENCH_ARGS (more options for every benchmark, e.g. --tiny to try this script on CPU ranks),
+# GPU (the GPU of the single-GPU steps; 0).
+#
+# What lands in $OUT: summary.txt (each step's status and time, the benchmarks' tables, the
+# tests' summaries), session.tar.gz (every log and every result JSON/PNG), and the JSON, then
+# the PNG, of each benchmark run by this command, as many as the 8-file limit allows.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+if [ -z "${NVF_SITE:-}" ] && [ -f .devkit/env.sh ]; then   # the nvFuser kit, when not sourced
+    # shellcheck disable=SC1091
+    source .devkit/env.sh || exit 1
+fi
+
+OUT="${OUT:-$PWD/benchmarks/results/session}"
+NP="${NP:-4}"
+PY="${PYTHON:-python3}"
+MPIRUN="${MPIRUN:-mpirun}"
+read -r -a MPI_EXTRA <<< "${MPI_EXTRA:-}"
+read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"
+BUDGET_S="${BUDGET_S:-540}"
+RESERVE_S=20                      # kept back for collecting the results
+START=$(date +%s)
+DEADLINE=$((START + BUDGET_S))
+RESULTS=benchmarks/results
+LOGS="$(mktemp -d)/logs"
+mkdir -p "$OUT" "$LOGS" "$RESULTS"
+SUMMARY="$LOGS/summary.txt"
+RESULT_NAMES=()
+STEP_LOGS=()
+export PYTHONUNBUFFERED=1
+
+MPI=("$MPIRUN" -np "$NP" --bind-to none "${MPI_EXTRA[@]}")
+ONE_GPU=(env CUDA_VISIBLE_DEVICES="${GPU:-0}")   # single-GPU steps run on this GPU
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# limit MAX: seconds the next step may take (at most MAX); fails when too little is left.
+limit() {
+    local left=$((DEADLINE - RESERVE_S - $(date +%s)))
+    if ((left < 45)); then return 1; fi
+    echo $(($1 < left ? $1 : left))
+}
+
+# step NAME SECONDS CMD...: run CMD under timeout, log to NAME.log, record status and time.
+step() {
+    local name=$1 seconds=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    STEP_LOGS+=("$LOGS/$name.log")
+    echo "=== $name (limit ${seconds}s): $*" | tee "$LOGS/$name.log"
+    timeout -k 20 "$seconds" "$@" >> "$LOGS/$name.log" 2>&1
+    rc=$?
+    local status="rc=$rc"
+    ((rc == 124 || rc == 137)) && status="TIMED OUT after ${seconds}s"
+    note "$(printf '%-16s %-26s %4ds' "$name" "$status" $(($(date +%s) - t0)))"
+    return $rc
+}
+
+skip() { note "$(printf '%-16s %s' "$1" "SKIPPED: $2")"; }
+
+pytest_args() {
+    local args=(-q -rfEs --color=no -p no:cacheprovider -o faulthandler_timeout=180)
+    if "$PY" -c 'import pytest_timeout' 2>/dev/null; then args+=(--timeout=240); fi
+    echo "${args[@]}"
+}
+
+tests_gpu() {
+    local t
+    [ -d tests/gpu ] || { skip tests-gpu "no tests/gpu"; return; }
+    t=$(limit 300) || { skip tests-gpu "time budget"; return; }
+    # shellcheck disable=SC2046
+    step tests-gpu "$t" "${ONE_GPU[@]}" "$PY" -m pytest $(pytest_args) tests/gpu
+}
+
+tests_dist() {
+    local t dir
+    for dir in tests/gpu_distributed; do
+        [ -d "$dir" ] || { skip "${dir#tests/}" "no $dir"; continue; }
+        t=$(limit 300) || { skip "${dir#tests/}" "time budget"; continue; }
+        # shellcheck disable=SC2046
+        step "${dir#tests/}" "$t" "${MPI[@]}" --tag-output "$PY" -m pytest $(pytest_args) "$dir"
+    done
+}
+
+# bench NAME RESULT MAX MARGIN CMD...: a benchmark told to stop starting cases MARGIN s early.
+bench() {
+    local name=$1 result=$2 max=$3 margin=$4 t
+    shift 4
+    t=$(limit "$max") || { skip "$name" "time budget"; return; }
+    RESULT_NAMES+=("$result")
+    rm -f "$RESULTS/$result".{json,png} "$RESULTS/${result}_tiny".{json,png}
+    step "$name" "$t" "$@" --max-seconds $((t - margin > 30 ? t - margin : 30)) --copy-to '' \
+        "${BENCH_ARGS[@]}"
+}
+
+bench_single() {
+    bench bench-single single_gpu 330 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.single_gpu
+}
+bench_hp() {
+    bench bench-hp head_parallel 240 40 "${MPI[@]}" "$PY" -m benchmarks.head_parallel
+}
+bench_cp_single() {
+    bench bench-cp-single context_parallel_single 240 70 \
+        "${ONE_GPU[@]}" "$PY" -m benchmarks.context_parallel --single-gpu
+}
+bench_cp_dist() {
+    bench bench-cp-dist context_parallel 480 110 "${MPI[@]}" "$PY" -m benchmarks.context_parallel
+}
+
+# Everything into $OUT: summary.txt, session.tar.gz, then result files while fewer than 8.
+collect() {
+    local name f count=2
+    {
+        echo
+        echo "elapsed $(($(date +%s) - START))s of a ${BUDGET_S}s budget"
+        for f in "${STEP_LOGS[@]}"; do
+            echo
+            echo "----- $(basename "$f")"
+            # pytest: the result line of every rank, and the failures
+            grep -E '([0-9]+ (passed|failed|errors?|skipped)|no tests ran).* in [0-9.]+s' "$f" \
+                | sed -E 's/^\[[0-9]+,[0-9]+\]<std[a-z]+>: ?//' | sort | uniq -c
+            grep -E '^(\[[0-9]+,[0-9]+\]<std[a-z]+>: ?)?(FAILED|ERROR) ' "$f" | head -n 40
+            # benchmarks: the tables at the end; anything else: its last lines
+            if grep -q '^TFLOP/s' "$f"; then sed -n '/^TFLOP\/s/,$p' "$f"; else tail -n 25 "$f"; fi
+        done
+    } >> "$SUMMARY"
+    cp "$SUMMARY" "$OUT/summary.txt"
+    local results=()
+    for f in "$RESULTS"/*.json "$RESULTS"/*.png; do [ -f "$f" ] && results+=("$f"); done
+    tar -czf "$OUT/session.tar.gz" -C "$(dirname "$LOGS")" logs -C "$PWD" "${results[@]}"
+    for ext in json png; do
+        for name in "${RESULT_NAMES[@]}"; do
+            for f in "$RESULTS/$name.$ext" "$RESULTS/${name}_tiny.$ext"; do
+                if [ -f "$f" ] && ((count < 8)); then cp "$f" "$OUT/"; count=$((count + 1)); fi
+            done
+        done
+    done
+    echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+}
+trap collect EXIT
+
+{
+    echo "gpu_session: parts ${*:-all}; $(date -u '+%Y-%m-%dT%H:%M:%SZ'); NP=$NP"
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,power.draw \
+        --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+                                  "gpus", torch.cuda.device_count())'
+} 2>&1 | tee -a "$SUMMARY"
+
+parts=("$@")
+((${#parts[@]})) || parts=(all)
+for part in "${parts[@]}"; do
+    case "$part" in
+        all) tests_gpu; tests_dist; bench_single; bench_hp; bench_cp_single; bench_cp_dist ;;
+        tests) tests_gpu; tests_dist ;;
+        tests-gpu) tests_gpu ;;
+        tests-dist) tests_dist ;;
+        bench) bench_single; bench_hp; bench_cp_single; bench_cp_dist ;;
+        bench-single) bench_single ;;
+        bench-hp) bench_hp ;;
+        bench-cp) bench_cp_single; bench_cp_dist ;;
+        bench-cp-single) bench_cp_single ;;
+        bench-cp-dist) bench_cp_dist ;;
+        *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
+    esac
+done
