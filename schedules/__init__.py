@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+from .allgather import AllGather
 from .base import Description, Schedule
 from .head_parallel import HeadParallel
 from .replicated import Replicated
 from .ring import Ring
+from .ulysses import Ulysses
 
 _REGISTRY: dict[str, type[Schedule]] = {}
 
@@ -33,7 +35,7 @@ def get(name: str, mesh=None, **options) -> Schedule:
     return _REGISTRY[name](mesh, **options)
 
 
-for _cls in (Replicated, HeadParallel, Ring):
+for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses):
     register(_cls)
 
 __all__ = ["Description", "Schedule", "get", "names", "register"]

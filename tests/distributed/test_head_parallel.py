@@ -45,6 +45,8 @@ def test_head_parallel_describe_has_no_communication(mesh):
 
 
 def test_heads_not_divisible_raise_before_any_collective(mesh):
+    if mesh.size() == 1:
+        pytest.skip("every head count divides by one rank")
     sched = schedules.get("head_parallel", mesh)
     t = torch.randn(1, 2 * mesh.size() + 1, 8, 16)
     with pytest.raises(ValueError, match=rf"heads {2 * mesh.size() + 1} must be divisible by the {mesh.size()} ranks"):

@@ -1,0 +1,157 @@
+"""``allgather``: context parallelism by gathering every rank's K/V (llama3, TE ``all_gather``).
+
+Rank r holds the tokens ``partition.indices(S, P, r)`` of q, k, v. Forward on rank r:
+
+    start all-gather of K and V ──┐   local block: own queries vs own keys
+                                  │   (causal: the top-left mask over the local tokens)
+    wait ◄────────────────────────┘
+    others = the other ranks' K/V in global token order (the one copy)
+    each run of consecutive local tokens [a, a+n) at local rows [o, o+n):
+        rows [o, o+n) attend fully to others[:a - o], every other rank's token before a
+
+load_balanced, P = 2, S = 16 in chunks of 4; rank 0 holds chunks 0 and 3 (tokens 0-3, 12-15):
+
+    rows 0-3  (tokens 0-3)    others[:0]: nothing beyond the local block
+    rows 4-7  (tokens 12-15)  others[:8]: tokens 4-11 of rank 1
+
+Without causal, all local rows attend to all of ``others`` in one call. Every block is
+folded into fp32 accumulators by ``merge_into``. Backward gathers K/V again (the forward
+keeps nothing), runs the same calls with the global out and lse, accumulates dQ and the
+dK/dV of every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa_fusion.merge import accumulators, finish, merge_into
+
+from .base import Description
+from .buffers import buffer_shape, from_buffer, to_buffer
+from .sequence import SequenceSchedule
+
+MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
+
+
+def runs(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, stop) local rows of each run of consecutive global positions in ``indices``."""
+    breaks = ((indices[1:] != indices[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0, *breaks, len(indices)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def gathered_calls(indices: torch.Tensor, kv_len: int, kv_local: int,
+                   causal: bool) -> list[tuple[slice, int]]:
+    """(local query rows, n) of every kernel call after the gather: the rows attend without a
+    mask to the first n of the other ranks' keys in global order (pure; no call when n = 0)."""
+    if not causal:
+        n = kv_len - kv_local
+        return [(slice(0, len(indices)), n)] if n else []
+    calls = []
+    for start, stop in runs(indices):
+        before = int(indices[start]) - start  # tokens before the run held by other ranks
+        if before:
+            calls.append((slice(start, stop), before))
+    return calls
+
+
+class AllGather(SequenceSchedule):
+    name = "allgather"
+
+    def validate(self, spec):
+        super().validate(spec)
+        if not spec.causal:
+            return
+        q_len = spec.q_len * self.size
+        most = max(len(runs(self.indices(q_len, r))) for r in range(self.size))
+        if most > MAX_RUNS:
+            raise ValueError(
+                f"schedule 'allgather' with causal=True makes one kernel call per run of "
+                f"consecutive tokens a rank holds, at most {MAX_RUNS}; partition "
+                f"{self.partition.name!r} gives a rank {most} runs of a {q_len}-token sequence "
+                f"over {self.size} ranks. Use partition='load_balanced' or 'contiguous' (or "
+                f"schedule 'ring' for 'striped')"
+            )
+
+    def _calls(self, q_len: int, kv_len: int, causal: bool):
+        return gathered_calls(self.indices(q_len), kv_len, kv_len // self.size, causal)
+
+    def _other_positions(self, kv_len: int, device):
+        """(rank, where its tokens go in ``others``) for every other rank."""
+        kept = torch.ones(kv_len, dtype=torch.long)
+        kept[self.indices(kv_len)] = 0
+        slot = kept.cumsum(0) - 1
+        return [(j, slot[self.indices(kv_len, j)].to(device))
+                for j in range(self.size) if j != self.index]
+
+    def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
+        """The other ranks' tokens of a gathered [P, *buffer] tensor, in global token order."""
+        b, h, s_local, e = from_buffer(gathered[0], layout).shape
+        others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
+                              device=gathered.device)
+        for j, slots in positions:
+            others.index_copy_(2, slots, from_buffer(gathered[j], layout))
+        return others
+
+    def _start_gather(self, k, v, layout):
+        """Start gathering K and V; also return where the other ranks' tokens go in ``others``."""
+        pending = [self.comm.all_gather(to_buffer(t, layout)) for t in (k, v)]
+        return pending, self._other_positions(k.shape[2] * self.size, k.device)
+
+    def forward(self, q, k, v, spec, kernel, dropout=None):
+        layout, scale = spec.layout, spec.softmax_scale
+        pending, positions = self._start_gather(k, v, layout)
+        out_acc, lse_acc = accumulators(q, layout)
+        merge_into(out_acc, lse_acc, *kernel.forward(q, k, v, causal=spec.causal, scale=scale))
+        k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
+        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
+            o, lse = kernel.forward(q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], causal=False,
+                                    scale=scale)
+            merge_into(out_acc, lse_acc, o, lse, rows=rows)
+        return finish(out_acc, q.dtype, layout), lse_acc
+
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+        layout, scale = spec.layout, spec.softmax_scale
+        pending, positions = self._start_gather(k, v, layout)
+        dq, *own = kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale)
+        dq = dq.float()
+        k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
+        others = [torch.zeros_like(t, dtype=torch.float32) for t in (k_o, v_o)]
+        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
+            dq_b, *grads = kernel.backward(
+                dout[:, :, rows], q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], out[:, :, rows],
+                lse[:, :, rows].contiguous(), causal=False, scale=scale,
+            )
+            dq[:, :, rows] += dq_b
+            for acc, g in zip(others, grads):
+                acc[:, :, :n] += g
+        dk, dv = self._reduce_scatter(own, others, positions, layout)
+        return finish(dq, q.dtype, layout), finish(dk, k.dtype, layout), finish(dv, v.dtype, layout)
+
+    def _reduce_scatter(self, own, others, positions, layout):
+        """dK, dV (fp32) of this rank's tokens: every rank's gradients of them, summed."""
+        shape = buffer_shape(own[0].shape, layout)
+        send = torch.empty((self.size, len(own), *shape), dtype=torch.float32, device=own[0].device)
+        for i, (g_own, g_others) in enumerate(zip(own, others)):
+            from_buffer(send[self.index, i], layout).copy_(g_own)
+            for j, slots in positions:
+                torch.index_select(g_others, 2, slots, out=from_buffer(send[j, i], layout))
+        mine = self.comm.reduce_scatter(send)
+        return [from_buffer(g, layout) for g in mine]
+
+    def describe(self, spec):
+        p, itemsize = self.size, spec.dtype.itemsize
+        kv = 2 * spec.batch * spec.kv_heads * (spec.kv_len // p) * spec.head_dim
+        gather, scatter = (p - 1) * kv * itemsize, (p - 1) * kv * 4
+        q_local = spec.q_len // p
+        calls = self._calls(spec.q_len, spec.kv_len, spec.causal)
+        pairs = q_local * (spec.kv_len // p) * (0.5 if spec.causal else 1.0)
+        pairs += sum((rows.stop - rows.start) * n for rows, n in calls)
+        flops = 4.0 * spec.batch * spec.heads * spec.head_dim * pairs
+        return Description(
+            self.name, p, steps=1 + len(calls), bytes_sent=gather, bytes_received=gather,
+            flops=flops, backward_steps=1 + len(calls), backward_bytes_sent=gather + scatter,
+            backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
+            notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
+                  f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered",
+        )

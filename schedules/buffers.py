@@ -1,0 +1,38 @@
+"""Logical [B, H, S, E] tensors as the memory buffers that collectives move, and back.
+
+A BSHE tensor is a [B, S, H, E] buffer seen as [B, H, S, E]. Collectives send buffers
+(``to_buffer`` is a view, no copy, for a tensor that has the layout), so nothing changes
+layout on the way; what arrives is seen as logical tensors again with ``from_buffer``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa_fusion.layout import Layout
+
+
+def buffer_shape(shape, layout: Layout) -> list[int]:
+    """The shape in memory order of a logical ``shape``."""
+    return [shape[d] for d in layout.memory_order]
+
+
+def to_buffer(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The contiguous memory-order buffer of logical ``t`` (a view when ``t`` has ``layout``)."""
+    return t.permute(layout.memory_order).contiguous()
+
+
+def from_buffer(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The logical [B, H, S, E] view of a memory-order buffer."""
+    order = layout.memory_order
+    return buf.permute([order.index(d) for d in range(len(order))])
+
+
+def views(flat: torch.Tensor, shapes, layout: Layout) -> list[torch.Tensor]:
+    """Logical views, in ``layout``, of consecutive pieces of the 1-D buffer ``flat``."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        out.append(from_buffer(flat[offset:offset + n].view(buffer_shape(shape, layout)), layout))
+        offset += n
+    return out

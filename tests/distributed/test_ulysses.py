@@ -1,0 +1,148 @@
+"""ulysses schedule vs the single-process reference, its errors and its byte counts.
+
+    mpirun -np 2 python -m pytest tests/distributed/test_ulysses.py
+    mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_ulysses.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import schedules
+import sdpa_fusion
+
+from .conftest import assert_matches, make_problem, run_schedule
+from .cross_attention import make_cross_problem
+
+PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
+
+
+def index_map(s: int, p: int, causal: bool):
+    """A random permutation split into rows; sorted within each row when causal (ulysses
+    restores global order, so any increasing rows work)."""
+    rows = torch.randperm(s, generator=torch.Generator().manual_seed(7)).view(p, -1)
+    return (rows.sort(dim=1).values if causal else rows).tolist()
+
+
+def schedule(mesh, partition: str, s: int, causal: bool):
+    if partition == "index_map":
+        partition = index_map(s, mesh.size(), causal)
+    return schedules.get("ulysses", mesh, partition=partition)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_share", [1, 2, 0], ids=["mha", "gqa", "mqa"])
+def test_matches_reference(mesh, partition, layout, causal, kv_share):
+    """kv_share: query heads per K/V head (0: one K/V head, replicated when there are ranks)."""
+    p = mesh.size()
+    h = 2 * p
+    s = 8 * p
+    problem = make_problem(b=2, h=h, h_kv=h // kv_share if kv_share else 1, s=s, e=8,
+                           layout=layout, causal=causal, scale=0.3)
+    assert_matches(problem, run_schedule(schedule(mesh, partition, s, causal), problem))
+
+
+@pytest.mark.parametrize("partition", ["load_balanced", "striped"])
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_keys_outnumber_queries(mesh, partition, layout):
+    p = mesh.size()
+    problem = make_cross_problem(4 * p, 12 * p, h=2 * p, h_kv=p, layout=layout)
+    sched = schedules.get("ulysses", mesh, partition=partition)
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_bf16(mesh, layout):
+    p = mesh.size()
+    problem = make_problem(b=1, h=2 * p, h_kv=p, s=16 * p, e=16, layout=layout, causal=True,
+                           dtype=torch.bfloat16)
+    sched = schedules.get("ulysses", mesh, partition="load_balanced")
+    assert_matches(problem, run_schedule(sched, problem), torch.bfloat16)
+
+
+def test_heads_not_divisible(mesh):
+    p = mesh.size()
+    if p == 1:
+        pytest.skip("every head count divides by one rank")
+    sched = schedules.get("ulysses", mesh)
+    q = torch.randn(1, p + 1, 2 * p, 16)
+    with pytest.raises(ValueError, match=rf"heads={p + 1} must be divisible by the {p} ranks of "
+                                         rf"schedule 'ulysses' .* use a multiple of {p} heads"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
+
+
+def test_kv_heads_neither_multiple_nor_divisor(mesh):
+    p = mesh.size()
+    if p == 1:
+        pytest.skip("every head count divides by one rank")
+    sched = schedules.get("ulysses", mesh)
+    q, kv = torch.randn(1, 3 * p, 2 * p, 16), torch.randn(1, 3, 2 * p, 16)
+    with pytest.raises(ValueError, match=rf"kv_heads=3 must be divisible by the {p} ranks .* "
+                                         rf"or divide {p} \(K/V heads are then replicated\)"):
+        sdpa_fusion.attention(q, kv, kv, schedule=sched, kernel="reference")
+
+
+def test_sequence_not_divisible(mesh):
+    p = mesh.size()
+    sched = schedules.get("ulysses", mesh, partition="load_balanced")
+    q = torch.randn(1, 2 * p, 3, 16)
+    with pytest.raises(ValueError, match=rf"sequence length {3 * p} must be divisible by {2 * p} "
+                                         rf"for load_balanced sharding over {p} ranks; pad"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
+
+
+def test_causal_unordered_index_map_is_refused(mesh):
+    p = mesh.size()
+    rows = torch.randperm(4 * p, generator=torch.Generator().manual_seed(3)).view(p, -1)
+    rows = rows.sort(dim=1, descending=True).values.tolist()
+    sched = schedules.get("ulysses", mesh, partition=rows)
+    q = torch.randn(1, 2 * p, 4, 16)
+    with pytest.raises(ValueError, match="needs each rank's tokens in increasing order"):
+        sdpa_fusion.attention(q, q, q, causal=True, schedule=sched, kernel="reference")
+
+
+def _formula(spec, p):
+    """Bytes per rank, forward and backward, from the definition: (P-1)/P of what each
+    all-to-all moves."""
+    token_head = spec.batch * (spec.q_len // p) * spec.head_dim * spec.dtype.itemsize
+    h, h_kv = spec.heads // p, max(spec.kv_heads // p, 1)
+    lse = spec.batch * h * (spec.q_len // p) * 4
+    qkv = (h + 2 * h_kv) * token_head
+    forward = (p - 1) * (qkv + h * token_head + lse)                  # q,k,v; out; lse
+    backward = (p - 1) * (qkv + 2 * h * token_head + lse + qkv)        # dout,q,k,v,out; lse; grads
+    return forward, backward
+
+
+@pytest.mark.parametrize("kv_heads", [8, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_describe_formula(mesh, kv_heads, causal):
+    p = mesh.size()
+    spec = sdpa_fusion.AttentionSpec(2, 8, kv_heads, 64 * p, 64 * p, 64, causal=causal)
+    d = schedules.get("ulysses", mesh).describe(spec)
+    forward, backward = _formula(spec, p)
+    assert (d.bytes_sent, d.bytes_received) == (forward, forward)
+    assert (d.backward_bytes_sent, d.backward_bytes_received) == (backward, backward)
+    assert d.flops == pytest.approx(spec.flops() / p)
+    assert d.backward_flops == pytest.approx(2.5 * spec.flops() / p)
+
+
+@pytest.mark.parametrize("kv_share", [2, 0], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_describe_matches_communicator(mesh, layout, kv_share):
+    p = mesh.size()
+    h = 2 * p
+    problem = make_problem(b=1, h=h, h_kv=h // kv_share if kv_share else 1, s=8 * p, e=8,
+                           layout=layout, causal=True, dtype=torch.bfloat16)
+    sched = schedules.get("ulysses", mesh, partition="load_balanced")
+    q, k, v = (sched.shard(t, layout=layout).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    d = sched.describe(sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, layout=layout)))
+    sched.comm.stats.reset()
+    out = sdpa_fusion.attention(q, k, v, causal=True, layout=layout, kernel="reference", schedule=sched)
+    stats = sched.comm.stats
+    assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (d.bytes_sent, d.bytes_received, 3)
+    out.backward(sched.shard(problem.dout, layout=layout))
+    assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
+        d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received, 6)
