@@ -102,12 +102,13 @@ class AllGather(SequenceSchedule):
         layout, scale = spec.layout, spec.softmax_scale
         pending, positions = self._start_gather(k, v, layout)
         out_acc, lse_acc = accumulators(q, layout)
-        merge_into(out_acc, lse_acc, *kernel.forward(q, k, v, causal=spec.causal, scale=scale))
+        local = kernel.forward(q, k, v, causal=spec.causal, scale=scale)
+        out_acc, lse_acc = merge_into(out_acc, lse_acc, *local)
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
         for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
             o, lse = kernel.forward(q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], causal=False,
                                     scale=scale)
-            merge_into(out_acc, lse_acc, o, lse, rows=rows)
+            out_acc, lse_acc = merge_into(out_acc, lse_acc, o, lse, rows=rows)
         return finish(out_acc, q.dtype, layout), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):

@@ -48,6 +48,7 @@ class Schedule(abc.ABC):
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
         self.mesh = mesh
+        self.agreed: set[AttentionSpec] = set()  # local problems all ranks have checked
         if mesh is not None:
             self.dim = dim or mesh.names[-1 if self.sharded_dim != 1 else 0]
             mesh.size(self.dim)  # a clear error for an unknown dim name

@@ -107,7 +107,7 @@ class Ring(SequenceSchedule):
                 rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
                 kb, vb = (_rows(t, keys) for t in current)
                 o, lse = kernel.forward(_rows(q, rows), kb, vb, causal=causal, scale=scale)
-                merge_into(out_acc, lse_acc, o, lse, rows=rows)
+                out_acc, lse_acc = merge_into(out_acc, lse_acc, o, lse, rows=rows)
             if pending is not None:
                 current, pending = tuple(pending.wait()), None
         return finish(out_acc, q.dtype, layout_of(q)), lse_acc

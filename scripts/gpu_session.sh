@@ -14,6 +14,7 @@
 #   bench-cp         bench-cp-single, then bench-cp-dist
 #   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
 #   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min)
+#   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
@@ -130,6 +131,12 @@ bench_cp_dist() {
     bench bench-cp-dist context_parallel 480 110 "${MPI[@]}" "$PY" -m benchmarks.context_parallel
 }
 
+profile_ring() {
+    local t
+    t=$(limit 120) || { skip profile-ring "time budget"; return; }
+    step profile-ring "$t" "${MPI[@]}" "$PY" -m benchmarks.profile_ring
+}
+
 # Everything into $OUT: summary.txt, session.tar.gz, then result files while fewer than 8.
 collect() {
     local name f count=2
@@ -184,6 +191,7 @@ for part in "${parts[@]}"; do
         bench-cp) bench_cp_single; bench_cp_dist ;;
         bench-cp-single) bench_cp_single ;;
         bench-cp-dist) bench_cp_dist ;;
+        profile-ring) profile_ring ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done

@@ -58,8 +58,10 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
     except ValueError as e:
         error = e
     mesh = getattr(schedule, "mesh", None)
-    if mesh is not None and mesh.world_size > 1:
+    # A problem every rank already agreed on skips the exchange (a training step's hot path).
+    if mesh is not None and mesh.world_size > 1 and (error is not None or spec not in schedule.agreed):
         _agree_on(mesh, schedule, spec, error)
+        schedule.agreed.add(spec)
     if error is not None:
         raise error
     return Plan(spec, chosen[0], tuple(chosen[1]), schedule)

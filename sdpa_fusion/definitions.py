@@ -353,16 +353,20 @@ class LseMerge(Definition):
         lse = m + log(exp(lse_a - m) + exp(lse_b - m))
         out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / exp(lse - m)
 
-    Rows with both lse -inf give out 0 and lse -inf, never NaN. Inputs may be views into a
-    sub-range of the sequence (only the innermost dim must be dense).
+    Rows with both lse -inf give out 0 and lse -inf, never NaN. With ``dense=False`` the
+    inputs may be views into a sub-range of the sequence (only the innermost dim dense);
+    ``dense=True`` declares them dense in ``layout``, which lets nvFuser vectorize and
+    index them as flat buffers.
     """
 
     input_names = ("out_a", "lse_a", "out_b", "lse_b")
     output_names = ("out", "lse")
 
     def __init__(self, heads: int, head_dim: int, *, layout: Layout | str = Layout.BHSE,
-                 acc_dtype: torch.dtype = torch.float32, block_dtype: torch.dtype = torch.bfloat16):
+                 acc_dtype: torch.dtype = torch.float32, block_dtype: torch.dtype = torch.bfloat16,
+                 dense: bool = False):
         self.heads, self.head_dim, self.layout = heads, head_dim, Layout.of(layout)
+        self.dense = dense
         self.acc_dtype, self.block_dtype = acc_dtype, block_dtype
         if self.layout.is_varlen:
             raise ValueError("LseMerge takes layout 'bhse' or 'bshe'; view packed tensors as 'bshe'")
@@ -376,13 +380,13 @@ class LseMerge(Definition):
 
     def _out(self, dtype: torch.dtype):
         return self.define_tensor(
-            shape=[-1, self.heads, -1, self.head_dim], contiguity=[False, False, False, True],
+            shape=[-1, self.heads, -1, self.head_dim], contiguity=[self.dense] * 3 + [True],
             dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order,
         )
 
     def _lse(self):
         return self.define_tensor(
-            shape=[-1, self.heads, -1], contiguity=[False, False, True], dtype=DataType.Float
+            shape=[-1, self.heads, -1], contiguity=[self.dense] * 2 + [True], dtype=DataType.Float
         )
 
     def definition(self) -> None:

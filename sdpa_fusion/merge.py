@@ -11,8 +11,8 @@ A ring loop keeps fp32 accumulators and folds in one block at a time:
     out_acc, lse_acc = accumulators(q)                 # zeros, -inf
     for each step:
         block_out, block_lse = kernel.forward(q, k_blk, v_blk, ...)
-        merge_into(out_acc, lse_acc, block_out, block_lse)           # all local queries
-        merge_into(out_acc, lse_acc, o2, l2, rows=slice(s // 2, None))  # or some of them
+        out_acc, lse_acc = merge_into(out_acc, lse_acc, block_out, block_lse)  # all queries
+        out_acc, lse_acc = merge_into(out_acc, lse_acc, o2, l2, rows=slice(s // 2, None))
     out = finish(out_acc, q.dtype, layout)
 
 On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed, otherwise
@@ -25,7 +25,7 @@ import torch
 
 from .kernels.base import layout_of
 from .kernels.nvfuser import import_error
-from .layout import Layout
+from .layout import Layout, has_layout
 
 
 def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
@@ -51,14 +51,17 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
-               block_lse: torch.Tensor, rows: slice | None = None) -> None:
-    """Fold a block's (out, lse) into the accumulators in place, over the query ``rows``
-    (a slice of the sequence dim; all rows when None)."""
-    rows = slice(None) if rows is None else rows
+               block_lse: torch.Tensor, rows: slice | None = None):
+    """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice of the
+    sequence dim; all rows when None) and return the accumulators: the merged tensors
+    themselves when every row is merged, else ``out_acc`` and ``lse_acc`` updated in place."""
+    if rows is None or rows == slice(None):
+        return merge_partial(out_acc, lse_acc, block_out, block_lse)
     out_view, lse_view = out_acc[:, :, rows], lse_acc[:, :, rows]
     new_out, new_lse = merge_partial(out_view, lse_view, block_out, block_lse)
     out_view.copy_(new_out)
     lse_view.copy_(new_lse)
+    return out_acc, lse_acc
 
 
 def finish(out_acc: torch.Tensor, dtype: torch.dtype, layout: Layout | str) -> torch.Tensor:
@@ -92,9 +95,11 @@ def _merge_torch(out, lse, block_out, block_lse):
 def _merge_fused(out, lse, block_out, block_lse):
     from .definitions import LseMerge
 
+    layout = layout_of(out)
+    block_out = layout.to(block_out)
+    dense = has_layout(out, layout) and lse.is_contiguous() and block_lse.is_contiguous()
     fd = LseMerge.cached(
-        out.shape[1], out.shape[3], layout=layout_of(out), acc_dtype=out.dtype,
-        block_dtype=block_out.dtype,
+        out.shape[1], out.shape[3], layout=layout, acc_dtype=out.dtype,
+        block_dtype=block_out.dtype, dense=dense,
     )
-    block_out = layout_of(out).to(block_out)
     return tuple(fd.execute([out, lse.float(), block_out, block_lse.float()]))

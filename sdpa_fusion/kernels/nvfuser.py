@@ -14,7 +14,7 @@ import functools
 import torch
 
 from ..spec import AttentionSpec
-from .base import Dropout, Kernel, layout_of, register
+from .base import Dropout, Kernel, expand_kv_heads, layout_of, reduce_kv_heads, register
 
 INSTALL_HINT = "pip install nvfuser-cu128-torch210 (or nvfuser-cu130-torch210)"
 
@@ -55,7 +55,17 @@ class NvFuserKernel(Kernel):
     def split_heads(self, mesh, dim: str) -> "NvFuserKernel":
         return NvFuserKernel(mesh.nvfuser_mesh(dim), mesh.size(dim))
 
+    def _split_kv(self, q, k, v):
+        """(k, v, groups) as the fusion takes them. nvFuser 0.2.36 cannot carry a DID head
+        split through the in-fusion GQA expand, so under a split the K/V heads are expanded
+        here and their gradients summed back with ``reduce_kv_heads``."""
+        groups = q.shape[1] // k.shape[1]
+        if self.mesh is None or groups == 1:
+            return k, v, 1
+        return expand_kv_heads(k, groups), expand_kv_heads(v, groups), groups
+
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+        k, v, _ = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         outs = self._fusion("SdpaForward", spec).execute(
             self._dense(spec, q, k, v), **self._scalars(spec)
@@ -65,21 +75,24 @@ class NvFuserKernel(Kernel):
         return outs[0], outs[1]
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+        k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         inputs = [*self._dense(spec, dout, q, k, v, out), lse.contiguous(),
                   *_rng_state(spec, dropout, q.device)]
         dq, dk, dv = self._fusion("SdpaBackward", spec).execute(inputs, **self._scalars(spec))
-        return dq, dk, dv
+        return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
     def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None):
         """(out, lse, dq, dk, dv) from one fusion of forward and backward."""
+        k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         outs = self._fusion("SdpaForwardBackward", spec).execute(
             self._dense(spec, q, k, v, dout), **self._scalars(spec)
         )
         if spec.dropout_p > 0:
             dropout.seed, dropout.offset = outs[5], outs[6]
-        return tuple(outs[:5])
+        out, lse, dq, dk, dv = outs[:5]
+        return out, lse, dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
     def _spec(self, q, k, causal, scale, dropout) -> AttentionSpec:
         """The problem the fusion is defined for: global head counts under a head split."""

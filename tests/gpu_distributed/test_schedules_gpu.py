@@ -22,20 +22,21 @@ SCHEDULES = ["head_parallel", "ring", "allgather", "ulysses"]
 KERNELS = ["nvfuser", "cudnn", "flash"]
 
 
-def _full_problem(layout, *, b=2, h=8, s=2048, e=128, seed=0):
+def _full_problem(layout, *, b=2, h=8, h_kv=8, s=2048, e=128, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
-    def rand():
-        return Layout.of(layout).to(torch.randn(b, h, s, e, device="cuda", generator=g, dtype=torch.bfloat16))
+    def rand(heads):
+        t = torch.randn(b, heads, s, e, device="cuda", generator=g, dtype=torch.bfloat16)
+        return Layout.of(layout).to(t)
 
-    return rand(), rand(), rand(), rand()
+    return rand(h), rand(h_kv), rand(h_kv), rand(h)
 
 
 def _torch_reference(q, k, v, dout, causal):
     """fp32 math on the upcast inputs: (out, dq, dk, dv)."""
     q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.MATH):
-        out = scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     out.backward(dout.float())
     return out, q.grad, k.grad, v.grad
 
@@ -44,11 +45,12 @@ def _torch_reference(q, k, v, dout, causal):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_schedule_matches_torch_sdpa(mesh, schedule, kernel, layout, causal):
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+def test_schedule_matches_torch_sdpa(mesh, schedule, kernel, layout, causal, kv_heads):
     if schedule not in schedules.names():
         pytest.fail(f"schedule {schedule!r} is not registered")
     sched = schedules.get(schedule, mesh)
-    q, k, v, dout = _full_problem(layout)
+    q, k, v, dout = _full_problem(layout, h_kv=kv_heads)
     expected = _torch_reference(q, k, v, dout, causal)
     q_l, k_l, v_l = (sched.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
     out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, layout=layout, kernel=kernel, schedule=sched)
