@@ -15,7 +15,7 @@ load_balanced, P = 2, S = 16 in chunks of 4; rank 0 holds chunks 0 and 3 (tokens
     rows 4-7  (tokens 12-15)  others[:8]: tokens 4-11 of rank 1
 
 Without causal, all local rows attend to all of ``others`` in one call. Every block is
-folded into fp32 accumulators by ``merge_into``. Backward gathers K/V again (the forward
+folded into fp32 accumulators by ``fold``. Backward gathers K/V again (the forward
 keeps nothing), runs the same calls with the global out and lse, accumulates dQ and the
 dK/dV of every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from sdpa_fusion.merge import accumulators, finish, merge_into
+from sdpa_fusion.merge import accumulators, finish, fold
 
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
@@ -103,12 +103,12 @@ class AllGather(SequenceSchedule):
         pending, positions = self._start_gather(k, v, layout)
         out_acc, lse_acc = accumulators(q, layout)
         local = kernel.forward(q, k, v, causal=spec.causal, scale=scale)
-        out_acc, lse_acc = merge_into(out_acc, lse_acc, *local)
+        out_acc, lse_acc = fold(out_acc, lse_acc, *local)
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
         for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
             o, lse = kernel.forward(q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], causal=False,
                                     scale=scale)
-            out_acc, lse_acc = merge_into(out_acc, lse_acc, o, lse, rows=rows)
+            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
         return finish(out_acc, q.dtype, layout), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):

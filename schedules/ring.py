@@ -3,7 +3,7 @@
 At step i rank r holds the K/V block of rank (r - i) mod P. While it attends its queries to
 that block, the block travels on to rank r + 1 and the next one arrives from rank r - 1
 (async point-to-point, double-buffered). Each step's (out, lse) is folded into fp32
-accumulators by ``merge_into``.
+accumulators by ``fold``.
 
 Causal masks per step come from ``block_case`` (no communication). With the load-balanced
 partition every rank holds an early chunk and a late chunk of the sequence, and every step
@@ -25,7 +25,7 @@ import enum
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish, merge_into
+from sdpa_fusion.merge import accumulators, finish, fold
 
 from .base import Description
 from .partition import Contiguous, LoadBalanced, Striped
@@ -107,7 +107,7 @@ class Ring(SequenceSchedule):
                 rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
                 kb, vb = (_rows(t, keys) for t in current)
                 o, lse = kernel.forward(_rows(q, rows), kb, vb, causal=causal, scale=scale)
-                out_acc, lse_acc = merge_into(out_acc, lse_acc, o, lse, rows=rows)
+                out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
             if pending is not None:
                 current, pending = tuple(pending.wait()), None
         return finish(out_acc, q.dtype, layout_of(q)), lse_acc

@@ -11,8 +11,8 @@ A ring loop keeps fp32 accumulators and folds in one block at a time:
     out_acc, lse_acc = accumulators(q)                 # zeros, -inf
     for each step:
         block_out, block_lse = kernel.forward(q, k_blk, v_blk, ...)
-        out_acc, lse_acc = merge_into(out_acc, lse_acc, block_out, block_lse)  # all queries
-        out_acc, lse_acc = merge_into(out_acc, lse_acc, o2, l2, rows=slice(s // 2, None))
+        out_acc, lse_acc = fold(out_acc, lse_acc, block_out, block_lse)  # all queries
+        out_acc, lse_acc = fold(out_acc, lse_acc, o2, l2, rows=slice(s // 2, None))
     out = finish(out_acc, q.dtype, layout)
 
 On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed, otherwise
@@ -50,7 +50,7 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return _merge_torch(out, lse, block_out, block_lse)
 
 
-def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
+def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
                block_lse: torch.Tensor, rows: slice | None = None):
     """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice of the
     sequence dim; all rows when None) and return the accumulators: the merged tensors

@@ -8,7 +8,7 @@ import torch
 
 from sdpa_fusion.kernels import get
 from sdpa_fusion.layout import Layout, has_layout
-from sdpa_fusion.merge import accumulators, finish, merge_into, merge_partial
+from sdpa_fusion.merge import accumulators, finish, fold, merge_partial
 
 B, H, H_KV, S, E = 2, 4, 2, 64, 16
 SCALE = E ** -0.5
@@ -89,9 +89,9 @@ def test_ring_loop_with_a_slice_merge(layout):
     (k_a, k_b), (v_a, v_b) = halves(k), halves(v)
     out_acc, lse_acc = accumulators(q)
     assert has_layout(out_acc, layout) and torch.isneginf(lse_acc).all()
-    out_acc, lse_acc = merge_into(out_acc, lse_acc, *full(q, k_a, v_a, causal=True))
+    out_acc, lse_acc = fold(out_acc, lse_acc, *full(q, k_a, v_a, causal=True))
     late = full(halves(q)[1], k_b, v_b, causal=True)
-    out_acc, lse_acc = merge_into(out_acc, lse_acc, *late, rows=slice(S // 2, None))
+    out_acc, lse_acc = fold(out_acc, lse_acc, *late, rows=slice(S // 2, None))
     want_out, want_lse = full(q, k, v, causal=True)
     torch.testing.assert_close(out_acc, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_acc, want_lse, atol=1e-5, rtol=1e-5)
@@ -103,7 +103,7 @@ def test_bf16_blocks_accumulate_in_fp32():
     q, k, v = (t.bfloat16() for t in qkv(Layout.BSHE))
     out_acc, lse_acc = accumulators(q)
     for k_i, v_i in zip(halves(k), halves(v)):
-        out_acc, lse_acc = merge_into(out_acc, lse_acc, *full(q, k_i, v_i))
+        out_acc, lse_acc = fold(out_acc, lse_acc, *full(q, k_i, v_i))
     assert out_acc.dtype == torch.float32
     want_out, _ = full(q, k, v)
     out = finish(out_acc, torch.bfloat16, Layout.BSHE)

@@ -57,10 +57,11 @@ class NvFuserKernel(Kernel):
 
     def _split_kv(self, q, k, v):
         """(k, v, groups) as the fusion takes them. nvFuser 0.2.36 cannot carry a DID head
-        split through the in-fusion GQA expand, so under a split the K/V heads are expanded
-        here and their gradients summed back with ``reduce_kv_heads``."""
+        split through the in-fusion GQA expand, nor lay out the expand of a single K/V head
+        (MQA) consistently, so in those cases the K/V heads are expanded here and their
+        gradients summed back with ``reduce_kv_heads``."""
         groups = q.shape[1] // k.shape[1]
-        if self.mesh is None or groups == 1:
+        if groups == 1 or (self.mesh is None and k.shape[1] > 1):
             return k, v, 1
         return expand_kv_heads(k, groups), expand_kv_heads(v, groups), groups
 

@@ -14,7 +14,7 @@ from sdpa_fusion.kernels import Dropout, get
 from sdpa_fusion.kernels.base import expand_kv_heads, reduce_kv_heads
 from sdpa_fusion.kernels.nvfuser import import_error
 from sdpa_fusion.layout import Layout, has_layout
-from sdpa_fusion.merge import _merge_fused, _merge_torch, accumulators, merge_into
+from sdpa_fusion.merge import _merge_fused, _merge_torch, accumulators, fold
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,6 +64,7 @@ def assert_close_all(actual, expected, dtype):
 CASES = [
     pytest.param(dict(kv_heads=H), id="mha"),
     pytest.param(dict(kv_heads=2), id="gqa"),
+    pytest.param(dict(kv_heads=1), id="mqa"),
     pytest.param(dict(kv_heads=2, e=128), id="gqa-e128"),
     pytest.param(dict(e=128, s_q=128, s_kv=384), id="e128-sq128-skv384"),
 ]
@@ -149,7 +150,7 @@ def test_lse_merge_fusion_into_a_slice(layout):
     want_out[:, :, rows], want_lse[:, :, rows] = _merge_torch(
         out[:, :, rows], lse[:, :, rows], block[:, :, rows], block_lse[:, :, rows]
     )
-    merge_into(out, lse, layout.to(block[:, :, rows]), block_lse[:, :, rows].contiguous(), rows=rows)
+    out, lse = fold(out, lse, layout.to(block[:, :, rows]), block_lse[:, :, rows].contiguous(), rows=rows)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
@@ -158,7 +159,7 @@ def test_lse_merge_fusion_over_two_kv_blocks():
     q, k, v, _ = problem(torch.bfloat16, Layout.BSHE, kv_heads=2, s_q=256, s_kv=512)
     out_acc, lse_acc = accumulators(q)
     for k_i, v_i in zip(k.chunk(2, dim=2), v.chunk(2, dim=2)):
-        merge_into(out_acc, lse_acc, *kernel.forward(q, k_i, v_i, causal=False, scale=0.125))
+        out_acc, lse_acc = fold(out_acc, lse_acc, *kernel.forward(q, k_i, v_i, causal=False, scale=0.125))
     want_out, want_lse = kernel.forward(q, k, v, causal=False, scale=0.125)
     torch.testing.assert_close(out_acc, want_out.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse_acc, want_lse, atol=1e-4, rtol=1e-4)
