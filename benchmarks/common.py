@@ -56,6 +56,17 @@ def add_output_args(parser) -> None:
                         help="also copy the JSON and PNG here ($OUT when set; '' for none)")
 
 
+def add_distributed_args(parser) -> None:
+    """Options shared by the benchmarks that run under mpirun, then --results-dir/--copy-to."""
+    parser.add_argument("--sync-each", action="store_true",
+                        help="barrier (one GPU: synchronize) before every timed iteration")
+    parser.add_argument("--timeout-s", type=float, default=300, help="collective timeout")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="stop starting new cases after this long (0: no limit)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU ranks (gloo)")
+    add_output_args(parser)
+
+
 def short(n: int) -> str:
     """4096 -> '4K', 1048576 -> '1M'."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):

@@ -45,13 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--layout", choices=("bhse", "bshe"), default="bhse")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--sync-each", action="store_true",
-                   help="barrier (one GPU: synchronize) before every timed iteration")
-    p.add_argument("--timeout-s", type=float, default=300, help="collective timeout")
-    p.add_argument("--max-seconds", type=float, default=0,
-                   help="stop starting new cases after this long (0: no limit)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU ranks (gloo)")
-    common.add_output_args(p)
+    common.add_distributed_args(p)
     args = p.parse_args(argv)
     if args.tiny:
         args.seq_lens, args.tokens, args.heads, args.head_dim = [64, 128], [256], 8, 16

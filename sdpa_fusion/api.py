@@ -9,6 +9,7 @@ import torch
 
 from . import kernels
 from .kernels import Dropout, Kernel
+from .kernels.base import layout_of
 from .layout import Layout
 from .spec import AttentionSpec
 
@@ -101,8 +102,6 @@ class _Attention(torch.autograd.Function):
 
 
 def _like(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
-    from .kernels.base import layout_of
-
     return layout_of(model).to(t)
 
 

@@ -85,6 +85,11 @@ class AttentionSpec:
             raise ValueError(f"layout='thd' packs sequences along T; batch must be 1, got {self.batch}")
         if self.cu_seqlens is None:
             raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths)")
+        if self.dropout_p > 0:
+            raise ValueError(
+                f"dropout_p={self.dropout_p} is not supported with layout='thd'; use "
+                f"dropout_p=0, or pad the sequences to one length and use layout='bshe'"
+            )
         if self.q_len != self.kv_len:
             raise ValueError(
                 f"layout='thd' needs q and k/v packed alike; got {self.q_len} query tokens "

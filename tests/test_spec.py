@@ -181,6 +181,11 @@ def test_thd_without_cu_seqlens():
         spec_of(thd(), layout="thd")
 
 
+def test_thd_with_dropout():
+    with pytest.raises(ValueError, match=r"^dropout_p=0.1 is not supported with layout='thd'"):
+        spec_of(thd(), layout="thd", cu_seqlens=cu(0, 20), dropout_p=0.1)
+
+
 def test_thd_cu_seqlens_not_1d_integer():
     with pytest.raises(ValueError, match=r"^cu_seqlens must be a 1-D integer tensor"):
         spec_of(thd(), layout="thd", cu_seqlens=torch.tensor([0.0, 20.0]))

@@ -38,18 +38,20 @@ class Problem:
     scale: float | None
 
 
-def make_problem(b=2, h=4, h_kv=None, s=32, e=16, *, layout="bhse", causal=False, scale=None,
-                 dtype=torch.float32, device="cpu", seed=0) -> Problem:
-    """Random inputs (same on every rank) and the single-process fp32 reference results."""
+def make_problem(b=2, h=4, h_kv=None, s=32, e=16, *, s_kv=None, layout="bhse", causal=False,
+                 scale=None, dtype=torch.float32, device="cpu", seed=0) -> Problem:
+    """Random inputs (same on every rank) and the single-process fp32 reference results;
+    ``s_kv`` keys per sequence (``s`` by default)."""
     layout = Layout.of(layout)
     h_kv = h_kv or h
     g = torch.Generator().manual_seed(seed)
 
-    def rand(heads):
-        t = torch.randn(b, heads, s, e, generator=g).to(dtype=dtype, device=device)
+    def rand(heads, length):
+        t = torch.randn(b, heads, length, e, generator=g).to(dtype=dtype, device=device)
         return layout.to(t)
 
-    q, k, v, dout = rand(h), rand(h_kv), rand(h_kv), rand(h)
+    q, dout = rand(h, s), rand(h, s)
+    k, v = rand(h_kv, s_kv or s), rand(h_kv, s_kv or s)
     spec = AttentionSpec.from_tensors(q, k, v, layout=layout, causal=causal, scale=scale)
     ref = ReferenceKernel()
     out, lse = ref.forward(q, k, v, causal=causal, scale=spec.softmax_scale)

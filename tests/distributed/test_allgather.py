@@ -14,7 +14,6 @@ import sdpa_fusion
 from schedules.allgather import gathered_calls, runs
 
 from .conftest import assert_matches, make_problem, run_schedule
-from .cross_attention import make_cross_problem
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -52,7 +51,7 @@ def test_matches_reference(mesh, partition, layout, causal, kv_heads):
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
 def test_keys_outnumber_queries(mesh, partition, layout):
     p = mesh.size()
-    problem = make_cross_problem(4 * p, 12 * p, h=4, h_kv=2, layout=layout)
+    problem = make_problem(b=1, h=4, h_kv=2, s=4 * p, s_kv=12 * p, e=8, layout=layout)
     sched = schedules.get("allgather", mesh, partition=partition)
     assert_matches(problem, run_schedule(sched, problem))
 

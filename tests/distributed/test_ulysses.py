@@ -13,7 +13,6 @@ import schedules
 import sdpa_fusion
 
 from .conftest import assert_matches, make_problem, run_schedule
-from .cross_attention import make_cross_problem
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -49,7 +48,7 @@ def test_matches_reference(mesh, partition, layout, causal, kv_share):
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
 def test_keys_outnumber_queries(mesh, partition, layout):
     p = mesh.size()
-    problem = make_cross_problem(4 * p, 12 * p, h=2 * p, h_kv=p, layout=layout)
+    problem = make_problem(b=1, h=2 * p, h_kv=p, s=4 * p, s_kv=12 * p, e=8, layout=layout)
     sched = schedules.get("ulysses", mesh, partition=partition)
     assert_matches(problem, run_schedule(sched, problem))
 
