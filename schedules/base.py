@@ -105,7 +105,7 @@ class Schedule(abc.ABC):
         """Steps, bytes and FLOPs per rank for the *global* ``spec``."""
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
-        """This rank's part of a full tensor, in ``layout``."""
+        """This rank's part of a full tensor, in ``layout`` (differentiable)."""
         layout = Layout.of(layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
@@ -113,11 +113,13 @@ class Schedule(abc.ABC):
         return layout.to(t.chunk(self.size, dim=self.sharded_dim)[self.index])
 
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
-        """The full tensor (same on every rank) from every rank's local part."""
+        """The full tensor (same on every rank) from every rank's local part; differentiable,
+        the gradient of the full tensor flowing back to this rank's part."""
         layout = Layout.of(layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
-        return layout.to(torch.cat(all_gather(t, self.group, self.size), dim=self.sharded_dim))
+        full = gather_cat(t, self.sharded_dim, self.group, self.size, self.index)
+        return layout.to(full)
 
     def __repr__(self) -> str:
         where = f"{self.dim}={self.size}" if self.mesh is not None else "one device"
@@ -133,8 +135,24 @@ def _check_divisible(t: torch.Tensor, dim: int, parts: int, name: str) -> None:
         )
 
 
-def all_gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same shape on all ranks), in group order."""
-    parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(size)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
+class _GatherCat(torch.autograd.Function):
+    """All ranks' parts concatenated along ``dim``. The result is replicated: each rank's
+    copy stands for the one full tensor, so its gradient flows back to this rank's own part
+    only (as DTensor's Shard -> Replicate does), with no communication."""
+
+    @staticmethod
+    def forward(ctx, t, dim: int, group, size: int, index: int):
+        parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        ctx.dim, ctx.size, ctx.index = dim, size, index
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.index], None, None, None, None
+
+
+def gather_cat(t: torch.Tensor, dim: int, group, size: int, index: int) -> torch.Tensor:
+    """Every rank's ``t`` (same shape on all ranks) concatenated along ``dim`` in group
+    order; differentiable (see ``_GatherCat``)."""
+    return _GatherCat.apply(t, dim, group, size, index)

@@ -12,7 +12,7 @@ import torch
 from sdpa_fusion.layout import Layout
 
 from . import partition as partitions
-from .base import Schedule, all_gather
+from .base import Schedule, gather_cat
 
 
 class SequenceSchedule(Schedule):
@@ -60,6 +60,6 @@ class SequenceSchedule(Schedule):
 
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
         layout = Layout.of(layout)
-        full = torch.cat(all_gather(t, self.group, self.size), dim=2)
+        full = gather_cat(t, 2, self.group, self.size, self.index)
         inverse = self.partition.inverse(full.shape[2], self.size).to(t.device)
         return layout.to(full.index_select(2, inverse))

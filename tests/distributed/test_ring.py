@@ -119,3 +119,4 @@ def test_causal_with_unordered_index_map_rejected(mesh):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="causal attention needs each rank's tokens in increasing order"):
         sdpa_fusion.attention(q, q, q, causal=True, kernel="reference", schedule=sched)
+
