@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on one machine of 4 GPUs, in one command, every step under
-# `timeout`, everything collected flat into $OUT (at most 8 files).
+# `timeout`, everything collected flat into $OUT (at most MAX_FILES files, default 8, so
+# that the results travel back from a remote machine as a few files).
 #
 #   scripts/gpu_session.sh [PART ...]          from the repo root
 #
@@ -27,16 +28,13 @@
 #
 # What lands in $OUT: summary.txt (each step's status and time, the benchmarks' tables, the
 # tests' summaries), session.tar.gz (every log and every result JSON/PNG), and the JSON, then
-# the PNG, of each benchmark run by this command, as many as the 8-file limit allows.
+# the PNG, of each benchmark run by this command, as many as MAX_FILES allows.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-if [ -z "${NVF_SITE:-}" ] && [ -f .devkit/env.sh ]; then   # the nvFuser kit, when not sourced
-    # shellcheck disable=SC1091
-    source .devkit/env.sh || exit 1
-fi
 
 OUT="${OUT:-$PWD/benchmarks/results/session}"
 NP="${NP:-4}"
+MAX_FILES="${MAX_FILES:-8}"
 PY="${PYTHON:-python3}"
 MPIRUN="${MPIRUN:-mpirun}"
 read -r -a MPI_EXTRA <<< "${MPI_EXTRA:-}"
@@ -137,7 +135,7 @@ profile_ring() {
     step profile-ring "$t" "${MPI[@]}" "$PY" -m benchmarks.profile_ring
 }
 
-# Everything into $OUT: summary.txt, session.tar.gz, then result files while fewer than 8.
+# Everything into $OUT: summary.txt, session.tar.gz, then result files up to MAX_FILES.
 collect() {
     local name f count=2
     {
@@ -157,11 +155,13 @@ collect() {
     cp "$SUMMARY" "$OUT/summary.txt"
     local results=()
     for f in "$RESULTS"/*.json "$RESULTS"/*.png; do [ -f "$f" ] && results+=("$f"); done
-    tar -czf "$OUT/session.tar.gz" -C "$(dirname "$LOGS")" logs -C "$PWD" "${results[@]}"
+    local tar_args=(-C "$(dirname "$LOGS")" logs)
+    ((${#results[@]})) && tar_args+=(-C "$PWD" "${results[@]}")
+    tar -czf "$OUT/session.tar.gz" "${tar_args[@]}"
     for ext in json png; do
         for name in "${RESULT_NAMES[@]}"; do
             for f in "$RESULTS/$name.$ext" "$RESULTS/${name}_tiny.$ext"; do
-                if [ -f "$f" ] && ((count < 8)); then cp "$f" "$OUT/"; count=$((count + 1)); fi
+                if [ -f "$f" ] && ((count < MAX_FILES)); then cp "$f" "$OUT/"; count=$((count + 1)); fi
             done
         done
     done
