@@ -24,8 +24,7 @@ def to_buffer(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 def from_buffer(buf: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The logical [B, H, S, E] view of a memory-order buffer."""
-    order = layout.memory_order
-    return buf.permute([order.index(d) for d in range(len(order))])
+    return buf.permute(layout.logical_order)
 
 
 def views(flat: torch.Tensor, shapes, layout: Layout) -> list[torch.Tensor]:

@@ -49,6 +49,11 @@ class Layout(enum.Enum):
         return {Layout.BHSE: (0, 1, 2, 3), Layout.BSHE: (0, 2, 1, 3), Layout.THD: (0, 1, 2)}[self]
 
     @property
+    def logical_order(self) -> list[int]:
+        """The permutation that views a buffer in memory order as the logical tensor."""
+        return _inverse(self.memory_order)
+
+    @property
     def seq_dim(self) -> int:
         """The logical dim that indexes tokens (S, or T for packed tensors)."""
         return 0 if self is Layout.THD else 2
@@ -66,7 +71,7 @@ class Layout(enum.Enum):
         """An uninitialized tensor of logical ``shape`` laid out in this layout."""
         order = self.memory_order
         buffer = torch.empty([shape[d] for d in order], dtype=dtype, device=device)
-        return buffer.permute(_inverse(order))
+        return buffer.permute(self.logical_order)
 
     def to(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of logical tensor ``t`` in this layout (``t`` itself when it already is)."""
