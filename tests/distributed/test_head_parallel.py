@@ -107,3 +107,14 @@ def test_dtensor_in_dtensor_out(mesh):
     torch.testing.assert_close(out.full_tensor(), problem.out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(q.grad.full_tensor(), problem.dq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k.grad.full_tensor(), problem.dk, rtol=1e-5, atol=1e-5)
+
+
+def test_dtensor_with_other_placements_is_refused(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    problem = make_problem(b=1, h=2 * mesh.size(), s=8 * mesh.size(), e=8)
+    sched = schedules.get("head_parallel", mesh)
+    q = distribute_tensor(problem.q, mesh.torch_mesh, [Shard(2)])
+    with pytest.raises(ValueError, match=r"q has placements \[Shard\(dim=2\)\] but schedule "
+                                         r"'head_parallel' needs \[Shard\(dim=1\)\]"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")

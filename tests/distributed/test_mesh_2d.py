@@ -36,3 +36,15 @@ def test_schedule_over_one_dim_of_a_2d_mesh(mesh_2d, name, dim):
     sched = schedules.get(name, mesh_2d, dim=dim)
     assert sched.size == p
     assert_matches(problem, run_schedule(sched, problem))
+
+
+def test_dtensor_on_another_mesh_is_refused(mesh, mesh_2d):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    problem = make_problem(b=1, h=2 * mesh.size(), s=8, e=8)
+    sched = schedules.get("head_parallel", mesh_2d, dim="heads")
+    q = distribute_tensor(problem.q, mesh.torch_mesh, [Shard(1)])
+    with pytest.raises(ValueError, match=r"q lives on DeviceMesh .* but schedule 'head_parallel' "
+                                         r"runs on .*; use the schedule's mesh"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
+
