@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+import schedules
 import sdpa_fusion
 from sdpa_fusion.kernels.reference import ReferenceKernel
 from sdpa_fusion.layout import Layout, has_layout
@@ -72,9 +73,24 @@ def mesh():
     sdpa_fusion.close_mesh()
 
 
+@pytest.fixture
+def several_ranks(mesh):
+    """Skip a test that needs two ranks or more (an error one rank cannot show) when the
+    suite runs as one process; under mpirun it runs."""
+    if mesh.size() == 1:
+        pytest.skip("needs two ranks or more")
+
+
 @pytest.fixture(scope="session")
 def device(mesh):
     return mesh.device
+
+
+def schedule_with(name: str, mesh, partition: str, index_map):
+    """Schedule ``name`` over ``mesh`` with ``partition``; the name "index_map" stands for
+    the rows ``index_map()`` makes."""
+    rows = index_map() if partition == "index_map" else partition
+    return schedules.get(name, mesh, partition=rows)
 
 
 def run_schedule(schedule, problem: Problem, *, kernel="reference", shard_kwargs=None):

@@ -13,7 +13,7 @@ import schedules
 import sdpa_fusion
 from schedules.allgather import gathered_calls, runs
 
-from .conftest import assert_matches, make_problem, run_schedule
+from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -29,9 +29,7 @@ def index_map(s: int, p: int, causal: bool):
 
 
 def schedule(mesh, partition: str, s: int, causal: bool):
-    if partition == "index_map":
-        partition = index_map(s, mesh.size(), causal)
-    return schedules.get("allgather", mesh, partition=partition)
+    return schedule_with("allgather", mesh, partition, lambda: index_map(s, mesh.size(), causal))
 
 
 @pytest.mark.parametrize("partition", PARTITIONS)
@@ -85,10 +83,8 @@ def test_runs():
     assert runs(torch.tensor([0, 1, 2, 7, 8, 12])) == [(0, 3), (3, 5), (5, 6)]
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_causal_striped_is_refused(mesh):
-    p = mesh.size()
-    if p == 1:
-        pytest.skip("striped over one rank is contiguous")
     sched = schedules.get("allgather", mesh, partition="striped")
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"partition 'striped' gives a rank 8 runs .* Use "

@@ -44,39 +44,35 @@ def test_head_parallel_describe_has_no_communication(mesh):
     assert d.flops == pytest.approx(spec.flops() / mesh.size())
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_heads_not_divisible_raise_before_any_collective(mesh):
-    if mesh.size() == 1:
-        pytest.skip("every head count divides by one rank")
     sched = schedules.get("head_parallel", mesh)
     t = torch.randn(1, 2 * mesh.size() + 1, 8, 16)
     with pytest.raises(ValueError, match=rf"heads {2 * mesh.size() + 1} must be divisible by the {mesh.size()} ranks"):
         sched.shard(t)
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_kv_heads_not_divisible(mesh):
-    if mesh.size() == 1:
-        pytest.skip("every head count divides by one rank")
     sched = schedules.get("head_parallel", mesh)
     k = torch.randn(1, 1, 8, 16)
     with pytest.raises(ValueError, match="heads 1 must be divisible"):
         sched.shard(k)
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_mismatched_local_shapes_raise_on_every_rank(mesh):
     """Rank 0 passes a different sequence length: every rank raises the same error."""
     sched = schedules.get("head_parallel", mesh)
     s = 16 if mesh.rank == 0 else 8
     q = k = v = torch.randn(1, 2, s, 16)
-    if mesh.size() == 1:
-        pytest.skip("one rank cannot disagree with itself")
     with pytest.raises(ValueError, match="same local problem on every rank"):
         sdpa_fusion.attention(q, k, v, schedule=sched, kernel="reference")
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_bad_input_on_one_rank_raises_on_every_rank(mesh):
     """Rank 0 claims the wrong layout: every rank raises, naming rank 0 and the argument."""
-    if mesh.size() == 1:
-        pytest.skip("needs a second rank to observe the error")
     sched = schedules.get("head_parallel", mesh)
     q = torch.randn(1, 8, 2, 16)
     if mesh.rank == 0:
@@ -85,9 +81,8 @@ def test_bad_input_on_one_rank_raises_on_every_rank(mesh):
         sdpa_fusion.attention(q, q.contiguous(), q.contiguous(), schedule=sched, kernel="reference")
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_dropout_under_multidevice_schedule_is_refused(mesh):
-    if mesh.size() == 1:
-        pytest.skip("a one-rank mesh runs dropout like one device")
     sched = schedules.get("head_parallel", mesh)
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="dropout_p=0.1 is not supported under the multidevice"):

@@ -12,7 +12,7 @@ import torch
 import schedules
 import sdpa_fusion
 
-from .conftest import assert_matches, make_problem, run_schedule
+from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -25,9 +25,7 @@ def index_map(s: int, p: int, causal: bool):
 
 
 def schedule(mesh, partition: str, s: int, causal: bool):
-    if partition == "index_map":
-        partition = index_map(s, mesh.size(), causal)
-    return schedules.get("ulysses", mesh, partition=partition)
+    return schedule_with("ulysses", mesh, partition, lambda: index_map(s, mesh.size(), causal))
 
 
 @pytest.mark.parametrize("partition", PARTITIONS)
@@ -62,10 +60,9 @@ def test_bf16(mesh, layout):
     assert_matches(problem, run_schedule(sched, problem), torch.bfloat16)
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_heads_not_divisible(mesh):
     p = mesh.size()
-    if p == 1:
-        pytest.skip("every head count divides by one rank")
     sched = schedules.get("ulysses", mesh)
     q = torch.randn(1, p + 1, 2 * p, 16)
     with pytest.raises(ValueError, match=rf"heads={p + 1} must be divisible by the {p} ranks of "
@@ -73,10 +70,9 @@ def test_heads_not_divisible(mesh):
         sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
 
 
+@pytest.mark.usefixtures("several_ranks")
 def test_kv_heads_neither_multiple_nor_divisor(mesh):
     p = mesh.size()
-    if p == 1:
-        pytest.skip("every head count divides by one rank")
     sched = schedules.get("ulysses", mesh)
     q, kv = torch.randn(1, 3 * p, 2 * p, 16), torch.randn(1, 3, 2 * p, 16)
     with pytest.raises(ValueError, match=rf"kv_heads=3 must be divisible by the {p} ranks .* "
