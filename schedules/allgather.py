@@ -78,11 +78,11 @@ class AllGather(SequenceSchedule):
 
     def _other_positions(self, kv_len: int, device):
         """(rank, where its tokens go in ``others``) for every other rank."""
-        kept = torch.ones(kv_len, dtype=torch.long)
-        kept[self.indices(kv_len)] = 0
+        positions = self.positions(kv_len, device)
+        kept = torch.ones(kv_len, dtype=torch.long, device=device)
+        kept[positions[self.index]] = 0
         slot = kept.cumsum(0) - 1
-        return [(j, slot[self.indices(kv_len, j)].to(device))
-                for j in range(self.size) if j != self.index]
+        return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
         """The other ranks' tokens of a gathered [P, *buffer] tensor, in global token order."""

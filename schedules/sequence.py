@@ -23,6 +23,7 @@ class SequenceSchedule(Schedule):
     def __init__(self, mesh, *, dim: str | None = None, partition="load_balanced"):
         super().__init__(mesh, dim=dim)
         self.partition = partitions.get(partition)
+        self._positions: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
 
     def global_spec(self, spec):
         return spec.replace(q_len=spec.q_len * self.size, kv_len=spec.kv_len * self.size)
@@ -50,6 +51,14 @@ class SequenceSchedule(Schedule):
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
         """Global positions of the tokens ``rank`` (this rank by default) holds."""
         return self.partition.indices(seq_len, self.size, self.index if rank is None else rank)
+
+    def positions(self, seq_len: int, device) -> list[torch.Tensor]:
+        """Every rank's ``indices`` on ``device``, made once per length and device, so that
+        forward and backward do not copy index tensors to the device on every call."""
+        key = (seq_len, torch.device(device))
+        if key not in self._positions:
+            self._positions[key] = [self.indices(seq_len, r).to(device) for r in range(self.size)]
+        return self._positions[key]
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
         layout = Layout.of(layout)

@@ -56,9 +56,6 @@ class Ulysses(SequenceSchedule):
         """The first of ``heads`` heads that ``rank`` attends (replicas share one when heads < P)."""
         return rank * heads // self.size
 
-    def _positions(self, seq_len: int, device) -> list[torch.Tensor]:
-        return [self.indices(seq_len, j).to(device) for j in range(self.size)]
-
     def _all_to_all(self, fill, shapes, layout: Layout, like: torch.Tensor):
         """One all-to-all of several tensors. ``fill(j, blocks)`` writes what goes to rank j
         into logical ``blocks`` of ``shapes``; returns, for each rank j, the blocks from j."""
@@ -83,7 +80,7 @@ class Ulysses(SequenceSchedule):
         for i, (b, h, s, e) in enumerate(shapes):
             out = layout.empty((b, h, s * self.size, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
-            for blocks, slots in zip(received, self._positions(s * self.size, out.device)):
+            for blocks, slots in zip(received, self.positions(s * self.size, out.device)):
                 out.index_copy_(2, slots, blocks[i])
             outs.append(out)
         return outs
@@ -92,7 +89,7 @@ class Ulysses(SequenceSchedule):
         """This rank's heads [B, h/P, S, E] in global order -> its tokens of all ``heads``
         [B, h, S/P, E]; replicated K/V heads are summed."""
         shapes = [(b, h, s // self.size, e) for b, h, s, e in (t.shape for t in tensors)]
-        positions = [self._positions(t.shape[2], t.device) for t in tensors]
+        positions = [self.positions(t.shape[2], t.device) for t in tensors]
 
         def fill(j, blocks):
             for t, where, block in zip(tensors, positions, blocks):

@@ -9,7 +9,7 @@ import torch
 
 from . import kernels
 from .kernels import Dropout, Kernel
-from .kernels.base import layout_of
+from .kernels.base import like_layout
 from .layout import Layout
 from .spec import AttentionSpec
 
@@ -96,13 +96,9 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        dout = plan.spec.layout.to(dout) if plan.spec.layout.is_varlen else _like(dout, q)
+        dout = plan.spec.layout.to(dout) if plan.spec.layout.is_varlen else like_layout(dout, q)
         dq, dk, dv = plan.schedule.backward(dout, q, k, v, out, lse, plan.spec, plan.kernel, ctx.dropout)
         return dq, dk, dv, None
-
-
-def _like(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
-    return layout_of(model).to(t)
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,

@@ -91,7 +91,7 @@ def expand_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
         return t
     b, h_kv, s, e = t.shape
     expanded = t.unsqueeze(2).expand(b, h_kv, groups, s, e).reshape(b, h_kv * groups, s, e)
-    return _like_layout(expanded, t)
+    return like_layout(expanded, t)
 
 
 def reduce_kv_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
@@ -100,7 +100,7 @@ def reduce_kv_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
         return grad
     b, h, s, e = grad.shape
     reduced = grad.unflatten(1, (h // groups, groups)).sum(2, dtype=torch.float32).to(grad.dtype)
-    return _like_layout(reduced, grad)
+    return like_layout(reduced, grad)
 
 
 def layout_of(t: torch.Tensor) -> Layout:
@@ -108,7 +108,7 @@ def layout_of(t: torch.Tensor) -> Layout:
     return Layout.BSHE if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else Layout.BHSE
 
 
-def _like_layout(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+def like_layout(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     """``t`` with the memory order (BHSE or BSHE) of ``model``."""
     return layout_of(model).to(t)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
-from .base import Dropout, Kernel, layout_of, register
+from .base import Dropout, Kernel, layout_of, like_layout, register
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ def _causal_mask(s_q: int, s_kv: int, device) -> torch.Tensor:
 
 def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     """[B, H_kv, G, S, E] fp32 -> [B, H, S, E] in model's dtype and layout."""
-    return layout_of(model).to(t.flatten(1, 2).to(model.dtype))
+    return like_layout(t.flatten(1, 2).to(model.dtype), model)
 
 
 class ReferenceKernel(Kernel):
