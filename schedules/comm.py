@@ -43,22 +43,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _dense(t: torch.Tensor) -> bool:
-    expected = 1
-    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor in any memory order (e.g. BSHE) as the 1-D buffer it occupies."""
-    if not _dense(t):
-        raise ValueError(f"cannot send a tensor with gaps (shape {list(t.shape)}, strides {list(t.stride())})")
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
 class Communicator:
     """Collectives over one line of the mesh (``ranks`` are global ranks in line order)."""
 
@@ -67,20 +51,21 @@ class Communicator:
         self.size = len(ranks)
         self.stats = CommStats()
 
-    def _count(self, sent: int, received: int) -> None:
+    @property
+    def next_rank(self) -> int:
+        """Global rank after this one on the ring of the line."""
+        return self.ranks[(self.index + 1) % self.size]
+
+    @property
+    def previous_rank(self) -> int:
+        """Global rank before this one on the ring of the line."""
+        return self.ranks[(self.index - 1) % self.size]
+
+    def count(self, sent: int, received: int) -> None:
+        """Record a transfer of ``sent`` and ``received`` bytes."""
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
         self.stats.transfers += 1
-
-    def ring_shift(self, send: list[torch.Tensor], recv: list[torch.Tensor]) -> Pending:
-        """Start sending the ``send`` tensors to the next rank and receiving the previous
-        rank's into ``recv`` (same shapes); ``wait()`` returns ``recv``."""
-        nxt = self.ranks[(self.index + 1) % self.size]
-        prv = self.ranks[(self.index - 1) % self.size]
-        ops = [dist.P2POp(dist.isend, _flat(t), nxt, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, _flat(t), prv, self.group) for t in recv]
-        self._count(sum(map(_nbytes, send)), sum(map(_nbytes, recv)))
-        return Pending(dist.batch_isend_irecv(ops), recv)
 
     def all_gather(self, t: torch.Tensor) -> Pending:
         """Start gathering every rank's ``t``: the result is [size, *t.shape]."""
@@ -88,7 +73,7 @@ class Communicator:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         # flat views: gloo wants the output as the inputs concatenated along dim 0
         work = dist.all_gather_into_tensor(out.view(-1), t.view(-1), group=self.group, async_op=True)
-        self._count(_nbytes(t) * (self.size - 1), _nbytes(t) * (self.size - 1))
+        self.count(_nbytes(t) * (self.size - 1), _nbytes(t) * (self.size - 1))
         return Pending([work], out)
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +82,7 @@ class Communicator:
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
         dist.reduce_scatter_tensor(out.view(-1), t.view(-1), group=self.group)  # flat for gloo
         part = _nbytes(out)
-        self._count(part * (self.size - 1), part * (self.size - 1))
+        self.count(part * (self.size - 1), part * (self.size - 1))
         return out
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
@@ -107,5 +92,5 @@ class Communicator:
         out = torch.empty_like(t)
         dist.all_to_all_single(out, t, group=self.group)
         part = _nbytes(t) // self.size
-        self._count(part * (self.size - 1), part * (self.size - 1))
+        self.count(part * (self.size - 1), part * (self.size - 1))
         return out

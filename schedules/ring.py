@@ -13,9 +13,13 @@ after the first costs half a block:
     block of a rank < r  all local queries vs the block's first (early) chunk
     block of a rank > r  the local late chunk vs the whole block
 
-Backward: dQ accumulates locally; the fp32 dK/dV of a block start on the rank after its
-owner, travel the ring with the block and end on the owner, P - 1 hops in all. Every step
-uses the global out and lse of the forward.
+Backward: dQ accumulates locally; the fp32 dK/dV sums of a block start on the rank after its
+owner, travel the ring with the block and end on the owner, P - 1 hops in all. The owner
+works on its own block last, while its sums make their last hop, and adds its own dK/dV to
+them. Every step uses the global out and lse of the forward.
+
+The blocks and sums travel in the slots of ``transport`` (NCCL/gloo send-receive, or copy
+engines pulling from symmetric memory on GPUs).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from sdpa_fusion.merge import accumulators, finish, fold
 from .base import Description
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
+from .transport import Mover, RingData, check_transport, mover
 
 
 class Block(enum.Enum):
@@ -74,8 +79,31 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t if rows == slice(None) else t[:, :, rows]
 
 
+def _start_sums(acc, grads, keys: slice) -> None:
+    """Set the fp32 sums ``acc`` to a block's first gradients (zero where they are None or
+    outside ``keys``)."""
+    for a, g in zip(acc, grads or (None,) * len(acc)):
+        if g is None or keys != slice(None):
+            a.zero_()
+        if g is not None:
+            _rows(a, keys).copy_(g)
+
+
+def _add_rows(acc, grads, keys: slice) -> None:
+    """Add gradients of the key rows ``keys`` into the fp32 sums ``acc`` (nothing for None)."""
+    for a, g in zip(acc, grads or ()):
+        _rows(a, keys).add_(g)
+
+
 class Ring(SequenceSchedule):
+    """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``)."""
+
     name = "ring"
+
+    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto"):
+        super().__init__(mesh, dim=dim, partition=partition)
+        self.transport = check_transport(transport)
+        self._movers: dict[torch.device, Mover] = {}
 
     def validate(self, spec):
         super().validate(spec)
@@ -85,24 +113,41 @@ class Ring(SequenceSchedule):
                 f"or 'striped', not {self.partition.name!r}; use causal=False or one of those"
             )
 
+    def mover(self, device) -> Mover:
+        """The transport's mover of this schedule's blocks on ``device`` (made once)."""
+        device = torch.device(device)
+        if device not in self._movers:
+            self._movers[device] = mover(self.comm, self.transport, device)
+        return self._movers[device]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of ring buffers kept between calls (the copy-engine transport's symmetric
+        memory, which torch.cuda.memory_allocated does not count)."""
+        return sum(m.kept_bytes for m in self._movers.values())
+
     def _steps(self, causal: bool):
         """(step, source rank, block case) for every ring step of this rank."""
         for step in range(self.size):
             source = (self.index - step) % self.size
             yield step, source, block_case(self.index, source, causal, self.partition)
 
-    def _block_buffers(self, k, v):
-        """The two receive buffers of the double-buffered ring, shaped like k and v."""
-        return [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
+    def _ring_buffers(self, k, v, *dtypes):
+        """A double-buffered ring buffer of blocks shaped like k and v, one per dtype."""
+        layout = layout_of(k)
+        datas = [RingData((tuple(k.shape), tuple(v.shape)), dtype, layout) for dtype in dtypes]
+        return self.mover(k.device).ring_buffers(datas, k.device)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         scale = spec.softmax_scale
         out_acc, lse_acc = accumulators(q)
-        buffers, current, pending = self._block_buffers(k, v), (k, v), None
+        current, pending = (k, v), None
+        if self.size > 1:
+            (blocks,) = self._ring_buffers(k, v, k.dtype)
+            blocks.load(0, (k, v))
         for step, _, case in self._steps(spec.causal):
             if step + 1 < self.size:
-                nxt = buffers[step % 2]
-                pending = self.comm.ring_shift(list(current), list(nxt))
+                pending = blocks.shift(step % 2, (step + 1) % 2)
             if case is not Block.SKIP:
                 rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
                 kb, vb = (_rows(t, keys) for t in current)
@@ -113,42 +158,47 @@ class Ring(SequenceSchedule):
         return finish(out_acc, q.dtype, layout_of(q)), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        scale = spec.softmax_scale
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        own = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
-        travelling = [[torch.zeros_like(g) for g in own] for _ in range(2)]
-        buffers, current, pending_kv, pending_grad = self._block_buffers(k, v), (k, v), None, None
-        for step, _, case in self._steps(spec.causal):
+        (_, _, own_case), *remote = self._steps(spec.causal)
+
+        def block_grads(case, kb, vb):
+            """(dK, dV, key rows) of one block; its dQ goes into dq."""
+            if case is Block.SKIP:
+                return None, slice(None)
+            rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
+            dq_b, *grads = kernel.backward(
+                _rows(dout, rows), _rows(q, rows), _rows(kb, keys), _rows(vb, keys),
+                _rows(out, rows), lse[:, :, rows].contiguous(), causal=causal,
+                scale=spec.softmax_scale,
+            )
+            _rows(dq, rows).add_(dq_b)
+            return grads, keys
+
+        if remote:
+            blocks, sums = self._ring_buffers(k, v, k.dtype, torch.float32)
+            blocks.load(0, (k, v))
+            pending_kv, pending_sums = blocks.shift(0, 1), None
+        for step, _, case in remote:
+            current = pending_kv.wait()
             if step + 1 < self.size:
-                pending_kv = self.comm.ring_shift(list(current), list(buffers[step % 2]))
-            grads = None
-            if case is not Block.SKIP:
-                rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
-                kb, vb = (_rows(t, keys) for t in current)
-                dq_b, *grads = kernel.backward(
-                    _rows(dout, rows), _rows(q, rows), kb, vb, _rows(out, rows),
-                    lse[:, :, rows].contiguous(), causal=causal, scale=scale,
-                )
-                _rows(dq, rows).add_(dq_b)
-            acc = own if step == 0 else travelling[step % 2]
-            if pending_grad is not None:
-                pending_grad.wait()  # acc now holds the block's sums from the earlier ranks
-            if grads is not None:
-                for a, g in zip(acc, grads):
-                    _rows(a, keys).add_(g)
-            if step > 0:
-                pending_grad = self.comm.ring_shift(acc, travelling[(step + 1) % 2])
-            if pending_kv is not None:
-                current, pending_kv = tuple(pending_kv.wait()), None
-        if pending_grad is not None:
-            for a, g in zip(own, pending_grad.wait()):
-                a.add_(g)
+                pending_kv = blocks.shift(step % 2, (step + 1) % 2)
+            grads, keys = block_grads(case, *current)
+            acc = sums.tensors(step % 2)
+            if pending_sums is None:
+                _start_sums(acc, grads, keys)
+            else:
+                pending_sums.wait()  # acc holds the block's sums from the earlier ranks
+                _add_rows(acc, grads, keys)
+            pending_sums = sums.shift(step % 2, (step + 1) % 2)
+        # the own block last: its backward runs while the own sums make their last hop home
+        grads, keys = block_grads(own_case, k, v)
+        if remote:
+            home = pending_sums.wait()
+            _add_rows(home, grads, keys)
+            grads = home
         kv_layout = layout_of(k)
-        return (
-            finish(dq, q.dtype, layout_of(q)),
-            finish(own[0], k.dtype, kv_layout),
-            finish(own[1], v.dtype, kv_layout),
-        )
+        dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(grads, (k, v)))
+        return finish(dq, q.dtype, layout_of(q)), dk, dv
 
     def describe(self, spec):
         p = self.size

@@ -120,3 +120,35 @@ def test_causal_with_unordered_index_map_rejected(mesh):
     with pytest.raises(ValueError, match="causal attention needs each rank's tokens in increasing order"):
         sdpa_fusion.attention(q, q, q, causal=True, kernel="reference", schedule=sched)
 
+
+
+def test_unknown_transport_rejected(mesh):
+    with pytest.raises(ValueError, match=r"transport='pigeon' is not known; choose one of"):
+        schedules.get("ring", mesh, transport="pigeon")
+
+
+def test_copy_engine_transport_needs_cuda(mesh):
+    """On CPU ranks the copy-engine transport is refused on every rank before any transfer;
+    ``auto`` falls back to send/receive and matches the reference."""
+    if mesh.device.type == "cuda":
+        pytest.skip("CPU ranks only: GPU ranks run tests/gpu_distributed")
+    p = mesh.size()
+    problem = make_problem(b=1, h=2, s=8 * p, e=8, causal=True)
+    q, k, v = (schedules.get("ring", mesh).shard(t) for t in (problem.q, problem.k, problem.v))
+    with pytest.raises(ValueError, match="transport='copy_engine' cannot run here: it needs CUDA "
+                                         "tensors, got cpu tensors; use transport='p2p'"):
+        sdpa_fusion.attention(q, k, v, causal=True, kernel="reference",
+                              schedule=schedules.get("ring", mesh, transport="copy_engine"))
+    auto = schedules.get("ring", mesh, transport="auto")
+    assert_matches(problem, run_schedule(auto, problem))
+    assert auto.mover(mesh.device).name == "p2p"
+
+
+def test_ring_reuses_its_buffers_across_calls_and_sizes(mesh):
+    """Consecutive calls with growing and shrinking blocks, forward and backward, each match
+    the reference (slots are reused or grown between calls)."""
+    p = mesh.size()
+    sched = schedules.get("ring", mesh)
+    for s, h in ((8 * p, 2), (16 * p, 4), (8 * p, 2)):
+        problem = make_problem(b=1, h=h, s=s, e=8, causal=True, layout="bshe")
+        assert_matches(problem, run_schedule(sched, problem))
