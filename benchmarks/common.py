@@ -392,6 +392,7 @@ METRIC_LABELS = {
     "peak_gib": "peak memory per GPU (GiB)",
     "step_gib": "memory of the step per GPU (GiB)",
     "median_ms": "time (ms)",
+    "gbps": "transfer rate (GB/s)",
 }
 
 

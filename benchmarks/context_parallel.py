@@ -10,7 +10,9 @@ forward+backward. Implementations:
                                partition="load_balanced" if causal else "contiguous"),
                                kernel="auto"); a name missing from schedules.names() is
                                recorded as unavailable, a schedule that takes no partition
-                               option runs without it
+                               option runs without it. Ring runs once per --ring-transports
+                               entry ("ring copy_engine", "ring p2p"); the symmetric memory
+                               of the copy-engine transport is added to its memory
   torch-cp allgather|alltoall  torch.distributed.tensor.experimental.context_parallel with
                                set_rotate_method(...), under sdpa_kernel(CUDNN_ATTENTION); its
                                head-tail load balancer when causal
@@ -30,6 +32,7 @@ result (``rel_err``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import json
@@ -57,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--ring-transports", default="copy_engine,p2p",
+                   help="transports to run ring with, each a row 'ring <transport>'")
     p.add_argument("--torch-cp", default=",".join(TORCH_ROTATES),
                    help="rotate methods of torch's context_parallel to run ('' for none)")
     p.add_argument("--kernel", default="auto", help="local kernel of our schedules")
@@ -68,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--check-max-seq", type=common.int_list, default=[65536])
     p.add_argument("--single-gpu", action="store_true",
                    help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
+    p.add_argument("--tag", default="", help="appended to the result name, e.g. _2gpu")
     common.add_distributed_args(p)
     args = p.parse_args(argv)
     if args.tiny:
@@ -76,8 +82,10 @@ def parse_args(argv=None):
     args.modes = args.modes.split(",")
     args.schedules = [s for s in args.schedules.split(",") if s]
     args.torch_cp = [s for s in args.torch_cp.split(",") if s]
+    args.ring_transports = [s for s in args.ring_transports.split(",") if s]
     args.causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    args.name = NAME + ("_single" if args.single_gpu else "") + ("_tiny" if args.tiny else "")
+    args.name = (NAME + ("_single" if args.single_gpu else "") + args.tag
+                 + ("_tiny" if args.tiny else ""))
     return args
 
 
@@ -188,18 +196,18 @@ def single_gpu(args) -> int:
 
 
 # ---- several GPUs -------------------------------------------------------------------------
-def schedule_rows(args, mesh, name, s, causal, ref) -> list[dict]:
-    """Time our schedule ``name`` in every mode."""
+def schedule_rows(args, mesh, name, s, causal, ref, **options) -> list[dict]:
+    """Time our schedule ``name`` (with ``options``) in every mode."""
     import schedules
     import sdpa_fusion
 
-    impl = name
+    impl = " ".join([name, *map(str, options.values())])
     if name not in schedules.names():
         m = common.Measurement(status="unavailable", error=f"schedule {name!r} is not registered "
                                f"(schedules.names() = {schedules.names()})")
         return [row(args, mesh, impl, s, causal, mode, m) for mode in args.modes]
     try:
-        sched, options = make_schedule(args, mesh, name, causal)
+        sched, options = make_schedule(args, mesh, name, causal, **options)
         full = full_inputs(args, s, mesh.device)
         inputs = [leaves([sched.shard(t, layout="bhse").detach().clone() for t in full])]
         del full
@@ -211,21 +219,29 @@ def schedule_rows(args, mesh, name, s, causal, ref) -> list[dict]:
 
     rel_err = checked(fn, inputs[0], lambda out: sched.unshard(out, layout="bhse"), ref)
     rows = [timed_row(args, mesh, impl, s, causal, mode, step, inputs, rel_err=rel_err,
-                      options=options, kernel=args.kernel)
+                      options=options, kernel=args.kernel, extra_gib=symmetric_gib(sched))
             for mode, step in by_mode(fn).items() if mode in args.modes]
     del inputs
     return rows
 
 
-def make_schedule(args, mesh, name, causal):
-    """(schedule, options it took): with the partition option, or without when it takes none."""
+def symmetric_gib(sched):
+    """GiB the schedule keeps outside the caching allocator (the ring's symmetric memory),
+    so outside max_memory_allocated: added to the row's memory."""
+    return lambda: getattr(sched, "kept_bytes", 0) / common.GIB
+
+
+def make_schedule(args, mesh, name, causal, **extra):
+    """(schedule, options it took): with the partition option (and ``extra``), or without
+    the partition when it takes none."""
     import schedules
 
-    options = {"partition": args.partition if causal else args.partition_full}
+    options = {"partition": args.partition if causal else args.partition_full, **extra}
     try:
         sched = schedules.get(name, mesh, **options)
     except TypeError:
-        sched, options = schedules.get(name, mesh), {}
+        options = extra
+        sched = schedules.get(name, mesh, **options)
     partition = getattr(sched, "partition", None)
     return sched, {**options, "partition_used": getattr(partition, "name", partition)}
 
@@ -296,10 +312,16 @@ def torch_cp_rows(args, mesh, rotate, s, causal, ref) -> list[dict]:
     return rows
 
 
-def timed_row(args, mesh, impl, s, causal, mode, step, inputs, **extra) -> dict:
+def timed_row(args, mesh, impl, s, causal, mode, step, inputs, extra_gib=None, **extra) -> dict:
+    """A timed row; ``extra_gib()`` (GiB of memory outside the caching allocator, such as
+    symmetric memory) is added to the peak and the step memory."""
     warmup, iters = iterations(args, s)
     each = dict(before_each=dist.barrier) if args.sync_each else dict(before_timing=dist.barrier)
     m = common.measure(step, inputs, warmup=warmup, iters=iters, **each)
+    if extra_gib is not None and m.peak_gib is not None:
+        gib = extra_gib()
+        m = dataclasses.replace(m, peak_gib=m.peak_gib + gib, step_gib=m.step_gib + gib)
+        extra["symmetric_gib"] = gib
     return row(args, mesh, impl, s, causal, mode, common.combine_ranks(mesh.agree(m)), **extra)
 
 
@@ -329,7 +351,12 @@ def distributed(args) -> int:
                 ref = reference_output(args, s, causal, mesh.device)
                 rows = []
                 for name in args.schedules:
-                    rows += schedule_rows(args, mesh, name, s, causal, ref)
+                    if name == "ring" and args.ring_transports:
+                        for transport in args.ring_transports:
+                            rows += schedule_rows(args, mesh, name, s, causal, ref,
+                                                  transport=transport)
+                    else:
+                        rows += schedule_rows(args, mesh, name, s, causal, ref)
                 for rotate in args.torch_cp:
                     rows += torch_cp_rows(args, mesh, rotate, s, causal, ref)
                 del ref
@@ -355,7 +382,8 @@ def new_record(args, title, module) -> dict:
         "settings": {
             "seq_lens": args.seq_lens, "batch": args.batch, "heads": args.heads,
             "head_dim": args.head_dim, "dtype": args.dtype, "modes": args.modes,
-            "schedules": args.schedules, "torch_cp": args.torch_cp, "kernel": args.kernel,
+            "schedules": args.schedules, "ring_transports": args.ring_transports,
+            "torch_cp": args.torch_cp, "kernel": args.kernel,
             "partition_when_causal": args.partition, "partition_when_full": args.partition_full,
             "layout": "bhse",
             "iterations": {common.short(s): iterations(args, s) for s in args.seq_lens},

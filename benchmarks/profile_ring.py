@@ -1,6 +1,6 @@
 """Where the time of one ring step goes: a profile of ring attention on every rank.
 
-    mpirun -np 4 python -m benchmarks.profile_ring --seq-len 32k
+    mpirun -np 4 python -m benchmarks.profile_ring --seq-len 32k [--transports p2p]
 
 Runs causal forward+backward of ring (load-balanced, kernel auto) a few times, profiles the
 last iterations with torch.profiler on rank 0 and prints the CUDA kernels by total time, the
@@ -10,6 +10,7 @@ wall time per iteration and the share of it the attention kernels take.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -29,11 +30,15 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--schedule", default="ring")
     p.add_argument("--kernel", default="auto")
+    p.add_argument("--transports", default="copy_engine,p2p",
+                   help="ring transports to profile, one after the other")
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
     mesh = sdpa_fusion.init_mesh((-1,), ("seq",))
-    sched = schedules.get(args.schedule, mesh, partition="load_balanced")
-    for s in args.seq_len:
+    transports = args.transports.split(",") if args.schedule == "ring" else [None]
+    for transport, s in itertools.product(transports, args.seq_len):
+        options = {"transport": transport} if transport else {}
+        sched = schedules.get(args.schedule, mesh, partition="load_balanced", **options)
         local = s // mesh.size()
         q, k, v, dout = (torch.randn(1, args.heads, local, args.head_dim, device=mesh.device,
                                      dtype=torch.bfloat16) for _ in range(4))
@@ -55,7 +60,8 @@ def main(argv=None) -> int:
             sync()
             wall = (time.perf_counter() - t0) / args.iters
         if mesh.rank == 0:
-            print(f"== {args.schedule} s={common.short(s)} P={mesh.size()}: {wall * 1e3:.2f} ms "
+            print(f"== {args.schedule} {transport or ''} s={common.short(s)} "
+                  f"P={mesh.size()}: {wall * 1e3:.2f} ms "
                   f"per fwd+bwd iteration (rank 0)")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
                                             max_name_column_width=60))

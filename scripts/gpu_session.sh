@@ -16,6 +16,7 @@
 #   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
 #   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min)
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
+#   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
@@ -24,6 +25,8 @@
 # and the benchmarks stop starting new cases in time to write their results), PYTHON
 # (python3), MPIRUN (mpirun), MPI_EXTRA (more mpirun options, e.g. --oversubscribe),
 # BENCH_ARGS (more options for every benchmark, e.g. --tiny to try this script on CPU ranks),
+# CP_ARGS (more options for bench-cp-dist, e.g. --seq-lens 32k,128k), CP_TAG (appended to its
+# result name, e.g. _2gpu, so that a run on another GPU count keeps the 4-GPU results),
 # GPU (the GPU of the single-GPU steps; 0).
 #
 # What lands in $OUT: summary.txt (each step's status and time, the benchmarks' tables, the
@@ -39,6 +42,8 @@ PY="${PYTHON:-python3}"
 MPIRUN="${MPIRUN:-mpirun}"
 read -r -a MPI_EXTRA <<< "${MPI_EXTRA:-}"
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"
+read -r -a CP_ARGS <<< "${CP_ARGS:-}"
+CP_TAG="${CP_TAG:-}"
 BUDGET_S="${BUDGET_S:-540}"
 RESERVE_S=20                      # kept back for collecting the results
 START=$(date +%s)
@@ -126,7 +131,12 @@ bench_cp_single() {
         "${ONE_GPU[@]}" "$PY" -m benchmarks.context_parallel --single-gpu
 }
 bench_cp_dist() {
-    bench bench-cp-dist context_parallel 480 110 "${MPI[@]}" "$PY" -m benchmarks.context_parallel
+    bench bench-cp-dist "context_parallel$CP_TAG" 480 110 "${MPI[@]}" "$PY" -m benchmarks.context_parallel \
+        --tag "$CP_TAG" "${CP_ARGS[@]}"
+}
+
+bench_transport() {
+    bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
 }
 
 profile_ring() {
@@ -192,6 +202,7 @@ for part in "${parts[@]}"; do
         bench-cp-single) bench_cp_single ;;
         bench-cp-dist) bench_cp_dist ;;
         profile-ring) profile_ring ;;
+        bench-transport) bench_transport ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done
