@@ -20,14 +20,15 @@ Two transports move the bytes:
                  engines move the data over NVLink and attention keeps every SM. The buffer is
                  kept for the next call (it grows, collectively, when a call needs more).
 
-``auto`` is copy_engine for CUDA tensors on an NCCL group when symmetric memory is available,
-else p2p.
+``auto`` is copy_engine for CUDA tensors on an NCCL group of one host when symmetric memory is
+available, else p2p.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,8 @@ def mover(comm, transport: str, device: torch.device) -> Mover:
 
 
 def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
+    """(usable, why not). Every rank of ``group`` calls it alike: the last check gathers the
+    ranks' host names over the group."""
     if device.type != "cuda":
         return False, f"it needs CUDA tensors, got {device.type} tensors"
     if dist.get_backend(group) != "nccl":
@@ -219,6 +222,10 @@ def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as e:
         return False, f"torch has no symmetric memory ({e})"
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        return False, f"its ranks are on {len(set(hosts))} hosts and copy engines reach only this one"
     return True, ""
 
 
