@@ -3,14 +3,17 @@
     mpirun -np 4 python -m benchmarks.profile_ring --seq-len 32k [--transports p2p]
 
 Runs causal forward+backward of ring (load-balanced, kernel auto) a few times, profiles the
-last iterations with torch.profiler on rank 0 and prints the CUDA kernels by total time, the
-wall time per iteration and the share of it the attention kernels take.
+last iterations with torch.profiler and prints, on rank 0, the CUDA kernels by total time and
+the wall time per iteration; then, on every rank, each stream's busy time and the longest idle
+gaps of the busiest (the attention) stream.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import tempfile
 import time
 
 import torch
@@ -65,8 +68,42 @@ def main(argv=None) -> int:
                   f"per fwd+bwd iteration (rank 0)")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
                                             max_name_column_width=60))
-        dist.barrier()
+        for rank in range(mesh.world_size):
+            if rank == mesh.rank and q.is_cuda:
+                print(f"-- rank {rank}: streams and idle gaps of the busiest stream")
+                print(stream_report(prof), flush=True)
+            dist.barrier()
     return 0
+
+
+def stream_report(prof, gaps: int = 8) -> str:
+    """Busy time of each CUDA stream over the profiled window, and the longest idle gaps of
+    the busiest stream with the kernels around them (from the profiler's trace)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    ops = [e for e in trace.get("traceEvents", [])
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not ops:
+        return "no CUDA kernels in the trace"
+    start = min(e["ts"] for e in ops)
+    end = max(e["ts"] + e["dur"] for e in ops)
+    streams = {}
+    for e in ops:
+        streams.setdefault(e["args"].get("stream"), []).append(e)
+    lines = [f"window {(end - start) / 1e3:.2f} ms"]
+    for stream, events in sorted(streams.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        lines.append(f"stream {stream}: {len(events)} ops, busy "
+                     f"{sum(e['dur'] for e in events) / 1e3:.2f} ms")
+    busiest = max(streams.values(), key=lambda events: sum(e["dur"] for e in events))
+    busiest.sort(key=lambda e: e["ts"])
+    holes = [(b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(busiest, busiest[1:])]
+    lines.append(f"idle between ops of the busiest stream: "
+                 f"{sum(max(h, 0) for h, _, _ in holes) / 1e3:.2f} ms; longest:")
+    for hole, a, b in sorted(holes, key=lambda x: -x[0])[:gaps]:
+        lines.append(f"  {hole / 1e3:7.3f} ms at {(a['ts'] + a['dur'] - start) / 1e3:8.2f} ms "
+                     f"after {a['name'][:50]!r} before {b['name'][:50]!r}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
