@@ -344,8 +344,10 @@ def _nvfuser_version() -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit, with ``-dirty`` when the working tree differs from it."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                             capture_output=True,
                              text=True, timeout=10, cwd=Path(__file__).resolve().parent)
         return out.stdout.strip() or None
     except Exception:  # noqa: BLE001 -- no git, or not a checkout
