@@ -211,6 +211,6 @@ class Ring(SequenceSchedule):
             backward_bytes_sent=(p - 1) * (kv_bytes + kv_block * 4),
             backward_bytes_received=(p - 1) * (kv_bytes + kv_block * 4),
             backward_flops=spec.flops(backward=True) / p - forward,
-            notes=f"partition {self.partition.name}; K/V blocks of {kv_bytes} bytes, "
-                  f"fp32 dK/dV blocks of {kv_block * 4} bytes",
+            notes=f"partition {self.partition.name}; transport {self.transport}; K/V blocks of "
+                  f"{kv_bytes} bytes, fp32 dK/dV blocks of {kv_block * 4} bytes",
         )
