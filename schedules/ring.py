@@ -153,6 +153,7 @@ class Ring(SequenceSchedule):
                 kb, vb = (_rows(t, keys) for t in current)
                 o, lse = kernel.forward(_rows(q, rows), kb, vb, causal=causal, scale=scale)
                 out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
+                del o, lse  # free the block's output before the next kernel call
             if pending is not None:
                 current, pending = tuple(pending.wait()), None
         return finish(out_acc, q.dtype, layout_of(q)), lse_acc
@@ -189,16 +190,18 @@ class Ring(SequenceSchedule):
             else:
                 pending_sums.wait()  # acc holds the block's sums from the earlier ranks
                 _add_rows(acc, grads, keys)
+            del grads  # free the block's dK/dV before the next kernel call
             pending_sums = sums.shift(step % 2, (step + 1) % 2)
         # the own block last: its backward runs while the own sums make their last hop home
         grads, keys = block_grads(own_case, k, v)
+        dq = finish(dq, q.dtype, layout_of(q))
         if remote:
             home = pending_sums.wait()
             _add_rows(home, grads, keys)
             grads = home
         kv_layout = layout_of(k)
         dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(grads, (k, v)))
-        return finish(dq, q.dtype, layout_of(q)), dk, dv
+        return dq, dk, dv
 
     def describe(self, spec):
         p = self.size
