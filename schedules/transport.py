@@ -27,19 +27,19 @@ available, else p2p.
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
 from sdpa_fusion.layout import Layout
+from sdpa_fusion.mesh import DEFAULT_TIMEOUT
 
 from .buffers import views
 from .comm import Pending
 
 TRANSPORTS = ("auto", "p2p", "copy_engine")
-_ALIGN = 512  # bytes: every slot and every tensor in it starts aligned
+_ALIGN = 512  # bytes: every slot starts aligned
 
 
 def check_transport(transport: str) -> str:
@@ -165,7 +165,7 @@ class CopyEngineMover(Mover):
         super().__init__(comm)
         self._flat = self._handle = self._peer = None
         self._stream = None
-        self._timeout_ms = int(1000 * float(os.environ.get("SDPA_FUSION_TIMEOUT_S", 300)))
+        self._timeout_ms = int(DEFAULT_TIMEOUT.total_seconds() * 1000)
 
     @property
     def kept_bytes(self) -> int:
@@ -204,11 +204,12 @@ class CopyEngineMover(Mover):
 def mover(comm, transport: str, device: torch.device) -> Mover:
     """The mover of ``transport`` for ring shifts over ``comm`` on ``device`` (``auto``
     resolved); a ValueError when copy_engine cannot run there."""
-    check_transport(transport)
+    if check_transport(transport) == "p2p":
+        return P2PMover(comm)
     usable, why = _copy_engine_usable(device, comm.group)
     if transport == "copy_engine" and not usable:
         raise ValueError(f"transport='copy_engine' cannot run here: {why}; use transport='p2p'")
-    return CopyEngineMover(comm) if usable and transport != "p2p" else P2PMover(comm)
+    return CopyEngineMover(comm) if usable else P2PMover(comm)
 
 
 def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
