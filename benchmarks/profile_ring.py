@@ -79,9 +79,9 @@ def main(argv=None) -> int:
 def stream_report(prof, gaps: int = 8) -> str:
     """Busy time of each CUDA stream over the profiled window, and the longest idle gaps of
     the busiest stream with the kernels around them (from the profiler's trace)."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    with tempfile.NamedTemporaryFile(mode="r", suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        trace = json.load(f)
     ops = [e for e in trace.get("traceEvents", [])
            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not ops:

@@ -83,20 +83,18 @@ class RingBuffer:
 
     def __init__(self, data: RingData, flat: torch.Tensor, offset: int, mover):
         self.data, self._flat, self._mover = data, flat, mover
-        self._slots = [flat[offset + i * data.nbytes: offset + (i + 1) * data.nbytes] for i in range(2)]
         self._offsets = [offset, offset + data.nbytes]
 
     def tensors(self, slot: int) -> list[torch.Tensor]:
         """The logical tensors slot ``slot`` holds (views into the buffer)."""
-        elements = self._slots[slot].view(self.data.dtype)
+        start = self._offsets[slot]
+        elements = self._flat[start:start + self.data.nbytes].view(self.data.dtype)
         return views(elements, self.data.shapes, self.data.layout)
 
-    def load(self, slot: int, tensors) -> list[torch.Tensor]:
+    def load(self, slot: int, tensors) -> None:
         """Copy ``tensors`` (logical, of this buffer's shapes) into slot ``slot``."""
-        targets = self.tensors(slot)
-        for target, t in zip(targets, tensors):
+        for target, t in zip(self.tensors(slot), tensors):
             target.copy_(t)
-        return targets
 
     def shift(self, src: int, dst: int) -> Pending:
         """Start filling slot ``dst`` with the previous rank's slot ``src`` (this rank's slot
