@@ -8,6 +8,7 @@ import math
 import torch
 
 from .layout import Layout, check_cu_seqlens, check_layout, check_offsets, seqlens_of
+from .mask import Window
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,9 +36,11 @@ class AttentionSpec:
     layout: Layout = Layout.BHSE
     cu_seqlens: tuple[int, ...] | None = None
     cu_seqlens_padded: tuple[int, ...] | None = None
+    window: Window | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "layout", Layout.of(self.layout))
+        object.__setattr__(self, "window", Window.of(self.window))
 
     @property
     def softmax_scale(self) -> float:

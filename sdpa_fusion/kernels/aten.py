@@ -25,7 +25,7 @@ class FlashKernel(Kernel):
             return f"kernel 'flash' supports head_dim <= 256, got {spec.head_dim}"
         return None
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
         groups = q.shape[1] // k.shape[1]
         k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         out, lse, *_ = aten._scaled_dot_product_flash_attention(
@@ -33,7 +33,8 @@ class FlashKernel(Kernel):
         )
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
+                 window=None):
         groups = q.shape[1] // k.shape[1]
         k_x, v_x = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         s_q, s_k = q.shape[2], k.shape[2]
@@ -60,7 +61,7 @@ class CudnnKernel(Kernel):
             return "kernel 'cudnn' needs torch built with cuDNN"
         return None
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
         groups = q.shape[1] // k.shape[1]
         k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
@@ -68,7 +69,8 @@ class CudnnKernel(Kernel):
         )
         return out, lse.view(lse.shape[:3])
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
+                 window=None):
         groups = q.shape[1] // k.shape[1]
         k_x, v_x = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
         s_q, s_k = q.shape[2], k.shape[2]

@@ -1,27 +1,78 @@
 """The one contract every local attention kernel serves, and the registry of kernels.
 
-    forward(q, k, v, *, causal, scale, dropout=None) -> (out, lse)
-    backward(dout, q, k, v, out, lse, *, causal, scale, dropout=None) -> (dq, dk, dv)
+Dense tensors, logical [B, H, S, E] in BHSE or BSHE memory order:
 
-Tensors are logical [B, H, S, E] in BHSE or BSHE memory order; outputs keep the query's
-layout. ``lse`` is fp32 [B, H, S_q]. ``causal`` is aligned top-left (key j is masked for
-query i when j > i). K/V may have fewer heads than Q (GQA). ``backward`` takes the *global*
-out and lse of the row, so it can be applied block by block (ring attention).
+    forward(q, k, v, *, causal, scale, dropout=None, window=None) -> (out, lse)
+    backward(dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None)
+        -> (dq, dk, dv)
+
+Packed sequences (varlen), [T, H, E] tensors delimited by ``Seqlens``:
+
+    varlen_forward(q, k, v, seqlens, *, causal, scale, window=None) -> (out, lse)
+    varlen_backward(dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None)
+        -> (dq, dk, dv)
+
+Outputs keep the query's layout (gradients their input's). ``lse`` is fp32: [B, H, S_q]
+dense, [H, T_q] packed. ``causal`` and ``window`` are aligned top-left, per sequence when
+packed: query i sees key j when j <= i (causal) and i - left <= j <= i + right (window; a
+side that is None is unbounded). A row that sees no key gets out 0 and lse -inf. K/V may
+have fewer heads than Q (GQA). ``backward`` takes the *global* out and lse of the row, so it
+can be applied block by block (ring attention).
+
+A kernel without a native varlen path runs packed sequences one by one through its dense
+methods (``varlen_forward``/``varlen_backward`` of the base class).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 
 import torch
 
 from ..layout import Layout
+from ..mask import Window, band  # noqa: F401  (part of the kernel contract)
 from ..spec import AttentionSpec
 
 
 class KernelUnavailable(ValueError):
     """A kernel cannot run a given spec on a given device (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Seqlens:
+    """Packed sequences of one varlen kernel call: sequence i has the queries
+    ``cu_q[i]:cu_q[i+1]`` and the keys ``cu_k[i]:cu_k[i+1]`` of the packed tensors."""
+
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+
+    @property
+    def lengths_q(self) -> list[int]:
+        return [b - a for a, b in zip(self.cu_q, self.cu_q[1:])]
+
+    @property
+    def lengths_k(self) -> list[int]:
+        return [b - a for a, b in zip(self.cu_k, self.cu_k[1:])]
+
+    @property
+    def max_q(self) -> int:
+        return max(self.lengths_q, default=0)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.lengths_k, default=0)
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_q, cu_k) as int32 tensors on ``device`` (made once per device)."""
+        return _cu_tensors(self.cu_q, self.cu_k, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _cu_tensors(cu_q, cu_k, device):
+    return (torch.tensor(cu_q, dtype=torch.int32, device=device),
+            torch.tensor(cu_k, dtype=torch.int32, device=device))
 
 
 @dataclasses.dataclass
@@ -39,6 +90,7 @@ class Kernel(abc.ABC):
     name: str = ""
     gpu_only: bool = True
     supports_dropout: bool = False
+    supports_window: bool = False
 
     def unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
         """Why this kernel cannot run ``spec`` on ``device``, or None when it can."""
@@ -56,6 +108,8 @@ class Kernel(abc.ABC):
                 return f"kernel {self.name!r} takes float16 or bfloat16, not {spec.dtype}"
         if spec.dropout_p > 0 and not self.supports_dropout:
             return f"kernel {self.name!r} has no dropout; use kernel='nvfuser' for dropout_p > 0"
+        if spec.window is not None and not self.supports_window:
+            return f"kernel {self.name!r} has no sliding window; use kernel='flash' or 'reference'"
         return self._unavailable_reason(spec, device)
 
     def _unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
@@ -73,16 +127,59 @@ class Kernel(abc.ABC):
             raise KernelUnavailable(reason)
 
     @abc.abstractmethod
-    def forward(self, q, k, v, *, causal: bool, scale: float, dropout: Dropout | None = None):
+    def forward(self, q, k, v, *, causal: bool, scale: float, dropout: Dropout | None = None,
+                window: Window | None = None):
         ...
 
     @abc.abstractmethod
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float,
-                 dropout: Dropout | None = None):
+                 dropout: Dropout | None = None, window: Window | None = None):
         ...
+
+    def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal: bool, scale: float,
+                       window: Window | None = None):
+        """(out [T_q, H, E], lse fp32 [H, T_q]) of packed sequences; this default runs them
+        one by one through ``forward``."""
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                         device=q.device)
+        for (qa, qb), (ka, kb) in _sequences(seqlens):
+            if qb == qa or kb == ka:
+                continue
+            o, l = self.forward(_as_dense(q, qa, qb), _as_dense(k, ka, kb), _as_dense(v, ka, kb),
+                                causal=causal, scale=scale, window=window)
+            _as_dense(out, qa, qb).copy_(o)
+            lse[:, qa:qb] = l[0]
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal: bool,
+                        scale: float, window: Window | None = None):
+        """(dq, dk, dv) of packed sequences; this default runs them one by one."""
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for (qa, qb), (ka, kb) in _sequences(seqlens):
+            if qb == qa or kb == ka:
+                continue
+            qs, ks = (qa, qb), (ka, kb)
+            block = self.backward(
+                *(_as_dense(t, *r) for t, r in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
+                lse[:, qa:qb].unsqueeze(0).contiguous(), causal=causal, scale=scale, window=window,
+            )
+            for grad, g, r in zip(grads, block, (qs, ks, ks)):
+                _as_dense(grad, *r).copy_(g)
+        return tuple(grads)
 
     def __repr__(self) -> str:
         return f"<kernel {self.name}>"
+
+
+def _sequences(seqlens: Seqlens):
+    """((query start, stop), (key start, stop)) of every packed sequence."""
+    return zip(zip(seqlens.cu_q, seqlens.cu_q[1:]), zip(seqlens.cu_k, seqlens.cu_k[1:]))
+
+
+def _as_dense(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Tokens [start, stop) of a packed [T, H, E] tensor as a BSHE [1, H, s, E] view."""
+    return packed[start:stop].unsqueeze(0).transpose(1, 2)
 
 
 def expand_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:

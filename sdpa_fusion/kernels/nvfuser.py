@@ -65,7 +65,7 @@ class NvFuserKernel(Kernel):
             return k, v, 1
         return expand_kv_heads(k, groups), expand_kv_heads(v, groups), groups
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
         k, v, _ = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         outs = self._fusion("SdpaForward", spec).execute(
@@ -75,7 +75,8 @@ class NvFuserKernel(Kernel):
             dropout.seed, dropout.offset = outs[2], outs[3]
         return outs[0], outs[1]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
+                 window=None):
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         inputs = [*self._dense(spec, dout, q, k, v, out), lse.contiguous(),
@@ -83,7 +84,7 @@ class NvFuserKernel(Kernel):
         dq, dk, dv = self._fusion("SdpaBackward", spec).execute(inputs, **self._scalars(spec))
         return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
-    def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None):
+    def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None, window=None):
         """(out, lse, dq, dk, dv) from one fusion of forward and backward."""
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)

@@ -54,12 +54,13 @@ class ReferenceKernel(Kernel):
     name = "reference"
     gpu_only = False
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None):
+    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
         p, lse = _probabilities(q, k, None, causal=causal, scale=scale)
         out = torch.einsum("bhgqk,bhke->bhgqe", p, v.float())
         return _out(out, q), lse.flatten(1, 2).contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
+                 window=None):
         kv_heads = k.shape[1]
         p, _ = _probabilities(q, k, lse, causal=causal, scale=scale)
         do = _grouped(dout, kv_heads)
