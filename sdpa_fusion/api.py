@@ -50,10 +50,14 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
     schedule = schedule if schedule is not None else _default_schedule()
     error, spec, chosen = None, None, None
     try:
+        packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
+            if Layout.of(layout).is_varlen else None
+        if packing is not None:  # the global packing, split: this rank's lengths
+            cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
         spec = AttentionSpec.from_tensors(
             q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-        )
+        ).replace(packing=packing)
         schedule.validate(spec)
         chosen = kernels.select(kernel, spec, q.device)
     except ValueError as e:
@@ -70,7 +74,8 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
 
 def _agree_on(mesh, schedule, spec, error) -> None:
     """Exchange every rank's verdict and raise the first rank's error on all ranks."""
-    verdicts = mesh.agree((str(error) if error else None, spec))
+    verdicts = mesh.agree((str(error) if error else None,
+                           None if spec is None else schedule.global_spec(spec)))
     for rank, (message, _) in enumerate(verdicts):
         if message is not None:
             raise ValueError(f"rank {rank}: {message}") from (error if rank == mesh.rank else None)
@@ -78,8 +83,8 @@ def _agree_on(mesh, schedule, spec, error) -> None:
     if len(specs) > 1:
         shown = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(verdicts))
         raise ValueError(
-            f"schedule {schedule.name!r} needs the same local problem on every rank, got {shown}; "
-            f"shard every tensor with schedule.shard(...)"
+            f"schedule {schedule.name!r} needs the same problem on every rank, got {shown}; "
+            f"shard every tensor with schedule.shard(...) and pass the same global cu_seqlens"
         )
 
 
