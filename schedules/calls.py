@@ -103,12 +103,12 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(lengths.sum())) + torch.repeat_interleave(shift, lengths)
 
 
-def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: int,
+def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tuple[int, int],
                 device) -> PackedCall | None:
     """The call of query ``rows`` vs key ``keys`` (host index tensors grouped by sequence,
     ``row_counts``/``key_counts`` per sequence), leaving out sequences with no query or no
-    key; None when no sequence is left. Rows equal to all ``tokens`` rows in order need no
-    index."""
+    key; None when no sequence is left. ``tokens``: rows of the query and key tensors (rows
+    that are all of them, in order, need no index)."""
     kept = (row_counts > 0) & (key_counts > 0)
     if not bool(kept.any()):
         return None
@@ -116,7 +116,8 @@ def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: int
     keys = keys[torch.repeat_interleave(kept, key_counts)]
     row_counts, key_counts = row_counts[kept], key_counts[kept]
     seqlens = Seqlens(_cumulative(row_counts), _cumulative(key_counts))
-    return PackedCall(_index(rows, tokens, device), _index(keys, tokens, device), seqlens, causal)
+    return PackedCall(_index(rows, tokens[0], device), _index(keys, tokens[1], device), seqlens,
+                      causal)
 
 
 def _cumulative(counts: torch.Tensor) -> tuple[int, ...]:
@@ -160,7 +161,7 @@ def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall 
     (q0, q1), (k0, k1) = _real(q_span, split.counts[packing.rank]), _real(k_span, split.counts[source])
     starts = split.offsets[:-1]
     return packed_call(ranges(starts + q0, q1 - q0), q1 - q0, ranges(starts + k0, k1 - k0), k1 - k0,
-                       causal=causal, tokens=split.tokens, device=split.device)
+                       causal=causal, tokens=(split.tokens, split.tokens), device=split.device)
 
 
 def _real(span, real: torch.Tensor):
