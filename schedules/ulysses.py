@@ -97,13 +97,21 @@ class Ulysses(SequenceSchedule):
         received = self.comm.all_to_all(send)
         return [views(part, shapes, layout) for part in received]
 
-    def _plan(self, spec, s_local: int, device):
-        """(placement, kernel call over the whole sequence of this rank's heads)."""
+    def _placement(self, spec, s_local: int, device) -> Placement:
+        """Where every rank's ``s_local`` tokens go in the whole sequence."""
+        if spec.packing is not None:
+            return self._packed_plan(spec)[0]
+        length = s_local * self.size
+        return Placement(length, s_local, [(None, t) for t in self.positions(length, device)])
+
+    def _call(self, spec):
+        """The kernel call over the whole sequence of this rank's heads (None: no token)."""
+        if spec.packing is not None:
+            return self._packed_plan(spec)[1]
+        return DenseCall(slice(None), slice(None), spec.causal)
+
+    def _packed_plan(self, spec):
         packing = spec.packing
-        if packing is None:
-            length = s_local * self.size
-            place = Placement(length, s_local, [(None, t) for t in self.positions(length, device)])
-            return place, DenseCall(slice(None), slice(None), spec.causal)
 
         def build():
             place, lengths = packed_placement(packing.split), packing.split.lengths
@@ -113,7 +121,7 @@ class Ulysses(SequenceSchedule):
 
         return packing.cached(("ulysses", spec.causal), build)
 
-    def _to_heads(self, tensors, layout: Layout, place: Placement) -> list[torch.Tensor]:
+    def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
         shapes = [(b, self._heads_per_rank(h), s, e)
                   for b, h, s, e in (t.shape for t in tensors)]
@@ -125,6 +133,7 @@ class Ulysses(SequenceSchedule):
         received = self._all_to_all(fill, shapes, layout, tensors[0])
         outs = []
         for i, (b, h, s, e) in enumerate(shapes):
+            place = self._placement(spec, s, tensors[i].device)
             out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
             for blocks, (rows, slots) in zip(received, place.parts):
@@ -132,16 +141,18 @@ class Ulysses(SequenceSchedule):
             outs.append(out)
         return outs
 
-    def _to_sequence(self, tensors, layout: Layout, heads, place: Placement,
+    def _to_sequence(self, tensors, layout: Layout, heads, spec,
                      padding: float = 0.0) -> list[torch.Tensor]:
         """This rank's heads [B, h/P, S, E] in global order -> its tokens of all ``heads``
         [B, h, S/P, E]; replicated K/V heads are summed; rows that did not travel (padding)
         are ``padding``."""
-        shapes = [(b, h, place.local, e) for b, h, s, e in (t.shape for t in tensors)]
+        places = [self._placement(spec, t.shape[2] // self.size, t.device) for t in tensors]
+        shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
+                  for t, place in zip(tensors, places)]
 
         def fill(j, blocks):
-            rows, slots = place.parts[j]
-            for t, block in zip(tensors, blocks):
+            for t, place, block in zip(tensors, places, blocks):
+                rows, slots = place.parts[j]
                 if rows is None:
                     torch.index_select(t, 2, slots, out=block)
                 else:
@@ -173,15 +184,15 @@ class Ulysses(SequenceSchedule):
         layout = Layout.BSHE if packed else spec.layout
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
-        place, call = self._plan(spec, q.shape[2], q.device)
-        q_h, k_h, v_h = self._to_heads([q, k, v], layout, place)
+        call = self._call(spec)
+        q_h, k_h, v_h = self._to_heads([q, k, v], layout, spec)
         if call is None:  # no real token anywhere
             out_h = torch.zeros_like(q_h)
             lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
         else:
             out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale)
-        (out,) = self._to_sequence([out_h], layout, [spec.heads], place)
-        (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads], place,
+        (out,) = self._to_sequence([out_h], layout, [spec.heads], spec)
+        (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads], spec,
                                    padding=float("-inf"))
         return (as_packed(out) if packed else out), lse.squeeze(-1)
 
@@ -190,16 +201,16 @@ class Ulysses(SequenceSchedule):
         layout = Layout.BSHE if packed else spec.layout
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        place, call = self._plan(spec, q.shape[2], q.device)
-        dout_h, q_h, k_h, v_h, out_h = self._to_heads([dout, q, k, v, out], layout, place)
-        (lse_h,) = self._to_heads([lse.unsqueeze(-1)], Layout.BHSE, place)
+        call = self._call(spec)
+        dout_h, q_h, k_h, v_h, out_h = self._to_heads([dout, q, k, v, out], layout, spec)
+        (lse_h,) = self._to_heads([lse.unsqueeze(-1)], Layout.BHSE, spec)
         if call is None:
             grads = [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
         else:
             grads = call.backward(kernel, dout_h, q_h, k_h, v_h, out_h, lse_h.squeeze(-1),
                                   spec.softmax_scale)
         heads = [spec.heads, spec.kv_heads, spec.kv_heads]
-        grads = self._to_sequence(list(grads), layout, heads, place)
+        grads = self._to_sequence(list(grads), layout, heads, spec)
         return tuple(as_packed(g) for g in grads) if packed else tuple(grads)
 
     def describe(self, spec):
