@@ -88,7 +88,9 @@ def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=Fa
     q, k, v = (schedule.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
     dout = schedule.shard(problem.dout, **kw)
     packing = schedule.pack(cu, padded) if hasattr(schedule, "pack") else None
-    args = dict(cu_seqlens=packing) if local else dict(cu_seqlens=cu, cu_seqlens_padded=padded)
+    args = dict(cu_seqlens=cu, cu_seqlens_padded=padded)
+    if local and packing is not None:
+        args = dict(cu_seqlens=packing)
     out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale, layout="thd",
                                 kernel=kernel, schedule=schedule, **args)
     out.backward(dout)
