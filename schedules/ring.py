@@ -134,7 +134,8 @@ class Ring(SequenceSchedule):
         if spec.causal and not isinstance(self.partition, (Contiguous, LoadBalanced, Striped)):
             raise ValueError(
                 f"ring attention with causal=True takes partition 'load_balanced', 'contiguous' "
-                f"or 'striped', not {self.partition.name!r}; use causal=False or one of those"
+                f"or 'striped', not {self.partition.name!r}; use causal=False, one of those, or "
+                f"schedule 'ulysses' (causal with any partition)"
             )
 
     def mover(self, device) -> Mover:
