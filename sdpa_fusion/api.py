@@ -83,8 +83,9 @@ def _agree_on(mesh, schedule, spec, error) -> None:
     if len(specs) > 1:
         shown = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(verdicts))
         raise ValueError(
-            f"schedule {schedule.name!r} needs the same problem on every rank, got {shown}; "
-            f"shard every tensor with schedule.shard(...) and pass the same global cu_seqlens"
+            f"schedule {schedule.name!r} needs the same local problem on every rank, got (as "
+            f"global problems) {shown}; shard every tensor with schedule.shard(...), packed "
+            f"tensors with the same global cu_seqlens on every rank"
         )
 
 
