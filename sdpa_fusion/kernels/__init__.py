@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import AttentionSpec
-from . import aten, nvfuser, reference  # noqa: F401  (register the kernels)
+from . import aten, fa4, nvfuser, reference  # noqa: F401  (register the kernels)
 from .base import Dropout, Kernel, KernelUnavailable, get, names, register
 
 # Fastest first on Hopper/Ampere: cuDNN, then ATen flash, then nvFuser (also ATen flash).
