@@ -6,8 +6,9 @@
 Skips without a GPU or without FlashAttention-4 (``fa4_kernel`` in conftest.py). FA4
 compiles each kernel configuration on its first call (about 5-8 s: dtype, head dim, GQA
 ratio, mask kind, dense or packed; not lengths or batch), so the tests share configurations:
-16 in all (MHA at hd 64/128/256, GQA 8:4 and MQA 8:1 at hd 128, full and causal; windows;
-packed). FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 keeps them on disk for later runs.
+15 in all, each compiled for forward and backward (MHA at hd 64/128/256, GQA 8:4 at hd 128,
+full and causal; MQA 8:1 and fp16 causal; three more window kinds; packed full and causal).
+FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 keeps them on disk for later processes.
 """
 
 from __future__ import annotations
