@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sdpa_fusion.kernels import names, ranking
 
-ABOUT = ("forward+backward TFLOP/s of each kernel (mean over seq_lens), written by "
+ABOUT = ("forward+backward TFLOP/s of each kernel (mean over its seq_lens), written by "
          "benchmarks/single_gpu.py from its results; kernel='auto' tries the fastest first "
          "(sdpa_fusion/kernels/ranking.py). Not edited by hand.")
 
@@ -22,7 +22,8 @@ ABOUT = ("forward+backward TFLOP/s of each kernel (mean over seq_lens), written 
 def kernel_table(record) -> list[dict]:
     """Entries of the kernel table from a single-GPU result: per (head dim, causal), the
     mean forward+backward TFLOP/s of each kernel (those named in sdpa_fusion.kernels, auto
-    left out) over the sequence lengths at which every kernel of the group was measured."""
+    left out) over the sequence lengths it was measured at (``seq_lens``; the benchmark runs
+    the slower kernels up to 32K only, the fast ones to 128K)."""
     kernels = set(names()) - {"auto"}
     env = record["environment"]
     source = {k: env.get(k) for k in ("date_utc", "command", "git_commit", "torch", "cudnn")}
@@ -33,13 +34,11 @@ def kernel_table(record) -> list[dict]:
             grouped.setdefault(key, {}).setdefault(r["impl"], {})[r["seq_len"]] = r["tflops"]
     entries = []
     for (hd, causal), per_kernel in sorted(grouped.items()):
-        lengths = sorted(set.intersection(*(set(v) for v in per_kernel.values())))
-        if not lengths:
-            continue
-        tflops = {k: float(f"{statistics.fmean(v[s] for s in lengths):.4g}")
-                  for k, v in sorted(per_kernel.items())}
+        ordered = sorted(per_kernel.items())
+        tflops = {k: float(f"{statistics.fmean(by_length.values()):.4g}") for k, by_length in ordered}
+        lengths = {k: sorted(by_length) for k, by_length in ordered}
         entries.append({"device": env["device"], "sm": env.get("capability"), "head_dim": hd,
-                        "causal": causal, "seq_lens": lengths, "tflops": tflops,
+                        "causal": causal, "tflops": tflops, "seq_lens": lengths,
                         "source": source})
     return entries
 

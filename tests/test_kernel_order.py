@@ -116,7 +116,7 @@ def test_the_table_is_written_from_results_and_read_back(tmp_path):
     rows = [
         ("fa4", "fwd+bwd", 128, True, 8192, 600.0), ("fa4", "fwd+bwd", 128, True, 16384, 700.0),
         ("cudnn", "fwd+bwd", 128, True, 8192, 500.0), ("cudnn", "fwd+bwd", 128, True, 16384, 560.0),
-        ("cudnn", "fwd+bwd", 128, True, 4096, 100.0),   # fa4 has no 4K: left out of the mean
+        ("cudnn", "fwd+bwd", 128, True, 4096, 290.0),   # each kernel: over its own lengths
         ("fa4", "fwd", 128, True, 8192, 900.0),          # forward only: not ranked by
         ("auto", "fwd+bwd", 128, True, 8192, 999.0),     # auto is not a kernel of its own
         ("torch-cudnn", "fwd+bwd", 128, True, 8192, 999.0),
@@ -124,7 +124,8 @@ def test_the_table_is_written_from_results_and_read_back(tmp_path):
     ]
     path = write_kernel_table(result("NVIDIA H200", "sm90", rows), tmp_path / "t.json")
     (entry,) = json.loads(path.read_text())["entries"]
-    assert entry["tflops"] == {"cudnn": 530.0, "fa4": 650.0} and entry["seq_lens"] == [8192, 16384]
+    assert entry["tflops"] == {"cudnn": 450.0, "fa4": 650.0}
+    assert entry["seq_lens"] == {"cudnn": [4096, 8192, 16384], "fa4": [8192, 16384]}
     table = ranking.load_table(path)
     assert rank(table, H200, 128, True).order[:2] == ("fa4", "cudnn")
 
