@@ -35,7 +35,8 @@ def kernel_table(record) -> list[dict]:
     entries = []
     for (hd, causal), per_kernel in sorted(grouped.items()):
         ordered = sorted(per_kernel.items())
-        tflops = {k: float(f"{statistics.fmean(by_length.values()):.4g}") for k, by_length in ordered}
+        tflops = {k: float(f"{statistics.fmean(by_length.values()):.4g}")
+                  for k, by_length in ordered}
         lengths = {k: sorted(by_length) for k, by_length in ordered}
         entries.append({"device": env["device"], "sm": env.get("capability"), "head_dim": hd,
                         "causal": causal, "tflops": tflops, "seq_lens": lengths,
