@@ -158,7 +158,8 @@ def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall 
     vs the key rows ``k_span`` of rank ``source``'s part of the same sequence (offsets inside
     a part, ints or per-sequence tensors), both cut to the real tokens, which come first."""
     split = packing.split
-    (q0, q1), (k0, k1) = _real(q_span, split.counts[packing.rank]), _real(k_span, split.counts[source])
+    q0, q1 = _real(q_span, split.counts[packing.rank])
+    k0, k1 = _real(k_span, split.counts[source])
     starts = split.offsets[:-1]
     return packed_call(ranges(starts + q0, q1 - q0), q1 - q0, ranges(starts + k0, k1 - k0), k1 - k0,
                        causal=causal, tokens=(split.tokens, split.tokens), device=split.device)

@@ -38,7 +38,7 @@ def global_packing(cu_seqlens, cu_seqlens_padded=None) -> tuple[tuple, tuple | N
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a 1-D integer tensor, got {type(t).__name__}")
     if cu_seqlens is None:
-        raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths, int32 [N+1])")
+        raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths, [N+1])")
     ends = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
     tokens = int(ends[-1]) if ends.dim() == 1 and ends.numel() else 0
     padded = None
@@ -73,7 +73,8 @@ class Split:
         ranks = torch.arange(self.parts).unsqueeze(1)
         positions = self.partition.position(slot[None], split_lengths[seq][None], self.parts, ranks)
         real = positions < lengths[seq]
-        counts = torch.zeros(self.parts, len(lengths), dtype=torch.long).index_add_(1, seq, real.long())
+        counts = torch.zeros(self.parts, len(lengths), dtype=torch.long)
+        counts.index_add_(1, seq, real.long())
         if not torch.equal(real, slot < counts[:, seq]):
             raise ValueError(
                 f"partition {self.partition.name!r} places padding tokens between the real tokens "
@@ -161,7 +162,8 @@ class LocalPacking:
     def cu_seqlens(self) -> torch.Tensor:
         """Cumulative real lengths of the local part, int32 [N+1]."""
         counts = self.counts[self.rank]
-        return self._on_device(torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]), torch.int32)
+        cumulative = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        return self._on_device(cumulative, torch.int32)
 
     @functools.cached_property
     def cu_seqlens_padded(self) -> torch.Tensor:
@@ -181,7 +183,7 @@ class LocalPacking:
 
     @functools.cached_property
     def token_index(self) -> torch.Tensor:
-        """Row of every local token in the global packed tensor, int64 [T_local] (-1 for padding)."""
+        """Row of each local token in the global packed tensor, int64 [T_local] (-1: padding)."""
         s = self.split
         rows = s.starts[s.seq] + s.positions[self.rank]
         return self._on_device(torch.where(s.real[self.rank], rows, -1))
@@ -208,7 +210,8 @@ class LocalPacking:
         inserted as zeros; differentiable."""
         self._check_rows("t", t, self.total_tokens, "the global packed tensor")
         rows, tokens = self._real_rows
-        return t.new_zeros((self.tokens, *t.shape[1:])).index_copy(0, rows, t.index_select(0, tokens))
+        local = t.new_zeros((self.tokens, *t.shape[1:]))
+        return local.index_copy(0, rows, t.index_select(0, tokens))
 
     def unshard(self, t: torch.Tensor) -> torch.Tensor:
         """The global [T, ...] tensor, the same on every rank, from every rank's [T_local, ...]
@@ -217,7 +220,8 @@ class LocalPacking:
         self._check_rows("t", t, self.tokens, "this rank's part")
         full = t if self.parts == 1 else self.split.gather(t)
         flat, tokens = self.split._unshard_index
-        return t.new_zeros((self.total_tokens, *t.shape[1:])).index_copy(0, tokens, full.index_select(0, flat))
+        whole = t.new_zeros((self.total_tokens, *t.shape[1:]))
+        return whole.index_copy(0, tokens, full.index_select(0, flat))
 
     def _check_rows(self, name: str, t: torch.Tensor, want: int, what: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != want:
@@ -244,4 +248,5 @@ class LocalPacking:
 
     def __repr__(self) -> str:
         return (f"LocalPacking(rank {self.rank} of {self.parts}, partition {self.partition.name}, "
-                f"{len(self.split.lengths)} sequences, {self.tokens} of {self.total_tokens} tokens)")
+                f"{len(self.split.lengths)} sequences, {self.tokens} of {self.total_tokens} "
+                f"tokens)")

@@ -138,7 +138,8 @@ class SequenceSchedule(Schedule):
 
     def _own(self, packing: LocalPacking) -> LocalPacking:
         """``packing`` when this rank can use it, else a ValueError saying whose it is."""
-        if (packing.partition, packing.parts, packing.rank) != (self.partition, self.size, self.index):
+        mine = (self.partition, self.size, self.index)
+        if (packing.partition, packing.parts, packing.rank) != mine:
             raise ValueError(
                 f"cu_seqlens is {packing!r}, not this rank's part under schedule {self.name!r} "
                 f"(rank {self.index} of {self.size}, partition {self.partition.name}); pass "

@@ -41,14 +41,16 @@ def test_load_balanced_holds_transformer_engines_token_sets(parts, chunks):
     lengths = [2 * parts * c for c in chunks]
     split = split_of(lengths, parts)
     for rank in range(parts):
-        assert split.part(rank).token_index.tolist() == te_partitioned_indices(cumulative(lengths), parts, rank)
+        expected = te_partitioned_indices(cumulative(lengths), parts, rank)
+        assert split.part(rank).token_index.tolist() == expected
 
 
 @st.composite
 def packings(draw):
     parts = draw(st.integers(1, 8))
     lengths = draw(st.lists(st.integers(0, 3 * parts + 2), min_size=1, max_size=6))
-    slack = draw(st.none() | st.lists(st.integers(0, 3), min_size=len(lengths), max_size=len(lengths)))
+    n = len(lengths)
+    slack = draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n))
     return draw(st.sampled_from(["load_balanced", "contiguous", "striped"])), parts, lengths, slack
 
 
@@ -68,7 +70,8 @@ def test_every_real_token_on_one_rank_padding_last(packing):
                 for n, x in zip(lengths, slack or [0] * len(lengths))]
         assert local.cu_seqlens_padded.tolist() == list(cumulative(room))
         assert local.cu_seqlens.tolist() == list(cumulative(local.seqlens.tolist()))
-        for i, (a, b) in enumerate(zip(local.cu_seqlens_padded.tolist(), local.cu_seqlens_padded.tolist()[1:])):
+        bounds = local.cu_seqlens_padded.tolist()
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             real = int(local.seqlens[i])
             assert (index[a:a + real] >= 0).all() and (index[a + real:b] == -1).all()
             assert torch.equal(pos[a:a + real], index[a:a + real] - starts[i])
@@ -129,7 +132,7 @@ def test_video_tiles_errors():
     with pytest.raises(ValueError, match=r"3 tiles along the 16 rows of a frame do not divide it"):
         VideoTiles(frame=(16, 8), tiles=(1, 3, 1))
     part = VideoTiles(frame=(4, 4), tiles=(2, 2, 1))
-    with pytest.raises(ValueError, match=r"tiles=\(2, 2, 1\) make 4 tiles but the schedule has 2 ranks"):
+    with pytest.raises(ValueError, match=r"tiles=\(2, 2, 1\) make 4 tiles but the schedule has 2"):
         part.indices(32, 2, 0)
     with pytest.raises(ValueError, match=r"a video sequence of 48 tokens is not a whole number of "
                                          r"4x4 frames divisible into 2 tiles along frames"):

@@ -59,7 +59,8 @@ def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale
 def sequences(problem: PackedProblem):
     """(start, length) of every sequence in the global tensors."""
     cu = problem.cu_seqlens.tolist()
-    starts = (problem.cu_seqlens_padded if problem.cu_seqlens_padded is not None else problem.cu_seqlens)
+    padded = problem.cu_seqlens_padded
+    starts = problem.cu_seqlens if padded is None else padded
     return list(zip(starts.tolist(), [b - a for a, b in zip(cu, cu[1:])]))
 
 

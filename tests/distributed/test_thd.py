@@ -26,7 +26,8 @@ SAME_ON_EVERY_RANK = dict(derandomize=True, database=None, phases=[Phase.explici
 
 
 def schedule(mesh, name: str, partition: str | None):
-    return schedules.get(name, mesh) if partition is None else schedules.get(name, mesh, partition=partition)
+    options = {} if partition is None else dict(partition=partition)
+    return schedules.get(name, mesh, **options)
 
 
 def lengths_for(p: int) -> list[int]:

@@ -62,7 +62,8 @@ def test_shard_unshard_round_trip_is_differentiable(mesh):
     p = mesh.size()
     problem = make_packed([3 * p + 1, 1, 0, 2], h=2, slack=[1, 0, 2, 0])
     sched = schedules.get("ring", mesh)
-    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens, cu_seqlens_padded=problem.cu_seqlens_padded)
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
     x = problem.q.clone().requires_grad_()
     back = sched.unshard(sched.shard(x, **kw), **kw)
     real = torch.zeros(x.shape[0], dtype=torch.bool)
@@ -143,11 +144,13 @@ def test_video_tiles_causal_under_allgather(mesh):
     p = mesh.size()
     frames = VideoTiles(frame=(2, 2), tiles=(p, 1, 1))
     problem = make_packed([8 * p, 4 * p], h=2, causal=True)
-    assert_packed_matches(problem, run_packed(schedules.get("allgather", mesh, partition=frames), problem))
+    sched = schedules.get("allgather", mesh, partition=frames)
+    assert_packed_matches(problem, run_packed(sched, problem))
     columns = VideoTiles(frame=(2, 8), tiles=(1, 1, p))
     with pytest.raises(ValueError, match=r"partition 'video_tiles' gives a rank 4 runs of a "
                                          r"sequence's part"):
-        run_packed(schedules.get("allgather", mesh, partition=columns), make_packed([32], h=2, causal=True))
+        sched = schedules.get("allgather", mesh, partition=columns)
+        run_packed(sched, make_packed([32], h=2, causal=True))
 
 
 # ---- bad input, raised on every rank -----------------------------------------------------
@@ -171,7 +174,8 @@ def test_cu_seqlens_differing_on_one_rank(mesh):
     cu = torch.tensor([0, 4 * p, 16 * p], dtype=torch.int32) if mesh.rank == 0 else good.cu_seqlens
     local = sched.pack(cu)
     q, k, v = (local.shard(t) for t in (good.q, good.k, good.v))
-    with pytest.raises(ValueError, match=rf"same local problem on every rank.*rank 0: .*cu_seqlens=\(0, {4 * p}, {16 * p}\)"):
+    shown = rf"rank 0: .*cu_seqlens=\(0, {4 * p}, {16 * p}\)"
+    with pytest.raises(ValueError, match=rf"same local problem on every rank.*{shown}"):
         _attention(sched, q, k, v, cu_seqlens=cu)
     assert_packed_matches(good, run_packed(sched, good))
 
@@ -184,8 +188,8 @@ def test_local_packing_of_another_rank(mesh):
     local, (q, k, v) = _local(sched, problem)
     if mesh.rank == 0:
         local = sched.pack(problem.cu_seqlens, rank=1)
-    with pytest.raises(ValueError, match=r"rank 0: cu_seqlens is LocalPacking\(rank 1 of .*not this "
-                                         r"rank's part under schedule 'ring' \(rank 0 of"):
+    with pytest.raises(ValueError, match=r"rank 0: cu_seqlens is LocalPacking\(rank 1 of .*not "
+                                         r"this rank's part under schedule 'ring' \(rank 0 of"):
         _attention(sched, q, k, v, cu_seqlens=local)
     assert_packed_matches(problem, run_packed(sched, problem, local=True))
 
@@ -199,9 +203,9 @@ def test_local_tokens_mismatch(mesh):
     local, (q, k, v) = _local(sched, problem)
     if mesh.rank == 0:
         q, k, v = problem.q, problem.k, problem.v
-    with pytest.raises(ValueError, match=rf"q has {problem.q.shape[0]} tokens but this rank's part "
-                                         rf"of the packing has {local.tokens} .* shard q, k, v with "
-                                         rf"schedule.shard\(t, layout='thd', cu_seqlens=cu_seqlens\)"):
+    fix = r"shard q, k, v with schedule.shard\(t, layout='thd', cu_seqlens=cu_seqlens\)"
+    with pytest.raises(ValueError, match=rf"q has {problem.q.shape[0]} tokens but this rank's "
+                                         rf"part of the packing has {local.tokens} .* {fix}"):
         _attention(sched, q, k, v, cu_seqlens=problem.cu_seqlens)
     assert_packed_matches(problem, run_packed(sched, problem))
 
@@ -213,7 +217,7 @@ def test_local_packing_misuse(mesh):
     local, (q, k, v) = _local(ring, problem)
     with pytest.raises(ValueError, match="a LocalPacking already holds the padding"):
         _attention(ring, q, k, v, cu_seqlens=local, cu_seqlens_padded=problem.cu_seqlens)
-    with pytest.raises(ValueError, match="not this rank's part under schedule 'ring'.* partition striped"):
+    with pytest.raises(ValueError, match="not this rank's part under schedule 'ring'.* striped"):
         _attention(schedules.get("ring", mesh, partition="striped"), q, k, v, cu_seqlens=local)
     heads = schedules.get("head_parallel", mesh)
     q, k, v = (heads.shard(t, layout="thd") for t in (problem.q, problem.k, problem.v))

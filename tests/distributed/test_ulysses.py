@@ -93,7 +93,8 @@ def test_causal_with_any_index_map_matches_reference(mesh):
     """Ulysses attends the whole sequence in global order: causal works for rows in any order."""
     p = mesh.size()
     rows = torch.randperm(4 * p, generator=torch.Generator().manual_seed(3)).view(p, -1)
-    sched = schedules.get("ulysses", mesh, partition=rows.sort(dim=1, descending=True).values.tolist())
+    rows = rows.sort(dim=1, descending=True).values.tolist()
+    sched = schedules.get("ulysses", mesh, partition=rows)
     problem = make_problem(b=1, h=2 * p, h_kv=p, s=4 * p, e=8, layout="bshe", causal=True)
     assert_matches(problem, run_schedule(sched, problem))
 
