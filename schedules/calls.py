@@ -156,10 +156,14 @@ def put_rows(acc: torch.Tensor, rows, g: torch.Tensor) -> None:
 def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:
     """The call of this rank's query rows ``q_span`` = (start, stop) of every sequence's part
     vs the key rows ``k_span`` of rank ``source``'s part of the same sequence (offsets inside
-    a part, ints or per-sequence tensors), both cut to the real tokens, which come first."""
+    a part, ints or per-sequence tensors), both cut to the real tokens, which come first.
+    Causal calls of the partitions here come out square per sequence (keys past the last
+    query are cut), so a kernel aligning the mask bottom-right computes the same mask."""
     split = packing.split
     q0, q1 = _real(q_span, split.counts[packing.rank])
     k0, k1 = _real(k_span, split.counts[source])
+    if causal:  # top-left: keys past the last query are seen by none (kernels get squares)
+        k1 = torch.minimum(k1, k0 + q1 - q0)
     starts = split.offsets[:-1]
     return packed_call(ranges(starts + q0, q1 - q0), q1 - q0, ranges(starts + k0, k1 - k0), k1 - k0,
                        causal=causal, tokens=(split.tokens, split.tokens), device=split.device)

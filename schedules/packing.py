@@ -230,6 +230,11 @@ class LocalPacking:
                 f"{name} ({shape}) must have {want} tokens along dim 0, the size of {what} "
                 f"(partition {self.partition.name} over {self.parts} ranks, rank {self.rank})"
             )
+        if t.device != self.device:
+            raise ValueError(
+                f"{name} is on {t.device} but cu_seqlens was on {self.device}; pack cu_seqlens "
+                f"on the tensors' device"
+            )
 
     def cached(self, key, build):
         """``build()``, made once per key for this packing (schedules keep their kernel

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from schedules import partition as partitions
 from schedules.packing import Split, global_packing
 from schedules.partition import VideoTiles
+from schedules.ring import block_case, packed_call
 
 
 def cumulative(lengths) -> tuple[int, ...]:
@@ -79,6 +80,25 @@ def test_every_real_token_on_one_rank_padding_last(packing):
             assert bool((pos[a:a + real].diff() > 0).all())  # in order: causal stays top-left
         held += index[index >= 0].tolist()
     assert sorted(held) == real_tokens
+
+
+@given(packings())
+def test_ring_causal_calls_are_square_per_sequence(packing):
+    """Every causal kernel call of a packed ring is square per sequence (the top-left mask is
+    then also the bottom-right one flash uses), and every real query meets each key of an
+    earlier position exactly once over the ring steps."""
+    name, parts, lengths, slack = packing
+    split = split_of(lengths, parts, name, slack)
+    for rank in range(parts):
+        local, pairs = split.part(rank), 0
+        for source in range(parts):
+            call = packed_call(block_case(rank, source, True, split.partition), local, source)
+            if call is not None:
+                if call.causal:
+                    assert call.seqlens.lengths_q == call.seqlens.lengths_k
+                pairs += call.pairs
+        positions = local.position_ids[local.token_index >= 0]
+        assert pairs == int((positions + 1).sum())  # query at position i sees i + 1 keys
 
 
 def test_load_balanced_pads_each_sequence_to_2p():
