@@ -353,7 +353,10 @@ def _distribution_version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    """The checkout's commit, with ``-dirty`` when the working tree differs from it."""
+    """The checkout's commit, with ``-dirty`` when the working tree differs from it; or
+    ``SDPA_FUSION_GIT_COMMIT`` when set (a copy of a checkout whose history is not there)."""
+    if os.environ.get("SDPA_FUSION_GIT_COMMIT"):
+        return os.environ["SDPA_FUSION_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                              capture_output=True,
