@@ -140,6 +140,11 @@ class Hybrid(Schedule):
         return self.inner.size * self.outer.size
 
     @property
+    def partition(self):
+        """The outer schedule's token partition (the sequence split across the outer dim)."""
+        return self.outer.partition
+
+    @property
     def splits_heads(self) -> bool:
         """Whether the local tensors hold a head shard (inner head_parallel), not all heads."""
         return self.inner.sharded_dim == 1
