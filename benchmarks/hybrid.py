@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
-
-import torch
 
 from benchmarks import common
 from benchmarks import context_parallel as cp
@@ -34,35 +31,15 @@ NAME = "hybrid"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-lens", type=common.int_list,
-                   default=common.int_list("32k,64k,128k,256k"))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="yes")
-    p.add_argument("--modes", default="fwd+bwd")
+    cp.add_problem_args(p, causal="yes", modes="fwd+bwd")
     p.add_argument("--shapes", default="",
                    help="mesh shapes IxO, e.g. 1x2,2x1 (default: every factorization)")
     p.add_argument("--inners", default="ulysses,head_parallel")
     p.add_argument("--outer", default="ring")
     p.add_argument("--baselines", default="ring,ulysses", help="1-D schedules over all ranks")
-    p.add_argument("--kernel", default="auto", help="local kernel of every schedule")
-    p.add_argument("--partition", default="load_balanced", help="partition option when causal")
-    p.add_argument("--partition-full", default="contiguous", help="partition option when not")
-    p.add_argument("--dtype", choices=sorted(cp.DTYPES), default="bf16")
-    p.add_argument("--warmup", type=int, default=None, help="default: 2 up to 64K, then 1")
-    p.add_argument("--iters", type=int, default=None, help="default: 8 up to 64K, 5, then 3")
-    p.add_argument("--check-max-seq", type=common.int_list, default=[65536])
-    p.add_argument("--tag", default="", help="appended to the result name, e.g. _4gpu")
-    common.add_distributed_args(p)
-    args = p.parse_args(argv)
-    if args.tiny:
-        args.seq_lens, args.heads, args.head_dim = [64, 128], 8, 16
-        args.warmup, args.iters = 1, 3
-    args.modes = args.modes.split(",")
+    args = cp.finish_problem_args(p.parse_args(argv))
     args.inners = [s for s in args.inners.split(",") if s]
     args.baselines = [s for s in args.baselines.split(",") if s]
-    args.causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     args.name = NAME + args.tag + ("_tiny" if args.tiny else "")
     return args
 
@@ -113,53 +90,27 @@ def run(args) -> int:
     try:
         meshes = [sdpa_fusion.init_mesh(shape, ("heads", "seq"), timeout=timeout)
                   for shape in mesh_shapes(args.shapes, line.world_size)]
-        record = new_record(args, line.world_size, [m.shape for m in meshes])
-        deadline, start = common.Deadline(args.max_seconds), time.monotonic()
-        for s in args.seq_lens:
-            for causal in args.causals:
-                if not line.agree(deadline.left() > 0)[0]:
-                    continue
-                ref = cp.reference_output(args, s, causal, line.device)
-                rows = []
-                for name in args.baselines:
-                    rows += cp.schedule_rows(args, line, name, s, causal, ref)
-                for mesh in meshes:
-                    for inner in args.inners:
-                        rows += hybrid_rows(args, mesh, inner, s, causal, ref)
-                del ref
-                if line.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if line.rank == 0:
-                    record["rows"] += rows
-                    cp.progress(start, s, causal, rows)
-                    common.save(args.name, record, results_dir=args.results_dir, plot=False)
+        record = cp.new_record(
+            args, f"hybrid on 2-D meshes of {line.world_size} ranks vs 1-D ring, Ulysses",
+            "benchmarks.hybrid", mesh_shapes=[list(m.shape) for m in meshes],
+            mesh_dims=["heads", "seq"],
+            inners=args.inners, outer=args.outer, baselines=args.baselines)
+
+        def case_rows(s, causal, ref):
+            rows = []
+            for name in args.baselines:
+                rows += cp.schedule_rows(args, line, name, s, causal, ref)
+            for mesh in meshes:
+                for inner in args.inners:
+                    rows += hybrid_rows(args, mesh, inner, s, causal, ref)
+            return rows
+
+        start = cp.run_cases(args, line, record, case_rows)
         if line.rank == 0:
             cp.finish_record(args, record, start)
     finally:
         sdpa_fusion.close_mesh()
     return 0
-
-
-def new_record(args, world: int, shapes) -> dict:
-    return {
-        "title": f"hybrid on 2-D meshes of {world} ranks vs 1-D ring, Ulysses",
-        "environment": common.environment("benchmarks.hybrid"),
-        "settings": {
-            "seq_lens": args.seq_lens, "batch": args.batch, "heads": args.heads,
-            "head_dim": args.head_dim, "dtype": args.dtype, "modes": args.modes,
-            "mesh_shapes": [list(s) for s in shapes], "mesh_dims": ["heads", "seq"],
-            "inners": args.inners, "outer": args.outer, "baselines": args.baselines,
-            "kernel": args.kernel, "partition_when_causal": args.partition,
-            "partition_when_full": args.partition_full, "layout": "bhse",
-            "iterations": {common.short(s): cp.iterations(args, s) for s in args.seq_lens},
-            "check_max_seq": args.check_max_seq[0],
-            "timing": ("barrier before every iteration" if args.sync_each else
-                       "back-to-back iterations after a barrier")
-            + "; slowest rank's median; TFLOP/s per GPU = AttentionSpec.flops of the whole "
-              "problem / ranks / time",
-        },
-        "rows": [],
-    }
 
 
 def main(argv=None) -> int:
