@@ -61,8 +61,8 @@ def problem_for(shape, *, kv="gqa", **kwargs):
     pi, po = shape
     h = 2 * pi
     h_kv = {"mha": h, "gqa": pi, "fewer": 1}[kv]
-    kwargs = dict(dict(b=1, s=4 * pi * po, e=8, scale=0.3), **kwargs)
-    return make_problem(h=h, h_kv=h_kv, **kwargs)
+    return make_problem(**{"h": h, "h_kv": h_kv, "b": 1, "s": 4 * pi * po, "e": 8,
+                            "scale": 0.3, **kwargs})
 
 
 def run_with_copies(sched, problem):
