@@ -304,6 +304,7 @@ def environment(module: str) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "nccl": _nccl_version(),
         "nvfuser": _nvfuser_version(),
+        "flash_attn_4": _distribution_version("flash-attn-4"),
         "git_commit": _git_commit(),
     }
     if torch.cuda.is_available():
@@ -341,6 +342,14 @@ def _nvfuser_version() -> str | None:
         pass
     module = sys.modules.get("nvfuser_direct")
     return getattr(module, "__version__", None) if module else None
+
+
+def _distribution_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _git_commit() -> str | None:
@@ -382,11 +391,17 @@ def save(name: str, record: dict, *, results_dir: Path = RESULTS_DIR, copy_to: s
             paths.append(plot_record(record, results_dir / f"{name}.png", metrics=metrics))
         except Exception as e:  # noqa: BLE001 -- the JSON matters more than the picture
             print(f"warning: could not draw {name}.png: {type(e).__name__}: {e}", file=sys.stderr)
-    if copy_to:
-        Path(copy_to).mkdir(parents=True, exist_ok=True)
-        for p in paths:
-            shutil.copy2(p, Path(copy_to) / p.name)
+    copy_files(paths, copy_to)
     return paths
+
+
+def copy_files(paths: Sequence[Path], folder: str | None) -> None:
+    """Copy ``paths`` into ``folder`` (nothing when it is empty or None)."""
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for p in paths:
+        shutil.copy2(p, Path(folder) / Path(p).name)
 
 
 METRIC_LABELS = {

@@ -10,7 +10,7 @@
 #   tests-gpu        python -m pytest -q tests/gpu, on GPU 0
 #   tests-dist       mpirun -np $NP python -m pytest -q tests/gpu_distributed
 #   bench            bench-single, bench-hp, bench-cp
-#   bench-single     python -m benchmarks.single_gpu                     (~2-3 min)
+#   bench-single     python -m benchmarks.single_gpu                     (~4 min)
 #   bench-hp         mpirun -np $NP python -m benchmarks.head_parallel   (~1 min)
 #   bench-cp         bench-cp-single, then bench-cp-dist
 #   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
