@@ -434,7 +434,7 @@ def plot_record(record: dict, path: Path, *, metrics: Sequence[str] = ("tflops",
     ncols = min(4, len(panels))
     per_metric = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(per_metric * len(metrics), ncols, squeeze=False,
-                             figsize=(4.4 * ncols, 3.5 * per_metric * len(metrics)))
+                             figsize=(max(4.4 * ncols, 10.0), 3.5 * per_metric * len(metrics)))
     for ax in axes.flat:
         ax.set_visible(False)
     seq_lens = sorted({r["seq_len"] for r in rows})
