@@ -353,7 +353,10 @@ def _distribution_version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    """The checkout's commit, with ``-dirty`` when the working tree differs from it."""
+    """The checkout's commit, with ``-dirty`` when the working tree differs from it; or
+    ``SDPA_FUSION_GIT_COMMIT`` when set (a copy of a checkout whose history is not there)."""
+    if os.environ.get("SDPA_FUSION_GIT_COMMIT"):
+        return os.environ["SDPA_FUSION_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                              capture_output=True,
@@ -431,7 +434,7 @@ def plot_record(record: dict, path: Path, *, metrics: Sequence[str] = ("tflops",
     ncols = min(4, len(panels))
     per_metric = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(per_metric * len(metrics), ncols, squeeze=False,
-                             figsize=(4.4 * ncols, 3.5 * per_metric * len(metrics)))
+                             figsize=(max(4.4 * ncols, 10.0), 3.5 * per_metric * len(metrics)))
     for ax in axes.flat:
         ax.set_visible(False)
     seq_lens = sorted({r["seq_len"] for r in rows})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -29,6 +30,19 @@ def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None) -> Ch
     the first that can run the spec; on CPU it takes ``reference``.
     """
     device = torch.device(device)
+    if table is None and isinstance(name, str):
+        return _select_cached(name, spec, device)
+    return _select(name, spec, device, table)
+
+
+@functools.lru_cache(maxsize=1024)
+def _select_cached(name: str, spec: AttentionSpec, device: torch.device) -> Choice:
+    """``select`` with the committed table, made once per (name, problem, device): a training
+    loop asks the same question every step, and the answer cannot change while it runs."""
+    return _select(name, spec, device, None)
+
+
+def _select(name, spec: AttentionSpec, device: torch.device, table) -> Choice:
     if name != "auto":
         kernel = get(name)
         kernel.check(spec, device)
