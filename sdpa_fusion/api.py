@@ -76,8 +76,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
 
 def _agree_on(mesh, schedule, spec, error) -> None:
     """Exchange every rank's verdict and raise the first rank's error on all ranks."""
-    verdicts = mesh.agree((str(error) if error else None,
-                           None if spec is None else schedule.global_spec(spec)))
+    verdicts = mesh.agree((str(error), None) if error else (None, schedule.global_spec(spec)))
     for rank, (message, _) in enumerate(verdicts):
         if message is not None:
             raise ValueError(f"rank {rank}: {message}") from (error if rank == mesh.rank else None)
