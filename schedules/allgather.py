@@ -110,7 +110,9 @@ class AllGather(SequenceSchedule):
         if not spec.causal:
             return
         if spec.packing is not None:
-            most, what = int(packed_runs(spec.packing.split).max()) + 1, "a sequence's part"
+            split = spec.packing.split
+            most = spec.packing.cached("runs", lambda: int(packed_runs(split).max()) + 1)
+            what = "a sequence's part"
         else:
             q_len = spec.q_len * self.size
             most = max(len(runs(self.indices(q_len, r))) for r in range(self.size))

@@ -20,6 +20,11 @@ them. Every step uses the global out and lse of the forward.
 
 The blocks and sums travel in the slots of ``transport`` (NCCL/gloo send-receive, or copy
 engines pulling from symmetric memory on GPUs).
+
+Packed sequences: each step is one varlen kernel call over every sequence, the step's case
+applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
+made once per packing). The blocks are the whole local K/V, padding included, so every
+block has one size.
 """
 
 from __future__ import annotations
