@@ -66,17 +66,20 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
         error = e
     mesh = getattr(schedule, "mesh", None)
     # A problem every rank already agreed on skips the exchange (a training step's hot path).
-    if mesh is not None and mesh.world_size > 1 and (error is not None or spec not in schedule.agreed):
-        _agree_on(mesh, schedule, spec, error)
-        schedule.agreed.add(spec)
+    # Kept as the global problem: no rank's packing of a past step stays alive.
+    problem = None if error is not None else schedule.global_spec(spec)
+    if mesh is not None and mesh.world_size > 1 and (error is not None or problem not in schedule.agreed):
+        _agree_on(mesh, schedule, problem, error)
+        schedule.agreed.add(problem)
     if error is not None:
         raise error
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
 
 
-def _agree_on(mesh, schedule, spec, error) -> None:
-    """Exchange every rank's verdict and raise the first rank's error on all ranks."""
-    verdicts = mesh.agree((str(error), None) if error else (None, schedule.global_spec(spec)))
+def _agree_on(mesh, schedule, problem, error) -> None:
+    """Exchange every rank's verdict (its error, or its global problem) and raise the first
+    rank's error on all ranks, or an error when the problems differ."""
+    verdicts = mesh.agree((str(error) if error else None, problem))
     for rank, (message, _) in enumerate(verdicts):
         if message is not None:
             raise ValueError(f"rank {rank}: {message}") from (error if rank == mesh.rank else None)
