@@ -93,6 +93,16 @@ def test_ring_traffic_matches_describe(mesh):
     assert sched.comm.stats.bytes_sent == promised.bytes_sent == (p - 1) * 2 * k.numel() * 4
 
 
+@pytest.mark.parametrize("name, causal", [("ring", False), ("allgather", False), ("ulysses", True)])
+def test_index_map_per_packed_sequence(mesh, name, causal):
+    """An index map places the tokens of every packed sequence (each of the map's length)."""
+    p = mesh.size()
+    rows = torch.randperm(4 * p, generator=torch.Generator().manual_seed(5)).view(p, -1).tolist()
+    problem = make_packed([4 * p, 4 * p, 4 * p], h=2 * p, h_kv=p, causal=causal)
+    sched = schedules.get(name, mesh, partition=rows)
+    assert_packed_matches(problem, run_packed(sched, problem))
+
+
 # ---- video tiles -------------------------------------------------------------------------
 
 def tiles_for(p: int) -> tuple[int, int, int]:
