@@ -21,6 +21,7 @@ from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
 
 from .comm import Communicator
+from .packing import LocalPacking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +110,6 @@ class Schedule(abc.ABC):
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None):
         """The ``LocalPacking`` of packed tensors under a schedule that splits tokens; None
         here: the local tensors keep every token and ``cu_seqlens`` is taken as given."""
-        from .packing import LocalPacking
-
         if isinstance(cu_seqlens, LocalPacking):
             raise ValueError(
                 f"cu_seqlens is a LocalPacking, but schedule {self.name!r} does not split tokens; "

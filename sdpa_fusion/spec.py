@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from .layout import Layout, check_cu_seqlens, check_layout, check_offsets, check_padding, seqlens_of
+from .layout import (Layout, check_cu_seqlens, check_layout, check_offsets, check_padding,
+                     seqlens_of)
 from .mask import Window
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
