@@ -3,8 +3,9 @@
 - ``rng``: a torch.Generator seeded the same for every test (and every rank).
 - ``assert_close(actual, expected, dtype=None)``: compares in fp64 with the tolerances of
   TOLERANCES for the dtype the result was computed in (``actual.dtype`` unless given).
-- ``sdpa_oracle(q, k, v, dout, causal=, scale=)``: out, lse, dq, dk, dv of torch SDPA with
-  autograd on fp64 copies (top-left causal mask, GQA through enable_gqa).
+- ``sdpa_oracle(q, k, v, dout, causal=, scale=, window=)``: out, lse, dq, dk, dv of torch SDPA
+  with autograd on fp64 copies (top-left causal mask and (left, right) window, GQA through
+  enable_gqa; rows that see no key: out 0, lse -inf).
 - tests marked ``gpu`` are skipped when torch sees no CUDA device.
 """
 
@@ -57,22 +58,39 @@ def causal_mask(s_q: int, s_kv: int, device=None) -> torch.Tensor:
     return torch.ones(s_q, s_kv, dtype=torch.bool, device=device).tril()
 
 
-def _sdpa_oracle(q, k, v, dout, *, causal: bool, scale: float | None = None):
+def window_mask(s_q: int, s_kv: int, left, right, device=None) -> torch.Tensor:
+    """True where query i may see key j: i - left <= j <= i + right (None: unbounded side)."""
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_kv, device=device)[None, :]
+    seen = torch.ones(s_q, s_kv, dtype=torch.bool, device=device)
+    if left is not None:
+        seen = seen & (i - j <= left)
+    if right is not None:
+        seen = seen & (j - i <= right)
+    return seen
+
+
+def _sdpa_oracle(q, k, v, dout, *, causal: bool, scale: float | None = None, window=None):
     """out, lse, dq, dk, dv of torch SDPA on fp64 copies of logical [B, H, S, E] tensors."""
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     s_q, s_kv = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if causal and s_q == s_kv:
+    mask = None
+    if causal:
+        mask = causal_mask(s_q, s_kv, q.device)
+    if window is not None:
+        seen = window_mask(s_q, s_kv, *window, device=q.device)
+        mask = seen if mask is None else mask & seen
+    if causal and s_q == s_kv and window is None:
         out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
     else:  # explicit mask: torch's own alignment for s_q != s_kv is not what we test against
-        mask = causal_mask(s_q, s_kv, q.device) if causal else None
         out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
     out.backward(dout.double())
     groups = q.shape[1] // k.shape[1]
     scores = qd.detach() @ kd.detach().repeat_interleave(groups, 1).transpose(-1, -2)
     scores = scores * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-    if causal:
-        scores = scores.masked_fill(~causal_mask(s_q, s_kv, q.device), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return out.detach(), torch.logsumexp(scores, dim=-1), qd.grad, kd.grad, vd.grad
 
 
