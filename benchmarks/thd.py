@@ -17,7 +17,8 @@ Ways (``--impls``), each ``sdpa_fusion.attention(q, k, v, layout="thd", kernel=.
   cudnn+flash split    long documents one by one through cuDNN, the short ones in one flash
                        varlen call (the split the cost model finds best; none for batch b)
   fa4 varlen           FlashAttention-4's varlen call, when a kernel "fa4" is registered
-  auto                 what kernel="auto" picks (the cost model of kernels/packed.py)
+  auto                 what kernel="auto" picks (kernels/choice.py, by the cost model of
+                       kernels/cost.py)
 
 TFLOP/s count the real pairs of every document (``AttentionSpec.flops``: 4*h*s^2*e/2 per
 document, x3.5 forward+backward). ``rel_err``: each way's output against the per-sequence
@@ -78,7 +79,7 @@ def kernel_of(impl: str, spec):
         return "auto"
     name, way = impl.split(" ", 1)
     if way == "split":
-        split = kernels.packed.best_split(spec, *name.split("+"))
+        split = kernels.choice.best_split(spec, *name.split("+"))
         if split is None:
             raise kernels.KernelUnavailable("all documents have one length: nothing to split")
         return split
@@ -163,7 +164,9 @@ def main(argv=None) -> int:
     record = {
         "title": "packed sequences (THD), one GPU, causal fwd+bwd",
         "environment": common.environment("benchmarks.thd"),
-        "settings": {"batches": {b: batches[b] for b in args.batches}, "impls": args.impls,
+        "settings": {"batches": {b: [[n, batches[b].count(n)] for n in dict.fromkeys(batches[b])]
+                                 for b in args.batches},
+                     "batches_are": "[[document length, how many], ...]", "impls": args.impls,
                      "heads": args.heads, "head_dim": args.head_dim, "dtype": str(args.dtype),
                      "warmup": args.warmup, "max_iters": args.iters,
                      "budget_s_per_measurement": args.budget_s,

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 import sdpa_fusion
 from sdpa_fusion import AttentionSpec
 from sdpa_fusion.kernels import KernelUnavailable, Padded, PerSequence, Seqlens, Split, Varlen, get
-from sdpa_fusion.kernels import packed
-from sdpa_fusion.kernels.aten import flash_band, flash_call
+from sdpa_fusion.kernels import choice, cost, packed
+from sdpa_fusion.kernels.aten import _dense_window
+from sdpa_fusion.kernels.flash_window import flash_call, flash_cut
 from sdpa_fusion.layout import sequence_view
 from sdpa_fusion.local import packed_seqlens
 from sdpa_fusion.mask import Window, band
@@ -186,37 +187,48 @@ def test_packed_seqlens_gives_padding_sequences_of_its_own():
 
 
 # ---- flash: the top-left band as flash's bottom-right window (pure, checked exhaustively) ------
-def flash_mask(rows, keys, left, right, causal, n_q, n_k):
-    """What flash computes: bottom-right window on the first rows x keys, nothing elsewhere."""
-    seen = torch.zeros(n_q, n_k, dtype=torch.bool)
+def flash_sees(n_q, n_k, causal, left, right, max_k):
+    """What flash computes on one block: its argument handling (flash_api.cpp: causal sets the
+    right window to 0; a window >= the max key length becomes -1; an unbounded side next to a
+    bounded one becomes the max key length), then its bottom-right mask."""
     if causal:
         right = 0
-    i = torch.arange(rows)[:, None] + (keys - rows)
-    j = torch.arange(keys)[None, :]
-    block = torch.ones(rows, keys, dtype=torch.bool)
+    left, right = (-1 if w >= max_k else w for w in (left, right))
+    if left < 0 <= right:
+        left = max_k
+    elif right < 0 <= left:
+        right = max_k
+    i = torch.arange(n_q)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k)[None, :]
+    seen = torch.ones(n_q, n_k, dtype=torch.bool)
     if left >= 0:
-        block &= j >= i - left
+        seen &= j >= i - left
     if right >= 0:
-        block &= j <= i + right
-    seen[:rows, :keys] = block
+        seen &= j <= i + right
     return seen
 
 
-BANDS = [(None, None), (None, 0), (2, 0), (0, 0), (3, 1), (None, 2), (1, None), (0, None)]
+BANDS = [(None, None), (None, 0), (2, 0), (0, 0), (3, 1), (None, 2), (1, None), (0, None),
+         (50, None)]
 
 
 @pytest.mark.parametrize("mask", BANDS, ids=str)
-def test_flash_band_is_the_top_left_band(mask):
-    for n_q in range(7):
-        for n_k in range(7):
-            rows, keys, left, right = flash_band(n_q, n_k, mask)
-            assert left >= -1 and right >= -1
-            got = flash_mask(rows, keys, left, right, False, n_q, n_k)
+def test_flash_dense_call_is_the_top_left_band_or_goes_through_varlen(mask):
+    for n_q in range(1, 9):
+        for n_k in range(1, 9):
+            q, k = torch.empty(1, 1, n_q, 8), torch.empty(1, 1, n_k, 8)
+            rows, keys, win = _dense_window(q, k, False, Window(*mask))
+            if win is None:  # the varlen call of the same block, checked below
+                assert rows > keys and flash_call(Seqlens((0, n_q), (0, n_k)), n_q, n_k, mask)
+                continue
+            got = torch.zeros(n_q, n_k, dtype=torch.bool)
+            if rows:
+                got[:rows, :keys] = flash_sees(rows, keys, win.causal, win.left, win.right, keys)
             assert torch.equal(got, sdpa_fusion.mask.visible(n_q, n_k, mask)), (n_q, n_k)
 
 
-@settings(max_examples=50)
-@given(pairs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
+@settings(max_examples=60)
+@given(pairs=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=4),
        mask=st.sampled_from(BANDS), lead=st.integers(0, 2), tail=st.integers(0, 2))
 def test_flash_call_covers_every_token_with_the_top_left_band(pairs, mask, lead, tail):
     seqlens = Seqlens(tuple(lead + c for c in cumulative(n for n, _ in pairs)),
@@ -227,26 +239,24 @@ def test_flash_call_covers_every_token_with_the_top_left_band(pairs, mask, lead,
     for (qa, qb), (ka, kb) in zip(zip(seqlens.cu_q, seqlens.cu_q[1:]),
                                   zip(seqlens.cu_k, seqlens.cu_k[1:])):
         want[qa:qb, ka:kb] = sdpa_fusion.mask.visible(qb - qa, kb - ka, mask)
-    if call is None:  # only when sequences need different shifts of the window
-        shifts = {flash_band(n, m, mask)[1] - flash_band(n, m, mask)[0] for n, m in pairs
-                  if flash_band(n, m, mask)[0]}
-        assert mask != (None, None) and len(shifts) > 1
+    if call is None:  # only when masked sequences have different shifts
+        cuts = [flash_cut(n, m, mask) for n, m in pairs]
+        assert mask != (None, None) and len({k - r for r, k in cuts if r}) > 1
         return
     assert call.seqlens.cu_q[-1] == t_q and call.seqlens.cu_k[-1] == t_k
+    assert call.max_q >= 2 and call.max_k >= call.seqlens.max_k
     got = torch.zeros(t_q, t_k, dtype=torch.bool)
-    cu = call.seqlens
+    cu, w = call.seqlens, call.window
     for (qa, qb), (ka, kb) in zip(zip(cu.cu_q, cu.cu_q[1:]), zip(cu.cu_k, cu.cu_k[1:])):
-        got[qa:qb, ka:kb] = flash_mask(qb - qa, kb - ka, call.window_left, call.window_right,
-                                       call.causal, qb - qa, kb - ka)
+        got[qa:qb, ka:kb] = flash_sees(qb - qa, kb - ka, w.causal, w.left, w.right, call.max_k)
     assert torch.equal(got, want)
-    assert call.max_q >= 2
 
 
 def test_flash_call_of_self_attention_is_one_call():
     seqlens = packed_seqlens((0, 128, 300, 301))
     call = flash_call(seqlens, 301, 301, (None, 0))
-    assert call.seqlens == seqlens and call.causal
-    assert flash_call(seqlens, 301, 301, (64, 0)).window_left == 64
+    assert call.seqlens == seqlens and call.window.causal and call.max_k == 172
+    assert flash_call(seqlens, 301, 301, (64, 0)).window.left == 64
 
 
 # ---- the cost model ----------------------------------------------------------------------------
@@ -278,16 +288,16 @@ def test_cost_model_orders_the_ways_as_measured(lengths, order):
 
 def test_cost_model_splits_a_mix_of_long_and_short_documents():
     spec = thd_spec(MIX)
-    split = packed.best_split(spec, "cudnn", "flash")
+    split = choice.best_split(spec, "cudnn", "flash")
     assert split.name == "cudnn per-sequence from 2048 tokens + flash varlen"
     assert split.estimate(spec) < 0.75 * min(w.estimate(spec) for w in (
         Varlen("flash"), PerSequence("cudnn"), Padded("cudnn")))
-    assert packed.best_split(thd_spec([128] * 20), "cudnn", "flash") is None
+    assert choice.best_split(thd_spec([128] * 20), "cudnn", "flash") is None
 
 
 def test_cost_model_counts_host_time_per_call_and_flops_per_sequence():
     spec = thd_spec([128] * 10)
-    one = packed.speed(get("cudnn"), "dense")
+    one = cost.speed(get("cudnn"), "dense")
     assert PerSequence("cudnn").estimate(spec) == pytest.approx(10 * one.host_s)
     assert Padded("cudnn").estimate(thd_spec([8, 9], causal=False)) == math.inf
 
@@ -296,9 +306,9 @@ def test_choose_explains_every_estimate(monkeypatch):
     """On a GPU ``auto`` runs this; here the GPU kernels are declared available."""
     for name in ("cudnn", "flash"):
         monkeypatch.setattr(get(name), "unavailable_reason", lambda spec, device: None)
-    packed._choose.cache_clear()
-    way, notes = packed.choose(thd_spec([128] * 2048), "cpu")
-    packed._choose.cache_clear()
+    choice._choose.cache_clear()
+    way, notes = choice.choose(thd_spec([128] * 2048), "cpu")
+    choice._choose.cache_clear()
     assert way.name == "cudnn padded" and isinstance(way, Padded)
     assert notes[0].startswith("packed sequences: cudnn padded estimated")
     assert any(n.startswith("flash varlen: estimated") for n in notes[1:])

@@ -7,7 +7,8 @@ import torch
 from ..spec import AttentionSpec
 from . import aten, nvfuser, reference  # noqa: F401  (register the kernels)
 from .base import Dropout, Kernel, KernelUnavailable, Seqlens, get, names, register
-from .packed import Padded, PerSequence, Split, Varlen, choose
+from .choice import choose
+from .packed import Padded, PerSequence, Split, Varlen
 
 # Fastest first on Hopper/Ampere: cuDNN, then ATen flash, then nvFuser (also ATen flash).
 AUTO_ORDER = ("cudnn", "flash", "nvfuser")
@@ -19,7 +20,7 @@ def select(name: str | Kernel, spec: AttentionSpec, device) -> tuple[Kernel, lis
     A named kernel that cannot run the spec raises KernelUnavailable with the reason.
     ``auto`` takes the first kernel of AUTO_ORDER that can, falling back to ``reference``
     on CPU, and records why it skipped the others; for packed sequences on a GPU it takes
-    the fastest way to run them by the cost model of ``packed.choose``.
+    the fastest way to run them by the cost model (``choice.choose``).
     """
     device = torch.device(device)
     if name != "auto":

@@ -1,12 +1,9 @@
 """ATen's fused attention kernels (cuDNN and FlashAttention-2) behind the kernel contract.
 
 ``flash`` runs dense and packed (varlen) problems, with sliding windows, through
-``_flash_attention_forward/_backward``. Flash aligns its masks bottom-right: in a block of n_q
-queries and n_k keys, query i sees key j when ``j - (n_k - n_q)`` lies in
-``[i - window_left, i + window_right]``. Our top-left band is that mask once the queries that
-see no key and the keys that no query sees are cut off and the window is shifted by what
-remains of n_k - n_q (``flash_band``). Packed sequences run in one call when that shift is
-the same for every masked sequence (always so for self-attention), else one by one.
+``_flash_attention_forward/_backward``; ``flash_window`` turns our top-left masks into its
+bottom-right ones. Packed sequences run in one call when every masked sequence has as many
+more keys than queries (always so for self-attention), else one by one.
 
 ``cudnn`` runs dense problems; packed sequences run one by one through it (the base class).
 ATen's cuDNN varlen path is not used: see ``CUDNN_VARLEN``.
@@ -14,8 +11,6 @@ ATen's cuDNN varlen path is not used: see ``CUDNN_VARLEN``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import torch
@@ -24,6 +19,7 @@ from ..mask import band
 from ..spec import AttentionSpec
 from .base import (Dropout, Kernel, Seqlens, expand_kv_heads, get, like_layout, reduce_kv_heads,
                    register)
+from .flash_window import flash_call, flash_cut, flash_window
 
 aten = torch.ops.aten
 
@@ -34,71 +30,6 @@ CUDNN_VARLEN = (
     "wrong; it rebuilds its cuDNN graph on every call (118 ms for 2048 sequences of 128 tokens "
     "on an H200) and leaves rows whose sequence has no keys unset"
 )
-
-
-def flash_band(n_q: int, n_k: int, mask: tuple[int | None, int | None]):
-    """(rows, keys, window_left, window_right) such that flash, given the first ``rows`` queries
-    and the first ``keys`` keys of an n_q x n_k block and that bottom-right window (-1:
-    unbounded), computes the top-left band ``mask``; the other queries see no key and the
-    other keys no query. Always possible for one block (0, 0 when no query sees a key)."""
-    left, right = mask
-    rows = n_q if left is None else max(0, min(n_q, n_k + left))
-    keys = n_k if right is None else max(0, min(n_k, rows + right))
-    if rows == 0 or keys == 0:
-        return 0, 0, -1, -1
-    shift = keys - rows
-    return (rows, keys, -1 if left is None else left + shift,
-            -1 if right is None else right - shift)
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashCall:
-    """One varlen flash call: the sequences as flash sees them (queries that see no key and
-    keys no query sees split off as sequences of their own) and its mask arguments."""
-
-    seqlens: Seqlens
-    causal: bool
-    window_left: int
-    window_right: int
-
-    @property
-    def max_q(self) -> int:
-        # At least 2: with max_q == 1 and GQA, flash reshapes q for decoding as if every
-        # sequence had one query, which fails for sequences without queries.
-        return max(self.seqlens.max_q, 2)
-
-
-@functools.lru_cache(maxsize=64)
-def flash_call(seqlens: Seqlens, t_q: int, t_k: int, mask) -> FlashCall | None:
-    """The varlen call computing top-left ``mask`` over packed [t_q] queries and [t_k] keys,
-    or None when the sequences need different window shifts. Tokens outside every sequence
-    become sequences without keys (or queries): output 0, lse -inf, gradient 0."""
-    cu_q, cu_k = [0], [0]
-
-    def add(n_q, n_k):
-        if n_q or n_k:
-            cu_q.append(cu_q[-1] + n_q)
-            cu_k.append(cu_k[-1] + n_k)
-
-    def add_apart(n_q, n_k):
-        add(n_q, 0)
-        add(0, n_k)
-
-    add_apart(seqlens.cu_q[0], seqlens.cu_k[0])
-    windows = set()
-    for n_q, n_k in zip(seqlens.lengths_q, seqlens.lengths_k):
-        rows, keys, left, right = flash_band(n_q, n_k, mask)
-        if rows:
-            add(rows, keys)
-            windows.add((left, right))
-        add_apart(n_q - rows, n_k - keys)
-    add_apart(t_q - seqlens.cu_q[-1], t_k - seqlens.cu_k[-1])
-    if len(windows) > 1:
-        return None
-    left, right = windows.pop() if windows else (-1, -1)
-    causal = left < 0 and right == 0
-    return FlashCall(Seqlens(tuple(cu_q), tuple(cu_k)), causal,
-                     -1 if causal else left, -1 if causal else right)
 
 
 def _no_key_to_minus_inf(lse: torch.Tensor) -> torch.Tensor:
@@ -128,29 +59,41 @@ class FlashKernel(Kernel):
         return None
 
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
-        rows, keys, left, right = flash_band(q.shape[2], k.shape[2], band(causal, window))
+        rows, keys, win = _dense_window(q, k, causal, window)
+        if win is None:  # one flash call per sequence would reset the window: go through varlen
+            out, lse = self.varlen_forward(*map(_to_packed, (q, k, v)),
+                                           _batch(q.shape[0], q.shape[2], k.shape[2]),
+                                           causal=causal, scale=scale, window=window)
+            return (_from_packed(out, q),
+                    lse.view(q.shape[1], q.shape[0], -1).transpose(0, 1).contiguous())
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         if rows == 0:
             return torch.zeros_like(q), lse
         o, l, *_ = aten._flash_attention_forward(
             *(t.transpose(1, 2) for t in (q[:, :, :rows], k[:, :, :keys], v[:, :, :keys])),
-            None, None, rows, keys, 0.0, left < 0 and right == 0, False, scale=scale,
-            window_size_left=left, window_size_right=right,
+            None, None, rows, keys, 0.0, win.causal, False, scale=scale,
+            window_size_left=win.left, window_size_right=win.right,
         )
         lse[:, :, :rows] = _no_key_to_minus_inf(l)
         return _filled(o.transpose(1, 2), q), lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
                  window=None):
-        rows, keys, left, right = flash_band(q.shape[2], k.shape[2], band(causal, window))
+        rows, keys, win = _dense_window(q, k, causal, window)
+        if win is None:
+            grads = self.varlen_backward(
+                *map(_to_packed, (dout, q, k, v, out)), lse.transpose(0, 1).reshape(q.shape[1], -1),
+                _batch(q.shape[0], q.shape[2], k.shape[2]), causal=causal, scale=scale,
+                window=window)
+            return tuple(_from_packed(g, t) for g, t in zip(grads, (q, k, v)))
         if rows == 0:
             return tuple(torch.zeros_like(t) for t in (q, k, v))
         grads = aten._flash_attention_backward(
             *(t.transpose(1, 2) for t in (dout[:, :, :rows], q[:, :, :rows], k[:, :, :keys],
                                           v[:, :, :keys], out[:, :, :rows])),
             _no_key_to_plus_inf(lse[:, :, :rows]).contiguous(), None, None, rows, keys, 0.0,
-            left < 0 and right == 0, *_rng_state(q.device), scale=scale,
-            window_size_left=left, window_size_right=right,
+            win.causal, *_rng_state(q.device), scale=scale, window_size_left=win.left,
+            window_size_right=win.right,
         )
         return tuple(_filled(g.transpose(1, 2), t) for g, t in zip(grads, (q, k, v)))
 
@@ -160,8 +103,8 @@ class FlashKernel(Kernel):
             return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale, window=window)
         cu_q, cu_k = call.seqlens.tensors(q.device)
         out, lse, *_ = aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, call.max_q, call.seqlens.max_k, 0.0, call.causal, False,
-            scale=scale, window_size_left=call.window_left, window_size_right=call.window_right,
+            q, k, v, cu_q, cu_k, call.max_q, call.max_k, 0.0, call.window.causal, False,
+            scale=scale, window_size_left=call.window.left, window_size_right=call.window.right,
         )
         return out, _no_key_to_minus_inf(lse)
 
@@ -173,10 +116,33 @@ class FlashKernel(Kernel):
                                            scale=scale, window=window)
         cu_q, cu_k = call.seqlens.tensors(q.device)
         return aten._flash_attention_backward(
-            dout, q, k, v, out, _no_key_to_plus_inf(lse), cu_q, cu_k, call.max_q,
-            call.seqlens.max_k, 0.0, call.causal, *_rng_state(q.device), scale=scale,
-            window_size_left=call.window_left, window_size_right=call.window_right,
+            dout, q, k, v, out, _no_key_to_plus_inf(lse), cu_q, cu_k, call.max_q, call.max_k,
+            0.0, call.window.causal, *_rng_state(q.device), scale=scale,
+            window_size_left=call.window.left, window_size_right=call.window.right,
         )
+
+
+def _dense_window(q, k, causal, window):
+    """(rows, keys, flash window) of a dense call; window None when flash's dense call would
+    reset it (more queries than keys: the max key length it compares with is the keys')."""
+    rows, keys = flash_cut(q.shape[2], k.shape[2], band(causal, window))
+    win = flash_window(band(causal, window), keys - rows, max(rows, 1), max(keys, 1))
+    return rows, keys, (win if win.min_max_k <= max(keys, 1) else None)
+
+
+def _batch(b: int, s_q: int, s_k: int) -> Seqlens:
+    """A dense batch of b sequences as packed sequences."""
+    return Seqlens(tuple(range(0, b * s_q + 1, s_q)), tuple(range(0, b * s_k + 1, s_k)))
+
+
+def _to_packed(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, E] -> [B*S, H, E] (a view for BSHE memory)."""
+    return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], t.shape[3])
+
+
+def _from_packed(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    """[B*S, H, E] -> [B, H, S, E] in ``model``'s layout."""
+    return like_layout(t.reshape(model.shape[0], -1, *t.shape[1:]).transpose(1, 2), model)
 
 
 def _filled(part: torch.Tensor, model: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Ways to run packed (THD) sequences through a kernel, and the cost model ``auto`` picks by.
+"""Ways to run packed (THD) sequences through a kernel (each a ``Kernel``; pass one as
+``attention(..., kernel=...)``, or let ``auto`` pick one: ``choice``):
 
 - ``Varlen(kernel)``: the kernel's own varlen call, one launch for all sequences (``flash``;
   ``fa4`` when a kernel of that name is registered);
@@ -7,24 +8,15 @@
 - ``Padded(kernel)``: one dense call on the sequences padded to the longest (free when they
   have one length and fill the pack, a copy in and out otherwise). Padding keys sit after
   each sequence, so this needs a mask that hides later keys (causal, or a window whose right
-  side is 0) or sequences of one length.
+  side is 0) or sequences of one length;
 - ``Split(kernel, short, min_long)``: sequences of ``min_long`` tokens or more one by one
   through ``kernel``, the others in one varlen call of ``short``: long documents at the
-  dense kernel's full speed, short ones without a host call each (``best_split`` picks
-  ``min_long``).
+  dense kernel's full speed, short ones without a host call each.
 
-``choose(spec, device)`` estimates each way's forward+backward time and takes the fastest:
-
-    device time of a sequence = flops / rate,   rate(length) = peak * length / (length + half)
-    Varlen:      host_s + sum of device times
-    PerSequence: sum over sequences of max(host_s, device time)   (host and device overlap)
-    Padded:      host_s + N * device time of the longest + bytes copied / COPY_BYTES_PER_S
-    Split:       PerSequence of the long sequences + Varlen of the short ones
-
-``SPEEDS`` holds (peak, half, host_s) per kernel and way ("dense" or "varlen"), measured on an
-H200 (bf16, 32 heads, head dim 128, causal forward+backward through ATen). A kernel
-registered under a name in ``PACKED_KERNELS`` (e.g. ``fa4``) enters the choice with its entry
-in ``SPEEDS`` (``DEFAULT_SPEED`` until it is measured).
+``estimate(spec)`` gives each way's forward+backward seconds by the cost model (``cost``):
+Varlen ``host_s`` plus every sequence's device time; PerSequence the longer of host and
+device time per sequence; Padded one call on N sequences of the longest length plus the
+copies; Split PerSequence of the long sequences plus Varlen of the short ones.
 """
 
 from __future__ import annotations
@@ -35,58 +27,15 @@ import math
 
 import torch
 
-from ..mask import band, visible_pairs
+from ..mask import band
 from ..spec import AttentionSpec
-from .base import (Kernel, KernelUnavailable, Seqlens, backward_each, forward_each, get,
-                   names)
-
-
-@dataclasses.dataclass(frozen=True)
-class Speed:
-    """How fast a kernel runs causal forward+backward: ``peak`` FLOP/s on long sequences,
-    half of it at ``half`` tokens, and ``host_s`` seconds of host time per call."""
-
-    peak: float
-    half: int
-    host_s: float
-
-    def seconds(self, flops: float, length: int) -> float:
-        return flops * (length + self.half) / (self.peak * length)
-
-
-SPEEDS = {
-    ("cudnn", "dense"): Speed(556e12, 636, 350e-6),
-    ("flash", "dense"): Speed(340e12, 530, 350e-6),
-    ("flash", "varlen"): Speed(340e12, 530, 150e-6),
-    # Estimates until measured: FlashAttention-4 ran 9-14% faster than cuDNN (dense, hd 128).
-    ("fa4", "dense"): Speed(610e12, 636, 500e-6),
-    ("fa4", "varlen"): Speed(600e12, 636, 300e-6),
-}
-DEFAULT_SPEED = Speed(300e12, 600, 300e-6)
-COPY_BYTES_PER_S = 2.5e12
-PACKED_KERNELS = ("cudnn", "flash", "fa4")
-
-
-def speed(kernel: Kernel, way: str) -> Speed:
-    return SPEEDS.get((kernel.name, way), DEFAULT_SPEED)
+from .base import Kernel, KernelUnavailable, Seqlens, backward_each, forward_each, get
+from .cost import COPY_BYTES_PER_S, per_sequence_seconds, sequence_work, speed, varlen_seconds
 
 
 def has_varlen(kernel: Kernel) -> bool:
     """Whether ``kernel`` runs packed sequences in one call (overrides the base-class loop)."""
     return type(kernel).varlen_forward is not Kernel.varlen_forward
-
-
-def sequence_work(spec: AttentionSpec) -> list[tuple[int, float]]:
-    """(length, forward+backward FLOPs) of every non-empty packed sequence of ``spec``."""
-    mask = band(spec.causal, spec.window)
-    per_pair = 4.0 * spec.heads * spec.head_dim * 3.5
-    work = []
-    for _, n in spec.sequences():
-        if n:
-            pairs = n * n * (0.5 if spec.causal else 1.0) if spec.window is None else \
-                visible_pairs(n, n, mask)
-            work.append((n, per_pair * pairs))
-    return work
 
 
 class Way(Kernel):
@@ -125,7 +74,7 @@ class Varlen(Way):
     way = "varlen"
 
     def estimate(self, spec):
-        return _varlen_seconds(self.kernel, sequence_work(spec))
+        return varlen_seconds(self.kernel, sequence_work(spec))
 
     def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
         return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
@@ -142,17 +91,7 @@ class PerSequence(Way):
     way = "per-sequence"
 
     def estimate(self, spec):
-        return _per_sequence_seconds(self.kernel, sequence_work(spec))
-
-
-def _per_sequence_seconds(kernel: Kernel, work) -> float:
-    s = speed(kernel, "dense")
-    return sum(max(s.host_s, s.seconds(f, n)) for n, f in work)
-
-
-def _varlen_seconds(kernel: Kernel, work) -> float:
-    s = speed(kernel, "varlen")
-    return s.host_s + sum(s.seconds(f, n) for n, f in work)
+        return per_sequence_seconds(self.kernel, sequence_work(spec))
 
 
 class Split(Way):
@@ -171,8 +110,8 @@ class Split(Way):
 
     def estimate(self, spec):
         work = sequence_work(spec)
-        return (_per_sequence_seconds(self.kernel, [w for w in work if w[0] >= self.min_long])
-                + _varlen_seconds(self.short, [w for w in work if w[0] < self.min_long]))
+        return (per_sequence_seconds(self.kernel, [w for w in work if w[0] >= self.min_long])
+                + varlen_seconds(self.short, [w for w in work if w[0] < self.min_long]))
 
     def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
         short, long = split_sequences(seqlens, self.min_long)
@@ -216,31 +155,6 @@ def split_sequences(seqlens: Seqlens, min_long: int):
                 size = min(piece, n - start)
                 add(*((size, 0) if side == 0 else (0, size)))
     return Seqlens(tuple(cu_q), tuple(cu_k)), tuple(long)
-
-
-def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -> Split | None:
-    """The ``Split`` of packed ``spec`` with the fastest ``min_long`` by the cost model, or
-    None when no split leaves both sides non-empty."""
-    kernel, short = get(kernel), get(short)
-    work = sorted(sequence_work(spec))
-    lengths = sorted({n for n, _ in work})
-    if len(lengths) < 2:
-        return None
-    dense, varlen = speed(kernel, "dense"), speed(short, "varlen")
-    long_s = [max(dense.host_s, dense.seconds(f, n)) for n, f in work]
-    short_s = [varlen.seconds(f, n) for n, f in work]
-    suffix = [0.0] * (len(work) + 1)
-    for i in range(len(work) - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + long_s[i]
-    best, prefix, i = None, 0.0, 0
-    for min_long in lengths[1:]:
-        while work[i][0] < min_long:
-            prefix += short_s[i]
-            i += 1
-        seconds = varlen.host_s + prefix + suffix[i]
-        if best is None or seconds < best[0]:
-            best = (seconds, min_long)
-    return Split(kernel, short, best[1])
 
 
 class Padded(Way):
@@ -371,37 +285,3 @@ def padding(seqlens: Seqlens, t_q: int, t_k: int, mask, device) -> Padding:
     tokens = {"q": _rows((a, n) for a, _, n in spans), "k": _rows((b, n) for _, b, n in spans)}
     return Padding(count, length, {side: t.to(device) for side, t in tokens.items()},
                    {"q": slots, "k": slots})
-
-
-@functools.lru_cache(maxsize=64)
-def _choose(spec: AttentionSpec, device: torch.device, registered: tuple[str, ...]):
-    notes, kernels = [], []
-    for name in PACKED_KERNELS:
-        if name in registered:
-            reason = get(name).unavailable_reason(spec, device)
-            kernels += [get(name)] if reason is None else []
-            notes += [] if reason is None else [reason]
-    ways = [w for kernel in kernels for w in
-            ([Varlen(kernel)] if has_varlen(kernel) else []) + [PerSequence(kernel), Padded(kernel)]]
-    ways += [w for long in kernels for short in kernels if has_varlen(short)
-             for w in [best_split(spec, long, short)] if w is not None]
-    if not ways:
-        raise KernelUnavailable("kernel='auto' found no kernel for these packed sequences: "
-                                + "; ".join(notes))
-    timed = sorted(((way.estimate(spec), i, way) for i, way in enumerate(ways)))
-    best_time, _, best = timed[0]
-    notes.insert(0, f"packed sequences: {best.name} estimated {_ms(best_time)} forward+backward "
-                    f"(cost model of sdpa_fusion.kernels.packed), the fastest of")
-    notes += [f"{way.name}: estimated {_ms(t)}" for t, _, way in timed[1:]]
-    return best, notes
-
-
-def _ms(seconds: float) -> str:
-    return "unfit" if math.isinf(seconds) else f"{seconds * 1e3:.3g} ms"
-
-
-def choose(spec: AttentionSpec, device) -> tuple[Kernel, list[str]]:
-    """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, and notes
-    with every way's estimate (what ``explain`` shows)."""
-    best, notes = _choose(spec, torch.device(device), tuple(names()))
-    return best, list(notes)

@@ -72,13 +72,14 @@ def way(name):
 
 
 # ---- every way, through attention(layout="thd") -----------------------------------------------
+WAYS = ["flash", "cudnn", "auto", "cudnn per-sequence", "flash varlen", "split"]
+PADDED = ["cudnn padded", "flash padded"]  # causal only: padding keys come after each sequence
+
+
 @DTYPES
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("kernel", ["flash", "cudnn", "auto", "cudnn per-sequence", "cudnn padded",
-                                    "flash padded", "flash varlen", "split"])
+@pytest.mark.parametrize("kernel, causal", [(w, c) for w in WAYS for c in (False, True)] +
+                         [(w, True) for w in PADDED], ids=str)
 def test_thd_matches_torch_per_sequence(kernel, causal, dtype):
-    if "padded" in kernel and not causal:
-        pytest.skip("padding needs a causal mask for sequences of several lengths")
     total = sum(LENGTHS)
     q, k, v, dout = packed(total, dtype, seed=1)
     out = sdpa_fusion.attention(q, k, v, layout="thd", causal=causal, scale=SCALE,
@@ -129,10 +130,11 @@ def test_flash_varlen_window(causal, window):
     ([(50, 20), (33, 3), (0, 5), (4, 0)], (8, 0)),   # more queries than keys, a window
     ([(10, 40), (40, 10), (1, 1)], None),            # different shifts: one by one
     ([(10, 40), (40, 10), (1, 1)], (None, None)),    # no mask: one call whatever the lengths
-], ids=["shift30", "window", "mixed-shifts", "full"])
+    ([(100, 10), (70, 20)], (50, None)),             # a left window only, 50 more queries
+], ids=["shift30", "window", "mixed-shifts", "full", "left-only"])
 def test_flash_varlen_queries_and_keys_of_different_lengths(pairs, window):
     """Top-left alignment per sequence (flash's own is bottom-right)."""
-    causal = window != (None, None)
+    causal = window not in ((None, None), (50, None))
     seqlens = Seqlens(tuple(cumulative(n for n, _ in pairs)), tuple(cumulative(m for _, m in pairs)))
     q, k, v, dout = packed(seqlens.cu_q[-1], torch.float16, seed=4, kv_total=seqlens.cu_k[-1],
                            grad=False)
@@ -154,7 +156,8 @@ def test_flash_varlen_queries_and_keys_of_different_lengths(pairs, window):
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("s_q, s_kv, causal, window", [
     (200, 200, False, (32, 0)), (200, 200, True, (None, None)), (150, 260, True, None),
-    (260, 150, True, None), (260, 150, False, (10, 3)),
+    (260, 150, True, None), (260, 150, False, (10, 3)), (300, 100, True, None),
+    (300, 100, False, (120, None)),
 ], ids=str)
 def test_flash_dense_top_left_masks(layout, s_q, s_kv, causal, window):
     from sdpa_fusion import Layout
