@@ -9,6 +9,7 @@ from __future__ import annotations
 from .allgather import AllGather
 from .base import Description, Schedule
 from .head_parallel import HeadParallel
+from .hybrid import Hybrid
 from .replicated import Replicated
 from .ring import Ring
 from .ulysses import Ulysses
@@ -35,7 +36,7 @@ def get(name: str, mesh=None, **options) -> Schedule:
     return _REGISTRY[name](mesh, **options)
 
 
-for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses):
+for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses, Hybrid):
     register(_cls)
 
 __all__ = ["Description", "Schedule", "get", "names", "register"]

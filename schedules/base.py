@@ -45,6 +45,7 @@ class Schedule(abc.ABC):
 
     name: str = ""
     sharded_dim: int | None = None  # logical dim of q/k/v split over the mesh (None: replicated)
+    takes_dtensors: bool = True  # False: attention() refuses DTensor inputs
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
         self.mesh = mesh

@@ -24,6 +24,7 @@ class Plan:
     kernel: Kernel
     skipped: tuple[str, ...]
     schedule: object
+    why: str = ""  # why ``auto`` chose the kernel
 
     def __str__(self) -> str:
         lines = [
@@ -31,6 +32,7 @@ class Plan:
             f"local problem: {self.spec}",
             f"kernel: {self.kernel.name}",
         ]
+        lines += [f"  {self.why}"] if self.why else []
         lines += [f"  skipped: {reason}" for reason in self.skipped]
         if getattr(self.schedule, "mesh", None) is not None:
             lines.append(f"per rank: {self.schedule.describe(self.schedule.global_spec(self.spec))}")
@@ -65,7 +67,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
         schedule.agreed.add(spec)
     if error is not None:
         raise error
-    return Plan(spec, chosen[0], tuple(chosen[1]), schedule)
+    return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
 
 
 def _agree_on(mesh, schedule, spec, error) -> None:
@@ -108,8 +110,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
 
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
-    mesh on this rank's shards. ``kernel`` names the local kernel ("auto", "cudnn", "flash",
-    "nvfuser", "reference"). ``window=(left, right)`` keeps key j for query i when
+    mesh on this rank's shards. ``kernel`` names the local kernel ("auto", "cudnn", "fa4",
+    "flash", "nvfuser", "reference"). ``window=(left, right)`` keeps key j for query i when
     ``i - left <= j <= i + right`` (top-left aligned, per sequence when packed; None on a side
     is unbounded). Differentiable in q, k, v. DTensors sharded the way the schedule shards
     are accepted and a DTensor is returned.
@@ -121,7 +123,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
              dropout_p=dropout_p, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
              window=window)
     if p.skipped:
-        log.info("kernel='auto' chose %s (%s)", p.kernel.name, "; ".join(p.skipped))
+        log.info("%s (skipped: %s)", p.why, "; ".join(p.skipped))
     return rewrap(_Attention.apply(q, k, v, p))
 
 

@@ -3,7 +3,7 @@ packed against torch SDPA with an explicit mask, the band helpers, FLOPs, and ba
 
 Run: pytest -q tests/test_window.py
 Oracle: ``sdpa_oracle(..., window=)`` (conftest.py): torch SDPA in fp64 with the top-left mask
-i - left <= j <= i + right built there, independently of sdpa_fusion.mask.
+i - left <= j <= i + right built there (``visible``), independently of sdpa_fusion.mask.
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ from sdpa_fusion import AttentionSpec, Layout
 from sdpa_fusion.kernels import Kernel, KernelUnavailable, get
 from sdpa_fusion.mask import Window, band, visible, visible_pairs
 from schedules.base import Schedule
-from tests.conftest import window_mask
+from tests.conftest import visible as oracle_visible
 
 WINDOWS = [(3, 0), (0, 0), (2, 5), (None, 1), (4, None), (None, None)]
+
+
+def window_mask(n_q, n_k, left, right):
+    """The oracle's mask of a window alone (conftest.visible; None there when all may see)."""
+    seen = oracle_visible(n_q, n_k, False, (left, right))
+    return torch.ones(n_q, n_k, dtype=torch.bool) if seen is None else seen
 
 
 def make(shape, layout, rng, grad=True):

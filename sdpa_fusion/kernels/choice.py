@@ -5,7 +5,6 @@ A kernel registered later under a name listed here (``fa4``) enters the choice b
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -43,11 +42,13 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -
     return Split(kernel, short, best[1])
 
 
-@functools.lru_cache(maxsize=64)
-def _choose(spec: AttentionSpec, device: torch.device, registered: tuple[str, ...]):
+def choose(spec: AttentionSpec, device) -> tuple[Kernel, list[str]]:
+    """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, and notes:
+    why it won, then every other way's estimate (what ``explain`` shows)."""
+    device = torch.device(device)
     notes, kernels = [], []
     for name in PACKED_KERNELS:
-        if name in registered:
+        if name in names():
             reason = get(name).unavailable_reason(spec, device)
             kernels += [get(name)] if reason is None else []
             notes += [] if reason is None else [reason]
@@ -60,18 +61,11 @@ def _choose(spec: AttentionSpec, device: torch.device, registered: tuple[str, ..
                                 + "; ".join(notes))
     timed = sorted(((way.estimate(spec), i, way) for i, way in enumerate(ways)))
     best_time, _, best = timed[0]
-    notes.insert(0, f"packed sequences: {best.name} estimated {_ms(best_time)} forward+backward "
-                    f"(cost model of sdpa_fusion.kernels.cost), the fastest of")
+    notes.insert(0, f"auto chose {best.name} for these packed sequences: {_ms(best_time)} "
+                    f"forward+backward by the cost model (sdpa_fusion.kernels.cost), the least of")
     notes += [f"{way.name}: estimated {_ms(t)}" for t, _, way in timed[1:]]
     return best, notes
 
 
 def _ms(seconds: float) -> str:
     return "unfit" if math.isinf(seconds) else f"{seconds * 1e3:.3g} ms"
-
-
-def choose(spec: AttentionSpec, device) -> tuple[Kernel, list[str]]:
-    """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, and notes
-    with every way's estimate (what ``explain`` shows)."""
-    best, notes = _choose(spec, torch.device(device), tuple(names()))
-    return best, list(notes)

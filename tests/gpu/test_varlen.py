@@ -185,9 +185,9 @@ def test_flash_dense_top_left_masks(layout, s_q, s_kv, causal, window):
 def test_auto_explains_its_choice():
     q, k, v, _ = packed(64 * 128, torch.bfloat16, seed=6, grad=False)
     plan = sdpa_fusion.explain(q, k, v, layout="thd", causal=True, cu_seqlens=list(range(0, 8193, 128)))
-    assert plan.kernel.name in ("cudnn padded", "flash varlen", "cudnn per-sequence")
-    assert plan.skipped[0].startswith(f"packed sequences: {plan.kernel.name} estimated")
-    assert any("flash varlen" in note for note in plan.skipped)
+    assert plan.kernel.name in ("cudnn padded", "flash varlen", "cudnn per-sequence", "fa4 varlen")
+    assert plan.why.startswith(f"auto chose {plan.kernel.name} for these packed sequences: ")
+    assert any("flash varlen" in note for note in (plan.why, *plan.skipped))
 
 
 def test_cudnn_has_no_window():
