@@ -46,7 +46,7 @@ def _default_schedule():
 
 
 def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", schedule=None,
-         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None) -> Plan:
+         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None) -> Plan:
     """Validate the call on every rank and choose the kernel; raises the same ValueError on
     every rank of the schedule's mesh when any rank's input is bad, before any data moves."""
     schedule = schedule if schedule is not None else _default_schedule()
@@ -58,7 +58,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
             cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
         spec = AttentionSpec.from_tensors(
             q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
-            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, window=window,
         ).replace(packing=packing)
         schedule.validate(spec)
         chosen = kernels.select(kernel, spec, q.device)
@@ -113,19 +113,23 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
               layout: Layout | str = "bhse", kernel: str | Kernel = "auto", schedule=None,
-              dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None) -> torch.Tensor:
+              dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None,
+              window=None) -> torch.Tensor:
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
 
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
     mesh on this rank's shards. ``kernel`` names the local kernel ("auto", "cudnn", "fa4",
-    "flash", "nvfuser", "reference"). Differentiable in q, k, v. DTensors sharded the way the
-    schedule shards are accepted and a DTensor is returned.
+    "flash", "nvfuser", "reference"). ``window=(left, right)`` keeps key j for query i when
+    ``i - left <= j <= i + right`` (top-left aligned, per sequence when packed; None on a side
+    is unbounded). Differentiable in q, k, v. DTensors sharded the way the schedule shards
+    are accepted and a DTensor is returned.
     """
     from .dtensor import unwrap_dtensors
 
     (q, k, v), rewrap = unwrap_dtensors((q, k, v), schedule)
     p = plan(q, k, v, causal=causal, scale=scale, layout=layout, kernel=kernel, schedule=schedule,
-             dropout_p=dropout_p, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+             dropout_p=dropout_p, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+             window=window)
     if p.skipped:
         log.info("%s (skipped: %s)", p.why, "; ".join(p.skipped))
     return rewrap(_Attention.apply(q, k, v, p))

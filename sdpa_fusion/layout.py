@@ -10,7 +10,9 @@ says how that shape is laid out in memory:
 
 from __future__ import annotations
 
+import collections
 import enum
+import weakref
 
 import torch
 
@@ -123,21 +125,66 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
         )
 
 
-def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int, *,
+def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
                      exact: bool = True) -> list[int]:
     """Validate cumulative sequence lengths of a packed tensor; return them as a list.
 
+    ``cu_seqlens`` is an int32/int64 tensor on ``device`` (the tensors' device) or a Python
+    list/tuple of ints (a host copy: no device sync). A tensor's values are read once and
+    remembered while the same tensor, unmodified, comes back (one sync per new tensor).
     ``exact``: the last entry must equal ``total_tokens`` (else it may be smaller, as the
     real ``cu_seqlens`` of sequences padded by ``cu_seqlens_padded`` are)."""
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+            raise ValueError(f"{name}={_show(list(cu_seqlens))} must hold Python ints")
+        values = list(cu_seqlens)
+    elif isinstance(cu_seqlens, torch.Tensor):
+        values = _tensor_values(name, cu_seqlens, device)
+    else:
+        raise ValueError(
+            f"{name} must be an int32/int64 tensor or a list of ints, got {type(cu_seqlens).__name__}"
+        )
+    check_offsets(name, values, total_tokens, exact=exact)
+    return values
+
+
+def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
+    if t.dim() != 1 or t.numel() < 2:
         raise ValueError(
             f"{name} must be a 1-D integer tensor [0, l0, l0+l1, ...] of at least 2 entries, "
-            f"got shape {list(cu_seqlens.shape)} dtype {cu_seqlens.dtype}"
+            f"got shape {list(t.shape)}"
         )
-    values = [int(x) for x in cu_seqlens.tolist()]
-    check_offsets(name, values, total_tokens, exact=exact)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{name} must hold int32 or int64 offsets, got dtype {t.dtype}; pass "
+            f"torch.tensor([0, l0, l0+l1, ...], dtype=torch.int32)"
+        )
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(
+            f"{name} is on {t.device} but q, k, v are on {device}; pass {name}.to(q.device) "
+            f"(or a Python list of ints, which needs no device sync)"
+        )
+    return _host_copy(t)
+
+
+_HOST_COPIES: collections.OrderedDict = collections.OrderedDict()
+
+
+def _host_copy(t: torch.Tensor) -> list[int]:
+    """``t.tolist()``, remembered for the same tensor object until it is modified in place (a
+    training step passes one cu_seqlens tensor to every layer: one device sync, not one per
+    layer)."""
+    key = id(t)
+    entry = _HOST_COPIES.get(key)
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        _HOST_COPIES.move_to_end(key)
+        return entry[2]
+    values = [int(x) for x in t.tolist()]
+    _HOST_COPIES[key] = (weakref.ref(t), t._version, values)
+    while len(_HOST_COPIES) > 64:
+        _HOST_COPIES.popitem(last=False)
     return values
 
 
@@ -146,8 +193,18 @@ def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: boo
     [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``)."""
     if len(values) < 2:
         raise ValueError(f"{name}={values} needs at least 2 entries [0, l0, l0+l1, ...]")
-    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name}={values} must start at 0 and never decrease")
+    if values[0] != 0:
+        raise ValueError(
+            f"{name}={_show(values)} must start at 0 (the first sequence starts at token 0); "
+            f"prepend 0"
+        )
+    for i, (a, b) in enumerate(zip(values, values[1:]), start=1):
+        if b < a:
+            raise ValueError(
+                f"{name}={_show(values)} must never decrease, but entry {i} ({b}) is below "
+                f"entry {i - 1} ({a}); give the running sum of the sequence lengths with a "
+                f"leading 0"
+            )
     if values[-1] != total_tokens and (exact or values[-1] > total_tokens):
         raise ValueError(
             f"{name} ends at {values[-1]} but the packed tensor has {total_tokens} tokens; "
@@ -164,11 +221,21 @@ def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:
             f"cu_seqlens has {len(cu_seqlens)}; give one entry per sequence plus one"
         )
     real, room = seqlens_of(cu_seqlens), seqlens_of(cu_seqlens_padded)
-    if any(r > p for r, p in zip(real, room)):
+    short = [i for i, (r, p) in enumerate(zip(real, room)) if r > p]
+    if short:
+        i = short[0]
         raise ValueError(
-            f"cu_seqlens_padded={cu_seqlens_padded} leaves less room than the sequence lengths "
-            f"{real} need; each padded length must be >= its sequence length"
+            f"cu_seqlens_padded leaves sequence {i} room for {room[i]} tokens but cu_seqlens "
+            f"gives it {real[i]}; each padded length (cu_seqlens_padded[i+1] - "
+            f"cu_seqlens_padded[i]) must be >= the sequence's length"
         )
+
+
+def _show(values: list, most: int = 12) -> str:
+    """A list as text, its middle elided when long."""
+    if len(values) <= most:
+        return str(values)
+    return f"[{', '.join(map(str, values[:6]))}, ..., {', '.join(map(str, values[-3:]))}]"
 
 
 def seqlens_of(cu_seqlens: list[int]) -> list[int]:

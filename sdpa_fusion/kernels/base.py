@@ -159,30 +159,17 @@ class Kernel(abc.ABC):
         out = torch.zeros_like(q)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
                          device=q.device)
-        for (qa, qb), (ka, kb) in _sequences(seqlens):
-            if qb == qa or kb == ka:
-                continue
-            o, l = self.forward(_as_dense(q, qa, qb), _as_dense(k, ka, kb), _as_dense(v, ka, kb),
-                                causal=causal, scale=scale, window=window)
-            _as_dense(out, qa, qb).copy_(o)
-            lse[:, qa:qb] = l[0]
+        forward_each(self, q, k, v, _sequences(seqlens), out, lse, causal=causal, scale=scale,
+                     window=window)
         return out, lse
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal: bool,
                         scale: float, window: Window | None = None):
         """(dq, dk, dv) of packed sequences; this default runs them one by one."""
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for (qa, qb), (ka, kb) in _sequences(seqlens):
-            if qb == qa or kb == ka:
-                continue
-            qs, ks = (qa, qb), (ka, kb)
-            block = self.backward(
-                *(_as_dense(t, *r) for t, r in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
-                lse[:, qa:qb].unsqueeze(0).contiguous(), causal=causal, scale=scale, window=window,
-            )
-            for grad, g, r in zip(grads, block, (qs, ks, ks)):
-                _as_dense(grad, *r).copy_(g)
-        return tuple(grads)
+        grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        backward_each(self, dout, q, k, v, out, lse, _sequences(seqlens), grads, causal=causal,
+                      scale=scale, window=window)
+        return grads
 
     def __repr__(self) -> str:
         return f"<kernel {self.name}>"
@@ -191,6 +178,33 @@ class Kernel(abc.ABC):
 def _sequences(seqlens: Seqlens):
     """((query start, stop), (key start, stop)) of every packed sequence."""
     return zip(zip(seqlens.cu_q, seqlens.cu_q[1:]), zip(seqlens.cu_k, seqlens.cu_k[1:]))
+
+
+def forward_each(kernel: Kernel, q, k, v, spans, out, lse, *, causal, scale, window=None) -> None:
+    """``kernel.forward`` on each ((query start, stop), (key start, stop)) of ``spans`` that has
+    queries and keys, written into those rows of packed ``out`` and ``lse`` [H, T_q]."""
+    for (qa, qb), (ka, kb) in spans:
+        if qb == qa or kb == ka:
+            continue
+        o, l = kernel.forward(_as_dense(q, qa, qb), _as_dense(k, ka, kb), _as_dense(v, ka, kb),
+                              causal=causal, scale=scale, window=window)
+        _as_dense(out, qa, qb).copy_(o)
+        lse[:, qa:qb] = l[0]
+
+
+def backward_each(kernel: Kernel, dout, q, k, v, out, lse, spans, grads, *, causal, scale,
+                  window=None) -> None:
+    """``kernel.backward`` on each span of ``spans`` (as ``forward_each``), written into those
+    rows of the packed ``grads`` (dq, dk, dv)."""
+    for (qa, qb), (ka, kb) in spans:
+        if qb == qa or kb == ka:
+            continue
+        qs, ks = (qa, qb), (ka, kb)
+        kernel.backward_into(
+            tuple(_as_dense(grad, *r) for grad, r in zip(grads, (qs, ks, ks))),
+            *(_as_dense(t, *r) for t, r in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
+            lse[:, qa:qb].unsqueeze(0).contiguous(), causal=causal, scale=scale, window=window,
+        )
 
 
 def _as_dense(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:

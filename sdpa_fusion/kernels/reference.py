@@ -1,7 +1,9 @@
 """The reference kernel: attention written out in fp32 on any device, forward and backward.
 
-It is the oracle of the test suite and the kernel of CPU ranks. The backward is the explicit
-softmax-attention gradient (no autograd), given the global out and lse of each query row:
+It is the oracle of the test suite and the kernel of CPU ranks. Masks (causal, sliding window)
+are the top-left band of ``sdpa_fusion.mask``. Packed sequences run one by one (the base
+class's ``varlen_forward``/``varlen_backward``). The backward is the explicit softmax-attention
+gradient (no autograd), given the global out and lse of each query row:
 
     P  = exp(scale * Q K^T - lse)          (masked entries 0)
     dV = P^T dO
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Layout
+from ..mask import band, visible
 from .base import Dropout, Kernel, layout_of, like_layout, register
 
 
@@ -22,12 +24,14 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
 
 
-def _probabilities(q, k, lse, *, causal, scale):
+def _probabilities(q, k, lse, *, causal, scale, window):
     """P [B, H_kv, G, S_q, S_kv] in fp32 from the given lse; masked entries are 0."""
     kv_heads = k.shape[1]
     scores = torch.einsum("bhgqe,bhke->bhgqk", _grouped(q, kv_heads), k.float()) * scale
-    if causal:
-        scores = scores.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    mask = band(causal, window)
+    if mask != (None, None):
+        seen = visible(q.shape[2], k.shape[2], mask, q.device)
+        scores = scores.masked_fill(~seen, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     else:
@@ -38,13 +42,6 @@ def _probabilities(q, k, lse, *, causal, scale):
     return p, lse
 
 
-def _causal_mask(s_q: int, s_kv: int, device) -> torch.Tensor:
-    """True where key j is hidden from query i (j > i, aligned top-left)."""
-    i = torch.arange(s_q, device=device).unsqueeze(1)
-    j = torch.arange(s_kv, device=device).unsqueeze(0)
-    return j > i
-
-
 def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     """[B, H_kv, G, S, E] fp32 -> [B, H, S, E] in model's dtype and layout."""
     return like_layout(t.flatten(1, 2).to(model.dtype), model)
@@ -53,16 +50,17 @@ def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
 class ReferenceKernel(Kernel):
     name = "reference"
     gpu_only = False
+    supports_window = True
 
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
-        p, lse = _probabilities(q, k, None, causal=causal, scale=scale)
+        p, lse = _probabilities(q, k, None, causal=causal, scale=scale, window=window)
         out = torch.einsum("bhgqk,bhke->bhgqe", p, v.float())
         return _out(out, q), lse.flatten(1, 2).contiguous()
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
                  window=None):
         kv_heads = k.shape[1]
-        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale)
+        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale, window=window)
         do = _grouped(dout, kv_heads)
         delta = (do * _grouped(out, kv_heads)).sum(-1, keepdim=True)
         dv = torch.einsum("bhgqk,bhgqe->bhke", p, do)
