@@ -12,7 +12,7 @@ import torch
 from sdpa_fusion.layout import Layout
 
 from . import partition as partitions
-from .base import Schedule, gather_cat
+from .base import Schedule
 
 
 class SequenceSchedule(Schedule):
@@ -69,6 +69,6 @@ class SequenceSchedule(Schedule):
 
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
         layout = Layout.of(layout)
-        full = gather_cat(t, 2, self.group, self.size, self.index)
+        full = self.gather(t, 2)
         inverse = self.partition.inverse(full.shape[2], self.size).to(t.device)
         return layout.to(full.index_select(2, inverse))

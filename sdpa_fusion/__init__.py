@@ -1,5 +1,6 @@
 """sdpa-fusion: scaled-dot-product attention as nvFuser fusions, over a device mesh."""
 
+from .agreement import MeshTimeout
 from .api import Plan, attention, explain, plan
 from .kernels import KernelUnavailable
 from .layout import Layout
@@ -9,7 +10,8 @@ from .spec import AttentionSpec
 _DEFINITIONS = ("LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward")
 
 __all__ = [
-    "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "Plan", "SdpaBackward",
+    "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "MeshTimeout", "Plan",
+    "SdpaBackward",
     "SdpaForward", "SdpaForwardBackward", "attention", "close_mesh", "explain", "init_mesh", "plan",
 ]
 

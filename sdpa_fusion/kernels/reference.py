@@ -32,9 +32,9 @@ def _probabilities(q, k, lse, *, causal, scale):
         lse = torch.logsumexp(scores, dim=-1)
     else:
         lse = lse.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
-    finite = torch.isfinite(lse)
-    p = torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1))
-    p = torch.where(finite.unsqueeze(-1), p, 0.0)
+    empty = torch.isneginf(lse)  # rows that see no key; NaN and +inf rows stay NaN
+    p = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    p = torch.where(empty.unsqueeze(-1), 0.0, p)
     return p, lse
 
 

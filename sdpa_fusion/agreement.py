@@ -1,0 +1,208 @@
+"""The one agreement rule: the ranks that run a call together run the same call, or every one
+of them raises the same ValueError.
+
+A call describes itself as *fields*, names mapped to canonical text (the global problem, the
+schedule's configuration, the kernel, whether a backward will follow, the device type ...).
+On every call each rank adds, over a gloo control group of the call's ranks, one all-reduce
+(MAX) of three int64:
+
+    [h, -h, failed]     h: 62-bit hash of the fields; failed: 1 when this rank's checks raised
+
+Every rank gets the same maxima, so every rank takes the same branch: max h == -max(-h) (all
+hashes equal) and no failure -> the call goes on (the cheap path: no GPU synchronisation, no
+pickling). Otherwise the ranks gather their fields and error messages and each raises the same
+ValueError, built from the gathered values alone, naming the ranks and what differs.
+
+A rank that does not arrive: after a short stall the waiting ranks note their arrival in the
+store; when the mesh's timeout runs out, ``MeshTimeout`` names the ranks that never arrived.
+After a timeout the control group is unusable and says so on every later call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import enum
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+
+class MeshTimeout(RuntimeError):
+    """Ranks of a mesh did not meet within the mesh's timeout; the message names the schedule,
+    the step and the ranks that did not arrive. The process group is unusable afterwards."""
+
+
+# ---- what a call looks like ------------------------------------------------------------------
+def canonical(value) -> str:
+    """Text that is equal on every rank exactly when ``value`` is (no ids or addresses).
+
+    Objects with a ``configuration()`` method (schedules, meshes) are described by it, other
+    objects by their class and public attributes; tensors by dtype, shape and a hash of their
+    contents."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor({str(value.dtype)[6:]}, {list(value.shape)}, {_tensor_digest(value)})"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(canonical(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = sorted((canonical(k), canonical(v)) for k, v in value.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    configuration = getattr(value, "configuration", None)
+    if callable(configuration):
+        return canonical(configuration())
+    public = {k: v for k, v in vars(value).items() if not k.startswith("_")} \
+        if hasattr(value, "__dict__") else {}
+    return f"{type(value).__qualname__}{canonical(public)}"
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    c = t.detach().to("cpu").contiguous()
+    data = ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def fingerprint(fields: dict[str, str]) -> int:
+    """A 62-bit hash of ``fields`` (names and values, in order), the same on every rank."""
+    text = "\x1f".join(f"{name}\x1e{value}" for name, value in fields.items())
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+# ---- the ranks that agree --------------------------------------------------------------------
+class ControlGroup:
+    """A gloo group of ``ranks`` (global ranks, mesh order) that agree on calls: ``name`` says
+    which (e.g. "mesh dim 'seq'"); its collectives wait at most ``timeout``."""
+
+    def __init__(self, group, ranks: list[int], timeout: datetime.timedelta, name: str):
+        self.group, self.ranks, self.timeout, self.name = group, ranks, timeout, name
+        self.calls = 0  # agreements so far: every rank of the group counts alike
+        self._broken: str | None = None  # why the group can no longer be used
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce_max(self, t: torch.Tensor, what: str) -> None:
+        """All-reduce ``t`` (CPU, in place) by MAX; a MeshTimeout naming the missing ranks."""
+        self._check_usable(what)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        try:
+            work.wait(min(datetime.timedelta(seconds=1), self.timeout / 4))
+            return
+        except RuntimeError:
+            pass  # still waiting (or already failed): note this rank's arrival, wait on
+        self._arrivals().set(self._key(self.rank), "1")
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._timed_out(what, e) from e
+        self._arrivals().delete_key(self._key(self.rank))
+
+    def gather(self, value, what: str) -> list:
+        """Every rank's ``value`` (picklable) in the order of ``ranks``."""
+        self._check_usable(what)
+        values = [None] * self.size
+        try:
+            dist.all_gather_object(values, value, group=self.group)
+        except RuntimeError as e:
+            raise self._timed_out(what, e) from e
+        return values
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def _check_usable(self, what: str) -> None:
+        if self._broken is not None:
+            raise MeshTimeout(
+                f"{what}: the control group of {self.name} broke earlier ({self._broken}); its "
+                f"ranks can no longer agree. Build a new mesh with init_mesh(...) or restart"
+            )
+
+    def _arrivals(self):
+        return dist.PrefixStore(f"sdpa_fusion/{self.group.group_name}/",
+                                dist.distributed_c10d._get_default_store())
+
+    def _key(self, rank: int) -> str:
+        return f"{self.calls}/{rank}"
+
+    def _timed_out(self, what: str, error: BaseException) -> MeshTimeout:
+        store = self._arrivals()
+        missing = [r for r in self.ranks if not store.check([self._key(r)])]
+        seconds = self.timeout.total_seconds()
+        if missing:
+            who = f"{_ranks(missing, self.ranks)} did not arrive within {seconds:g} s"
+        else:
+            who = (f"every rank arrived, but not within {seconds:g} s of each other (the "
+                   f"ranks that came first gave up)")
+        self._broken = f"{what}, call {self.calls}: {who}"
+        return MeshTimeout(
+            f"{what} (call {self.calls} on {self.name}): {who}. Check that every rank makes the "
+            f"same calls in the same order; raise the mesh's timeout with init_mesh(timeout=...) "
+            f"if a rank is only slow. ({type(error).__name__}: {error})"
+        )
+
+
+# ---- the rule --------------------------------------------------------------------------------
+def agree(control: ControlGroup | None, fields: dict[str, str] | None,
+          error: BaseException | None, *, what: str, fix: str) -> int:
+    """Go on when every rank of ``control`` has the same ``fields`` and no ``error``; else raise
+    the same ValueError on every rank (``what`` names the call, ``fix`` says what to do when the
+    ranks differ). Without a control group of several ranks, ``error`` is raised as it is.
+    Returns the number of this call on the control group (0 without one)."""
+    if control is None or control.size == 1:
+        if error is not None:
+            raise error
+        return 0
+    control.calls += 1
+    digest = fingerprint(fields) if error is None else 0
+    verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64)
+    control.all_reduce_max(verdict, what)
+    top, bottom, failed = verdict.tolist()
+    if not failed and top == -bottom:
+        return control.calls
+    gathered = control.gather((_message(error), None if error else fields), what)
+    raise ValueError(_verdict(gathered, control, what, fix)) from error
+
+
+def _message(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    text = str(error) or "(no message)"
+    return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
+
+
+def _verdict(gathered: list, control: ControlGroup, what: str, fix: str) -> str:
+    """The error every rank raises, from every rank's (message, fields)."""
+    messages: dict[str, list[int]] = {}
+    for rank, (message, _) in zip(control.ranks, gathered):
+        if message is not None:
+            messages.setdefault(message, []).append(rank)
+    if messages:
+        return "; ".join(f"{_ranks(rs, control.ranks)}: {m}" for m, rs in messages.items())
+    fields = [f for _, f in gathered]
+    names = list(dict.fromkeys(name for f in fields for name in f))
+    differing = []
+    for name in names:
+        values: dict[str, list[int]] = {}
+        for rank, f in zip(control.ranks, fields):
+            values.setdefault(f.get(name, "(absent)"), []).append(rank)
+        if len(values) > 1:
+            shown = ", ".join(f"{_ranks(rs, control.ranks)} {_short(v)}" for v, rs in values.items())
+            differing.append(f"{name} ({shown})")
+    return (f"{what} needs the same call on every rank of {control.name}, but the ranks differ "
+            f"in {'; '.join(differing)}; {fix}")
+
+
+def _ranks(ranks: list[int], everyone: list[int]) -> str:
+    if len(ranks) == len(everyone) > 1:
+        return "every rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
