@@ -60,8 +60,8 @@ def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:
     except Exception as e:  # noqa: BLE001 - every failure is agreed on
         error = e
     control = mesh.control_group() if isinstance(mesh, Mesh) else None
-    fields = None if schedule is None else {"schedule": schedule.configuration_text()}
-    agree(control, fields, error, what=f"schedules.get({name!r})",
+    fields = None if schedule is None else schedule.configuration_fields()
+    agree(control, fields, error, what="schedules.get",
           fix="build it with the same name and options on every rank")
     return schedule
 

@@ -96,13 +96,15 @@ class Schedule(abc.ABC):
                    if not k.startswith("_") and k not in ("mesh", "comm")}
         return {"schedule": self.name, "mesh": self.mesh, **options}
 
-    def configuration_text(self) -> str:
-        """``configuration()`` as canonical text, made once (options are fixed when built)."""
-        return self._configuration_text
+    def configuration_fields(self) -> dict[str, str]:
+        """``configuration()`` as canonical text per entry ("schedule", "schedule.mesh",
+        "schedule.<option>"), made once: a schedule's options are fixed when it is built."""
+        return self._configuration_fields
 
     @functools.cached_property
-    def _configuration_text(self) -> str:
-        return canonical(self.configuration())
+    def _configuration_fields(self) -> dict[str, str]:
+        return {name if name == "schedule" else f"schedule.{name}": canonical(value)
+                for name, value in self.configuration().items()}
 
     @contextlib.contextmanager
     def running(self, what: str):
@@ -193,7 +195,7 @@ class Schedule(abc.ABC):
             fields = {"shape": str(list(t.shape)), "dtype": str(t.dtype), "device": t.device.type}
         except Exception as e:  # noqa: BLE001 - every failure is agreed on
             error = e
-        agree(self.control, fields, error, what=f"unshard with schedule {self.name!r}",
+        agree(self.control, fields, error, what="unshard",
               fix="unshard on every rank this rank's part of one tensor (e.g. the output of "
                   "attention with this schedule)")
         return gather_cat(t, dim, self.group, self.size, self.index)

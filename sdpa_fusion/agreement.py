@@ -152,8 +152,9 @@ def agree(control: ControlGroup | None, fields: dict[str, str] | None,
           error: BaseException | None, *, what: str, fix: str) -> int:
     """Go on when every rank of ``control`` has the same ``fields`` and no ``error``; else raise
     the same ValueError on every rank (``what`` names the call, ``fix`` says what to do when the
-    ranks differ). Without a control group of several ranks, ``error`` is raised as it is.
-    Returns the number of this call on the control group (0 without one)."""
+    ranks differ; both the same on every rank). Without a control group of several ranks,
+    ``error`` is raised as it is. Returns the number of this call on the control group (0
+    without one)."""
     if control is None or control.size == 1:
         if error is not None:
             raise error
@@ -192,10 +193,10 @@ def _verdict(gathered: list, control: ControlGroup, what: str, fix: str) -> str:
         for rank, f in zip(control.ranks, fields):
             values.setdefault(f.get(name, "(absent)"), []).append(rank)
         if len(values) > 1:
-            shown = ", ".join(f"{_ranks(rs, control.ranks)} {_short(v)}" for v, rs in values.items())
+            shown = " / ".join(f"{_short(v)} on {_ranks(rs, control.ranks)}" for v, rs in values.items())
             differing.append(f"{name} ({shown})")
     return (f"{what} needs the same call on every rank of {control.name}, but the ranks differ "
-            f"in {'; '.join(differing)}; {fix}")
+            f"in {', '.join(differing)}; {fix}")
 
 
 def _ranks(ranks: list[int], everyone: list[int]) -> str:
@@ -204,5 +205,5 @@ def _ranks(ranks: list[int], everyone: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _short(text: str, limit: int = 160) -> str:
+def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."

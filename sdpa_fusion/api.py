@@ -106,8 +106,9 @@ def _call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device)
     """What every rank of the schedule's control group must have alike for this call."""
     full = p.schedule.global_spec(p.spec).replace(scale=p.spec.softmax_scale)
     fields = {f.name: repr(getattr(full, f.name)) for f in dataclasses.fields(full)}
+    fields.update(p.schedule.configuration_fields())
     fields.update(
-        schedule=p.schedule.configuration_text(), kernel=p.kernel.name, device=device.type,
+        kernel=p.kernel.name, device=device.type,
         backward="follows" if needs_grad else "none (no_grad, or no input requires grad)",
         inputs="DTensor" if dtensor else "torch.Tensor",
     )
@@ -165,8 +166,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     except Exception as e:  # noqa: BLE001 - every failure is agreed on, not only ValueError
         error = e
     control = schedule.control if schedule is not None and hasattr(schedule, "control") else None
-    name = getattr(schedule, "name", None)
-    call = agree(control, fields, error, what=f"attention with schedule {name!r}", fix=_FIX)
+    call = agree(control, fields, error, what="attention", fix=_FIX)
     if p.skipped:
         log.info("kernel='auto' chose %s (%s)", p.kernel.name, "; ".join(p.skipped))
     out = _Attention.apply(q, k, v, p, call)
