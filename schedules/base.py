@@ -21,11 +21,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-from sdpa_fusion.agreement import MeshTimeout, agree, canonical
+from sdpa_fusion.agreement import agree, canonical
 from sdpa_fusion.kernels import Dropout, Kernel
 from sdpa_fusion.layout import Layout
 from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
+from sdpa_fusion.waiting import MeshTimeout
 
 from .comm import Communicator
 

@@ -3,9 +3,9 @@
 Every transfer of a schedule goes through one ``Communicator`` so that what a call moved can
 be compared with what ``describe()`` promises (tests do). Collectives run asynchronously where
 the caller can overlap them with compute: NCCL runs them on its own streams, and ``wait()``
-makes the current stream wait for the result. A transfer that does not complete within the
-group's timeout (the mesh's) raises ``MeshTimeout`` naming the schedule, the call, the
-transfer and the ranks it waited for (on CPU ranks; NCCL's watchdog reports its own).
+makes the current stream wait for the result. On CPU ranks (gloo) a transfer that does not
+complete within the group's timeout (the mesh's) raises ``MeshTimeout`` naming the schedule,
+the call, the transfer and the ranks that did not arrive; NCCL's watchdog reports its own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from sdpa_fusion.agreement import MeshTimeout
+from sdpa_fusion.waiting import Arrivals, MeshTimeout
 
 
 @dataclasses.dataclass
@@ -34,14 +34,14 @@ class CommStats:
 
 class Pending:
     """Transfers in flight; ``wait()`` returns ``result`` once they have landed. ``waits`` is
-    a list of (work, what it waits for) made by ``Communicator.pending``."""
+    a list of (work, what it is, transfer number) made by ``Communicator.pending``."""
 
     def __init__(self, comm: "Communicator", waits, result=None):
         self._comm, self._waits, self.result = comm, waits, result
 
     def wait(self):
-        for work, what in self._waits:
-            self._comm.wait(work, what)
+        for work, what, step in self._waits:
+            self._comm.wait(work, what, step)
         self._waits = []
         return self.result
 
@@ -60,13 +60,16 @@ class Communicator:
         self.timeout = timeout
         self.stats = CommStats()
         self._running = "a schedule"  # what the transfers belong to (see ``running``)
-        self._started = 0  # stats.transfers when that began
+        self._started = 0  # transfers before that began
+        self._transfers = 0  # transfers ever started (every rank counts alike)
+        self._arrivals = Arrivals(group.group_name, ranks, timeout) \
+            if dist.get_backend(group) == "gloo" else None
 
     @contextlib.contextmanager
     def running(self, what: str):
         """Name ``what`` (schedule, call) in the timeouts of the transfers inside."""
         before = self._running, self._started
-        self._running, self._started = what, self.stats.transfers
+        self._running, self._started = what, self._transfers
         try:
             yield
         finally:
@@ -74,19 +77,23 @@ class Communicator:
 
     def pending(self, works, result, what: str) -> Pending:
         """``works`` of the transfer just counted as in flight; ``what`` names its peers."""
-        step = self.stats.transfers - self._started
-        return Pending(self, [(w, f"transfer {step} ({what})") for w in works], result)
+        step = self._transfers
+        name = f"transfer {step - self._started} ({what})"
+        return Pending(self, [(w, name, step) for w in works], result)
 
-    def wait(self, work, what: str) -> None:
-        """Wait for ``work``; a failure (a peer that did not arrive in time, or that gave up
-        after its own timeout) raises MeshTimeout naming the transfer."""
+    def wait(self, work, what: str, step: int) -> None:
+        """Wait for ``work`` of transfer ``step``; on CPU ranks a MeshTimeout names the
+        transfer and the ranks that did not arrive when it fails."""
         try:
-            work.wait()
+            if self._arrivals is None:
+                work.wait()  # NCCL: the current stream waits; its watchdog reports timeouts
+            else:
+                self._arrivals.wait(work, step)
         except RuntimeError as e:
+            who = self._arrivals.missing(step) if self._arrivals is not None else str(e)
             raise MeshTimeout(
-                f"{self._running}: {what} did not complete within "
-                f"{self.timeout.total_seconds():g} s; every rank of "
-                f"{self.ranks} must make the same transfers in the same order ({e})"
+                f"{self._running}: {what} did not complete: {who}; every rank of {self.ranks} "
+                f"must make the same transfers in the same order ({e})"
             ) from e
 
     @property
@@ -101,6 +108,7 @@ class Communicator:
 
     def count(self, sent: int, received: int) -> None:
         """Record a transfer of ``sent`` and ``received`` bytes."""
+        self._transfers += 1
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
         self.stats.transfers += 1

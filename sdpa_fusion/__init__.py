@@ -1,11 +1,11 @@
 """sdpa-fusion: scaled-dot-product attention as nvFuser fusions, over a device mesh."""
 
-from .agreement import MeshTimeout
 from .api import Plan, attention, explain, plan
 from .kernels import KernelUnavailable
 from .layout import Layout
 from .mesh import Mesh, close_mesh, init_mesh
 from .spec import AttentionSpec
+from .waiting import MeshTimeout
 
 _DEFINITIONS = ("LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward")
 

@@ -13,9 +13,9 @@ hashes equal) and no failure -> the call goes on (the cheap path: no GPU synchro
 pickling). Otherwise the ranks gather their fields and error messages and each raises the same
 ValueError, built from the gathered values alone, naming the ranks and what differs.
 
-A rank that does not arrive: after a short stall the waiting ranks note their arrival in the
-store; when the mesh's timeout runs out, ``MeshTimeout`` names the ranks that never arrived.
-After a timeout the control group is unusable and says so on every later call.
+A rank that does not arrive: when the mesh's timeout runs out, ``MeshTimeout`` names the
+ranks that never arrived (``sdpa_fusion.waiting``). After a timeout the control group is
+unusable and says so on every later call.
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-
-class MeshTimeout(RuntimeError):
-    """Ranks of a mesh did not meet within the mesh's timeout; the message names the schedule,
-    the step and the ranks that did not arrive. The process group is unusable afterwards."""
+from .waiting import Arrivals, MeshTimeout
 
 
 # ---- what a call looks like ------------------------------------------------------------------
@@ -80,27 +77,28 @@ class ControlGroup:
     def __init__(self, group, ranks: list[int], timeout: datetime.timedelta, name: str):
         self.group, self.ranks, self.timeout, self.name = group, ranks, timeout, name
         self.calls = 0  # agreements so far: every rank of the group counts alike
+        self._counts: dict[str, int] = {}  # agreements so far per kind of call
+        self._arrivals = Arrivals(group.group_name, ranks, timeout)
         self._broken: str | None = None  # why the group can no longer be used
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
+    def count(self, what: str) -> int:
+        """Count an agreement on a call of kind ``what``: its number of that kind."""
+        self.calls += 1
+        self._counts[what] = self._counts.get(what, 0) + 1
+        return self._counts[what]
+
     def all_reduce_max(self, t: torch.Tensor, what: str) -> None:
         """All-reduce ``t`` (CPU, in place) by MAX; a MeshTimeout naming the missing ranks."""
         self._check_usable(what)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         try:
-            work.wait(min(datetime.timedelta(seconds=1), self.timeout / 4))
-            return
-        except RuntimeError:
-            pass  # still waiting (or already failed): note this rank's arrival, wait on
-        self._arrivals().set(self._key(self.rank), "1")
-        try:
-            work.wait()
+            self._arrivals.wait(work, self.calls)
         except RuntimeError as e:
             raise self._timed_out(what, e) from e
-        self._arrivals().delete_key(self._key(self.rank))
 
     def gather(self, value, what: str) -> list:
         """Every rank's ``value`` (picklable) in the order of ``ranks``."""
@@ -112,10 +110,6 @@ class ControlGroup:
             raise self._timed_out(what, e) from e
         return values
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
-
     def _check_usable(self, what: str) -> None:
         if self._broken is not None:
             raise MeshTimeout(
@@ -123,27 +117,13 @@ class ControlGroup:
                 f"ranks can no longer agree. Build a new mesh with init_mesh(...) or restart"
             )
 
-    def _arrivals(self):
-        return dist.PrefixStore(f"sdpa_fusion/{self.group.group_name}/",
-                                dist.distributed_c10d._get_default_store())
-
-    def _key(self, rank: int) -> str:
-        return f"{self.calls}/{rank}"
-
     def _timed_out(self, what: str, error: BaseException) -> MeshTimeout:
-        store = self._arrivals()
-        missing = [r for r in self.ranks if not store.check([self._key(r)])]
-        seconds = self.timeout.total_seconds()
-        if missing:
-            who = f"{_ranks(missing, self.ranks)} did not arrive within {seconds:g} s"
-        else:
-            who = (f"every rank arrived, but not within {seconds:g} s of each other (the "
-                   f"ranks that came first gave up)")
-        self._broken = f"{what}, call {self.calls}: {who}"
+        who = self._arrivals.missing(self.calls)
+        self._broken = f"{what}: {who}"
         return MeshTimeout(
-            f"{what} (call {self.calls} on {self.name}): {who}. Check that every rank makes the "
-            f"same calls in the same order; raise the mesh's timeout with init_mesh(timeout=...) "
-            f"if a rank is only slow. ({type(error).__name__}: {error})"
+            f"{what} on {self.name}: {who}. Check that every rank makes the same calls in the "
+            f"same order; raise the mesh's timeout with init_mesh(timeout=...) if a rank is only "
+            f"slow. ({type(error).__name__}: {error})"
         )
 
 
@@ -153,20 +133,20 @@ def agree(control: ControlGroup | None, fields: dict[str, str] | None,
     """Go on when every rank of ``control`` has the same ``fields`` and no ``error``; else raise
     the same ValueError on every rank (``what`` names the call, ``fix`` says what to do when the
     ranks differ; both the same on every rank). Without a control group of several ranks,
-    ``error`` is raised as it is. Returns the number of this call on the control group (0
-    without one)."""
+    ``error`` is raised as it is. Returns the number of this call among the calls ``what``
+    agreed on the control group (0 without one)."""
     if control is None or control.size == 1:
         if error is not None:
             raise error
         return 0
-    control.calls += 1
+    number = control.count(what)
     digest = fingerprint(fields) if error is None else 0
     verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64)
-    control.all_reduce_max(verdict, what)
+    control.all_reduce_max(verdict, f"{what} call {number}")
     top, bottom, failed = verdict.tolist()
     if not failed and top == -bottom:
-        return control.calls
-    gathered = control.gather((_message(error), None if error else fields), what)
+        return number
+    gathered = control.gather((_message(error), None if error else fields), f"{what} call {number}")
     raise ValueError(_verdict(gathered, control, what, fix)) from error
 
 

@@ -30,6 +30,8 @@ def _probabilities(q, k, lse, *, causal, scale):
         scores = scores.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
+        # a row with a +inf score has no softmax (inf / inf): NaN for the whole row, as torch's
+        lse = torch.where(torch.isposinf(lse), torch.nan, lse)
     else:
         lse = lse.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
     empty = torch.isneginf(lse)  # rows that see no key; NaN and +inf rows stay NaN
