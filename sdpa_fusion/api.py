@@ -102,7 +102,7 @@ def _check_device(device: torch.device, mesh) -> None:
         )
 
 
-def _call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) -> dict[str, str]:
+def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) -> dict[str, str]:
     """What every rank of the schedule's control group must have alike for this call."""
     full = p.schedule.global_spec(p.spec).replace(scale=p.spec.softmax_scale)
     fields = {f.name: repr(getattr(full, f.name)) for f in dataclasses.fields(full)}
@@ -162,7 +162,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                  cu_seqlens_padded=cu_seqlens_padded)
         if schedule is not None and schedule.mesh is not None:
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            fields = _call_fields(p, needs_grad, rewrap is not None, q.device)
+            fields = call_fields(p, needs_grad, rewrap is not None, q.device)
     except Exception as e:  # noqa: BLE001 - every failure is agreed on, not only ValueError
         error = e
     control = schedule.control if schedule is not None and hasattr(schedule, "control") else None

@@ -180,13 +180,16 @@ def init_mesh(
         local = env.local_rank if env else 0
         torch.cuda.set_device(local % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
+    # the world's own group has this timeout when it starts here; other groups are given it
+    override = len(names) > 1 or dist.is_initialized()
     if not dist.is_initialized():
         _init_process_group(env, backend, device, timeout)
     from torch.distributed.device_mesh import init_device_mesh
 
     torch_mesh = init_device_mesh(
         device.type, shape, mesh_dim_names=names,
-        backend_override={name: (backend, _group_options(backend, timeout)) for name in names},
+        backend_override={name: (backend, _group_options(backend, timeout)) for name in names}
+        if override else None,
     )
     return Mesh(torch_mesh, names, device, _control_groups(torch_mesh, names, timeout), timeout)
 
