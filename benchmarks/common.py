@@ -304,6 +304,7 @@ def environment(module: str) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "nccl": _nccl_version(),
         "nvfuser": _nvfuser_version(),
+        "flash_attn_4": _distribution_version("flash-attn-4"),
         "git_commit": _git_commit(),
     }
     if torch.cuda.is_available():
@@ -343,8 +344,19 @@ def _nvfuser_version() -> str | None:
     return getattr(module, "__version__", None) if module else None
 
 
+def _distribution_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _git_commit() -> str | None:
-    """The checkout's commit, with ``-dirty`` when the working tree differs from it."""
+    """The checkout's commit, with ``-dirty`` when the working tree differs from it; or
+    ``SDPA_FUSION_GIT_COMMIT`` when set (a copy of a checkout whose history is not there)."""
+    if os.environ.get("SDPA_FUSION_GIT_COMMIT"):
+        return os.environ["SDPA_FUSION_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                              capture_output=True,
@@ -382,11 +394,17 @@ def save(name: str, record: dict, *, results_dir: Path = RESULTS_DIR, copy_to: s
             paths.append(plot_record(record, results_dir / f"{name}.png", metrics=metrics))
         except Exception as e:  # noqa: BLE001 -- the JSON matters more than the picture
             print(f"warning: could not draw {name}.png: {type(e).__name__}: {e}", file=sys.stderr)
-    if copy_to:
-        Path(copy_to).mkdir(parents=True, exist_ok=True)
-        for p in paths:
-            shutil.copy2(p, Path(copy_to) / p.name)
+    copy_files(paths, copy_to)
     return paths
+
+
+def copy_files(paths: Sequence[Path], folder: str | None) -> None:
+    """Copy ``paths`` into ``folder`` (nothing when it is empty or None)."""
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for p in paths:
+        shutil.copy2(p, Path(folder) / Path(p).name)
 
 
 METRIC_LABELS = {
@@ -416,7 +434,7 @@ def plot_record(record: dict, path: Path, *, metrics: Sequence[str] = ("tflops",
     ncols = min(4, len(panels))
     per_metric = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(per_metric * len(metrics), ncols, squeeze=False,
-                             figsize=(4.4 * ncols, 3.5 * per_metric * len(metrics)))
+                             figsize=(max(4.4 * ncols, 10.0), 3.5 * per_metric * len(metrics)))
     for ax in axes.flat:
         ax.set_visible(False)
     seq_lens = sorted({r["seq_len"] for r in rows})

@@ -52,18 +52,33 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-lens", type=common.int_list,
-                   default=common.int_list("32k,64k,128k,256k"))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--modes", default="fwd,fwd+bwd")
+    add_problem_args(p, causal="both", modes="fwd,fwd+bwd")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--ring-transports", default="copy_engine,p2p",
                    help="transports to run ring with, each a row 'ring <transport>'")
     p.add_argument("--torch-cp", default=",".join(TORCH_ROTATES),
                    help="rotate methods of torch's context_parallel to run ('' for none)")
+    p.add_argument("--single-gpu", action="store_true",
+                   help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
+    args = finish_problem_args(p.parse_args(argv))
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    args.torch_cp = [s for s in args.torch_cp.split(",") if s]
+    args.ring_transports = [s for s in args.ring_transports.split(",") if s]
+    args.name = (NAME + ("_single" if args.single_gpu else "") + args.tag
+                 + ("_tiny" if args.tiny else ""))
+    return args
+
+
+def add_problem_args(p, *, causal: str, modes: str) -> None:
+    """The problem, kernel, partition and timing options (shared with benchmarks.hybrid),
+    then ``common.add_distributed_args``."""
+    p.add_argument("--seq-lens", type=common.int_list,
+                   default=common.int_list("32k,64k,128k,256k"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", choices=("both", "yes", "no"), default=causal)
+    p.add_argument("--modes", default=modes)
     p.add_argument("--kernel", default="auto", help="local kernel of our schedules")
     p.add_argument("--partition", default="load_balanced", help="partition option when causal")
     p.add_argument("--partition-full", default="contiguous", help="partition option when not")
@@ -71,21 +86,17 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="default: 2 up to 64K, then 1")
     p.add_argument("--iters", type=int, default=None, help="default: 8 up to 64K, 5, then 3")
     p.add_argument("--check-max-seq", type=common.int_list, default=[65536])
-    p.add_argument("--single-gpu", action="store_true",
-                   help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
     p.add_argument("--tag", default="", help="appended to the result name, e.g. _2gpu")
     common.add_distributed_args(p)
-    args = p.parse_args(argv)
+
+
+def finish_problem_args(args):
+    """``--tiny`` shapes, and the lists the options of ``add_problem_args`` name."""
     if args.tiny:
         args.seq_lens, args.heads, args.head_dim = [64, 128], 8, 16
         args.warmup, args.iters = 1, 3
     args.modes = args.modes.split(",")
-    args.schedules = [s for s in args.schedules.split(",") if s]
-    args.torch_cp = [s for s in args.torch_cp.split(",") if s]
-    args.ring_transports = [s for s in args.ring_transports.split(",") if s]
     args.causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    args.name = (NAME + ("_single" if args.single_gpu else "") + args.tag
-                 + ("_tiny" if args.tiny else ""))
     return args
 
 
@@ -343,29 +354,21 @@ def distributed(args) -> int:
     try:
         record = new_record(args, f"context parallel over {mesh.world_size} ranks",
                             "benchmarks.context_parallel")
-        deadline, start = common.Deadline(args.max_seconds), time.monotonic()
-        for s in args.seq_lens:
-            for causal in args.causals:
-                if not mesh.agree(deadline.left() > 0)[0]:
-                    continue
-                ref = reference_output(args, s, causal, mesh.device)
-                rows = []
-                for name in args.schedules:
-                    if name == "ring" and args.ring_transports:
-                        for transport in args.ring_transports:
-                            rows += schedule_rows(args, mesh, name, s, causal, ref,
-                                                  transport=transport)
-                    else:
-                        rows += schedule_rows(args, mesh, name, s, causal, ref)
-                for rotate in args.torch_cp:
-                    rows += torch_cp_rows(args, mesh, rotate, s, causal, ref)
-                del ref
-                if mesh.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if mesh.rank == 0:
-                    record["rows"] += rows
-                    progress(start, s, causal, rows)
-                    common.save(args.name, record, results_dir=args.results_dir, plot=False)
+
+        def case_rows(s, causal, ref):
+            rows = []
+            for name in args.schedules:
+                if name == "ring" and args.ring_transports:
+                    for transport in args.ring_transports:
+                        rows += schedule_rows(args, mesh, name, s, causal, ref,
+                                              transport=transport)
+                else:
+                    rows += schedule_rows(args, mesh, name, s, causal, ref)
+            for rotate in args.torch_cp:
+                rows += torch_cp_rows(args, mesh, rotate, s, causal, ref)
+            return rows
+
+        start = run_cases(args, mesh, record, case_rows)
         if mesh.rank == 0:
             merge_baseline(args, record)
             finish_record(args, record, start)
@@ -374,16 +377,40 @@ def distributed(args) -> int:
     return 0
 
 
+def run_cases(args, mesh, record, case_rows) -> float:
+    """Every (sequence length, causal) case until ``--max-seconds``: ``case_rows(s, causal,
+    ref)`` gives its rows (``ref``: the one-device output, see ``reference_output``), which
+    rank 0 adds to ``record``, saving as it goes. Returns the start time."""
+    deadline, start = common.Deadline(args.max_seconds), time.monotonic()
+    for s in args.seq_lens:
+        for causal in args.causals:
+            if not mesh.agree(deadline.left() > 0)[0]:
+                continue
+            ref = reference_output(args, s, causal, mesh.device)
+            rows = case_rows(s, causal, ref)
+            del ref
+            if mesh.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if mesh.rank == 0:
+                record["rows"] += rows
+                progress(start, s, causal, rows)
+                common.save(args.name, record, results_dir=args.results_dir, plot=False)
+    return start
+
+
 # ---- records ------------------------------------------------------------------------------
-def new_record(args, title, module) -> dict:
+def new_record(args, title, module, **settings) -> dict:
+    """A record of this benchmark's settings (``settings``: a caller's own, by default the
+    schedules of ``parse_args``)."""
+    settings = settings or {"schedules": args.schedules, "ring_transports": args.ring_transports,
+                            "torch_cp": args.torch_cp}
     return {
         "title": title,
         "environment": common.environment(module),
         "settings": {
             "seq_lens": args.seq_lens, "batch": args.batch, "heads": args.heads,
             "head_dim": args.head_dim, "dtype": args.dtype, "modes": args.modes,
-            "schedules": args.schedules, "ring_transports": args.ring_transports,
-            "torch_cp": args.torch_cp, "kernel": args.kernel,
+            **settings, "kernel": args.kernel,
             "partition_when_causal": args.partition, "partition_when_full": args.partition_full,
             "layout": "bhse",
             "iterations": {common.short(s): iterations(args, s) for s in args.seq_lens},

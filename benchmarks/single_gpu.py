@@ -1,65 +1,93 @@
 """Single-GPU attention: our kernels against torch SDPA's backends, forward and forward+backward.
 
-    python -m benchmarks.single_gpu                  # the full sweep, about 2-3 min on an H200
+    python -m benchmarks.single_gpu                  # the full sweep, about 4 min on an H200
     python -m benchmarks.single_gpu --dry-run        # print the plan and the FLOPs, run nothing
     python -m benchmarks.single_gpu --tiny           # seconds on a CPU: checks the script itself
+    python -m benchmarks.single_gpu --kernel-table-from benchmarks/results/single_gpu.json
+                                                     # rewrite the kernel table from a result
 
 Implementations (``--impls``):
-  auto, cudnn, flash, nvfuser  sdpa_fusion.attention(q, k, v, kernel=K)
+  auto, cudnn, fa4, flash,     sdpa_fusion.attention(q, k, v, kernel=K)
+  nvfuser
   nvfuser-fused                nvFuser's fused forward+backward definition (fwd+bwd only),
                                when the package provides it
   torch-flash, torch-cudnn,    F.scaled_dot_product_attention under
   torch-efficient, torch-math  sdpa_kernel(SDPBackend.<backend>)
+Above ``--all-impls-up-to`` (32K) only auto, fa4 and cudnn run (the goal's kernels; the
+others are slower and would take most of the time).
 
 Shapes: the batch shrinks as the sequence grows so that b*s tokens stay constant
-(``--tokens``, default 32K), and heads*head_dim stays 2048 (32 heads of 64, 16 of 128), so
-every sequence length does the same work per token pair. "fwd" is the forward of a training
-step (inputs require grad); "fwd+bwd" adds ``torch.autograd.grad`` of the output. Every
-implementation's output is compared once with torch SDPA's (``rel_err``) before it is timed.
-Goals printed at the end: auto / best torch backend >= 0.95, nvfuser / torch-flash >= 0.95.
+(``--tokens``, default 32K; b = 1 from 32K on), and heads*head_dim stays 2048 (32 heads of
+64, 16 of 128, 8 of 256), so every sequence length does the same work per token pair. "fwd"
+is the forward of a training step (inputs require grad); "fwd+bwd" adds
+``torch.autograd.grad`` of the output. Every implementation's output is compared once with
+torch SDPA's (``rel_err``) before it is timed.
+
+The kernel table: after the kernels of one (head dim, causal) group are measured, their mean
+forward+backward TFLOP/s over the sequence lengths goes into the table that ``auto`` ranks
+kernels by (``sdpa_fusion/kernels/measured_tflops.json``, ``--kernel-table``), and then
+``auto`` is measured with it. Goals printed at the end: auto / cudnn >= 1.08 (forward+
+backward, hd 128, 8K-128K), auto / best torch backend >= 0.95, nvfuser / torch-flash >= 0.95.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import common
+from benchmarks.kernel_table import write_kernel_table
+from sdpa_fusion.kernels import ranking
 
 NAME = "single_gpu"
-OURS = ("auto", "cudnn", "flash", "nvfuser", "reference")
+OURS = ("auto", "cudnn", "fa4", "flash", "nvfuser", "reference")
 TORCH_BACKENDS = {
     "torch-flash": "FLASH_ATTENTION",
     "torch-cudnn": "CUDNN_ATTENTION",
     "torch-efficient": "EFFICIENT_ATTENTION",
     "torch-math": "MATH",
 }
-GPU_IMPLS = ("auto", "cudnn", "flash", "nvfuser", "nvfuser-fused",
-             "torch-flash", "torch-cudnn", "torch-efficient")
-TINY_IMPLS = ("auto", "reference", "nvfuser", "nvfuser-fused", "torch-math", "torch-flash")
+GPU_IMPLS = ("auto", "fa4", "cudnn", "flash", "nvfuser", "nvfuser-fused",
+             "torch-flash", "torch-cudnn")
+LONG_IMPLS = ("auto", "fa4", "cudnn")  # the only ones above --all-impls-up-to
+TINY_IMPLS = ("auto", "reference", "fa4", "nvfuser", "nvfuser-fused", "torch-math", "torch-flash")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUSPECT_ERROR = 2e-2  # bf16 attention lands near 1e-3..1e-2 of the reference
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-lens", type=common.int_list, default=common.int_list("4k,8k,16k,32k"))
-    p.add_argument("--head-dims", type=common.int_list, default=[64, 128])
-    p.add_argument("--heads", default="64:32,128:16",
+    p.add_argument("--seq-lens", type=common.int_list,
+                   default=common.int_list("4k,8k,16k,32k,64k,128k"))
+    p.add_argument("--head-dims", type=common.int_list, default=[128, 64, 256],
+                   help="in run order: hd 128 (the goal's) first, in case time runs out")
+    p.add_argument("--heads", default="64:32,128:16,256:8",
                    help="heads per head dim, 'hd:heads,...' (default: %(default)s)")
     p.add_argument("--tokens", type=common.int_list, default=[32768],
                    help="batch * seq_len (the batch is tokens // seq_len, at least 1)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--impls", default=",".join(GPU_IMPLS))
+    p.add_argument("--all-impls-up-to", type=common.int_list, default=[32768],
+                   help=f"longer sequences run only {', '.join(LONG_IMPLS)} (default: 32k)")
+    p.add_argument("--kernel-table", type=Path, default=None,
+                   help="the kernel table to write (default: the one auto reads; with --tiny "
+                        "measured_tflops_tiny.json in --results-dir)")
+    p.add_argument("--no-kernel-table", action="store_true",
+                   help="write no kernel table (auto then ranks by the table as it is)")
+    p.add_argument("--kernel-table-from", type=Path, metavar="RESULT_JSON",
+                   help="write the kernel table from this saved result and exit")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--layout", choices=("bhse", "bshe"), default="bhse")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls first; the first compiles FA4 and nvFuser kernels")
     p.add_argument("--iters", type=int, default=15, help="most timed iterations per measurement")
-    p.add_argument("--budget-s", type=float, default=1.0,
+    p.add_argument("--budget-s", type=float, default=0.5,
                    help="timed seconds per measurement; fewer iterations (>= 3) when slower")
     p.add_argument("--max-seconds", type=float, default=0,
                    help="stop starting new cases after this long (0: no limit)")
@@ -69,6 +97,11 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     common.add_output_args(p)
     args = p.parse_args(argv)
+    if args.no_kernel_table:
+        args.kernel_table = None
+    elif args.kernel_table is None:
+        args.kernel_table = (args.results_dir / "measured_tflops_tiny.json" if args.tiny
+                             else ranking.TABLE)
     if args.tiny:
         args.seq_lens, args.head_dims, args.tokens = [64, 128], [16, 32], [256]
         args.heads = "16:4,32:2"
@@ -86,13 +119,20 @@ def parse_args(argv=None):
     return args
 
 
-def cases(args):
-    """(head_dim, heads, batch, seq_len, causal) of every case, in run order."""
+def groups(args):
+    """The cases (head_dim, heads, batch, seq_len, causal) in run order, grouped as the
+    entries of the kernel table are: one group per head dim and causal flag."""
     for hd in args.head_dims:
-        heads = args.heads_for[hd]
-        for s in args.seq_lens:
-            for causal in args.causals:
-                yield hd, heads, max(1, args.tokens[0] // s), s, causal
+        for causal in args.causals:
+            yield [(hd, args.heads_for[hd], max(1, args.tokens[0] // s), s, causal)
+                   for s in args.seq_lens]
+
+
+def impls_for(args, s: int, *, auto: bool) -> list[str]:
+    """The impls measured at sequence length ``s``: auto alone (it runs after the table of its
+    group is written) or all the others."""
+    chosen = [i for i in args.impls if (i == "auto") == auto]
+    return chosen if s <= args.all_impls_up_to[0] else [i for i in chosen if i in LONG_IMPLS]
 
 
 def spec_of(args, hd, heads, batch, s, causal):
@@ -170,7 +210,7 @@ def check(fn, inputs, ref) -> float | None:
 
 
 # ---- the sweep ----------------------------------------------------------------------------
-def run_case(args, hd, heads, batch, s, causal) -> list[dict]:
+def run_case(args, impls, hd, heads, batch, s, causal) -> list[dict]:
     spec = spec_of(args, hd, heads, batch, s, causal)
     device = torch.device(args.device)
     one_set = 4 * batch * heads * s * hd * spec.dtype.itemsize
@@ -182,7 +222,7 @@ def run_case(args, hd, heads, batch, s, causal) -> list[dict]:
     fields = dict(batch=batch, heads=heads, head_dim=hd, causal=causal, layout=args.layout,
                   dtype=args.dtype)
     rows = []
-    for impl in args.impls:
+    for impl in impls:
         checked = {}
         for mode in args.modes:
             if impl == "nvfuser-fused" and mode == "fwd":
@@ -222,7 +262,8 @@ def run_one(args, impl, mode, spec, sets, ref, checked: dict):
 
 
 def ratios(rows) -> list[dict]:
-    """Per case and size: auto / best torch backend, nvfuser / torch-flash (goal >= 0.95)."""
+    """Per case and size: auto / cudnn and fa4 / cudnn (the goal: auto >= 1.08 at hd 128,
+    8K-128K, fwd+bwd), auto / best torch backend and nvfuser / torch-flash (>= 0.95)."""
     by_key = {}
     for r in rows:
         if r["tflops"] is not None:
@@ -231,27 +272,44 @@ def ratios(rows) -> list[dict]:
     for (panel, s), t in by_key.items():
         best = max((v for k, v in t.items() if k.startswith("torch-")), default=None)
         entry = {"panel": panel, "seq_len": s, "torch_best": best}
+        for ours, base in (("auto", "cudnn"), ("fa4", "cudnn"), ("nvfuser", "torch-flash"),
+                           ("nvfuser-fused", "torch-flash")):
+            if ours in t and base in t:
+                entry[f"{ours}/{base}"] = t[ours] / t[base]
         if best and "auto" in t:
             entry["auto/torch-best"] = t["auto"] / best
-        if "torch-flash" in t:
-            for ours in ("nvfuser", "nvfuser-fused"):
-                if ours in t:
-                    entry[f"{ours}/torch-flash"] = t[ours] / t["torch-flash"]
         out.append(entry)
     return out
+
+
+RATIO_KEYS = ("auto/cudnn", "fa4/cudnn", "auto/torch-best", "nvfuser/torch-flash",
+              "nvfuser-fused/torch-flash")
+
+
+def goal(ratio_rows) -> str:
+    """The goal's verdict: auto / cudnn, forward+backward, hd 128, 8K-128K."""
+    hits = [(r["panel"], r["seq_len"], r["auto/cudnn"]) for r in ratio_rows
+            if r["panel"].startswith("hd128 ") and r["panel"].endswith("fwd+bwd")
+            and r["seq_len"] >= 8192 and "auto/cudnn" in r]
+    if not hits:
+        return "goal auto/cudnn >= 1.08 (hd 128, 8K-128K, fwd+bwd): not measured"
+    panel, s, worst = min(hits, key=lambda h: h[2])
+    verdict = "met" if worst >= 1.08 else "NOT met"
+    return (f"goal auto/cudnn >= 1.08 (hd 128, 8K-128K, fwd+bwd): {verdict}; lowest "
+            f"{worst:.2f} ({panel}, s={common.short(s)}) over {len(hits)} cases")
 
 
 def print_summary(rows, ratio_rows) -> None:
     print("\nTFLOP/s (per GPU)")
     print(common.format_table(rows, row_keys=("panel", "seq_len")))
     if ratio_rows:
-        print("\nratios (goal >= 0.95)")
-        keys = ("auto/torch-best", "nvfuser/torch-flash", "nvfuser-fused/torch-flash")
+        print("\nratios (goals: auto/cudnn >= 1.08 at hd 128 from 8K; the others >= 0.95)")
         table = [{"panel": r["panel"], "seq_len": r["seq_len"], "impl": k, "ratio": r[k],
-                  "status": "ok"} for r in ratio_rows for k in keys if k in r]
+                  "status": "ok"} for r in ratio_rows for k in RATIO_KEYS if k in r]
         if table:
             print(common.format_table(table, row_keys=("panel", "seq_len"), value="ratio",
                                       fmt="{:.2f}"))
+        print(goal(ratio_rows))
     suspects = [r for r in rows if r.get("suspect")]
     for r in suspects:
         print(f"SUSPECT: {r['impl']} {r['panel']} s={r['seq_len']}: rel_err={r['rel_err']}")
@@ -259,19 +317,48 @@ def print_summary(rows, ratio_rows) -> None:
 
 def dry_run(args) -> None:
     total = 0.0
-    for hd, heads, batch, s, causal in cases(args):
-        spec = spec_of(args, hd, heads, batch, s, causal)
-        f = sum(spec.flops(backward=m == "fwd+bwd") for m in args.modes)
-        total += f * len(args.impls)
-        print(f"hd={hd} heads={heads} batch={batch} s={common.short(s)} causal={causal}: "
-              f"{f / 1e12:.1f} TFLOP per impl per iteration")
-    iters = args.warmup + args.iters + 1
-    print(f"{len(args.impls)} impls x modes {args.modes}: {total / 1e12:.0f} TFLOP per iteration; "
-          f"at 400 TFLOP/s and {iters} iterations about {total * iters / 400e12:.0f} s of compute")
+    for group in groups(args):
+        for hd, heads, batch, s, causal in group:
+            spec = spec_of(args, hd, heads, batch, s, causal)
+            impls = len(impls_for(args, s, auto=False)) + len(impls_for(args, s, auto=True))
+            f = sum(spec.flops(backward=m == "fwd+bwd") for m in args.modes)
+            total += f * impls
+            print(f"hd={hd} heads={heads} batch={batch} s={common.short(s)} causal={causal}: "
+                  f"{f / 1e12:.1f} TFLOP per impl per iteration, {impls} impls")
+    iters = args.warmup + 4
+    print(f"modes {args.modes}: {total / 1e12:.0f} TFLOP per iteration of every impl; at 500 "
+          f"TFLOP/s and {iters} iterations about {total * iters / 500e12:.0f} s of compute")
+
+
+def measure_group(args, record, group, deadline, start) -> None:
+    """The kernels of one (head dim, causal) group at every length, then the kernel table,
+    then auto (which ranks the kernels by that table)."""
+    for auto in (False, True):
+        for hd, heads, batch, s, causal in group:
+            label = f"hd={hd} h={heads} b={batch} s={common.short(s)} causal={causal}"
+            impls = impls_for(args, s, auto=auto)
+            if not impls:
+                continue
+            if deadline.left() <= 0:
+                print(f"skipped (time budget): {label} {','.join(impls)}", flush=True)
+                continue
+            rows = run_case(args, impls, hd, heads, batch, s, causal)
+            record["rows"] += rows
+            cells = ", ".join(f"{r['impl']}:{r['mode']}="
+                              + (common.number(r["tflops"]) if r["tflops"] is not None
+                                 else r["status"]) for r in rows)
+            print(f"[{time.monotonic() - start:6.1f}s] {label}: {cells}", flush=True)
+        if not auto and args.kernel_table is not None:
+            write_kernel_table(record, args.kernel_table)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.kernel_table_from:
+        table = args.kernel_table or ranking.TABLE
+        path = write_kernel_table(json.loads(args.kernel_table_from.read_text()), table)
+        print(f"wrote {path} from {args.kernel_table_from}")
+        return 0
     if args.dry_run:
         dry_run(args)
         return 0
@@ -283,33 +370,31 @@ def main(argv=None) -> int:
             "seq_lens": args.seq_lens, "head_dims": args.head_dims, "heads_for_head_dim":
             args.heads_for, "tokens_per_batch": args.tokens[0], "dtype": args.dtype,
             "layout": args.layout, "impls": args.impls, "modes": args.modes,
+            "long_impls": [i for i in args.impls if i in LONG_IMPLS],
+            "all_impls_up_to": args.all_impls_up_to[0],
             "warmup": args.warmup, "max_iters": args.iters,
             "budget_s_per_measurement": args.budget_s,
             "shape_rule": "batch = tokens // seq_len; heads*head_dim = 2048 by default",
             "fwd": "forward of a training step (q, k, v require grad)",
             "fwd+bwd": "forward then torch.autograd.grad(out, (q, k, v), dout)",
             "flops": "AttentionSpec.flops: 4*b*h*s^2*e (x0.5 causal), x3.5 for fwd+bwd",
+            "auto": "measured after the kernel table of its (head dim, causal) group was "
+                    "written from this run's kernels",
         },
         "rows": [],
     }
     deadline = common.Deadline(args.max_seconds)
     start = time.monotonic()
-    for hd, heads, batch, s, causal in cases(args):
-        label = f"hd={hd} h={heads} b={batch} s={common.short(s)} causal={causal}"
-        if deadline.left() <= 0:
-            print(f"skipped (time budget): {label}", flush=True)
-            continue
-        rows = run_case(args, hd, heads, batch, s, causal)
-        record["rows"] += rows
-        cells = ", ".join(f"{r['impl']}:{r['mode']}="
-                          + (common.number(r["tflops"]) if r["tflops"] is not None else r["status"])
-                          for r in rows)
-        print(f"[{time.monotonic() - start:6.1f}s] {label}: {cells}", flush=True)
+    for group in groups(args):
+        measure_group(args, record, group, deadline, start)
         common.save(name, record, results_dir=args.results_dir, plot=False)
     record["ratios"] = ratios(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
                         metrics=("tflops",))
+    if args.kernel_table is not None:
+        paths.append(args.kernel_table)
+        common.copy_files([args.kernel_table], args.copy_to)
     print_summary(record["rows"], record["ratios"])
     common.print_failures(record["rows"])
     print(f"\nwrote {', '.join(str(p) for p in paths)} in {record['elapsed_s']} s")

@@ -17,6 +17,7 @@ from sdpa_fusion.mesh import Mesh
 from .allgather import AllGather
 from .base import Description, Schedule
 from .head_parallel import HeadParallel
+from .hybrid import Hybrid
 from .replicated import Replicated
 from .ring import Ring
 from .ulysses import Ulysses
@@ -37,8 +38,11 @@ def names() -> list[str]:
 
 
 def options(name: str) -> list[str]:
-    """The keyword options schedule ``name`` takes (``get(name, mesh, **options)``)."""
-    return sorted(_options(_class(name)))
+    """The keyword options schedule ``name`` names (``get(name, mesh, **options)``); some,
+    such as ``hybrid``, pass further options on to the schedules they are made of."""
+    cls = _class(name)
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return sorted(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:
@@ -49,10 +53,11 @@ def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:
     schedule = error = None
     try:
         cls = _class(name)
-        unknown = sorted(set(options) - _options(cls))
+        known = _options(cls)
+        unknown = [] if known is None else sorted(set(options) - known)
         if unknown:
             raise ValueError(
-                f"schedule {name!r} takes the options {sorted(_options(cls))}; "
+                f"schedule {name!r} takes the options {sorted(known)}; "
                 f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
                 f"among them"
             )
@@ -72,13 +77,16 @@ def _class(name: str) -> type[Schedule]:
     return _REGISTRY[name]
 
 
-def _options(cls: type[Schedule]) -> set[str]:
-    """Keyword-only parameters of ``cls.__init__``."""
+def _options(cls: type[Schedule]) -> set[str] | None:
+    """Keyword-only parameters of ``cls.__init__``; None when it also takes ``**options``
+    (it checks those itself)."""
     parameters = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
     return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses):
+for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses, Hybrid):
     register(_cls)
 
 __all__ = ["Description", "Schedule", "get", "names", "options", "register"]

@@ -53,6 +53,7 @@ class Schedule(abc.ABC):
 
     name: str = ""
     sharded_dim: int | None = None  # logical dim of q/k/v split over the mesh (None: replicated)
+    takes_dtensors: bool = True  # False: attention() refuses DTensor inputs
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
         if mesh is not None and not isinstance(mesh, Mesh):
@@ -110,7 +111,7 @@ class Schedule(abc.ABC):
     @contextlib.contextmanager
     def running(self, what: str):
         """Name ``what`` (e.g. "forward of call 3") in the timeouts of the transfers inside."""
-        if self.mesh is None:
+        if self.mesh is None or self.dim is None:
             yield
             return
         with self.comm.running(f"schedule {self.name!r} over {self.dim}={self.size}, {what}"):

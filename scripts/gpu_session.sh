@@ -10,7 +10,7 @@
 #   tests-gpu        python -m pytest -q tests/gpu, on GPU 0
 #   tests-dist       mpirun -np $NP python -m pytest -q tests/gpu_distributed
 #   bench            bench-single, bench-hp, bench-cp
-#   bench-single     python -m benchmarks.single_gpu                     (~2-3 min)
+#   bench-single     python -m benchmarks.single_gpu                     (~4 min)
 #   bench-hp         mpirun -np $NP python -m benchmarks.head_parallel   (~1 min)
 #   bench-cp         bench-cp-single, then bench-cp-dist
 #   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
@@ -18,6 +18,7 @@
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
 #   bench-agree      mpirun -np $NP python -m benchmarks.agreement         (~1 min)
+#   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid --tag $CP_TAG  (~3 min on 2)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
@@ -136,6 +137,10 @@ bench_cp_dist() {
         --tag "$CP_TAG" "${CP_ARGS[@]}"
 }
 
+bench_hybrid() {
+    bench bench-hybrid "hybrid$CP_TAG" 330 80 "${MPI[@]}" "$PY" -m benchmarks.hybrid --tag "$CP_TAG"
+}
+
 bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
 }
@@ -209,6 +214,7 @@ for part in "${parts[@]}"; do
         profile-ring) profile_ring ;;
         bench-transport) bench_transport ;;
         bench-agree) bench_agree ;;
+        bench-hybrid) bench_hybrid ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done

@@ -140,13 +140,14 @@ def agree(control: ControlGroup | None, fields: dict[str, str] | None,
             raise error
         return 0
     number = control.count(what)
+    fields = None if error is not None else {"call": what, **fields}
     digest = fingerprint(fields) if error is None else 0
     verdict = torch.tensor([digest, -digest, int(error is not None)], dtype=torch.int64)
     control.all_reduce_max(verdict, f"{what} call {number}")
     top, bottom, failed = verdict.tolist()
     if not failed and top == -bottom:
         return number
-    gathered = control.gather((_message(error), None if error else fields), f"{what} call {number}")
+    gathered = control.gather((_message(error), fields), f"{what} call {number}")
     raise ValueError(_verdict(gathered, control, what, fix)) from error
 
 
@@ -166,17 +167,26 @@ def _verdict(gathered: list, control: ControlGroup, what: str, fix: str) -> str:
     if messages:
         return "; ".join(f"{_ranks(rs, control.ranks)}: {m}" for m, rs in messages.items())
     fields = [f for _, f in gathered]
+    if len({f["call"] for f in fields}) > 1:
+        return (f"the ranks of {control.name} are not at the same call: "
+                f"{_differing(['call'], fields, control.ranks)}; every rank must make the same "
+                f"calls (attention, unshard, schedules.get) in the same order")
     names = list(dict.fromkeys(name for f in fields for name in f))
+    return (f"{what} needs the same call on every rank of {control.name}, but the ranks differ "
+            f"in {_differing(names, fields, control.ranks)}; {fix}")
+
+
+def _differing(names: list[str], fields: list[dict], ranks: list[int]) -> str:
+    """Each of ``names`` whose value differs between the ranks, with the values."""
     differing = []
     for name in names:
         values: dict[str, list[int]] = {}
-        for rank, f in zip(control.ranks, fields):
+        for rank, f in zip(ranks, fields):
             values.setdefault(f.get(name, "(absent)"), []).append(rank)
         if len(values) > 1:
-            shown = " / ".join(f"{_short(v)} on {_ranks(rs, control.ranks)}" for v, rs in values.items())
+            shown = " / ".join(f"{_short(v)} on {_ranks(rs, ranks)}" for v, rs in values.items())
             differing.append(f"{name} ({shown})")
-    return (f"{what} needs the same call on every rank of {control.name}, but the ranks differ "
-            f"in {', '.join(differing)}; {fix}")
+    return ", ".join(differing)
 
 
 def _ranks(ranks: list[int], everyone: list[int]) -> str:

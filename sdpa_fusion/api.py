@@ -35,10 +35,12 @@ class Plan:
     kernel: Kernel
     skipped: tuple[str, ...]
     schedule: object
+    why: str = ""  # why ``auto`` chose the kernel
 
     def __str__(self) -> str:
         where = self.schedule if self.schedule is not None else "none (one device, no communication)"
         lines = [f"schedule: {where}", f"local problem: {self.spec}", f"kernel: {self.kernel.name}"]
+        lines += [f"  {self.why}"] if self.why else []
         lines += [f"  skipped: {reason}" for reason in self.skipped]
         if self.schedule is not None and self.schedule.mesh is not None:
             lines.append(f"per rank: {self.schedule.describe(self.schedule.global_spec(self.spec))}")
@@ -57,8 +59,8 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
     _check_device(q.device, schedule.mesh if schedule is not None else None)
     if schedule is not None:
         schedule.validate(spec)
-    chosen, skipped = kernels.select(kernel, spec, q.device)
-    return Plan(spec, chosen, tuple(skipped), schedule)
+    chosen = kernels.select(kernel, spec, q.device)
+    return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
 
 
 def explain(q, k, v, **kwargs) -> Plan:
@@ -149,8 +151,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
     mesh on this rank's shards, after every rank of it agreed on the call (a bad argument on
     any rank raises the same ValueError on every rank). ``kernel`` names the local kernel
-    ("auto", "cudnn", "flash", "nvfuser", "reference"). Differentiable in q, k, v. DTensors
-    whose placements describe the schedule's shards are accepted and a DTensor is returned.
+    ("auto", "cudnn", "fa4", "flash", "nvfuser", "reference"). Differentiable in q, k, v.
+    DTensors whose placements describe the schedule's shards are accepted and a DTensor is
+    returned.
     """
     from .dtensor import unwrap_dtensors
 
@@ -168,6 +171,6 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     control = schedule.control if schedule is not None and hasattr(schedule, "control") else None
     call = agree(control, fields, error, what="attention", fix=_FIX)
     if p.skipped:
-        log.info("kernel='auto' chose %s (%s)", p.kernel.name, "; ".join(p.skipped))
+        log.info("%s (skipped: %s)", p.why, "; ".join(p.skipped))
     out = _Attention.apply(q, k, v, p, call)
     return out if rewrap is None else rewrap(out)

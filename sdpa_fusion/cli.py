@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--iters", type=_positive, default=20, help="timed iterations on a GPU")
     explain = sub.add_parser("explain", help="print the plan attention() would run for a shape")
     _add_problem_args(explain)
-    explain.add_argument("--kernel", default="auto", help="auto, cudnn, flash, nvfuser, reference")
+    explain.add_argument("--kernel", default="auto",
+                         help="auto, cudnn, fa4, flash, nvfuser, reference")
     explain.add_argument(
         "--schedule", help="a schedule name (schedules.names()); the mesh comes from the launcher"
     )

@@ -23,6 +23,11 @@ def unwrap_dtensors(tensors, schedule):
         raise ValueError("q, k, v must be all DTensors or all plain tensors, not a mix")
     if schedule is None or schedule.mesh is None:
         raise ValueError("DTensor inputs need schedule= (a schedule over their mesh)")
+    if not schedule.takes_dtensors:
+        raise ValueError(
+            f"schedule {schedule.name!r} does not take DTensors; pass this rank's local tensors "
+            f"(schedule.shard(...)) instead"
+        )
     mesh = schedule.mesh
     for name, t in zip("qkv", tensors):
         if t.device_mesh.mesh.tolist() != mesh.torch_mesh.mesh.tolist():

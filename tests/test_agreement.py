@@ -56,11 +56,22 @@ def test_verdict_names_ranks_and_errors():
 
 def test_verdict_lists_the_fields_that_differ():
     control = _control([0, 1, 2])
-    same = {"q_len": "64", "dtype": "torch.float32"}
-    gathered = [(None, same), (None, same), (None, {"q_len": "128", "dtype": "torch.float32"})]
+    same = {"call": "attention", "q_len": "64", "dtype": "torch.float32"}
+    gathered = [(None, same), (None, same), (None, {**same, "q_len": "128"})]
     assert _verdict(gathered, control, "attention", "fix it") == (
         "attention needs the same call on every rank of mesh dim 'seq', but the ranks differ in "
         "q_len (64 on ranks 0, 1 / 128 on rank 2); fix it"
+    )
+
+
+def test_verdict_of_ranks_at_different_calls():
+    control = _control([0, 1])
+    gathered = [(None, {"call": "schedules.get", "schedule": "'ring'"}),
+                (None, {"call": "attention", "q_len": "64"})]
+    assert _verdict(gathered, control, "attention", "fix it") == (
+        "the ranks of mesh dim 'seq' are not at the same call: call (schedules.get on rank 0 / "
+        "attention on rank 1); every rank must make the same calls (attention, unshard, "
+        "schedules.get) in the same order"
     )
 
 

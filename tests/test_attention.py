@@ -118,7 +118,7 @@ def test_thd_sequences_do_not_see_each_other(rng):
 
 
 # ---- kernels ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("kernel", ["flash", "cudnn", "nvfuser"])
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "nvfuser", "fa4"])
 def test_gpu_kernels_on_cpu_tensors_raise_kernel_unavailable(kernel, rng):
     q, k, v = qkv(rng, dtype=torch.bfloat16)
     with pytest.raises(KernelUnavailable, match=rf"^kernel '{kernel}' runs on CUDA GPUs only; .* on cpu"):
@@ -131,13 +131,13 @@ def test_kernel_unavailable_is_a_value_error():
 
 def test_unknown_kernel_lists_the_known_ones(rng):
     q, k, v = qkv(rng)
-    known = r"\['cudnn', 'flash', 'nvfuser', 'reference', 'auto'\]"
+    known = r"\['cudnn', 'fa4', 'flash', 'nvfuser', 'reference', 'auto'\]"
     with pytest.raises(ValueError, match=rf"^kernel='triton' is not known; choose one of {known}"):
         sdpa_fusion.attention(q, k, v, layout="bshe", kernel="triton")
 
 
 def test_kernel_names():
-    assert {"auto", "cudnn", "flash", "nvfuser", "reference"} <= set(names())
+    assert {"auto", "cudnn", "fa4", "flash", "nvfuser", "reference"} <= set(names())
 
 
 def test_a_kernel_object_can_be_passed(rng, assert_close):

@@ -21,6 +21,13 @@ can be applied block by block (ring attention).
 
 A kernel without a native varlen path runs packed sequences one by one through its dense
 methods (``varlen_forward``/``varlen_backward`` of the base class).
+
+    backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, window=None)
+        -> grads
+
+writes (dq, dk, dv) into ``grads``, preallocated tensors shaped, typed and laid out like
+q, k, v (a caller that reuses one set of buffers saves the kernel's own allocations). A
+kernel that can write into given buffers does so (``fa4``); the default copies.
 """
 
 from __future__ import annotations
@@ -135,6 +142,15 @@ class Kernel(abc.ABC):
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float,
                  dropout: Dropout | None = None, window: Window | None = None):
         ...
+
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal: bool, scale: float,
+                      window: Window | None = None):
+        """``backward`` writing (dq, dk, dv) into ``grads``; returns ``grads``. This default
+        copies the kernel's own results there."""
+        for buffer, grad in zip(grads, self.backward(dout, q, k, v, out, lse, causal=causal,
+                                                     scale=scale, window=window)):
+            buffer.copy_(grad)
+        return grads
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal: bool, scale: float,
                        window: Window | None = None):

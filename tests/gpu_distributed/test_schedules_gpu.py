@@ -1,6 +1,11 @@
 """Every schedule with the GPU kernels vs torch SDPA on the full tensors.
 
     mpirun -np 4 python -m pytest tests/gpu_distributed
+
+The fa4 cases skip without FlashAttention-4, or fail with SDPA_FUSION_REQUIRE_FA4=1
+(``fa4_kernel`` in tests/conftest.py). They use the kernel configurations of
+tests/gpu/test_fa4.py (hd 128 MHA and GQA 8:4, hd 256 MHA, full and causal), so with
+FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 after that file nothing compiles again.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from .conftest import requires_gpus
 pytestmark = requires_gpus
 
 SCHEDULES = ["head_parallel", "ring", "allgather", "ulysses"]
-KERNELS = ["nvfuser", "cudnn", "flash"]
+KERNELS = ["nvfuser", "cudnn", "flash", "fa4"]
 
 
 def _full_problem(layout, *, b=2, h=8, h_kv=8, s=2048, e=128, seed=0):
@@ -41,16 +46,11 @@ def _torch_reference(q, k, v, dout, causal):
     return out, q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("layout", ["bhse", "bshe"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
-def test_schedule_matches_torch_sdpa(mesh, schedule, kernel, layout, causal, kv_heads):
+def _check_schedule(mesh, schedule, kernel, layout, causal, **problem):
     if schedule not in schedules.names():
         pytest.fail(f"schedule {schedule!r} is not registered")
     sched = schedules.get(schedule, mesh)
-    q, k, v, dout = _full_problem(layout, h_kv=kv_heads)
+    q, k, v, dout = _full_problem(layout, **problem)
     expected = _torch_reference(q, k, v, dout, causal)
     q_l, k_l, v_l = (sched.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
     out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, layout=layout, kernel=kernel, schedule=sched)
@@ -58,6 +58,27 @@ def test_schedule_matches_torch_sdpa(mesh, schedule, kernel, layout, causal, kv_
     got = [sched.unshard(t, layout=layout) for t in (out_l, q_l.grad, k_l.grad, v_l.grad)]
     for name, g, want in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g.float(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+def test_schedule_matches_torch_sdpa(request, mesh, schedule, kernel, layout, causal, kv_heads):
+    if kernel == "fa4":
+        request.getfixturevalue("fa4_kernel")
+    _check_schedule(mesh, schedule, kernel, layout, causal, h_kv=kv_heads)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kernel", ["fa4", "flash"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_schedule_at_head_dim_256(request, mesh, schedule, kernel, causal):
+    """Head dims beyond cuDNN's 128 under every schedule (FA4 and ATen flash go to 256)."""
+    if kernel == "fa4":
+        request.getfixturevalue("fa4_kernel")
+    _check_schedule(mesh, schedule, kernel, "bshe", causal, e=256, s=1024)
 
 
 @pytest.mark.parametrize("transport", ["p2p", "copy_engine"])

@@ -1,0 +1,331 @@
+"""The longest sequence one training step fits: one GPU, each schedule, PyTorch's context_parallel.
+
+    python -m benchmarks.max_seq --single-gpu           # one GPU, into max_seq_single.json
+    mpirun -np 2 python -m benchmarks.max_seq           # schedules and torch CP; merges the above
+    mpirun -np 2 --oversubscribe python -m benchmarks.max_seq --tiny   # CPU ranks: the script
+
+The problem: b=1, 32 heads of 128, bf16, causal forward+backward (a training step's
+attention). Bisecting near a million tokens would take minutes per step, so the limit is
+predicted instead: one step at a few probe lengths gives each implementation's memory per GPU
+(inputs, the step's own memory and any memory kept outside torch's allocator, such as the
+ring's symmetric buffers), a straight line through them gives the memory per token, and the
+prediction is the length where that line meets the GPU's free memory. One step at 95% of the
+prediction then confirms it (``--confirm``), and its time and memory are recorded.
+
+Inputs are made directly as each rank's shard (never the full tensors), except for PyTorch's
+context_parallel, whose buffers are full tensors sharded in place, as its users give them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks import common
+from benchmarks.context_parallel import torch_cp_api
+
+NAME = "max_seq"
+SCHEDULES = ("ring", "ulysses", "allgather")
+CONFIRM_FRACTION = 0.95
+HEADROOM = 0.98  # of the free memory a prediction may plan to use
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--probe-lens", type=common.int_list, default=common.int_list("64k,128k,256k"),
+                   help="global sequence lengths of the probe steps")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--impls", default=",".join(SCHEDULES + ("torch-cp",)),
+                   help="schedules (schedule[:option=value...]) and 'torch-cp' to measure")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--confirm", default="all",
+                   help="implementations to confirm with one step at 95%% of the prediction "
+                        "('all', 'none' or a list)")
+    p.add_argument("--single-gpu", action="store_true", help="one GPU (no mpirun)")
+    p.add_argument("--tag", default="", help="appended to the result name")
+    common.add_distributed_args(p)
+    args = p.parse_args(argv)
+    args.impls = [s for s in args.impls.split(",") if s]
+    if args.tiny:
+        args.probe_lens, args.heads, args.head_dim = [256, 512, 1024], 4, 16
+    args.name = NAME + ("_single" if args.single_gpu else "") + args.tag + ("_tiny" if args.tiny else "")
+    return args
+
+
+def wanted(args, impl: str) -> bool:
+    return args.confirm == "all" or impl in args.confirm.split(",")
+
+
+# ---- one step -----------------------------------------------------------------------------
+def local_inputs(args, s_local: int, device):
+    """q, k, v (leaves that require grad) and dout of one rank: [1, H, s_local, E] bf16."""
+    shape = (1, args.heads, s_local, args.head_dim)
+    tensors = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    return [t.requires_grad_(i < 3) for i, t in enumerate(tensors)]
+
+
+def step_memory(step, kept=lambda: 0) -> tuple[float, float]:
+    """(seconds, bytes) of one call of ``step``: the allocator's peak during it, inputs
+    included, plus ``kept()`` bytes held outside the allocator."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    return seconds, peak + kept()
+
+
+def ours(args, mesh, name: str, options: dict):
+    """run(s) -> (seconds, bytes) of one causal fwd+bwd step of schedule ``name`` (or of one
+    device when ``mesh`` is None) at global length s."""
+    import schedules
+    import sdpa_fusion
+
+    device = mesh.device if mesh is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    sched = schedules.get(name, mesh, **options) if mesh is not None else None
+    ranks = mesh.world_size if mesh is not None else 1
+    kernel = args.kernel if device.type == "cuda" else "reference"
+
+    def run(s):
+        q, k, v, dout = local_inputs(args, s // ranks, device)
+
+        def step():
+            out = sdpa_fusion.attention(q, k, v, causal=True, kernel=kernel, schedule=sched)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        try:
+            return step_memory(step, lambda: getattr(sched, "kept_bytes", 0))
+        finally:
+            del q, k, v, dout
+
+    return run
+
+
+def torch_cp(args, mesh):
+    """run(s) for PyTorch's context_parallel (alltoall rotation, head-tail load balancing,
+    cuDNN attention): full buffers on every rank, sharded in place."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    context_parallel, _, set_rotate_method, options = torch_cp_api()
+
+    def run(s):
+        set_rotate_method("alltoall")
+        options.enable_load_balance = True
+        buffers = [t.detach() for t in local_inputs(args, s, mesh.device)]
+        backend = SDPBackend.CUDNN_ATTENTION if mesh.device.type == "cuda" else SDPBackend.MATH
+
+        def step():
+            with sdpa_kernel(backend), context_parallel(
+                mesh.torch_mesh, buffers=buffers, buffer_seq_dims=[2] * 4,
+                no_restore_buffers=set(buffers),
+            ):
+                q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out, (q, k, v), buffers[3])
+
+        try:
+            return step_memory(step)
+        finally:
+            del buffers
+
+    return run
+
+
+# ---- prediction -----------------------------------------------------------------------------
+def fit(points) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (x, y) ``points``."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def predict(points, free: float, multiple: int) -> int:
+    """The longest length, a multiple of ``multiple``, whose predicted memory fits ``free``."""
+    intercept, slope = fit(points)
+    if slope <= 0:
+        return 0
+    return int((free * HEADROOM - intercept) / slope) // multiple * multiple
+
+
+def free_bytes(mesh) -> float:
+    """Memory a step may take on the tightest rank: free device memory plus what torch's
+    allocator holds (released first)."""
+    if not torch.cuda.is_available():
+        return float(8 << 30)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    mine = float(free + torch.cuda.memory_allocated())
+    return min(mesh.agree(mine)) if mesh is not None else mine
+
+
+def measure_impl(args, mesh, impl: str, run, multiple: int) -> list[dict]:
+    """Probe rows, then the prediction and (when asked) the confirming step."""
+    rows, points = [], []
+    ranks = mesh.world_size if mesh is not None else 1
+    for s in args.probe_lens:
+        rows.append(attempt(mesh, impl, "probe", s, run, ranks))
+        if rows[-1]["status"] == "ok":
+            points.append((s, rows[-1]["bytes_per_gpu"]))
+    free = free_bytes(mesh)
+    if len(points) < 2:
+        return rows + [dict(impl=impl, phase="predict", status="error", seq_len=0,
+                            error="fewer than two probe steps ran")]
+    intercept, slope = fit(points)
+    predicted = predict(points, free, multiple)
+    rows.append(dict(impl=impl, phase="predict", status="ok", seq_len=predicted,
+                     bytes_per_token=slope, intercept_bytes=intercept, free_bytes=free,
+                     ranks=ranks))
+    if wanted(args, impl) and predicted:
+        target = int(predicted * CONFIRM_FRACTION) // multiple * multiple
+        rows.append(attempt(mesh, impl, "confirm", target, run, ranks, predicted=predicted))
+    return rows
+
+
+def attempt(mesh, impl, phase, s, run, ranks, **extra) -> dict:
+    """One step at global length ``s`` on every rank: a row with the slowest rank's time and
+    the largest rank's memory, or the first failure."""
+    try:
+        seconds, nbytes = run(s)
+        mine = dict(status="ok", seconds=seconds, bytes=nbytes)
+    except Exception as e:  # noqa: BLE001 -- an OOM is a result here
+        mine = dict(status=common.failure(e).status, error=f"{type(e).__name__}: {e}"[:300])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    everyone = mesh.agree(mine) if mesh is not None else [mine]
+    failed = [m for m in everyone if m["status"] != "ok"]
+    row = dict(impl=impl, phase=phase, seq_len=s, ranks=ranks, **extra)
+    if failed:
+        row.update(status=failed[0]["status"], error=failed[0]["error"])
+    else:
+        row.update(status="ok", seconds=max(m["seconds"] for m in everyone),
+                   bytes_per_gpu=max(m["bytes"] for m in everyone))
+        row["gib_per_gpu"] = row["bytes_per_gpu"] / common.GIB
+    print(f"{impl:>14} {phase:>7} s={common.short(s) if s else s}: "
+          + (f"{row['seconds']:.1f} s, {row['gib_per_gpu']:.1f} GiB" if not failed
+             else row["status"]), flush=True)
+    return row
+
+
+def implementations(args, mesh):
+    """(label, run, length multiple) of every implementation to measure over ``mesh``."""
+    for impl in args.impls:
+        if impl == "torch-cp":
+            yield impl, torch_cp(args, mesh), 2 * mesh.world_size * 1024
+            continue
+        name, *opts = impl.split(":")
+        options = dict(o.split("=", 1) for o in opts)
+        yield impl, ours(args, mesh, name, options), 2 * mesh.world_size * 1024
+
+
+# ---- records --------------------------------------------------------------------------------
+def summary(rows) -> list[dict]:
+    """Per implementation: predicted and confirmed lengths, and the ratio to one GPU's."""
+    out = {}
+    for r in rows:
+        entry = out.setdefault(r["impl"], {"impl": r["impl"], "ranks": r.get("ranks")})
+        if r["phase"] == "predict" and r["status"] == "ok":
+            entry["predicted"] = r["seq_len"]
+            entry["gib_per_1k_tokens"] = r["bytes_per_token"] * 1024 / common.GIB
+        if r["phase"] == "confirm":
+            entry["confirmed"] = r["seq_len"] if r["status"] == "ok" else None
+            entry["confirm_status"] = r["status"]
+            entry["confirm_seconds"] = r.get("seconds")
+    one = next((e.get("confirmed") or e.get("predicted") for e in out.values()
+                if e["impl"].startswith("1 GPU")), None)
+    for e in out.values():
+        best = e.get("confirmed") or e.get("predicted")
+        e["ratio_to_one_gpu"] = best / one if one and best else None
+    return list(out.values())
+
+
+def save(args, record) -> None:
+    record["summary"] = summary(record["rows"])
+    plot_rows = [dict(panel="longest causal fwd+bwd step", impl=e["impl"], seq_len=1,
+                      status="ok", tokens=e.get("confirmed") or e.get("predicted"))
+                 for e in record["summary"]]
+    common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to, plot=False)
+    draw(args, record, plot_rows)
+    for e in record["summary"]:
+        print(f"{e['impl']:>14}: predicted {e.get('predicted')}, confirmed {e.get('confirmed')} "
+              f"({e.get('confirm_status', 'not run')}), x{e['ratio_to_one_gpu'] or 0:.2f} one GPU")
+
+
+def draw(args, record, rows) -> None:
+    """A bar chart of the longest length per implementation (confirmed, else predicted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["tokens"]]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([r["impl"] for r in rows], [r["tokens"] / 1024 for r in rows], color="tab:blue")
+    ax.set_ylabel("longest sequence (K tokens)")
+    env = record["environment"]
+    ax.set_title(f"{record['title']} ({env.get('device', '?')})", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    path = args.results_dir / f"{args.name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    if args.copy_to:
+        shutil.copy2(path, args.copy_to)
+
+
+def new_record(args, title) -> dict:
+    return {"title": title, "environment": common.environment("benchmarks.max_seq"),
+            "settings": {"batch": 1, "heads": args.heads, "head_dim": args.head_dim,
+                         "dtype": "bf16", "causal": True, "mode": "fwd+bwd",
+                         "probe_lens": args.probe_lens, "kernel": args.kernel,
+                         "confirm_fraction": CONFIRM_FRACTION, "headroom": HEADROOM},
+            "rows": []}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.single_gpu:
+        record = new_record(args, "longest sequence, one device")
+        record["rows"] = measure_impl(args, None, f"1 GPU {args.kernel}",
+                                      ours(args, None, "replicated", {}), 2048)
+        save(args, record)
+        return 0
+    import sdpa_fusion
+
+    mesh = sdpa_fusion.init_mesh((-1,), ("seq",),
+                                 timeout=datetime.timedelta(seconds=args.timeout_s))
+    try:
+        record = new_record(args, f"longest sequence over {mesh.world_size} ranks")
+        for impl, run, multiple in implementations(args, mesh):
+            record["rows"] += measure_impl(args, mesh, impl, run, multiple)
+            dist.barrier()
+        if mesh.rank == 0:
+            single = args.results_dir / f"{NAME}_single{'_tiny' if args.tiny else ''}.json"
+            if single.exists():
+                record["rows"] = json.loads(single.read_text())["rows"] + record["rows"]
+            save(args, record)
+    finally:
+        sdpa_fusion.close_mesh()
+    return 0
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,192 @@
+"""FlashAttention-4 (``flash-attn-4``, CuTe DSL kernels) behind the kernel contract.
+
+Optional: ``pip install 'sdpa-fusion[fa4]'`` installs the tested version; the package is
+imported on first use, so everything else works without it (``unavailable_reason`` then
+says how to install it).
+
+How the contract maps onto FA4:
+
+- Layouts, no copies: FA4 takes [B, S, H, D] tensors with any 16-byte aligned strides, so
+  q, k, v, out and dout go in as ``.transpose(1, 2)`` views of our logical [B, H, S, E]
+  tensors, BHSE or BSHE alike. The output and the gradients are allocated in the layout of
+  the tensor they belong to and handed to FA4 to write into (``out=``, ``dq=``/``dk=``/
+  ``dv=``), so nothing is copied afterwards either.
+- GQA: native (FA4 packs the query heads of a K/V head; dK/dV summed in fp32 inside).
+- Masks: FA4 aligns causal and window masks bottom-right: query i sees key j when
+  ``i + d - left <= j <= i + d + right`` with ``d = s_k - s_q``. Our top-left band
+  (left, right) is that window shifted by d (``fa4_window``), so causal with s_q != s_k and
+  every sliding window run natively. Packed sequences need one shift per sequence: under a
+  mask, packed calls whose sequences have different query and key lengths run sequence by
+  sequence (the base class's varlen path); all others run in one varlen call.
+- Rows that see no key: FA4 writes out 0 and lse -inf, as the contract asks, and its
+  backward reads lse -inf as a row without probability mass.
+- Limits: float16/bfloat16, no dropout; forward and backward on sm90 (head dim up to 256)
+  and sm100/sm110 (head dim up to 128, or 256). FA4 has no backward below sm90.
+- The first call of each kernel configuration (dtype, head dim, GQA ratio, mask kind, dense
+  or packed) compiles it, about 5-8 s; other lengths and batch sizes reuse it (lengths
+  of at most one 128-row tile have variants of their own).
+  ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps compiled kernels on disk for later
+  processes. The backward is FA4's default, not bitwise deterministic (dQ sums atomically).
+- FA4's softcap, score/mask mods and block sparsity are not part of the contract (yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..spec import AttentionSpec
+from .base import Kernel, Seqlens, Window, _sequences, band, layout_of, register
+
+FA4_VERSION = "4.0.0b36"
+INSTALL_HINT = f"pip install 'sdpa-fusion[fa4]' (flash-attn-4=={FA4_VERSION})"
+
+
+@functools.cache
+def interface():
+    """FA4's ``flash_attn.cute.interface`` (importing it loads the CUTLASS DSL: seconds)."""
+    from flash_attn.cute import interface as fa4_interface
+
+    return fa4_interface
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why FA4 cannot be imported here, or None when it can."""
+    try:
+        interface()
+    except Exception as e:  # noqa: BLE001 -- ImportError, or a DSL that fails to load
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def limits_reason(spec: AttentionSpec, capability: tuple[int, int]) -> str | None:
+    """Why FA4 cannot run ``spec`` on a GPU of ``capability``, from FA4's own limits."""
+    major, minor = capability
+    if major not in (9, 10, 11):
+        return (f"kernel 'fa4' runs forward and backward on sm90 (Hopper) and sm100/sm110 "
+                f"(Blackwell); this GPU is sm{major}{minor}")
+    if spec.head_dim > 256:
+        return f"kernel 'fa4' supports head_dim <= 256, got {spec.head_dim}"
+    if major >= 10 and 128 < spec.head_dim < 256:
+        return (f"kernel 'fa4' on sm{major}{minor} supports head_dim <= 128 or 256, "
+                f"got {spec.head_dim}")
+    if major >= 10 and spec.head_dim == 256 and not spec.layout.is_varlen:
+        window = fa4_window(spec.causal, spec.window, spec.q_len, spec.kv_len)
+        if any(side is not None and side < 0 for side in window):
+            return (f"kernel 'fa4' on sm{major}{minor} at head_dim 256 reads a negative window "
+                    f"as unbounded; this mask with q_len={spec.q_len} != kv_len={spec.kv_len} "
+                    f"needs one")
+    return None
+
+
+def fa4_window(causal: bool, window: Window | None, s_q: int, s_k: int):
+    """FA4's (window_size_left, window_size_right), aligned bottom-right, for our top-left
+    band of ``causal`` and ``window`` (None: unbounded). The two are never both negative,
+    which FA4 would read as no window at all."""
+    left, right = band(causal, window)
+    shift = s_k - s_q
+    return (None if left is None else left + shift, None if right is None else right - shift)
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """Logical [B, H, S, E] -> the [B, S, H, E] view FA4 takes (no copy)."""
+    return t.transpose(1, 2)
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
+    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _native_varlen(seqlens: Seqlens, causal: bool, window: Window | None) -> bool:
+    """Whether one FA4 varlen call gives our top-left mask for every packed sequence."""
+    return band(causal, window) == (None, None) or seqlens.lengths_q == seqlens.lengths_k
+
+
+def _clear_rows_without_keys(out, lse, seqlens: Seqlens) -> None:
+    """out 0 and lse -inf for the queries of packed sequences that have no keys. FA4 masks
+    every score of such a sequence, but multiplies the probabilities (all 0) with a tile of
+    values loaded from outside the sequence, which need not be finite."""
+    for (qa, qb), (ka, kb) in _sequences(seqlens):
+        if kb == ka and qb > qa:
+            out[qa:qb] = 0
+            lse[:, qa:qb] = float("-inf")
+
+
+class FlashAttention4Kernel(Kernel):
+    """FlashAttention-4 (``flash_attn.cute``): dense and packed, GQA, windows, head dim 256."""
+
+    name = "fa4"
+    supports_window = True
+
+    def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
+        reason = limits_reason(spec, torch.cuda.get_device_capability(device))
+        if reason is not None:
+            return reason
+        error = import_error()
+        if error is not None:
+            return f"kernel 'fa4' needs FlashAttention-4 ({INSTALL_HINT}): {error}"
+        return None
+
+    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
+        left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
+        out = _empty_like(q)
+        with torch.cuda.device(q.device):
+            _, lse, *_ = interface()._flash_attn_fwd(
+                _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, window_size_left=left,
+                window_size_right=right, return_lse=True, out=_bshd(out),
+            )
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
+        grads = tuple(_empty_like(t) for t in (q, k, v))
+        return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                  window=window)
+
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, window=None):
+        left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
+        dq, dk, dv = grads
+        with torch.cuda.device(q.device):
+            interface()._flash_attn_bwd(
+                _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse, softmax_scale=scale,
+                window_size_left=left, window_size_right=right,
+                dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv),
+            )
+        return grads
+
+    def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window=None):
+        if not _native_varlen(seqlens, causal, window):
+            return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                          window=window)
+        left, right = band(causal, window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        with torch.cuda.device(q.device):
+            _, lse, *_ = interface()._flash_attn_fwd(
+                q, k, v, **self._packed(seqlens, q.device), softmax_scale=scale,
+                window_size_left=left, window_size_right=right, return_lse=True, out=out,
+            )
+        _clear_rows_without_keys(out, lse, seqlens)
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
+                        window=None):
+        if not _native_varlen(seqlens, causal, window):
+            return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                           scale=scale, window=window)
+        left, right = band(causal, window)
+        with torch.cuda.device(q.device):
+            return interface()._flash_attn_bwd(
+                q, k, v, out, dout, lse, **self._packed(seqlens, q.device), softmax_scale=scale,
+                window_size_left=left, window_size_right=right,
+            )
+
+    @staticmethod
+    def _packed(seqlens: Seqlens, device) -> dict:
+        cu_q, cu_k = seqlens.tensors(device)
+        return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlens.max_q,
+                    max_seqlen_k=seqlens.max_k)
+
+
+register(FlashAttention4Kernel())

@@ -1,0 +1,408 @@
+"""hybrid schedule on 2-D meshes vs the single-process reference and the 1-D schedules, its
+errors, and its costs against the formulas and the bytes its communicators moved.
+
+    mpirun -np 2 python -m pytest tests/distributed/test_hybrid.py                   # 1x2, 2x1
+    mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_hybrid.py   # 2x2
+    mpirun -np 8 --oversubscribe python -m pytest tests/distributed/test_hybrid.py   # 2x4, 4x2
+
+Mesh shapes are (inner, outer) = ("heads", "seq") sizes; 1xP and Px1 are also checked to
+equal the 1-D schedules over all ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import schedules
+import sdpa_fusion
+from schedules.hybrid import Hybrid
+from sdpa_fusion.kernels.reference import ReferenceKernel
+from sdpa_fusion.layout import has_layout
+from sdpa_fusion.mesh import launch_env
+
+from .conftest import assert_matches, make_problem, run_schedule
+
+INNERS = ["ulysses", "head_parallel"]
+OUTERS = ["ring", "allgather"]
+
+
+def mesh_shapes(world: int) -> list[tuple[int, int]]:
+    """The 2-D shapes tested on ``world`` ranks: 1xP and Px1 for a prime P, else the two
+    most even factorizations."""
+    if world == 1:
+        return [(1, 1)]
+    a = next(d for d in range(2, world + 1) if world % d == 0)
+    if a == world:
+        return [(1, world), (world, 1)]
+    return sorted({(a, world // a), (world // a, a)})
+
+
+_env = launch_env()
+SHAPES = mesh_shapes(_env.world_size if _env else 1)
+shapes = pytest.mark.parametrize("shape", SHAPES, ids=[f"{i}x{o}" for i, o in SHAPES])
+
+
+@pytest.fixture(scope="module")
+def meshes(mesh):
+    """``meshes(shape, names)``: a 2-D mesh over all ranks, made once per shape and names."""
+    made = {}
+
+    def get(shape, names=("heads", "seq")):
+        if (shape, names) not in made:
+            made[(shape, names)] = sdpa_fusion.init_mesh(shape, names)
+        return made[(shape, names)]
+
+    return get
+
+
+def problem_for(shape, *, kv="gqa", **kwargs):
+    """A problem every mesh of ``shape`` can split: 2 query heads per inner rank, 4 tokens
+    per rank; ``kv``: "mha", "gqa" (2 query heads per K/V head) or "fewer" (one K/V head)."""
+    pi, po = shape
+    h = 2 * pi
+    h_kv = {"mha": h, "gqa": pi, "fewer": 1}[kv]
+    return make_problem(**{"h": h, "h_kv": h_kv, "b": 1, "s": 4 * pi * po, "e": 8,
+                            "scale": 0.3, **kwargs})
+
+
+def run_with_copies(sched, problem):
+    """``run_schedule``, but K/V gradients unsharded as the sums of their copies (K/V with
+    fewer heads than inner ranks)."""
+    layout = problem.layout
+    q, k, v = (sched.shard(t, layout=layout).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale, layout=layout,
+                                kernel="reference", schedule=sched)
+    out.backward(sched.shard(problem.dout, layout=layout))
+    assert all(has_layout(t, layout) for t in (out, q.grad, k.grad, v.grad))
+    heads = problem.k.shape[1]
+    return (sched.unshard(out, layout=layout), sched.unshard(q.grad, layout=layout),
+            *(sched.unshard(g, layout=layout, heads=heads, copies="sum") for g in (k.grad, v.grad)))
+
+
+# ---- results ----------------------------------------------------------------------------
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_reference(meshes, shape, inner, outer, layout, causal):
+    problem = problem_for(shape, layout=layout, causal=causal)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    assert (sched.inner.size, sched.outer.size) == shape
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+@pytest.mark.parametrize("kv", ["mha", "fewer"])
+def test_kv_heads(meshes, shape, inner, outer, kv):
+    """All heads, and one K/V head for all query heads (replicated over the inner ranks)."""
+    problem = problem_for(shape, kv=kv, b=2, layout="bshe", causal=True)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    assert_matches(problem, run_with_copies(sched, problem))
+
+
+def index_map(s: int, p: int, causal: bool):
+    """Non-causal: a random permutation in rows. Causal: rank r holds chunks r and r + P of
+    2P, increasing (two runs of tokens: what allgather can mask; ring refuses index maps)."""
+    if causal:
+        c = s // (2 * p)
+        return [list(range(r * c, (r + 1) * c)) + list(range((r + p) * c, (r + p + 1) * c))
+                for r in range(p)]
+    return torch.randperm(s, generator=torch.Generator().manual_seed(5)).view(p, -1).tolist()
+
+
+def refusal(outer: str, partition: str, causal: bool, po: int) -> str | None:
+    """What the outer schedule says when it cannot mask ``partition`` (None: it can)."""
+    if causal and outer == "ring" and partition == "index_map":
+        return "ring attention with causal=True takes partition"
+    if causal and outer == "allgather" and partition == "striped" and po > 1:
+        return r"partition 'striped' gives a rank \d+ runs"
+    return None
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+@pytest.mark.parametrize("partition", ["contiguous", "striped", "index_map"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_partitions(meshes, shape, inner, outer, partition, causal):
+    problem = problem_for(shape, layout="bhse", causal=causal)
+    s, po = problem.q.shape[2], shape[1]
+    rows = index_map(s, po, causal) if partition == "index_map" else partition
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer, partition=rows)
+    refused = refusal(outer, partition, causal, po)
+    if refused:
+        with pytest.raises(ValueError, match=rf"schedule 'hybrid', outer dim 'seq' \({outer} over "
+                                             rf"{po} ranks\): .*{refused}"):
+            run_schedule(sched, problem)
+        return
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+def test_bf16_and_ring_transport_option(meshes, shape, inner):
+    problem = problem_for(shape, s=8 * shape[0] * shape[1], e=16, layout="bshe", causal=True,
+                          dtype=torch.bfloat16)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer="ring", transport="p2p")
+    assert sched.outer.transport == "p2p"
+    assert_matches(problem, run_schedule(sched, problem), torch.bfloat16)
+
+
+@shapes
+def test_dims_by_name(meshes, shape):
+    """Any dim names; inner_dim picks the dim (here the second), outer_dim is the other."""
+    m = meshes(shape, ("ring_dim", "a2a_dim"))
+    sched = schedules.get("hybrid", m, inner_dim="a2a_dim")
+    assert (sched.inner.dim, sched.outer.dim) == ("a2a_dim", "ring_dim")
+    problem = problem_for(shape[::-1], layout="bshe", causal=True)
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+def test_1xP_equals_the_outer_schedule(meshes, mesh, inner, outer):
+    p = mesh.size()
+    problem = problem_for((1, p), layout="bshe", causal=True)
+    hybrid = schedules.get("hybrid", meshes((1, p)), inner=inner, outer=outer)
+    one_d = schedules.get(outer, mesh)
+    for got, want in zip(run_schedule(hybrid, problem), run_schedule(one_d, problem)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+def test_Px1_equals_the_inner_schedule(meshes, mesh, inner, outer):
+    p = mesh.size()
+    problem = problem_for((p, 1), layout="bshe", causal=True)
+    hybrid = schedules.get("hybrid", meshes((p, 1)), inner=inner, outer=outer)
+    options = {"partition": "contiguous"} if inner == "ulysses" else {}
+    one_d = schedules.get(inner, mesh, **options)
+    for got, want in zip(run_schedule(hybrid, problem), run_schedule(one_d, problem)):
+        assert torch.equal(got, want)
+
+
+class _SplitRecorder(ReferenceKernel):
+    """The reference kernel, recording the mesh dims it is asked to split heads over."""
+
+    def __init__(self):
+        self.splits = []
+
+    def split_heads(self, mesh, dim):
+        self.splits.append(dim)
+        return self
+
+
+@shapes
+def test_head_split_reaches_the_local_kernel(meshes, shape):
+    """With inner head_parallel every local call of the outer schedule runs the kernel split
+    over the inner dim (the nvFuser kernel then carries the DID annotation: see
+    tests/test_hybrid_fusion.py)."""
+    problem = problem_for(shape, layout="bshe", causal=True)
+    kernel = _SplitRecorder()
+    sched = schedules.get("hybrid", meshes(shape), inner="head_parallel")
+    assert_matches(problem, run_schedule(sched, problem, kernel=kernel))
+    assert kernel.splits == (["heads", "heads"] if shape[0] > 1 else [])  # forward, backward
+
+
+# ---- errors -----------------------------------------------------------------------------
+def test_one_dim_mesh_is_refused(mesh):
+    sched = schedules.get("hybrid", mesh)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"schedule 'hybrid' needs a mesh of two dims \(inner x "
+                                         r"outer\), got the 1-D mesh \('seq',\)"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
+    with pytest.raises(ValueError, match="needs a mesh of two dims"):
+        sched.shard(q)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(inner_dim="tokens"), r"inner_dim='tokens' is not a dim of the mesh; its dims are "
+                               r"\['heads', 'seq'\]"),
+    (dict(inner_dim="seq", outer_dim="seq"), "inner_dim and outer_dim must be two different"),
+    (dict(inner="ring"), r"inner='ring' is not known for schedule 'hybrid'; choose one of "
+                         r"\['head_parallel', 'ulysses'\]"),
+    (dict(outer="ulysses"), "outer='ulysses' is not known"),
+    (dict(partition="zigzag"), "partition='zigzag' is not known"),
+    (dict(transport="pigeon"), "transport='pigeon' is not known"),
+])
+def test_bad_options(meshes, options, message):
+    sched = schedules.get("hybrid", meshes(SHAPES[0]), **options)
+    q = torch.randn(1, 4, 16, 8)
+    with pytest.raises(ValueError, match=message):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
+    with pytest.raises(ValueError, match=message):
+        sched.describe(sdpa_fusion.AttentionSpec(1, 4, 4, 16, 16, 8))
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_bad_dim_on_one_rank_then_a_correct_call(meshes, mesh):
+    shape = SHAPES[0]
+    m = meshes(shape)
+    problem = problem_for(shape, layout="bshe", causal=True)
+    good = schedules.get("hybrid", m)
+    bad = Hybrid(m, inner_dim="nope") if mesh.rank == 0 else good  # built alone: no agreement
+    q, k, v = (good.shard(t, layout="bshe") for t in (problem.q, problem.k, problem.v))
+    with pytest.raises(ValueError, match=r"rank 0: inner_dim='nope' is not a dim of the mesh"):
+        sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference", schedule=bad)
+    assert_matches(problem, run_schedule(good, problem))
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_heads_not_divisible_on_one_rank(meshes, mesh):
+    """Ulysses over the inner dim needs heads divisible by its size; rank 0 passes one more."""
+    shape = (mesh.size(), 1)
+    problem = problem_for(shape, layout="bhse")
+    sched = schedules.get("hybrid", meshes(shape), inner="ulysses")
+    q, k, v = (sched.shard(t) for t in (problem.q, problem.k, problem.v))
+    if mesh.rank == 0:
+        q = k = v = torch.randn(1, shape[0] + 1, q.shape[2], 8)
+    with pytest.raises(ValueError, match=rf"rank 0: schedule 'hybrid', inner dim 'heads' \(ulysses "
+                                         rf"over {shape[0]} ranks\): heads={shape[0] + 1} must be "
+                                         rf"divisible"):
+        sdpa_fusion.attention(q, k, v, schedule=sched, kernel="reference")
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_head_parallel_shard_refuses_indivisible_heads(meshes, mesh):
+    p = mesh.size()
+    sched = schedules.get("hybrid", meshes((p, 1)), inner="head_parallel")
+    with pytest.raises(ValueError, match=rf"heads {p + 1} must be divisible by the {p} ranks of "
+                                         rf"inner dim 'heads' \(or divide {p}"):
+        sched.shard(torch.randn(1, p + 1, 8, 8))
+
+
+def test_sequence_not_divisible(meshes):
+    pi, po = SHAPES[-1]
+    m = meshes((pi, po))
+    lb = schedules.get("hybrid", m, inner="head_parallel")
+    s = 2 * po + 1
+    with pytest.raises(ValueError, match=rf"sequence length {s} must be divisible by {2 * po} for "
+                                         rf"load_balanced sharding over {po} ranks"):
+        lb.shard(torch.randn(1, 2 * pi, s, 8))
+    q = torch.randn(1, 2 * pi, 3, 8)  # the local part of 3 * po tokens
+    if po > 1:
+        with pytest.raises(ValueError, match=r"outer dim 'seq' \(ring over .*must be divisible"):
+            sdpa_fusion.attention(q, q, q, schedule=lb, kernel="reference", causal=True)
+    if pi > 1:
+        ulysses = schedules.get("hybrid", m, inner="ulysses", partition="contiguous")
+        s = po * (2 * pi + 1)
+        with pytest.raises(ValueError, match=rf"sequence length {s} gives each of the {po} ranks of "
+                                             rf"outer dim 'seq' {2 * pi + 1} tokens, which must be "
+                                             rf"divisible by the {pi} ranks of inner dim 'heads'"):
+            ulysses.shard(torch.randn(1, 2 * pi, s, 8))
+
+
+def test_thd_dropout_and_dtensors_are_refused(meshes):
+    m = meshes(SHAPES[0])
+    sched = schedules.get("hybrid", m)
+    packed = torch.randn(16, 4, 8)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"schedule 'hybrid' does not take layout='thd' yet"):
+        sdpa_fusion.attention(packed, packed, packed, layout="thd", cu_seqlens=cu, schedule=sched,
+                              kernel="reference")
+    q = torch.randn(1, 4, 8, 8)
+    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported under schedule 'hybrid'"):
+        sdpa_fusion.attention(q, q, q, dropout_p=0.1, schedule=sched, kernel="reference")
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    d = distribute_tensor(q, m.torch_mesh, [Replicate(), Replicate()])
+    with pytest.raises(ValueError, match="schedule 'hybrid' does not take DTensors"):
+        sdpa_fusion.attention(d, d, d, schedule=sched, kernel="reference")
+
+
+def test_unshard_copies_needs_a_choice(meshes, mesh):
+    p = mesh.size()
+    sched = schedules.get("hybrid", meshes((p, 1)), inner="head_parallel")
+    k = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(0))
+    local = sched.shard(k)
+    assert torch.equal(sched.unshard(local, heads=1, copies="first"), k)
+    torch.testing.assert_close(sched.unshard(local, heads=1, copies="sum"), p * k)
+    if p > 1:
+        with pytest.raises(ValueError, match=rf"hold copies of heads=1 heads; pass copies='sum'"):
+            sched.unshard(local, heads=1)
+    with pytest.raises(ValueError, match=rf"heads=3 does not match the {p} heads gathered"):
+        sched.unshard(local, heads=3, copies="sum")
+
+
+# ---- costs ------------------------------------------------------------------------------
+def expected_dims(spec, inner, outer, pi, po):
+    """(forward bytes, backward bytes, forward memory, backward memory) of each dim per rank,
+    from the definitions of the schedules, for the global ``spec``."""
+    b, e, size = spec.batch, spec.head_dim, spec.dtype.itemsize
+    h, h_kv, s = spec.heads, spec.kv_heads, spec.q_len
+    kv_heads = max(h_kv // pi, 1)  # K/V heads per inner rank
+    if inner == "ulysses":  # all-to-alls over the S/Po tokens of one outer rank
+        token_head = b * (s // po // pi) * e * size
+        qkv = (h // pi + 2 * kv_heads) * token_head
+        lse = b * (h // pi) * (s // po // pi) * 4
+        fwd = (pi - 1) * (qkv + h // pi * token_head + lse)
+        bwd = (pi - 1) * (qkv + 2 * h // pi * token_head + lse + qkv)
+        q_all, kv_all = b * h * (s // po // pi) * e, b * kv_heads * (s // po) * e
+        inner_cost = (fwd, bwd, 2 * (q_all + 2 * kv_all) * size, 2 * (3 * q_all + 2 * kv_all) * size)
+    else:
+        inner_cost = (0, 0, 0, 0)
+    block = 2 * b * kv_heads * (s // po) * e  # K and V of one outer rank, H_kv/Pi heads
+    if outer == "ring":
+        slots = (2 * block * size, 2 * block * (size + 4)) if po > 1 else (0, 0)
+        outer_cost = ((po - 1) * block * size, (po - 1) * block * (size + 4), *slots)
+    else:
+        held = (2 * po - 1) * block
+        outer_cost = ((po - 1) * block * size, (po - 1) * block * (size + 4), held * size,
+                      held * (size + 4))
+    return inner_cost, outer_cost
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+@pytest.mark.parametrize("kv_heads", [16, 1], ids=["mha", "mqa"])
+def test_describe_formulas(meshes, shape, inner, outer, kv_heads):
+    pi, po = shape
+    spec = sdpa_fusion.AttentionSpec(2, 16, kv_heads, 64 * pi * po, 64 * pi * po, 64, causal=True)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    d = sched.describe(spec)
+    assert [c.dim for c in d.dims] == ["heads", "seq"]
+    for cost, (fwd, bwd, memory, backward_memory) in zip(d.dims, expected_dims(spec, inner, outer, pi, po)):
+        got = cost.description
+        assert (got.bytes_sent, got.bytes_received) == (fwd, fwd), cost.dim
+        assert (got.backward_bytes_sent, got.backward_bytes_received) == (bwd, bwd), cost.dim
+        assert (cost.memory, cost.backward_memory) == (memory, backward_memory), cost.dim
+    inner_d, outer_d = (c.description for c in d.dims)
+    assert outer_d.steps == d.steps and outer_d.ranks == po and inner_d.ranks == pi
+    assert d.bytes_sent == inner_d.bytes_sent + outer_d.bytes_sent
+    assert d.backward_bytes_sent == inner_d.backward_bytes_sent + outer_d.backward_bytes_sent
+    if outer == "ring":
+        assert d.steps == d.backward_steps == po
+        assert d.flops == pytest.approx(spec.flops() / (pi * po))
+        # the ring moves K/V of H_kv/Pi heads: 1/Pi of what a 1-D ring over Po ranks would
+        one_d = schedules.get("ring", meshes(shape), dim="seq").describe(spec)
+        assert outer_d.bytes_sent == one_d.bytes_sent * max(kv_heads // pi, 1) // kv_heads
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+def test_describe_matches_the_communicators(meshes, shape, inner, outer):
+    problem = problem_for(shape, b=2, layout="bshe", causal=True, dtype=torch.bfloat16, e=16)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    full = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, layout="bshe",
+                                                  causal=True)
+    d = sched.describe(full)
+    comms = (sched.inner.comm, sched.outer.comm)
+    q, k, v = (sched.shard(t, layout="bshe").requires_grad_() for t in (problem.q, problem.k, problem.v))
+    for c in comms:
+        c.stats.reset()
+    out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference", schedule=sched)
+    for c, cost in zip(comms, d.dims):
+        assert (c.stats.bytes_sent, c.stats.bytes_received) == (
+            cost.description.bytes_sent, cost.description.bytes_received), cost.dim
+        c.stats.reset()
+    out.backward(sched.shard(problem.dout, layout="bshe"))
+    for c, cost in zip(comms, d.dims):
+        assert (c.stats.bytes_sent, c.stats.bytes_received) == (
+            cost.description.backward_bytes_sent, cost.description.backward_bytes_received), cost.dim

@@ -1,0 +1,61 @@
+"""The hybrid schedule on 2-D meshes of GPUs vs torch SDPA (fp32 math) on the full tensors.
+
+    mpirun -np 2 python -m pytest tests/gpu_distributed/test_hybrid_gpu.py   # 1x2 and 2x1
+    mpirun -np 4 python -m pytest tests/gpu_distributed/test_hybrid_gpu.py   # 2x2
+
+Mesh shapes are (inner "heads", outer "seq") sizes. Without CUDA every test here is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import schedules
+import sdpa_fusion
+
+from ..distributed.test_hybrid import meshes, shapes  # noqa: F401  (fixture, shapes of this world)
+from .conftest import requires_gpus
+from .test_schedules_gpu import _full_problem, _torch_reference
+
+pytestmark = requires_gpus
+
+
+def check(sched, layout, causal, kernel, *, h_kv=4, s=2048):
+    q, k, v, dout = _full_problem(layout, h_kv=h_kv, s=s)
+    expected = _torch_reference(q, k, v, dout, causal)
+    q_l, k_l, v_l = (sched.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
+    out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, layout=layout, kernel=kernel,
+                                  schedule=sched)
+    out_l.backward(sched.shard(dout, layout=layout))
+    kv = dict(heads=h_kv, copies="sum")
+    got = [sched.unshard(out_l, layout=layout), sched.unshard(q_l.grad, layout=layout),
+           sched.unshard(k_l.grad, layout=layout, **kv), sched.unshard(v_l.grad, layout=layout, **kv)]
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(g.float(), want, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@shapes
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+@pytest.mark.parametrize("outer", ["ring", "allgather"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_torch_sdpa(meshes, shape, inner, outer, causal):
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    check(sched, "bshe", causal, "cudnn")
+
+
+@shapes
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+def test_nvfuser_kernel(meshes, shape, inner):
+    """With inner head_parallel the nvFuser fusions carry the head split (DID annotation)."""
+    sched = schedules.get("hybrid", meshes(shape), inner=inner)
+    check(sched, "bhse", True, "nvfuser")
+
+
+@shapes
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+def test_one_kv_head(meshes, shape, inner):
+    """One K/V head for all query heads: replicated over the inner ranks."""
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer="ring")
+    check(sched, "bhse", True, "auto", h_kv=1)
