@@ -28,7 +28,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .waiting import Arrivals, MeshTimeout
+from .waiting import Arrivals, MeshTimeout, ranks_text
 
 
 # ---- what a call looks like ------------------------------------------------------------------
@@ -165,7 +165,7 @@ def _verdict(gathered: list, control: ControlGroup, what: str, fix: str) -> str:
         if message is not None:
             messages.setdefault(message, []).append(rank)
     if messages:
-        return "; ".join(f"{_ranks(rs, control.ranks)}: {m}" for m, rs in messages.items())
+        return "; ".join(f"{ranks_text(rs, control.ranks)}: {m}" for m, rs in messages.items())
     fields = [f for _, f in gathered]
     if len({f["call"] for f in fields}) > 1:
         return (f"the ranks of {control.name} are not at the same call: "
@@ -184,15 +184,10 @@ def _differing(names: list[str], fields: list[dict], ranks: list[int]) -> str:
         for rank, f in zip(ranks, fields):
             values.setdefault(f.get(name, "(absent)"), []).append(rank)
         if len(values) > 1:
-            shown = " / ".join(f"{_short(v)} on {_ranks(rs, ranks)}" for v, rs in values.items())
+            shown = " / ".join(f"{_short(v)} on {ranks_text(rs, ranks)}"
+                               for v, rs in values.items())
             differing.append(f"{name} ({shown})")
     return ", ".join(differing)
-
-
-def _ranks(ranks: list[int], everyone: list[int]) -> str:
-    if len(ranks) == len(everyone) > 1:
-        return "every rank"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _short(text: str, limit: int = 200) -> str:

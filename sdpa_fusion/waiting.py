@@ -50,8 +50,7 @@ class Arrivals:
         if not missing:
             return (f"every rank arrived, but not within {seconds:g} s of each other (the ranks "
                     f"that came first gave up)")
-        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
-        return f"{who} did not arrive within {seconds:g} s"
+        return f"{ranks_text(missing, self.ranks)} did not arrive within {seconds:g} s"
 
     def _store(self, step: int):
         return dist.PrefixStore(f"sdpa_fusion/{self.group_name}/{step}/",
@@ -68,3 +67,10 @@ class Arrivals:
             return True
         except (RuntimeError, ValueError):
             return False
+
+
+def ranks_text(ranks: list[int], everyone: list[int]) -> str:
+    """"rank 3", "ranks 1, 3", or "every rank" when ``ranks`` are all of ``everyone``."""
+    if len(ranks) == len(everyone) > 1:
+        return "every rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
