@@ -18,16 +18,23 @@ Without causal, all local rows attend to all of ``others`` in one call. Every bl
 folded into fp32 accumulators by ``fold``. Backward gathers K/V again (the forward
 keeps nothing), runs the same calls with the global out and lse, accumulates dQ and the
 dK/dV of every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+
+Packed sequences: the same calls, each one varlen call over every sequence. The own call is
+causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
+local tokens against the other ranks' real tokens of that sequence before the run (full
+mask, so the keys may stay in the gathered order: rank, then local slot).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import accumulators, finish, fold
 
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
+from .calls import add_rows, as_block, as_packed, packed_call, part_call
 from .sequence import SequenceSchedule
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
@@ -55,6 +62,46 @@ def gathered_calls(indices: torch.Tensor, kv_len: int, kv_local: int,
     return calls
 
 
+def packed_runs(split) -> torch.Tensor:
+    """[P, T_local]: the run of consecutive positions each real local token belongs to,
+    counted from 0 in its sequence's part; -1 for padding."""
+    pos, real, slot = split.positions, split.real, split.slot
+    start = real.clone()
+    start[:, 1:] &= (pos[:, 1:] != pos[:, :-1] + 1) | (slot[1:] == 0)
+    seen = torch.cumsum(start.long(), dim=1)
+    first = split.offsets[:-1].clamp(max=max(split.tokens - 1, 0))
+    before = (seen - start.long())[:, first]  # runs of the earlier sequences' parts
+    return torch.where(real, seen - 1 - before[:, split.seq], -1)
+
+
+def packed_plan(packing, causal: bool):
+    """(own call, gathered calls) of this rank on packed sequences; gathered calls take their
+    keys from every rank's part, gathered in rank order ([P * T_local] rows)."""
+    split, r = packing.split, packing.rank
+    own = part_call(packing, r, (0, split.storage), (0, split.storage), causal)
+    others = split.real.clone()
+    others[r] = False
+    keys = others.flatten().nonzero().flatten()
+    key_seq, key_pos = split.seq.repeat(split.parts)[keys], split.positions.flatten()[keys]
+    order = torch.sort(key_seq, stable=True).indices  # keys grouped by sequence
+    keys, key_seq, key_pos = keys[order], key_seq[order], key_pos[order]
+    mine = packed_runs(split)[r] if causal else torch.where(split.real[r], 0, -1)
+    sequences, calls = len(split.lengths), []
+    for run in range(int(mine.max()) + 1):
+        rows = (mine == run).nonzero().flatten()
+        seq = split.seq[rows]
+        start = torch.full((sequences,), torch.iinfo(torch.long).max)
+        if causal:  # the other ranks' tokens before the run
+            start = start.scatter_reduce(0, seq, split.positions[r][rows], "amin")
+        seen = key_pos < start[key_seq]
+        call = packed_call(rows, torch.bincount(seq, minlength=sequences), keys[seen],
+                           torch.bincount(key_seq[seen], minlength=sequences), causal=False,
+                           tokens=(split.tokens, split.parts * split.tokens), device=split.device)
+        if call is not None:
+            calls.append(call)
+    return own, calls
+
+
 class AllGather(SequenceSchedule):
     name = "allgather"
 
@@ -62,16 +109,25 @@ class AllGather(SequenceSchedule):
         super().validate(spec)
         if not spec.causal:
             return
-        q_len = spec.q_len * self.size
-        most = max(len(runs(self.indices(q_len, r))) for r in range(self.size))
+        if spec.packing is not None:
+            split = spec.packing.split
+            most = spec.packing.cached("runs", lambda: int(packed_runs(split).max()) + 1)
+            what = "a sequence's part"
+        else:
+            q_len = spec.q_len * self.size
+            most = max(len(runs(self.indices(q_len, r))) for r in range(self.size))
+            what = f"a {q_len}-token sequence"
         if most > MAX_RUNS:
             raise ValueError(
                 f"schedule 'allgather' with causal=True makes one kernel call per run of "
                 f"consecutive tokens a rank holds, at most {MAX_RUNS}; partition "
-                f"{self.partition.name!r} gives a rank {most} runs of a {q_len}-token sequence "
+                f"{self.partition.name!r} gives a rank {most} runs of {what} "
                 f"over {self.size} ranks. Use partition='load_balanced' or 'contiguous' (or "
                 f"schedule 'ring' for 'striped')"
             )
+
+    def _packed_plan(self, packing, causal: bool):
+        return packing.cached(("allgather", causal), lambda: packed_plan(packing, causal))
 
     def _calls(self, q_len: int, kv_len: int, causal: bool):
         return gathered_calls(self.indices(q_len), kv_len, kv_len // self.size, causal)
@@ -99,6 +155,8 @@ class AllGather(SequenceSchedule):
         return pending, self._other_positions(k.shape[2] * self.size, k.device)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
+        if spec.packing is not None:
+            return self._packed_forward(q, k, v, spec, kernel)
         layout, scale = spec.layout, spec.softmax_scale
         pending, positions = self._start_gather(k, v, layout)
         out_acc, lse_acc = accumulators(q, layout)
@@ -112,6 +170,8 @@ class AllGather(SequenceSchedule):
         return finish(out_acc, q.dtype, layout), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+        if spec.packing is not None:
+            return self._packed_backward(dout, q, k, v, out, lse, spec, kernel)
         layout, scale = spec.layout, spec.softmax_scale
         pending, positions = self._start_gather(k, v, layout)
         dq, *own = kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale)
@@ -140,19 +200,66 @@ class AllGather(SequenceSchedule):
         mine = self.comm.reduce_scatter(send)
         return [from_buffer(g, layout) for g in mine]
 
+    def _packed_forward(self, q, k, v, spec, kernel):
+        own, calls = self._packed_plan(spec.packing, spec.causal)
+        pending = [self.comm.all_gather(t) for t in (k, v)]
+        q, k, v = (as_block(t) for t in (q, k, v))
+        out_acc, lse_acc = accumulators(q)
+        if own is not None:
+            o, lse = own.forward(kernel, q, k, v, spec.softmax_scale)
+            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=own.rows)
+        k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
+        for call in calls:
+            o, lse = call.forward(kernel, q, k_all, v_all, spec.softmax_scale)
+            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
+        return as_packed(finish(out_acc, q.dtype, layout_of(q))), lse_acc
+
+    def _packed_backward(self, dout, q, k, v, out, lse, spec, kernel):
+        own, calls = self._packed_plan(spec.packing, spec.causal)
+        pending = [self.comm.all_gather(t) for t in (k, v)]
+        tokens, scale = k.shape[0], spec.softmax_scale
+        dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+        dq = accumulators(q)[0]
+        # fp32 dK/dV of every gathered token: [dK | dV] x [rank 0 | rank 1 | ...]
+        sums = torch.zeros((2, self.size * tokens, *k.shape[1::2]), dtype=torch.float32,
+                           device=k.device)
+        if own is not None:
+            dq_b, *grads = own.backward(kernel, dout, q, k, v, out, lse, scale)
+            add_rows(dq, own.rows, dq_b)
+            for acc, g in zip(sums, grads):
+                add_rows(as_block(acc[self.index * tokens:(self.index + 1) * tokens]), own.keys, g)
+        k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
+        for call in calls:
+            dq_b, *grads = call.backward(kernel, dout, q, k_all, v_all, out, lse, scale)
+            add_rows(dq, call.rows, dq_b)
+            for acc, g in zip(sums, grads):
+                add_rows(as_block(acc), call.keys, g)
+        dk, dv = self.comm.reduce_scatter(sums.unflatten(1, (self.size, tokens)).transpose(0, 1))
+        return (as_packed(finish(dq, q.dtype, layout_of(q))),
+                dk.to(k.dtype), dv.to(v.dtype))
+
     def describe(self, spec):
         p, itemsize = self.size, spec.dtype.itemsize
-        kv = 2 * spec.batch * spec.kv_heads * (spec.kv_len // p) * spec.head_dim
+        kv = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         gather, scatter = (p - 1) * kv * itemsize, (p - 1) * kv * 4
-        q_local = spec.q_len // p
-        calls = self._calls(spec.q_len, spec.kv_len, spec.causal)
-        pairs = q_local * (spec.kv_len // p) * (0.5 if spec.causal else 1.0)
-        pairs += sum((rows.stop - rows.start) * n for rows, n in calls)
+        steps, pairs = self._work(spec)
         flops = 4.0 * spec.batch * spec.heads * spec.head_dim * pairs
         return Description(
-            self.name, p, steps=1 + len(calls), bytes_sent=gather, bytes_received=gather,
-            flops=flops, backward_steps=1 + len(calls), backward_bytes_sent=gather + scatter,
+            self.name, p, steps=steps, bytes_sent=gather, bytes_received=gather,
+            flops=flops, backward_steps=steps, backward_bytes_sent=gather + scatter,
             backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
                   f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered",
         )
+
+    def _work(self, spec) -> tuple[int, float]:
+        """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
+        if spec.layout.is_varlen:
+            split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
+            own, calls = packed_plan(split.part(self.index), spec.causal)
+            done = [c for c in (own, *calls) if c is not None]
+            return len(done), sum(c.pairs for c in done)
+        q_local = spec.q_len // self.size
+        calls = self._calls(spec.q_len, spec.kv_len, spec.causal)
+        pairs = q_local * (spec.kv_len // self.size) * (0.5 if spec.causal else 1.0)
+        return 1 + len(calls), pairs + sum((rows.stop - rows.start) * n for rows, n in calls)

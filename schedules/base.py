@@ -29,6 +29,7 @@ from sdpa_fusion.spec import AttentionSpec
 from sdpa_fusion.waiting import MeshTimeout
 
 from .comm import Communicator
+from .packing import LocalPacking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Schedule(abc.ABC):
 
     name: str = ""
     sharded_dim: int | None = None  # logical dim of q/k/v split over the mesh (None: replicated)
+    supports_thd: bool = False  # takes packed layout='thd' tensors on more than one rank
     takes_dtensors: bool = True  # False: attention() refuses DTensor inputs
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
@@ -146,7 +148,7 @@ class Schedule(abc.ABC):
 
     def validate(self, spec: AttentionSpec) -> None:
         """Raise ValueError (argument and fix) when this schedule cannot run local ``spec``."""
-        if spec.layout.is_varlen and self.size > 1:
+        if spec.layout.is_varlen and self.size > 1 and not self.supports_thd:
             raise ValueError(
                 f"schedule {self.name!r} does not take layout='thd' yet; use 'bshe' (pad "
                 f"sequences to one length) or run packed sequences with schedule=None"
@@ -170,15 +172,28 @@ class Schedule(abc.ABC):
     def describe(self, spec: AttentionSpec) -> Description:
         """Steps, bytes and FLOPs per rank for the *global* ``spec``."""
 
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
-        """This rank's part of a full tensor, in ``layout`` (differentiable)."""
+    def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None):
+        """The ``LocalPacking`` of packed tensors under a schedule that splits tokens; None
+        here: the local tensors keep every token and ``cu_seqlens`` is taken as given."""
+        if isinstance(cu_seqlens, LocalPacking):
+            raise ValueError(
+                f"cu_seqlens is a LocalPacking, but schedule {self.name!r} does not split tokens; "
+                f"pass the global cu_seqlens tensor"
+            )
+        return None
+
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+              cu_seqlens_padded=None) -> torch.Tensor:
+        """This rank's part of a full tensor, in ``layout`` (differentiable); packed tensors
+        (``layout='thd'``) take the global ``cu_seqlens`` (and ``cu_seqlens_padded``)."""
         layout = Layout.of(layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
         _check_divisible(t, self.sharded_dim, self.size, self.name)
         return layout.to(t.chunk(self.size, dim=self.sharded_dim)[self.index])
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+                cu_seqlens_padded=None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's local part; differentiable,
         the gradient of the full tensor flowing back to this rank's part."""
         layout = Layout.of(layout)

@@ -16,6 +16,7 @@ from .base import Description, Schedule
 class HeadParallel(Schedule):
     name = "head_parallel"
     sharded_dim = 1
+    supports_thd = True  # whole packed sequences on every rank
 
     def global_spec(self, spec):
         return spec.replace(heads=spec.heads * self.size, kv_heads=spec.kv_heads * self.size)

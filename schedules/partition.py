@@ -1,9 +1,11 @@
 """Token partitioners: which rank holds which tokens of a sequence, as permutations.
 
 A partitioner maps a sequence of S tokens over P ranks. ``indices(S, P, r)`` lists the global
-positions rank r holds, in the order it holds them (always increasing here, so a causal mask
-over a rank's own tokens is the ordinary top-left mask). ``permutation(S, P)`` concatenates
-all ranks' indices in rank order; ``inverse`` (its argsort) restores the original order.
+positions rank r holds, in the order it holds them; ``position(slot, S, P, r)`` is the same
+rule as a formula (the position of the token at local slot ``slot``), vectorized so that a
+packed batch of many sequences is split in a few tensor operations. ``permutation(S, P)``
+concatenates all ranks' indices in rank order; ``inverse`` (its argsort) restores the
+original order.
 
 S = 16, P = 4 (digits are the rank holding each token):
 
@@ -13,20 +15,27 @@ S = 16, P = 4 (digits are the rank holding each token):
 
 With a causal mask, contiguous ranks do unequal work (rank P-1 attends to everything, rank 0
 to its own chunk); load-balanced pairs an early chunk with a late one so every rank does the
-same work at every ring step.
+same work at every ring step. These three keep each rank's tokens in increasing order, so a
+causal mask over a rank's own tokens is the ordinary top-left mask.
+
+Custom partitions: ``IndexMap`` (any placement, one row of positions per rank) and
+``VideoTiles`` (video tokens of [F, H, W] grids in raster order, each rank keeping an intact
+tile, with the (f, h, w) ``coordinates`` of its tokens for 3-D RoPE).
 """
 
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 
 
 class Partition(abc.ABC):
-    """A rule placing S tokens on P ranks; subclasses define ``_indices``."""
+    """A rule placing S tokens on P ranks; subclasses define ``position``."""
 
     name: str = ""
+    increasing: bool = True  # every rank holds its tokens in increasing order
 
     def multiple(self, parts: int) -> int:
         """Sequence lengths must be divisible by this."""
@@ -40,14 +49,22 @@ class Partition(abc.ABC):
                 f"over {parts} ranks; pad the sequence to a multiple of {m}"
             )
 
+    def padded_length(self, lengths: torch.Tensor, parts: int) -> torch.Tensor:
+        """The length each sequence of ``lengths`` is split at: rounded up to ``multiple``
+        (the padding tokens are added for the caller)."""
+        m = self.multiple(parts)
+        return (lengths + m - 1) // m * m
+
     def indices(self, seq_len: int, parts: int, rank: int) -> torch.Tensor:
         """Global token positions held by ``rank``, in local order."""
         self.check(seq_len, parts)
-        return self._indices(seq_len, parts, rank)
+        slots = torch.arange(seq_len // parts)
+        return self.position(slots, torch.full_like(slots, seq_len), parts, rank)
 
     @abc.abstractmethod
-    def _indices(self, seq_len: int, parts: int, rank: int) -> torch.Tensor:
-        ...
+    def position(self, slot, length, parts: int, rank):
+        """Position, in a sequence of ``length`` tokens, of the token that ``rank`` holds at
+        local ``slot`` (``slot``, ``length`` and ``rank`` broadcast as tensors)."""
 
     def permutation(self, seq_len: int, parts: int) -> torch.Tensor:
         """All ranks' indices, concatenated in rank order."""
@@ -57,6 +74,17 @@ class Partition(abc.ABC):
         """Positions in ``permutation`` of tokens 0..S-1 (restores the original order)."""
         return torch.argsort(self.permutation(seq_len, parts))
 
+    @property
+    def key(self) -> tuple:
+        """What makes two partitions the same rule."""
+        return (self.name,)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Partition) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
     def __repr__(self) -> str:
         return self.name
 
@@ -64,9 +92,8 @@ class Partition(abc.ABC):
 class Contiguous(Partition):
     name = "contiguous"
 
-    def _indices(self, seq_len, parts, rank):
-        n = seq_len // parts
-        return torch.arange(rank * n, (rank + 1) * n)
+    def position(self, slot, length, parts, rank):
+        return rank * (length // parts) + slot
 
 
 class LoadBalanced(Partition):
@@ -75,20 +102,29 @@ class LoadBalanced(Partition):
     def multiple(self, parts):
         return 2 * parts
 
-    def _indices(self, seq_len, parts, rank):
-        c = seq_len // (2 * parts)
-        late = 2 * parts - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+    def position(self, slot, length, parts, rank):
+        c = length // (2 * parts)
+        late = (2 * parts - 1 - rank) * c + slot - c
+        return torch.where(slot < c, rank * c + slot, late)
 
 
 class Striped(Partition):
     name = "striped"
 
-    def _indices(self, seq_len, parts, rank):
-        return torch.arange(rank, seq_len, parts)
+    def position(self, slot, length, parts, rank):
+        return rank + slot * parts
 
 
-class IndexMap(Partition):
+class _Fixed(Partition):
+    """A placement of sequences of given sizes only: never padded."""
+
+    def padded_length(self, lengths, parts):
+        for n in lengths.unique().tolist():
+            self.check(int(n), parts)
+        return lengths
+
+
+class IndexMap(_Fixed):
     """A user's placement: ``index_map[r]`` lists the global tokens of rank r (e.g. intact
     2-D/3-D tiles of video tokens). Every rank holds the same number of tokens, each token
     exactly once."""
@@ -103,27 +139,93 @@ class IndexMap(Partition):
         rows = [r.long() for r in rows]
         if not rows or len({len(r) for r in rows}) != 1:
             raise ValueError("index_map must give every rank the same number of tokens")
-        self.rows = rows
-        flat = torch.cat(rows)
+        self.rows = torch.stack(rows)
+        flat = self.rows.flatten()
         if not torch.equal(torch.sort(flat).values, torch.arange(flat.numel())):
             raise ValueError(
                 f"index_map must hold each of the {flat.numel()} token positions exactly once"
             )
+        self.increasing = bool((self.rows[:, 1:] > self.rows[:, :-1]).all())
 
     def check(self, seq_len, parts):
-        total = sum(len(r) for r in self.rows)
+        total = self.rows.numel()
         if parts != len(self.rows) or seq_len != total:
             raise ValueError(
                 f"index_map places {total} tokens on {len(self.rows)} ranks, but the sequence has "
                 f"{seq_len} tokens over {parts} ranks; give one row per rank covering every token"
             )
 
-    def _indices(self, seq_len, parts, rank):
-        return self.rows[rank]
+    def position(self, slot, length, parts, rank):
+        return self.rows[rank, slot]
 
     @property
-    def increasing(self) -> bool:
-        return all(bool((r[1:] > r[:-1]).all()) for r in self.rows)
+    def key(self):
+        return (self.name, tuple(self.rows.flatten().tolist()), len(self.rows))
+
+
+class VideoTiles(_Fixed):
+    """Video tokens in raster order (frame, then row, then column) of [F, H, W] grids, each
+    rank keeping one intact tile. ``frame`` = (H, W); a sequence of S tokens has F = S/(H*W)
+    frames. ``tiles`` = (tf, th, tw): tiles along frames, rows and columns, one per rank,
+    ranks numbered in raster order of the tiles.
+
+    F = 2, H = W = 4, tiles = (1, 2, 2) (digits: rank; both frames alike):
+
+        0 0 1 1
+        0 0 1 1        every rank holds a 2 x 2 x 2 box, its tokens in raster order
+        2 2 3 3        (so increasing: the box of a raster order is in raster order)
+        2 2 3 3
+    """
+
+    name = "video_tiles"
+
+    def __init__(self, frame, tiles):
+        if len(tuple(frame)) != 2 or len(tuple(tiles)) != 3:
+            raise ValueError(
+                f"VideoTiles takes frame=(H, W) and tiles=(tf, th, tw), got frame={frame!r}, "
+                f"tiles={tiles!r}"
+            )
+        self.frame, self.tiles = tuple(int(x) for x in frame), tuple(int(x) for x in tiles)
+        if min(self.frame + self.tiles) < 1:
+            raise ValueError(f"frame={frame!r} and tiles={tiles!r} must hold positive sizes")
+        for what, size, count in (("rows", self.frame[0], self.tiles[1]),
+                                  ("columns", self.frame[1], self.tiles[2])):
+            if size % count:
+                raise ValueError(
+                    f"{count} tiles along the {size} {what} of a frame do not divide it; choose "
+                    f"tiles among the divisors of frame={self.frame}"
+                )
+
+    def check(self, seq_len, parts):
+        h, w = self.frame
+        if math.prod(self.tiles) != parts:
+            raise ValueError(
+                f"tiles={self.tiles} make {math.prod(self.tiles)} tiles but the schedule has "
+                f"{parts} ranks; give one tile per rank"
+            )
+        if seq_len % (h * w) or (seq_len // (h * w)) % self.tiles[0]:
+            raise ValueError(
+                f"a video sequence of {seq_len} tokens is not a whole number of {h}x{w} frames "
+                f"divisible into {self.tiles[0]} tiles along frames; give F*{h}*{w} tokens with "
+                f"F a multiple of {self.tiles[0]}"
+            )
+
+    def position(self, slot, length, parts, rank):
+        (h, w), (tf, th, tw) = self.frame, self.tiles
+        box = (length // (h * w) // tf, h // th, w // tw)
+        tile = (rank // (th * tw), (rank // tw) % th, rank % tw)
+        inner = (slot // (box[1] * box[2]), (slot // box[2]) % box[1], slot % box[2])
+        f, y, x = (t * b + i for t, b, i in zip(tile, box, inner))
+        return (f * h + y) * w + x
+
+    def coordinates(self, positions: torch.Tensor) -> torch.Tensor:
+        """(f, h, w) grid coordinates [N, 3] of token ``positions`` (for 3-D RoPE)."""
+        h, w = self.frame
+        return torch.stack([positions // (h * w), (positions // w) % h, positions % w], dim=-1)
+
+    @property
+    def key(self):
+        return (self.name, self.frame, self.tiles)
 
 
 _NAMED = {cls.name: cls for cls in (Contiguous, LoadBalanced, Striped)}
@@ -136,7 +238,8 @@ def get(partition: "str | Partition | list") -> Partition:
     if isinstance(partition, str):
         if partition not in _NAMED:
             raise ValueError(
-                f"partition={partition!r} is not known; use one of {sorted(_NAMED)} or an index map"
+                f"partition={partition!r} is not known; use one of {sorted(_NAMED)}, an index "
+                f"map or a VideoTiles"
             )
         return _NAMED[partition]()
     return IndexMap(partition)

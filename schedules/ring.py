@@ -20,6 +20,11 @@ them. Every step uses the global out and lse of the forward.
 
 The blocks and sums travel in the slots of ``transport`` (NCCL/gloo send-receive, or copy
 engines pulling from symmetric memory on GPUs).
+
+Packed sequences: each step is one varlen kernel call over every sequence, the step's case
+applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
+made once per packing). The blocks are the whole local K/V, padding included, so every
+block has one size.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import accumulators, finish, fold
 
 from .base import Description
+from .calls import DenseCall, PackedCall, add_rows, as_block, as_packed, part_call, put_rows
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
 from .transport import Mover, RingData, check_transport, mover
@@ -64,35 +70,58 @@ def block_case(rank: int, source: int, causal: bool, partition) -> Block:
     raise ValueError(f"ring has no causal mask for partition {partition.name!r}")
 
 
-def _ranges(case: Block, s_q: int, s_kv: int) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal) that a block case computes."""
+def _ranges(case: Block, s_q, s_kv):
+    """(query span, key span, causal) that a block case computes, for blocks of ``s_q``
+    queries and ``s_kv`` keys (ints, or per-sequence tensors for packed blocks)."""
     return {
-        Block.FULL: (slice(None), slice(None), False),
-        Block.CAUSAL: (slice(None), slice(None), True),
-        Block.EARLY_KEYS: (slice(None), slice(0, s_kv // 2), False),
-        Block.LATE_QUERIES: (slice(s_q // 2, None), slice(None), False),
-        Block.SHIFTED: (slice(1, None), slice(0, s_kv - 1), True),
+        Block.FULL: ((0, s_q), (0, s_kv), False),
+        Block.CAUSAL: ((0, s_q), (0, s_kv), True),
+        Block.EARLY_KEYS: ((0, s_q), (0, s_kv // 2), False),
+        Block.LATE_QUERIES: ((s_q // 2, s_q), (0, s_kv), False),
+        Block.SHIFTED: ((1, s_q), (0, s_kv - 1), True),
     }[case]
 
 
-def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
-    return t if rows == slice(None) else t[:, :, rows]
+def _span(span, n: int) -> slice:
+    return slice(None) if span == (0, n) else slice(*span)
 
 
-def _start_sums(acc, grads, keys: slice) -> None:
+def dense_call(case: Block, s_q: int, s_kv: int) -> DenseCall | None:
+    """The kernel call of a block case on dense blocks (None for SKIP)."""
+    if case is Block.SKIP:
+        return None
+    rows, keys, causal = _ranges(case, s_q, s_kv)
+    return DenseCall(_span(rows, s_q), _span(keys, s_kv), causal)
+
+
+def packed_call(case: Block, packing, source: int) -> PackedCall | None:
+    """The varlen call of a block case on the parts of every packed sequence: the dense case
+    applied to each sequence's part, cut to its real tokens (None when nothing is left)."""
+    if case is Block.SKIP:
+        return None
+    storage = packing.split.storage
+    rows, keys, causal = _ranges(case, storage, storage)
+    return part_call(packing, source, rows, keys, causal)
+
+
+def _all(rows) -> bool:
+    return rows is None or (isinstance(rows, slice) and rows == slice(None))
+
+
+def _start_sums(acc, grads, keys) -> None:
     """Set the fp32 sums ``acc`` to a block's first gradients (zero where they are None or
     outside ``keys``)."""
     for a, g in zip(acc, grads or (None,) * len(acc)):
-        if g is None or keys != slice(None):
+        if g is None or not _all(keys):
             a.zero_()
         if g is not None:
-            _rows(a, keys).copy_(g)
+            put_rows(a, keys, g)
 
 
-def _add_rows(acc, grads, keys: slice) -> None:
+def _add_rows(acc, grads, keys) -> None:
     """Add gradients of the key rows ``keys`` into the fp32 sums ``acc`` (nothing for None)."""
     for a, g in zip(acc, grads or ()):
-        _rows(a, keys).add_(g)
+        add_rows(a, keys, g)
 
 
 class Ring(SequenceSchedule):
@@ -110,7 +139,8 @@ class Ring(SequenceSchedule):
         if spec.causal and not isinstance(self.partition, (Contiguous, LoadBalanced, Striped)):
             raise ValueError(
                 f"ring attention with causal=True takes partition 'load_balanced', 'contiguous' "
-                f"or 'striped', not {self.partition.name!r}; use causal=False or one of those"
+                f"or 'striped', not {self.partition.name!r}; use causal=False, one of those, or "
+                f"schedule 'ulysses' (causal with any partition)"
             )
 
     def mover(self, device) -> Mover:
@@ -126,11 +156,19 @@ class Ring(SequenceSchedule):
         memory, which torch.cuda.memory_allocated does not count)."""
         return sum(m.kept_bytes for m in self._movers.values())
 
-    def _steps(self, causal: bool):
-        """(step, source rank, block case) for every ring step of this rank."""
-        for step in range(self.size):
-            source = (self.index - step) % self.size
-            yield step, source, block_case(self.index, source, causal, self.partition)
+    def _calls(self, spec, s_q: int, s_kv: int) -> list:
+        """The kernel call (or None) of every ring step of this rank, in step order: at step
+        i the block of rank (r - i) mod P. Packed calls are made once per packing."""
+        sources = [(self.index - step) % self.size for step in range(self.size)]
+
+        def case(source):
+            return block_case(self.index, source, spec.causal, self.partition)
+
+        packing = spec.packing
+        if packing is None:
+            return [dense_call(case(j), s_q, s_kv) for j in sources]
+        return packing.cached(("ring", spec.causal),
+                              lambda: [packed_call(case(j), packing, j) for j in sources])
 
     def _ring_buffers(self, k, v, *dtypes):
         """A double-buffered ring buffer of blocks shaped like k and v, one per dtype."""
@@ -139,51 +177,51 @@ class Ring(SequenceSchedule):
         return self.mover(k.device).ring_buffers(datas, k.device)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
+        packed = spec.layout.is_varlen
+        if packed:
+            q, k, v = (as_block(t) for t in (q, k, v))
         scale = spec.softmax_scale
         out_acc, lse_acc = accumulators(q)
         current, pending = (k, v), None
         if self.size > 1:
             (blocks,) = self._ring_buffers(k, v, k.dtype)
             blocks.load(0, (k, v))
-        for step, _, case in self._steps(spec.causal):
+        for step, call in enumerate(self._calls(spec, q.shape[2], k.shape[2])):
             if step + 1 < self.size:
                 pending = blocks.shift(step % 2, (step + 1) % 2)
-            if case is not Block.SKIP:
-                rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
-                kb, vb = (_rows(t, keys) for t in current)
-                o, lse = kernel.forward(_rows(q, rows), kb, vb, causal=causal, scale=scale)
-                out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
+            if call is not None:
+                o, lse = call.forward(kernel, q, *current, scale)
+                out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
                 del o, lse  # free the block's output before the next kernel call
             if pending is not None:
                 current, pending = tuple(pending.wait()), None
-        return finish(out_acc, q.dtype, layout_of(q)), lse_acc
+        out = finish(out_acc, q.dtype, layout_of(q))
+        return (as_packed(out) if packed else out), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        (_, _, own_case), *remote = self._steps(spec.causal)
+        packed = spec.layout.is_varlen
+        if packed:
+            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+        dq = accumulators(q)[0]
+        own, *remote = self._calls(spec, q.shape[2], k.shape[2])
 
-        def block_grads(case, kb, vb):
-            """(dK, dV, key rows) of one block; its dQ goes into dq."""
-            if case is Block.SKIP:
-                return None, slice(None)
-            rows, keys, causal = _ranges(case, q.shape[2], k.shape[2])
-            dq_b, *grads = kernel.backward(
-                _rows(dout, rows), _rows(q, rows), _rows(kb, keys), _rows(vb, keys),
-                _rows(out, rows), lse[:, :, rows].contiguous(), causal=causal,
-                scale=spec.softmax_scale,
-            )
-            _rows(dq, rows).add_(dq_b)
-            return grads, keys
+        def block_grads(call, kb, vb):
+            """(dK, dV) of the call's key rows; its dQ goes into dq."""
+            if call is None:
+                return None
+            dq_b, *grads = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale)
+            add_rows(dq, call.rows, dq_b)
+            return grads
 
         if remote:
             blocks, sums = self._ring_buffers(k, v, k.dtype, torch.float32)
             blocks.load(0, (k, v))
             pending_kv, pending_sums = blocks.shift(0, 1), None
-        for step, _, case in remote:
+        for step, call in enumerate(remote, start=1):
             current = pending_kv.wait()
             if step + 1 < self.size:
                 pending_kv = blocks.shift(step % 2, (step + 1) % 2)
-            grads, keys = block_grads(case, *current)
+            grads, keys = block_grads(call, *current), call and call.keys
             acc = sums.tensors(step % 2)
             if pending_sums is None:
                 _start_sums(acc, grads, keys)
@@ -193,19 +231,19 @@ class Ring(SequenceSchedule):
             del grads  # free the block's dK/dV before the next kernel call
             pending_sums = sums.shift(step % 2, (step + 1) % 2)
         # the own block last: its backward runs while the own sums make their last hop home
-        grads, keys = block_grads(own_case, k, v)
+        grads = block_grads(own, k, v)
         dq = finish(dq, q.dtype, layout_of(q))
-        if remote:
-            home = pending_sums.wait()
-            _add_rows(home, grads, keys)
-            grads = home
+        home = pending_sums.wait() if remote else [accumulators(t)[0] for t in (k, v)]
+        _add_rows(home, grads, own and own.keys)
         kv_layout = layout_of(k)
-        dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(grads, (k, v)))
+        dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(home, (k, v)))
+        if packed:
+            dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
 
     def describe(self, spec):
         p = self.size
-        kv_block = 2 * spec.batch * spec.kv_heads * (spec.kv_len // p) * spec.head_dim
+        kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
         forward = spec.flops() / p
         return Description(

@@ -2,10 +2,18 @@
 
 Rank r of the mesh dim holds the tokens ``partition.indices(S, P, r)`` of q, k and v (and
 of out and the gradients). ``shard`` picks them out of a full tensor; ``unshard`` gathers
-every rank's tokens and restores the original order on every rank.
+every rank's tokens and restores the original order on every rank. ``position_ids`` says
+which global positions a rank's tokens have (what RoPE needs).
+
+Packed sequences (``layout="thd"``): every sequence is split on its own, padded for the
+caller where the partition needs it (``schedules.packing``); ``pack(cu_seqlens)`` gives this
+rank's ``LocalPacking`` (local tokens, lengths and positions), and ``attention`` takes either
+the global ``cu_seqlens`` or that ``LocalPacking``.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -13,40 +21,50 @@ from sdpa_fusion.layout import Layout
 
 from . import partition as partitions
 from .base import Schedule
+from .packing import LocalPacking, Split, global_packing
+
+_KEPT_PACKINGS = 4  # global packings whose splits (and kernel calls) a schedule keeps
 
 
 class SequenceSchedule(Schedule):
     """A schedule splitting the sequence dim over one mesh dim (default: the last)."""
 
     sharded_dim = 2
+    supports_thd = True
+    # Attends each rank's tokens in the partition's order: causal needs increasing tokens.
+    needs_ordered_tokens = True
 
     def __init__(self, mesh, *, dim: str | None = None, partition="load_balanced"):
         super().__init__(mesh, dim=dim)
         self.partition = partitions.get(partition)
         self._positions: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._splits: collections.OrderedDict[tuple, Split] = collections.OrderedDict()
 
     def global_spec(self, spec):
+        if spec.packing is not None:
+            split = spec.packing.split
+            return spec.replace(q_len=split.total_tokens, kv_len=split.total_tokens,
+                                cu_seqlens=split.cu_seqlens,
+                                cu_seqlens_padded=split.cu_seqlens_padded, packing=None)
         return spec.replace(q_len=spec.q_len * self.size, kv_len=spec.kv_len * self.size)
 
     def validate(self, spec):
         super().validate(spec)
-        full = self.global_spec(spec)
-        for length in {full.q_len, full.kv_len}:
-            self.partition.check(length, self.size)
+        if not spec.layout.is_varlen:
+            full = self.global_spec(spec)
+            for length in {full.q_len, full.kv_len}:
+                self.partition.check(length, self.size)
         if spec.causal and spec.q_len != spec.kv_len:
             raise ValueError(
                 f"causal context parallelism needs q and k/v of one length per rank, got "
                 f"q_len={spec.q_len} and kv_len={spec.kv_len}; shard q, k, v of one sequence alike"
             )
-        if spec.causal and not self.partition_is_ordered:
+        if spec.causal and self.needs_ordered_tokens and not self.partition.increasing:
             raise ValueError(
                 f"causal attention needs each rank's tokens in increasing order; the "
-                f"{self.partition.name} partition reorders them. Use partition='load_balanced'"
+                f"{self.partition.name} partition reorders them. Use partition='load_balanced', "
+                f"or schedule 'ulysses' (which attends the whole sequence in order)"
             )
-
-    @property
-    def partition_is_ordered(self) -> bool:
-        return getattr(self.partition, "increasing", True)
 
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
         """Global positions of the tokens ``rank`` (this rank by default) holds."""
@@ -60,15 +78,100 @@ class SequenceSchedule(Schedule):
             self._positions[key] = [self.indices(seq_len, r).to(device) for r in range(self.size)]
         return self._positions[key]
 
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens of a ``seq_len``-token sequence (int64, on
+        ``device``): index a RoPE table with them. Packed sequences: ``pack(...).position_ids``."""
+        return self.positions(seq_len, device or "cpu")[self.index]
+
+    # ---- packed sequences ----------------------------------------------------------------
+    def pack(self, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None, *,
+             rank: int | None = None) -> LocalPacking:
+        """This rank's (or ``rank``'s) part of the GLOBAL packing ``cu_seqlens`` (and
+        ``cu_seqlens_padded``) of full [T, H, E] tensors, the same on every rank."""
+        cu, padded = global_packing(cu_seqlens, cu_seqlens_padded)
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.size):
+            raise ValueError(f"rank={rank!r} must be an integer in [0, {self.size})")
+        return self.split(cu, padded, cu_seqlens.device).part(self.index if rank is None else rank)
+
+    def split(self, cu: tuple, padded: tuple | None, device) -> Split:
+        """Every rank's part of the packing ``cu``/``padded`` (tuples), made once per packing."""
+        key = (cu, padded, torch.device(device))
+        if key in self._splits:
+            self._splits.move_to_end(key)
+        else:
+            self._splits[key] = Split(self.partition, self.size, cu, padded, key[2],
+                                      gather=self._gather_tokens)
+            if len(self._splits) > _KEPT_PACKINGS:
+                self._splits.popitem(last=False)
+        return self._splits[key]
+
+    def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        return self.gather(t, 0)
+
+    def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+        """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
+        global ``cu_seqlens`` or a ``LocalPacking`` of this rank; checks q's token count."""
+        if isinstance(cu_seqlens, LocalPacking):
+            if cu_seqlens_padded is not None:
+                raise ValueError(
+                    "cu_seqlens_padded goes with the global cu_seqlens tensor; a LocalPacking "
+                    "already holds the padding: leave cu_seqlens_padded out"
+                )
+            packing = self._own(cu_seqlens)
+        else:
+            packing = self.pack(cu_seqlens, cu_seqlens_padded)
+        if isinstance(q, torch.Tensor) and q.dim() == 3:
+            if q.device != packing.device:
+                raise ValueError(
+                    f"cu_seqlens is on {packing.device} but q on {q.device}; pass cu_seqlens on "
+                    f"the tensors' device"
+                )
+            if q.shape[0] != packing.tokens:
+                raise ValueError(
+                    f"q has {q.shape[0]} tokens but this rank's part of the packing has "
+                    f"{packing.tokens} (every sequence split by the {self.partition.name} "
+                    f"partition over {self.size} ranks, padded where needed). cu_seqlens is the "
+                    f"GLOBAL packing: shard q, k, v with schedule.shard(t, layout='thd', "
+                    f"cu_seqlens=cu_seqlens) or schedule.pack(cu_seqlens).shard(t)"
+                )
+        return packing
+
+    def _own(self, packing: LocalPacking) -> LocalPacking:
+        """``packing`` when this rank can use it, else a ValueError saying whose it is."""
+        mine = (self.partition, self.size, self.index)
+        if (packing.partition, packing.parts, packing.rank) != mine:
+            raise ValueError(
+                f"cu_seqlens is {packing!r}, not this rank's part under schedule {self.name!r} "
+                f"(rank {self.index} of {self.size}, partition {self.partition.name}); pass "
+                f"schedule.pack(cu_seqlens) of this schedule, or the global cu_seqlens"
+            )
+        return packing
+
+    def _packing_of(self, cu_seqlens, cu_seqlens_padded) -> LocalPacking:
+        if isinstance(cu_seqlens, LocalPacking):
+            return self._own(cu_seqlens)
+        return self.pack(cu_seqlens, cu_seqlens_padded)
+
+    def local_tokens(self, spec) -> int:
+        """Tokens (K/V rows) each rank holds for the global ``spec``."""
+        if spec.layout.is_varlen:
+            return self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").tokens
+        return spec.kv_len // self.size
+
+    # ---- shard / unshard -----------------------------------------------------------------
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+              cu_seqlens_padded=None) -> torch.Tensor:
         layout = Layout.of(layout)
         if layout.is_varlen:
-            raise ValueError(f"schedule {self.name!r} does not shard layout='thd' yet; use 'bshe'")
+            return self._packing_of(cu_seqlens, cu_seqlens_padded).shard(t)
         index = self.indices(t.shape[2]).to(t.device)
         return layout.to(t.index_select(2, index))
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+                cu_seqlens_padded=None) -> torch.Tensor:
         layout = Layout.of(layout)
+        if layout.is_varlen:
+            return self._packing_of(cu_seqlens, cu_seqlens_padded).unshard(t)
         full = self.gather(t, 2)
         inverse = self.partition.inverse(full.shape[2], self.size).to(t.device)
         return layout.to(full.index_select(2, inverse))

@@ -16,9 +16,15 @@ K/V heads are split alike; with fewer K/V heads than ranks (P % kv_heads == 0) e
 goes to the P / kv_heads ranks whose query heads use it, and their dK/dV are summed back.
 Backward repeats the first all-to-all for dout, q, k, v and out (and lse), runs the local
 backward and returns dq, dk, dv the same way. Nothing is kept between forward and backward.
+
+Any partition works, causal included: the tokens are attended in global order. Packed
+sequences: each rank's real tokens go to their place among the real tokens of the whole
+packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -27,11 +33,36 @@ from sdpa_fusion.merge import finish
 
 from .base import Description
 from .buffers import views
+from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
 from .sequence import SequenceSchedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where every rank's tokens go in the whole sequence the heads are attended over:
+    ``parts[j]`` = (rows of rank j's ``local`` rows that travel, None for all; their rows
+    among the ``length`` rows of the whole sequence)."""
+
+    length: int
+    local: int
+    parts: list
+
+
+def packed_placement(split) -> Placement:
+    """The real tokens of every rank, each at its place among the real tokens of the
+    packed batch (sequence by sequence, in position order)."""
+    starts = torch.cumsum(split.lengths, 0) - split.lengths
+    parts = []
+    for j in range(split.parts):
+        rows = split.real[j].nonzero().flatten()
+        slots = starts[split.seq[rows]] + split.positions[j][rows]
+        parts.append((rows.to(split.device), slots.to(split.device)))
+    return Placement(int(split.lengths.sum()), split.tokens, parts)
 
 
 class Ulysses(SequenceSchedule):
     name = "ulysses"
+    needs_ordered_tokens = False  # attends the whole sequence in global order
 
     def validate(self, spec):
         super().validate(spec)
@@ -66,7 +97,31 @@ class Ulysses(SequenceSchedule):
         received = self.comm.all_to_all(send)
         return [views(part, shapes, layout) for part in received]
 
-    def _to_heads(self, tensors, layout: Layout) -> list[torch.Tensor]:
+    def _placement(self, spec, s_local: int, device) -> Placement:
+        """Where every rank's ``s_local`` tokens go in the whole sequence."""
+        if spec.packing is not None:
+            return self._packed_plan(spec)[0]
+        length = s_local * self.size
+        return Placement(length, s_local, [(None, t) for t in self.positions(length, device)])
+
+    def _call(self, spec):
+        """The kernel call over the whole sequence of this rank's heads (None: no token)."""
+        if spec.packing is not None:
+            return self._packed_plan(spec)[1]
+        return DenseCall(slice(None), slice(None), spec.causal)
+
+    def _packed_plan(self, spec):
+        packing = spec.packing
+
+        def build():
+            place, lengths = packed_placement(packing.split), packing.split.lengths
+            every = torch.arange(place.length)
+            return place, packed_call(every, lengths, every, lengths, causal=spec.causal,
+                                      tokens=(place.length, place.length), device=packing.device)
+
+        return packing.cached(("ulysses", spec.causal), build)
+
+    def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
         shapes = [(b, self._heads_per_rank(h), s, e)
                   for b, h, s, e in (t.shape for t in tensors)]
@@ -78,22 +133,31 @@ class Ulysses(SequenceSchedule):
         received = self._all_to_all(fill, shapes, layout, tensors[0])
         outs = []
         for i, (b, h, s, e) in enumerate(shapes):
-            out = layout.empty((b, h, s * self.size, e), dtype=tensors[i].dtype,
+            place = self._placement(spec, s, tensors[i].device)
+            out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
-            for blocks, slots in zip(received, self.positions(s * self.size, out.device)):
-                out.index_copy_(2, slots, blocks[i])
+            for blocks, (rows, slots) in zip(received, place.parts):
+                out.index_copy_(2, slots, take(blocks[i], rows))
             outs.append(out)
         return outs
 
-    def _to_sequence(self, tensors, layout: Layout, heads) -> list[torch.Tensor]:
+    def _to_sequence(self, tensors, layout: Layout, heads, spec,
+                     padding: float = 0.0) -> list[torch.Tensor]:
         """This rank's heads [B, h/P, S, E] in global order -> its tokens of all ``heads``
-        [B, h, S/P, E]; replicated K/V heads are summed."""
-        shapes = [(b, h, s // self.size, e) for b, h, s, e in (t.shape for t in tensors)]
-        positions = [self.positions(t.shape[2], t.device) for t in tensors]
+        [B, h, S/P, E]; replicated K/V heads are summed; rows that did not travel (padding)
+        are ``padding``."""
+        places = [self._placement(spec, t.shape[2] // self.size, t.device) for t in tensors]
+        shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
+                  for t, place in zip(tensors, places)]
 
         def fill(j, blocks):
-            for t, where, block in zip(tensors, positions, blocks):
-                torch.index_select(t, 2, where[j], out=block)
+            for t, place, block in zip(tensors, places, blocks):
+                rows, slots = place.parts[j]
+                if rows is None:
+                    torch.index_select(t, 2, slots, out=block)
+                else:
+                    block.fill_(padding)
+                    put_rows(block, rows, take(t, slots))
 
         received = self._all_to_all(fill, shapes, layout, tensors[0])
         return [self._place_heads([blocks[i] for blocks in received], h, layout)
@@ -116,28 +180,46 @@ class Ulysses(SequenceSchedule):
         return finish(out, blocks[0].dtype, layout) if replicated else out
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        layout = spec.layout
-        q_h, k_h, v_h = self._to_heads([q, k, v], layout)
-        out_h, lse_h = kernel.forward(q_h, k_h, v_h, causal=spec.causal, scale=spec.softmax_scale)
-        (out,) = self._to_sequence([out_h], layout, [spec.heads])
-        (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads])
-        return out, lse.squeeze(-1)
+        packed = spec.packing is not None
+        layout = Layout.BSHE if packed else spec.layout
+        if packed:
+            q, k, v = (as_block(t) for t in (q, k, v))
+        call = self._call(spec)
+        q_h, k_h, v_h = self._to_heads([q, k, v], layout, spec)
+        if call is None:  # no real token anywhere
+            out_h = torch.zeros_like(q_h)
+            lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
+        else:
+            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale)
+        (out,) = self._to_sequence([out_h], layout, [spec.heads], spec)
+        (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads], spec,
+                                   padding=float("-inf"))
+        return (as_packed(out) if packed else out), lse.squeeze(-1)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        layout = spec.layout
-        dout_h, q_h, k_h, v_h, out_h = self._to_heads([dout, q, k, v, out], layout)
-        (lse_h,) = self._to_heads([lse.unsqueeze(-1)], Layout.BHSE)
-        grads = kernel.backward(dout_h, q_h, k_h, v_h, out_h, lse_h.squeeze(-1),
-                                causal=spec.causal, scale=spec.softmax_scale)
+        packed = spec.packing is not None
+        layout = Layout.BSHE if packed else spec.layout
+        if packed:
+            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+        call = self._call(spec)
+        dout_h, q_h, k_h, v_h, out_h = self._to_heads([dout, q, k, v, out], layout, spec)
+        (lse_h,) = self._to_heads([lse.unsqueeze(-1)], Layout.BHSE, spec)
+        if call is None:
+            grads = [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
+        else:
+            grads = call.backward(kernel, dout_h, q_h, k_h, v_h, out_h, lse_h.squeeze(-1),
+                                  spec.softmax_scale)
         heads = [spec.heads, spec.kv_heads, spec.kv_heads]
-        return tuple(self._to_sequence(list(grads), layout, heads))
+        grads = self._to_sequence(list(grads), layout, heads, spec)
+        return tuple(as_packed(g) for g in grads) if packed else tuple(grads)
 
     def describe(self, spec):
-        p = self.size
-        q_head = spec.batch * (spec.q_len // p) * spec.head_dim * spec.dtype.itemsize
-        kv_head = spec.batch * (spec.kv_len // p) * spec.head_dim * spec.dtype.itemsize
+        p, local = self.size, self.local_tokens(spec)
+        q_head = spec.batch * (spec.q_len // p if not spec.layout.is_varlen else local) \
+            * spec.head_dim * spec.dtype.itemsize
+        kv_head = spec.batch * local * spec.head_dim * spec.dtype.itemsize
         h, h_kv = spec.heads // p, self._heads_per_rank(spec.kv_heads)
-        lse = spec.batch * h * (spec.q_len // p) * 4
+        lse = q_head // (spec.head_dim * spec.dtype.itemsize) * h * 4
         forward = (p - 1) * (2 * h * q_head + 2 * h_kv * kv_head + lse)  # q, k, v; out, lse
         backward = (p - 1) * (3 * h * q_head + 2 * h_kv * kv_head + lse  # dout, q, k, v, out, lse
                               + h * q_head + 2 * h_kv * kv_head)         # dq, dk, dv

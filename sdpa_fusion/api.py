@@ -52,10 +52,14 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
     """Check this rank's call and choose the kernel, without communicating: the ValueError
     of a bad argument is raised here on this rank (``attention`` raises it on every rank)."""
     _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded)
+    packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
+        if schedule is not None and Layout.of(layout).is_varlen else None
+    if packing is not None:  # the global packing, split: this rank's lengths
+        cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
     spec = AttentionSpec.from_tensors(
         q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
         cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-    )
+    ).replace(packing=packing)
     _check_device(q.device, schedule.mesh if schedule is not None else None)
     if schedule is not None:
         schedule.validate(spec)
@@ -85,10 +89,12 @@ def _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded) ->
                 f"{name}= is given but layout={str(layout)!r} is dense; pass layout='thd' for "
                 f"packed sequences, or leave {name} out"
             )
-        if value is not None and not isinstance(value, torch.Tensor):
+        if value is not None and not isinstance(value, torch.Tensor) and (
+                schedule is None or isinstance(value, (list, tuple))):
             raise ValueError(
-                f"{name} must be a 1-D integer torch.Tensor on the tensors' device, got "
-                f"{type(value).__name__}; pass torch.tensor({name}, dtype=torch.int32)"
+                f"{name} must be a 1-D integer torch.Tensor on the tensors' device (or, with a "
+                f"schedule, the LocalPacking it made), got {type(value).__name__}; pass "
+                f"torch.tensor({name}, dtype=torch.int32)"
             )
 
 

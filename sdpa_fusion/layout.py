@@ -155,6 +155,22 @@ def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: boo
         )
 
 
+def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:
+    """Raise a ValueError unless the padded slots ``cu_seqlens_padded`` hold one slot per
+    sequence of ``cu_seqlens``, each at least as long as its sequence."""
+    if len(cu_seqlens_padded) != len(cu_seqlens):
+        raise ValueError(
+            f"cu_seqlens_padded has {len(cu_seqlens_padded)} entries but "
+            f"cu_seqlens has {len(cu_seqlens)}; give one entry per sequence plus one"
+        )
+    real, room = seqlens_of(cu_seqlens), seqlens_of(cu_seqlens_padded)
+    if any(r > p for r, p in zip(real, room)):
+        raise ValueError(
+            f"cu_seqlens_padded={cu_seqlens_padded} leaves less room than the sequence lengths "
+            f"{real} need; each padded length must be >= its sequence length"
+        )
+
+
 def seqlens_of(cu_seqlens: list[int]) -> list[int]:
     return [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
 

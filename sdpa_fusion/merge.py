@@ -51,10 +51,17 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 
 def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
-               block_lse: torch.Tensor, rows: slice | None = None):
+               block_lse: torch.Tensor, rows: slice | torch.Tensor | None = None):
     """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice of the
-    sequence dim; all rows when None) and return the accumulators: the merged tensors
-    themselves when every row is merged, else ``out_acc`` and ``lse_acc`` updated in place."""
+    sequence dim, or an index tensor of its rows, e.g. the tokens of packed sequences; all
+    rows when None) and return the accumulators: the merged tensors themselves when every
+    row is merged, else ``out_acc`` and ``lse_acc`` updated in place."""
+    if isinstance(rows, torch.Tensor):
+        new_out, new_lse = merge_partial(take_rows(out_acc, rows), lse_acc.index_select(2, rows),
+                                         block_out, block_lse)
+        out_acc.index_copy_(2, rows, new_out)
+        lse_acc.index_copy_(2, rows, new_lse)
+        return out_acc, lse_acc
     if rows is None or rows == slice(None):
         return merge_partial(out_acc, lse_acc, block_out, block_lse)
     out_view, lse_view = out_acc[:, :, rows], lse_acc[:, :, rows]
@@ -62,6 +69,15 @@ def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
     out_view.copy_(new_out)
     lse_view.copy_(new_lse)
     return out_acc, lse_acc
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The sequence rows ``rows`` (an index tensor) of a logical [B, H, S, E] tensor, gathered
+    in the memory order of ``t`` (BHSE or BSHE)."""
+    layout = layout_of(t)
+    order = layout.memory_order
+    picked = t.permute(order).index_select(order.index(2), rows)
+    return picked.permute(layout.logical_order)
 
 
 def finish(out_acc: torch.Tensor, dtype: torch.dtype, layout: Layout | str) -> torch.Tensor:

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from .layout import Layout, check_cu_seqlens, check_layout, check_offsets, seqlens_of
+from .layout import (Layout, check_cu_seqlens, check_layout, check_offsets, check_padding,
+                     seqlens_of)
 from .mask import Window
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -20,7 +21,9 @@ class AttentionSpec:
     Shapes are logical [B, H, S, E]. ``kv_heads < heads`` is grouped-query attention (GQA).
     ``causal`` masks key j for query i when j > i (top-left aligned). ``scale`` defaults to
     1/sqrt(head_dim). For the packed ``thd`` layout, ``batch`` is 1, ``q_len``/``kv_len`` are
-    the packed token counts and ``cu_seqlens`` (and ``cu_seqlens_padded``) delimit sequences.
+    the packed token counts and ``cu_seqlens`` (and ``cu_seqlens_padded``) delimit sequences;
+    under a schedule that splits tokens they are this rank's, and ``packing`` is the rank's
+    part of the global packing (``schedules.packing.LocalPacking``).
     """
 
     batch: int
@@ -37,6 +40,7 @@ class AttentionSpec:
     cu_seqlens: tuple[int, ...] | None = None
     cu_seqlens_padded: tuple[int, ...] | None = None
     window: Window | None = None
+    packing: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "layout", Layout.of(self.layout))
@@ -108,19 +112,7 @@ class AttentionSpec:
         check_offsets("cu_seqlens", list(self.cu_seqlens), self.q_len, exact=not padded)
         if padded:
             check_offsets("cu_seqlens_padded", list(self.cu_seqlens_padded), self.q_len)
-            if len(self.cu_seqlens_padded) != len(self.cu_seqlens):
-                raise ValueError(
-                    f"cu_seqlens_padded has {len(self.cu_seqlens_padded)} entries but "
-                    f"cu_seqlens has {len(self.cu_seqlens)}; give one entry per sequence plus one"
-                )
-            real = seqlens_of(list(self.cu_seqlens))
-            room = seqlens_of(list(self.cu_seqlens_padded))
-            if any(r > p for r, p in zip(real, room)):
-                raise ValueError(
-                    f"cu_seqlens_padded={list(self.cu_seqlens_padded)} leaves less room than "
-                    f"the sequence lengths {real} need; each padded length must be >= its "
-                    f"sequence length"
-                )
+            check_padding(list(self.cu_seqlens), list(self.cu_seqlens_padded))
 
     def sequences(self) -> list[tuple[int, int]]:
         """(start, length) of every packed sequence (``thd`` only)."""

@@ -1,0 +1,174 @@
+"""Kernel calls on parts of K/V blocks: which query rows of this rank meet which key rows of
+a block, and with what mask. The one vocabulary of the sequence schedules' loops.
+
+A ``DenseCall`` takes row ranges (slices of the sequence dim) of [B, H, S, E] tensors. A
+``PackedCall`` takes row indices of packed tokens (None: every row, no copy) and the
+``Seqlens`` of one varlen kernel call, so all sequences of a packed batch go into one kernel
+call; its rows are precomputed once per packing. Packed [T, H, E] tensors travel through the
+schedules as [1, H, T, E] views (``as_block``), so loops, merges and transports are the same
+for dense and packed tensors; the calls hand the kernels [T, H, E] tensors again.
+
+Rows are a slice, an index tensor or None (all rows); ``add_rows`` and ``put_rows`` write a
+call's gradients back into fp32 sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sdpa_fusion.kernels.base import Seqlens
+from sdpa_fusion.merge import take_rows
+
+
+def as_block(t: torch.Tensor) -> torch.Tensor:
+    """A packed [T, H, E] tensor as the [1, H, T, E] view the schedules loop over."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def as_packed(t: torch.Tensor) -> torch.Tensor:
+    """The [T, H, E] tensor of a [1, H, T, E] view (inverse of ``as_block``)."""
+    return t[0].transpose(0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCall:
+    """Query rows ``rows`` vs key rows ``keys`` (slices) of dense blocks."""
+
+    rows: slice
+    keys: slice
+    causal: bool
+
+    def forward(self, kernel, q, k, v, scale):
+        """(out, lse) of the call's query rows."""
+        r, c = self.rows, self.keys
+        return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale)
+
+    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+        """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
+        r, c = self.rows, self.keys
+        return kernel.backward(dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
+                               lse[:, :, r].contiguous(), causal=self.causal, scale=scale)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedCall:
+    """One varlen kernel call: packed query rows ``rows`` vs key rows ``keys`` (index tensors
+    grouped by sequence, None for every row in order), sequence i being queries
+    ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of them."""
+
+    rows: torch.Tensor | None
+    keys: torch.Tensor | None
+    seqlens: Seqlens
+    causal: bool
+
+    def forward(self, kernel, q, k, v, scale):
+        o, lse = kernel.varlen_forward(
+            _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
+            causal=self.causal, scale=scale,
+        )
+        return as_block(o), lse.unsqueeze(0)
+
+    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+        lse = lse[0] if self.rows is None else lse[0].index_select(1, self.rows)
+        grads = kernel.varlen_backward(
+            _take(dout, self.rows), _take(q, self.rows), _take(k, self.keys),
+            _take(v, self.keys), _take(out, self.rows), lse, self.seqlens,
+            causal=self.causal, scale=scale,
+        )
+        return tuple(as_block(g) for g in grads)
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the call computes (for ``describe``)."""
+        total = 0
+        for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k):
+            if self.causal:  # query i sees min(i + 1, n_k) keys
+                seen = min(n_q, n_k)
+                total += seen * (seen + 1) // 2 + (n_q - seen) * n_k
+            else:
+                total += n_q * n_k
+        return total
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    packed = as_packed(t)
+    return packed if rows is None else packed.index_select(0, rows)
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows [starts[i], starts[i] + lengths[i]) of every i, concatenated."""
+    shift = starts - (torch.cumsum(lengths, 0) - lengths)
+    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(shift, lengths)
+
+
+def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tuple[int, int],
+                device) -> PackedCall | None:
+    """The call of query ``rows`` vs key ``keys`` (host index tensors grouped by sequence,
+    ``row_counts``/``key_counts`` per sequence), leaving out sequences with no query or no
+    key; None when no sequence is left. ``tokens``: rows of the query and key tensors (rows
+    that are all of them, in order, need no index)."""
+    kept = (row_counts > 0) & (key_counts > 0)
+    if not bool(kept.any()):
+        return None
+    rows = rows[torch.repeat_interleave(kept, row_counts)]
+    keys = keys[torch.repeat_interleave(kept, key_counts)]
+    row_counts, key_counts = row_counts[kept], key_counts[kept]
+    seqlens = Seqlens(_cumulative(row_counts), _cumulative(key_counts))
+    return PackedCall(_index(rows, tokens[0], device), _index(keys, tokens[1], device), seqlens,
+                      causal)
+
+
+def _cumulative(counts: torch.Tensor) -> tuple[int, ...]:
+    return (0, *torch.cumsum(counts, 0).tolist())
+
+
+def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | None:
+    if len(rows) == tokens and torch.equal(rows, torch.arange(tokens)):
+        return None
+    return rows.to(device)
+
+
+def take(t: torch.Tensor, rows) -> torch.Tensor:
+    """Rows ``rows`` of a logical [B, H, S, E] tensor (a view for slices)."""
+    if rows is None:
+        return t
+    return take_rows(t, rows) if isinstance(rows, torch.Tensor) else t[:, :, rows]
+
+
+def add_rows(acc: torch.Tensor, rows, g: torch.Tensor) -> None:
+    """acc[rows] += g along the sequence dim."""
+    if isinstance(rows, torch.Tensor):
+        acc.index_add_(2, rows, g.to(acc.dtype))
+    else:
+        take(acc, rows).add_(g)
+
+
+def put_rows(acc: torch.Tensor, rows, g: torch.Tensor) -> None:
+    """acc[rows] = g along the sequence dim."""
+    if isinstance(rows, torch.Tensor):
+        acc.index_copy_(2, rows, g.to(acc.dtype))
+    else:
+        take(acc, rows).copy_(g)
+
+
+def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:
+    """The call of this rank's query rows ``q_span`` = (start, stop) of every sequence's part
+    vs the key rows ``k_span`` of rank ``source``'s part of the same sequence (offsets inside
+    a part, ints or per-sequence tensors), both cut to the real tokens, which come first.
+    Causal calls of the partitions here come out square per sequence (keys past the last
+    query are cut), so a kernel aligning the mask bottom-right computes the same mask."""
+    split = packing.split
+    q0, q1 = _real(q_span, split.counts[packing.rank])
+    k0, k1 = _real(k_span, split.counts[source])
+    if causal:  # top-left: keys past the last query are seen by none (kernels get squares)
+        k1 = torch.minimum(k1, k0 + q1 - q0)
+    starts = split.offsets[:-1]
+    return packed_call(ranges(starts + q0, q1 - q0), q1 - q0, ranges(starts + k0, k1 - k0), k1 - k0,
+                       causal=causal, tokens=(split.tokens, split.tokens), device=split.device)
+
+
+def _real(span, real: torch.Tensor):
+    stop = torch.minimum(torch.as_tensor(span[1]), real)
+    return torch.minimum(torch.as_tensor(span[0]), stop), stop

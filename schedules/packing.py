@@ -1,0 +1,257 @@
+"""Packed sequences (THD) split over the ranks of a sequence schedule.
+
+The caller holds the global packing of the full [T, H, E] tensors: ``cu_seqlens`` (and
+``cu_seqlens_padded`` when sequences sit in larger slots), the same on every rank. The
+schedule's partition splits every sequence on its own: the sequence's slot (padded length,
+or length) is rounded up to the partition's multiple, the padding tokens added for the
+caller, and rank r keeps the tokens ``partition.position(slot, L, P, r)``. Each rank stores
+its part of every sequence in sequence order, real tokens first, padding last:
+
+    load_balanced, P = 2, sequences a (5 tokens) and b (8); chunks of 2, '.' is padding
+    sequence a, padded to 8     [a0 a1] [a2 a3] [a4 . ] [.  . ]
+    rank 0 (chunks 0 and 3)     a0 a1 .  .  | b0 b1 b6 b7     cu_seqlens        [0, 2, 6]
+    rank 1 (chunks 1 and 2)     a2 a3 a4 .  | b2 b3 b4 b5     cu_seqlens        [0, 3, 7]
+                                                              cu_seqlens_padded [0, 4, 8]
+
+Every rank stores the same number of tokens, so ring blocks keep one size. Padding tokens
+are zeros in ``shard``, never reach a kernel, get zero output and zero gradient, and
+``unshard`` drops them. ``position_ids`` is the position of every local token inside its
+sequence (what RoPE needs); padding tokens get position 0 (a valid index of any table; they
+reach no real token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from sdpa_fusion.layout import check_cu_seqlens, check_padding
+
+from .partition import Partition
+
+
+def global_packing(cu_seqlens, cu_seqlens_padded=None) -> tuple[tuple, tuple | None]:
+    """The checked global packing as tuples: (cu_seqlens, cu_seqlens_padded or None)."""
+    for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {type(t).__name__}")
+    if cu_seqlens is None:
+        raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths, [N+1])")
+    ends = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    tokens = int(ends[-1]) if ends.dim() == 1 and ends.numel() else 0
+    padded = None
+    if cu_seqlens_padded is not None:
+        padded = check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, tokens)
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, tokens, exact=padded is None)
+    if padded is not None:
+        check_padding(cu, padded)
+    return tuple(cu), None if padded is None else tuple(padded)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+    """Every rank's part of every sequence of one global packing (host tensors)."""
+
+    partition: Partition
+    parts: int
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: tuple[int, ...] | None
+    device: torch.device
+    gather: object = dataclasses.field(default=None, repr=False)  # all ranks' parts, dim 0
+
+    def __post_init__(self):
+        cu = torch.tensor(self.cu_seqlens)
+        room = torch.tensor(self.cu_seqlens_padded or self.cu_seqlens)
+        lengths = cu.diff()
+        split_lengths = self.partition.padded_length(room.diff(), self.parts)
+        storage = split_lengths // self.parts
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(storage, 0)])
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), storage)
+        slot = torch.arange(len(seq)) - offsets[seq]
+        ranks = torch.arange(self.parts).unsqueeze(1)
+        positions = self.partition.position(slot[None], split_lengths[seq][None], self.parts, ranks)
+        real = positions < lengths[seq]
+        counts = torch.zeros(self.parts, len(lengths), dtype=torch.long)
+        counts.index_add_(1, seq, real.long())
+        if not torch.equal(real, slot < counts[:, seq]):
+            raise ValueError(
+                f"partition {self.partition.name!r} places padding tokens between the real tokens "
+                f"of a rank's part; give it sequences without padding (no cu_seqlens_padded, "
+                f"lengths it divides) or use partition 'load_balanced'"
+            )
+        key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
+        fields = dict(lengths=lengths, starts=room[:-1], storage=storage, offsets=offsets, seq=seq,
+                      slot=slot, positions=positions, real=real, counts=counts, key=key,
+                      key_hash=hash(key))
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_parts", {})
+
+    @property
+    def tokens(self) -> int:
+        """Tokens every rank stores (padding included)."""
+        return int(self.offsets[-1])
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of the global packed tensor."""
+        return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
+
+    def part(self, rank: int) -> "LocalPacking":
+        """Rank ``rank``'s view (made once)."""
+        if rank not in self._parts:
+            self._parts[rank] = LocalPacking(self, rank)
+        return self._parts[rank]
+
+    @functools.cached_property
+    def _unshard_index(self):
+        """(rows of the real tokens in all ranks' parts concatenated, their global tokens)."""
+        flat = self.real.flatten().nonzero().flatten()
+        tokens = (self.starts[self.seq][None] + self.positions).flatten()[flat]
+        return flat.to(self.device), tokens.to(self.device)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalPacking:
+    """One rank's part of a global packing; made by ``schedule.pack(cu_seqlens, ...)``.
+
+    ``shard(t)`` / ``unshard(t)`` move [T, ...] tensors between the global packing and this
+    rank's [T_local, ...] part (differentiable); ``cu_seqlens`` / ``cu_seqlens_padded``
+    delimit the local part the way ``attention(layout='thd')`` reads them; ``seqlens`` are
+    the real tokens per sequence here; ``position_ids`` the position of each local token in
+    its sequence (0 for padding); ``token_index`` its row in the global tensor (-1 for
+    padding). Pass it as ``attention(..., cu_seqlens=local)`` on the rank it belongs to.
+    """
+
+    split: Split
+    rank: int
+
+    @property
+    def partition(self) -> Partition:
+        return self.split.partition
+
+    @property
+    def parts(self) -> int:
+        return self.split.parts
+
+    @property
+    def device(self) -> torch.device:
+        return self.split.device
+
+    @property
+    def tokens(self) -> int:
+        """T_local: tokens of the local part, padding included (the same on every rank)."""
+        return self.split.tokens
+
+    @property
+    def total_tokens(self) -> int:
+        """T: tokens of the global packed tensor."""
+        return self.split.total_tokens
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Real tokens of each sequence on each rank, [P, N] (host)."""
+        return self.split.counts
+
+    def _on_device(self, t: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+        return t.to(device=self.device, dtype=dtype)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Cumulative real lengths of the local part, int32 [N+1]."""
+        counts = self.counts[self.rank]
+        cumulative = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        return self._on_device(cumulative, torch.int32)
+
+    @functools.cached_property
+    def cu_seqlens_padded(self) -> torch.Tensor:
+        """Where each sequence's part starts in the local tensor, int32 [N+1]."""
+        return self._on_device(self.split.offsets, torch.int32)
+
+    @functools.cached_property
+    def seqlens(self) -> torch.Tensor:
+        """Real tokens of each sequence on this rank, int32 [N]."""
+        return self._on_device(self.counts[self.rank], torch.int32)
+
+    @functools.cached_property
+    def position_ids(self) -> torch.Tensor:
+        """Position of every local token inside its sequence, int64 [T_local] (0 for padding)."""
+        real = self.split.real[self.rank]
+        return self._on_device(torch.where(real, self.split.positions[self.rank], 0))
+
+    @functools.cached_property
+    def token_index(self) -> torch.Tensor:
+        """Row of each local token in the global packed tensor, int64 [T_local] (-1: padding)."""
+        s = self.split
+        rows = s.starts[s.seq] + s.positions[self.rank]
+        return self._on_device(torch.where(s.real[self.rank], rows, -1))
+
+    @property
+    def coordinates(self) -> torch.Tensor:
+        """Grid coordinates [T_local, 3] of the local tokens (partitions with a grid, such as
+        ``VideoTiles``; padding tokens get those of position 0)."""
+        if not hasattr(self.partition, "coordinates"):
+            raise ValueError(
+                f"partition {self.partition.name!r} has no grid coordinates; use position_ids, "
+                f"or partition=VideoTiles(...) for video tokens"
+            )
+        return self.partition.coordinates(self.position_ids)
+
+    @functools.cached_property
+    def _real_rows(self):
+        """(local rows of the real tokens, their global rows) on the device."""
+        rows = self.split.real[self.rank].nonzero().flatten()
+        return self._on_device(rows), self.token_index[self._on_device(rows)]
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens [T_local, ...] of a global packed tensor [T, ...]: padding
+        inserted as zeros; differentiable."""
+        self._check_rows("t", t, self.total_tokens, "the global packed tensor")
+        rows, tokens = self._real_rows
+        local = t.new_zeros((self.tokens, *t.shape[1:]))
+        return local.index_copy(0, rows, t.index_select(0, tokens))
+
+    def unshard(self, t: torch.Tensor) -> torch.Tensor:
+        """The global [T, ...] tensor, the same on every rank, from every rank's [T_local, ...]
+        part (padding dropped; the global padding slots are zeros); differentiable, this
+        rank's part receiving the gradient of its tokens."""
+        self._check_rows("t", t, self.tokens, "this rank's part")
+        full = t if self.parts == 1 else self.split.gather(t)
+        flat, tokens = self.split._unshard_index
+        whole = t.new_zeros((self.total_tokens, *t.shape[1:]))
+        return whole.index_copy(0, tokens, full.index_select(0, flat))
+
+    def _check_rows(self, name: str, t: torch.Tensor, want: int, what: str) -> None:
+        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != want:
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} ({shape}) must have {want} tokens along dim 0, the size of {what} "
+                f"(partition {self.partition.name} over {self.parts} ranks, rank {self.rank})"
+            )
+        if t.device != self.device:
+            raise ValueError(
+                f"{name} is on {t.device} but cu_seqlens was on {self.device}; pack cu_seqlens "
+                f"on the tensors' device"
+            )
+
+    def cached(self, key, build):
+        """``build()``, made once per key for this packing (schedules keep their kernel
+        calls here)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, LocalPacking) and self.rank == other.rank
+                                 and self.split.key == other.split.key)
+
+    def __hash__(self) -> int:
+        return hash((self.split.key_hash, self.rank))
+
+    def __repr__(self) -> str:
+        return (f"LocalPacking(rank {self.rank} of {self.parts}, partition {self.partition.name}, "
+                f"{len(self.split.lengths)} sequences, {self.tokens} of {self.total_tokens} "
+                f"tokens)")

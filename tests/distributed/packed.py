@@ -1,0 +1,112 @@
+"""Packed (THD) problems for tests under mpirun: random sequences, the single-process
+reference run sequence by sequence on the full tensors, and a schedule's run of them.
+
+Every rank builds the same full tensors (same seed); the global padding slots of
+``cu_seqlens_padded`` hold random values that no result may depend on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import sdpa_fusion
+from sdpa_fusion.kernels.reference import ReferenceKernel
+
+
+@dataclasses.dataclass
+class PackedProblem:
+    """Full packed q, k, v, dout [T, H, E], their packing, and the reference results."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor | None
+    causal: bool
+    scale: float | None
+    out: torch.Tensor = None
+    dq: torch.Tensor = None
+    dk: torch.Tensor = None
+    dv: torch.Tensor = None
+
+
+def _cumulative(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()],
+                        dtype=torch.int32)
+
+
+def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale=None,
+                dtype=torch.float32, device="cpu", seed=0) -> PackedProblem:
+    """Sequences of ``lengths`` tokens; ``slack[i]`` extra padding slots after sequence i
+    (given as ``cu_seqlens_padded``) when ``slack`` is not None."""
+    g = torch.Generator().manual_seed(seed)
+    cu = _cumulative(lengths)
+    padded = None if slack is None else _cumulative([n + x for n, x in zip(lengths, slack)])
+    total = int((cu if padded is None else padded)[-1])
+
+    def rand(heads):
+        return torch.randn(total, heads, e, generator=g).to(dtype=dtype, device=device)
+
+    problem = PackedProblem(rand(h), rand(h_kv or h), rand(h_kv or h), rand(h), cu.to(device),
+                            None if padded is None else padded.to(device), causal, scale)
+    _reference(problem)
+    return problem
+
+
+def sequences(problem: PackedProblem):
+    """(start, length) of every sequence in the global tensors."""
+    cu = problem.cu_seqlens.tolist()
+    padded = problem.cu_seqlens_padded
+    starts = problem.cu_seqlens if padded is None else padded
+    return list(zip(starts.tolist(), [b - a for a, b in zip(cu, cu[1:])]))
+
+
+def _reference(p: PackedProblem) -> None:
+    """Out and gradients of the reference kernel, sequence by sequence (zero in padding)."""
+    ref = ReferenceKernel()
+    scale = p.scale if p.scale is not None else p.q.shape[-1] ** -0.5
+    p.out, p.dq, p.dk, p.dv = (torch.zeros_like(t) for t in (p.q, p.q, p.k, p.v))
+    for start, n in sequences(p):
+        if n == 0:
+            continue
+        view = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (p.q, p.k, p.v, p.dout)]
+        q, k, v, dout = view
+        out, lse = ref.forward(q, k, v, causal=p.causal, scale=scale)
+        grads = ref.backward(dout, q, k, v, out, lse, causal=p.causal, scale=scale)
+        for full, got in zip((p.out, p.dq, p.dk, p.dv), (out, *grads)):
+            full[start:start + n] = got[0].transpose(0, 1)
+
+
+def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=False):
+    """Shard, run forward and backward through ``attention`` (with the global cu_seqlens, or
+    the LocalPacking when ``local``), unshard: (out, dq, dk, dv) full on every rank. Checks
+    that the padding rows of this rank's results are exactly zero."""
+    cu, padded = problem.cu_seqlens, problem.cu_seqlens_padded
+    kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=padded)
+    q, k, v = (schedule.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    dout = schedule.shard(problem.dout, **kw)
+    packing = schedule.pack(cu, padded) if hasattr(schedule, "pack") else None
+    args = dict(cu_seqlens=cu, cu_seqlens_padded=padded)
+    if local and packing is not None:
+        args = dict(cu_seqlens=packing)
+    out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale, layout="thd",
+                                kernel=kernel, schedule=schedule, **args)
+    out.backward(dout)
+    results = (out, q.grad, k.grad, v.grad)
+    if packing is not None:
+        padding = packing.token_index < 0
+        for name, t in zip(("out", "dq", "dk", "dv"), results):
+            assert not t[padding].any(), f"{name} is not zero on padding tokens"
+    return tuple(schedule.unshard(t, **kw) for t in results)
+
+
+def assert_packed_matches(problem: PackedProblem, results, *, rtol=1e-5, atol=1e-5):
+    """Full results equal the reference (zero in the global padding slots)."""
+    expected = (problem.out, problem.dq, problem.dk, problem.dv)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results, expected):
+        assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,180 @@
+"""How packed sequences are split over ranks (no communication): every real token on one rank,
+padding added per sequence and kept last, TransformerEngine's token sets, positions, video tiles.
+
+    python -m pytest tests/test_packing.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schedules import partition as partitions
+from schedules.packing import Split, global_packing
+from schedules.partition import VideoTiles
+from schedules.ring import block_case, packed_call
+
+
+def cumulative(lengths) -> tuple[int, ...]:
+    return (0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist())
+
+
+def split_of(lengths, parts, partition="load_balanced", slack=None) -> Split:
+    padded = None if slack is None else cumulative([n + x for n, x in zip(lengths, slack)])
+    return Split(partitions.get(partition), parts, cumulative(lengths), padded, torch.device("cpu"))
+
+
+def te_partitioned_indices(cu_seqlens, parts: int, rank: int) -> list[int]:
+    """TransformerEngine's thd_get_partitioned_indices, written out: each sequence (length a
+    multiple of 2P) cut into 2P chunks, rank r taking chunks r and 2P-1-r."""
+    held = []
+    for start, stop in zip(cu_seqlens, cu_seqlens[1:]):
+        c = (stop - start) // (2 * parts)
+        for chunk in (rank, 2 * parts - 1 - rank):
+            held += range(start + chunk * c, start + (chunk + 1) * c)
+    return held
+
+
+@given(st.integers(1, 8), st.lists(st.integers(0, 4), min_size=1, max_size=6))
+def test_load_balanced_holds_transformer_engines_token_sets(parts, chunks):
+    lengths = [2 * parts * c for c in chunks]
+    split = split_of(lengths, parts)
+    for rank in range(parts):
+        expected = te_partitioned_indices(cumulative(lengths), parts, rank)
+        assert split.part(rank).token_index.tolist() == expected
+
+
+@st.composite
+def packings(draw):
+    parts = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(0, 3 * parts + 2), min_size=1, max_size=6))
+    n = len(lengths)
+    slack = draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    return draw(st.sampled_from(["load_balanced", "contiguous", "striped"])), parts, lengths, slack
+
+
+@given(packings())
+def test_every_real_token_on_one_rank_padding_last(packing):
+    name, parts, lengths, slack = packing
+    split = split_of(lengths, parts, name, slack)
+    starts = cumulative([n + x for n, x in zip(lengths, slack or [0] * len(lengths))])
+    real_tokens = [t for s, n in zip(starts, lengths) for t in range(s, s + n)]
+    held = []
+    multiple = 2 * parts if name == "load_balanced" else parts
+    for rank in range(parts):
+        local = split.part(rank)
+        index, pos = local.token_index, local.position_ids
+        assert len(index) == local.tokens
+        room = [-(-(n + x) // multiple) * multiple // parts
+                for n, x in zip(lengths, slack or [0] * len(lengths))]
+        assert local.cu_seqlens_padded.tolist() == list(cumulative(room))
+        assert local.cu_seqlens.tolist() == list(cumulative(local.seqlens.tolist()))
+        bounds = local.cu_seqlens_padded.tolist()
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            real = int(local.seqlens[i])
+            assert (index[a:a + real] >= 0).all() and (index[a + real:b] == -1).all()
+            assert torch.equal(pos[a:a + real], index[a:a + real] - starts[i])
+            assert (pos[a + real:b] == 0).all()
+            assert bool((pos[a:a + real].diff() > 0).all())  # in order: causal stays top-left
+        held += index[index >= 0].tolist()
+    assert sorted(held) == real_tokens
+
+
+@given(packings())
+def test_ring_causal_calls_are_square_per_sequence(packing):
+    """Every causal kernel call of a packed ring is square per sequence (the top-left mask is
+    then also the bottom-right one flash uses), and every real query meets each key of an
+    earlier position exactly once over the ring steps."""
+    name, parts, lengths, slack = packing
+    split = split_of(lengths, parts, name, slack)
+    for rank in range(parts):
+        local, pairs = split.part(rank), 0
+        for source in range(parts):
+            call = packed_call(block_case(rank, source, True, split.partition), local, source)
+            if call is not None:
+                if call.causal:
+                    assert call.seqlens.lengths_q == call.seqlens.lengths_k
+                pairs += call.pairs
+        positions = local.position_ids[local.token_index >= 0]
+        assert pairs == int((positions + 1).sum())  # query at position i sees i + 1 keys
+
+
+def test_load_balanced_pads_each_sequence_to_2p():
+    """The split of the module docstring: sequences of 5 and 8 tokens over 2 ranks."""
+    split = split_of([5, 8], 2)
+    assert split.part(0).token_index.tolist() == [0, 1, -1, -1, 5, 6, 11, 12]
+    assert split.part(1).token_index.tolist() == [2, 3, 4, -1, 7, 8, 9, 10]
+    assert split.part(0).cu_seqlens.tolist() == [0, 2, 6]
+    assert split.part(1).cu_seqlens.tolist() == [0, 3, 7]
+    assert split.part(1).cu_seqlens_padded.tolist() == [0, 4, 8]
+    assert split.part(1).position_ids.tolist() == [2, 3, 4, 0, 2, 3, 4, 5]
+
+
+def test_global_packing_errors():
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"leaves less room than the sequence lengths \[4, 5\]"):
+        global_packing(cu, torch.tensor([0, 3, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens=.* must start at 0 and never decrease"):
+        global_packing(torch.tensor([0, 5, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor, got list"):
+        global_packing([0, 4, 9])
+
+
+def test_index_map_padding_inside_a_part_is_refused():
+    with pytest.raises(ValueError, match="places padding tokens between the real tokens"):
+        split_of([3], 2, partitions.get([[3, 0], [1, 2]]), slack=[1])
+
+
+# ---- video tiles -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("frames, frame, tiles", [
+    (2, (4, 4), (1, 2, 2)), (4, (2, 6), (2, 1, 3)), (3, (4, 2), (1, 4, 1)), (1, (4, 4), (1, 1, 1)),
+])
+def test_video_tiles_hold_intact_boxes(frames, frame, tiles):
+    part = VideoTiles(frame=frame, tiles=tiles)
+    parts, length = tiles[0] * tiles[1] * tiles[2], frames * frame[0] * frame[1]
+    held = []
+    for rank in range(parts):
+        index = part.indices(length, parts, rank)
+        coords = part.coordinates(index)
+        box = [(coords[:, d].min().item(), coords[:, d].max().item()) for d in range(3)]
+        assert len(index) == torch.Size([hi - lo + 1 for lo, hi in box]).numel()  # a full box
+        assert bool((index.diff() > 0).all())  # raster order inside the box
+        held.append(index)
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(length))
+    f, h, w = part.coordinates(torch.arange(length)).unbind(1)
+    assert torch.equal((f * frame[0] + h) * frame[1] + w, torch.arange(length))
+
+
+def test_video_tiles_errors():
+    with pytest.raises(ValueError, match=r"3 tiles along the 16 rows of a frame do not divide it"):
+        VideoTiles(frame=(16, 8), tiles=(1, 3, 1))
+    part = VideoTiles(frame=(4, 4), tiles=(2, 2, 1))
+    with pytest.raises(ValueError, match=r"tiles=\(2, 2, 1\) make 4 tiles but the schedule has 2"):
+        part.indices(32, 2, 0)
+    with pytest.raises(ValueError, match=r"a video sequence of 48 tokens is not a whole number of "
+                                         r"4x4 frames divisible into 2 tiles along frames"):
+        part.indices(48, 4, 0)
+    with pytest.raises(ValueError, match="a video sequence of 20 tokens"):
+        split_of([32, 20], 4, part)
+
+
+def test_video_tiles_per_packed_sequence():
+    """Each packed sequence is its own video (frames may differ); rank r keeps tile r of each."""
+    part = VideoTiles(frame=(2, 2), tiles=(1, 1, 2))
+    split = split_of([4, 8], 2, part)
+    assert split.part(0).token_index.tolist() == [0, 2, 4, 6, 8, 10]
+    assert split.part(1).position_ids.tolist() == [1, 3, 1, 3, 5, 7]
+    assert split.part(1).coordinates.tolist() == [[0, 0, 1], [0, 1, 1], [0, 0, 1], [0, 1, 1],
+                                                  [1, 0, 1], [1, 1, 1]]
+
+
+def test_partitions_compare_by_rule():
+    assert partitions.get("load_balanced") == partitions.get("load_balanced")
+    assert partitions.get("load_balanced") != partitions.get("striped")
+    assert VideoTiles((4, 4), (1, 2, 2)) == VideoTiles((4, 4), (1, 2, 2))
+    assert VideoTiles((4, 4), (1, 2, 2)) != VideoTiles((4, 4), (1, 4, 1))
+    assert partitions.get([[0, 1], [2, 3]]) != partitions.get([[0, 2], [1, 3]])
+
