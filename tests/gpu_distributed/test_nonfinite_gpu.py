@@ -1,6 +1,7 @@
 """NaN and Inf on GPUs: one element of q, k or v set to NaN (or of v to Inf) gives non-finite
 outputs and gradients exactly where torch SDPA (its default backend, same dtype) gives them,
-on one GPU and under every schedule (the merges must not turn them into numbers). No mask:
+on one GPU and under every schedule, with the cuDNN kernel (the merges must not turn them
+into numbers). No mask:
 with a causal mask kernels differ in what masked entries see, and with an Inf in q or k in
 how they treat a row whose softmax is Inf / Inf (tests/nonfinite.py checks those on CPU
 against torch's math backend).
@@ -44,7 +45,7 @@ def test_nonfinite_like_torch_sdpa(mesh, schedule, where, value):
     sched = schedules.get(schedule, mesh) if schedule else None
     shard = sched.shard if sched else (lambda t: t)
     local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
-    out = sdpa_fusion.attention(*local, schedule=sched)
+    out = sdpa_fusion.attention(*local, schedule=sched, kernel="cudnn")
     out.backward(shard(dout))
     results = [out, *(t.grad for t in local)]
     got = _nonfinite([sched.unshard(t.detach()) for t in results] if sched else results)
