@@ -1,10 +1,9 @@
 """NaN and Inf on GPUs: one element of q, k or v set to NaN (or of v to Inf) gives non-finite
 outputs and gradients exactly where torch SDPA (its default backend, same dtype) gives them,
 on one GPU and under every schedule, with the cuDNN kernel (the merges must not turn them
-into numbers). No mask:
-with a causal mask kernels differ in what masked entries see, and with an Inf in q or k in
-how they treat a row whose softmax is Inf / Inf (tests/nonfinite.py checks those on CPU
-against torch's math backend).
+into numbers). No mask: with a causal mask kernels differ in what masked entries see, and
+with an Inf in q or k in how they treat a row whose softmax is Inf / Inf (tests/nonfinite.py
+checks those on CPU against torch's math backend).
 
     mpirun -np 2 python -m pytest tests/gpu_distributed/test_nonfinite_gpu.py
 """
