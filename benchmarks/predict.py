@@ -214,12 +214,19 @@ def _configuration(row: dict) -> tuple[str, dict] | None:
     if impl in ("1 GPU auto", "auto") and row.get("ranks", 1) == 1:
         return "replicated", {}
     if words[0] == "ring":
-        return "ring", {"transport": words[1] if len(words) > 1 else "p2p"}
+        return "ring", {"transport": _transport(row)}
     if impl in ("allgather", "ulysses", "head_parallel auto"):
         return words[0], {}
     if words[0] == "hybrid":
         return "hybrid", {"inner": words[1], "shape": tuple(int(x) for x in words[2].split("x"))}
     return None
+
+
+def _transport(row: dict) -> str:
+    """The transport a ring row ran with: named in the row, else copy engines when it held
+    symmetric memory, else NCCL send/receive (the ring before it had transports)."""
+    named = (row.get("options") or {}).get("transport") or row["impl"].partition(" ")[2]
+    return named or ("copy_engine" if row.get("symmetric_gib") else "p2p")
 
 
 def _kernel_of(record: dict) -> str:

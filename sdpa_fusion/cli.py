@@ -316,6 +316,8 @@ def explain_mesh(args: argparse.Namespace, spec: AttentionSpec) -> int:
     """Every rank's plan under ``--schedule`` on a mesh of ``--mesh``, with predicted times,
     planned on virtual meshes: no process group starts."""
     import schedules
+
+    from .kernels import names as kernel_names
     from .mesh import launch_env
 
     if not args.schedule:
@@ -324,6 +326,8 @@ def explain_mesh(args: argparse.Namespace, spec: AttentionSpec) -> int:
     if args.schedule not in schedules.names():
         raise ValueError(f"--schedule {args.schedule!r} is not known; choose one of "
                          f"{schedules.names()}")
+    if args.kernel not in kernel_names():
+        raise ValueError(f"--kernel {args.kernel!r} is not known; choose one of {kernel_names()}")
     env = launch_env()
     shape = args.mesh or ((env.world_size,) if env else (1,))
     if args.mesh_dims is not None and len(args.mesh_dims) != len(shape):

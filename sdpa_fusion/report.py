@@ -31,7 +31,8 @@ class MeshReport:
         rows = []
         for i, p in enumerate(self.plans):
             d, m = p.description, p.memory
-            row = {"rank": p.rank, "coordinates": p.coordinates, "steps": d.steps,
+            local = {k: getattr(p.local, k) for k in ("batch", "heads", "kv_heads", "q_len", "kv_len")}
+            row = {"rank": p.rank, "coordinates": p.coordinates, "local": local, "steps": d.steps,
                    "backward_steps": d.backward_steps, "bytes_sent": d.bytes_sent,
                    "bytes_received": d.bytes_received, "backward_bytes_sent": d.backward_bytes_sent,
                    "backward_bytes_received": d.backward_bytes_received, "flops": d.flops,
