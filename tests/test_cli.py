@@ -140,3 +140,13 @@ def test_explain_refuses_a_mesh_that_is_no_shape(capsys):
         main(["explain", "--schedule", "ring", "--mesh", "2x"])
     assert exit_info.value.code == 2
     assert "argument --mesh: '2x' is not a mesh shape" in capsys.readouterr().err
+
+
+def test_bench_names_the_benchmarks(capsys):
+    assert main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"single_gpu", "thd", "context_parallel"} <= set(listed) and "common" not in listed
+    assert main(["bench", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bench 'bogus' is not a benchmark; choose one of [")
+    assert err.count("\n") == 1
