@@ -1,13 +1,16 @@
-"""The command line: ``python -m sdpa_fusion demo | explain | bench``.
+"""The command line: ``sdpa-fusion demo | explain | bench`` (also ``python -m sdpa_fusion``).
 
-    python -m sdpa_fusion demo                      # definitions + a checked fwd/bwd run
-    python -m sdpa_fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
-    python -m sdpa_fusion bench [args of benchmarks/single_gpu.py]
+    sdpa-fusion demo                      # definitions + a checked fwd/bwd run
+    sdpa-fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
+    sdpa-fusion explain --schedule ring --mesh 4 --seq 131072 --heads 32 --head-dim 128
+    sdpa-fusion bench [NAME] [its args]   # benchmarks.NAME (single_gpu by default)
 
 ``demo`` on a machine without a GPU prints the nvFuser fusion definitions it would run and
 checks the reference kernel against torch SDPA (forward and backward); with a GPU it runs
 forward and backward through the ``nvfuser`` and ``auto`` kernels, checks them against torch
-SDPA and reports TFLOP/s.
+SDPA and reports TFLOP/s. ``explain --schedule`` plans every rank of a mesh on virtual
+meshes (no launcher, no process group) with predicted step times (``sdpa_fusion.report``).
+A user's mistake is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
