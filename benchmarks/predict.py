@@ -197,13 +197,19 @@ def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",
         if not received:
             continue
         shifts = max(dim.steps - 1, 1) * (2 if backward else 1)
-        link, overlap = _link("copy_engine" if transport == "auto" and name == "ring"
-                              else transport if name == "ring" else "p2p",
-                              received / shifts, results_dir)
+        link, overlap = _link(_link_of(name, transport), received / shifts, results_dir)
         b = received / link.value
         hidden = HIDDEN.get(name)
         transfers += b if hidden is None else max(overlap * b, b - compute * hidden(dim.ranks))
     return StepTime(compute + transfers, compute, transfers, r, link)
+
+
+def _link_of(schedule: str, transport: str) -> str:
+    """The measured transport a dim's transfers go by: the ring's own (``auto`` is copy
+    engines: GPUs of one host), NCCL's send/receive figures for the collectives."""
+    if schedule != "ring":
+        return "p2p"
+    return "copy_engine" if transport == "auto" else transport
 
 
 # ---- measurements ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Each rank's schedule is built on a ``VirtualMesh`` (no process group) and sees d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -80,15 +81,28 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
                          "batches with schedule.describe(spec) on a VirtualMesh")
     names = names or mesh_names(name, len(shape))
     plans = []
-    for rank in range(_size(shape)):
-        mesh = VirtualMesh(shape, names, rank=rank)
-        schedule = get(name, mesh, **options)
-        local = _local_spec(schedule, spec)
-        schedule.validate(local)
-        description = schedule.describe(spec)
-        plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
-                              description, _memory(schedule, spec, local, description)))
+    with _one_thread():
+        for rank in range(_size(shape)):
+            mesh = VirtualMesh(shape, names, rank=rank)
+            schedule = get(name, mesh, **options)
+            local = _local_spec(schedule, spec)
+            schedule.validate(local)
+            description = schedule.describe(spec)
+            plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
+                                  description, _memory(schedule, spec, local, description)))
     return plans
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread: planning is index arithmetic over up to S tokens per rank, small
+    work that torch's thread pool only slows down (tenfold and more on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _size(shape) -> int:

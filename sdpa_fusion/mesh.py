@@ -155,7 +155,13 @@ class VirtualMesh(Mesh):
 
     def group(self, name: str):
         self._dim(name)
-        raise ValueError(
+        raise self._cannot_communicate()
+
+    def agree(self, value):
+        raise self._cannot_communicate()
+
+    def _cannot_communicate(self) -> ValueError:
+        return ValueError(
             f"{self!r} plans, it does not communicate; build the mesh with "
             f"sdpa_fusion.init_mesh under a launcher (mpirun, torchrun, srun) to run attention"
         )
