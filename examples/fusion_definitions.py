@@ -76,6 +76,9 @@ def run(device=None, *, show=print) -> dict:
     if not gpu:  # the reference kernel computes in fp32: give it the same values in fp32
         q, k, v, dout = (spec.layout.to(t.float()) for t in (q, k, v, dout))
     want = dict(zip(("out", "lse", "dq", "dk", "dv"), oracle(q, k, v, dout, causal=True)))
+    # the two halves of the keys, each a dense tensor in the spec's layout
+    kv_halves = [tuple(spec.layout.to(t) for t in kv)
+                 for kv in zip(k.chunk(2, dim=2), v.chunk(2, dim=2))]
     checked = {}
     if gpu:
         out, lse = definitions["SdpaForward"].execute([q, k, v])
@@ -86,14 +89,14 @@ def run(device=None, *, show=print) -> dict:
         checked.update({f"fused {n}": error(t, want[n])
                         for n, t in zip(("out", "lse", "dq", "dk", "dv"), fused)})
         halves = [definitions["SdpaForward (half the keys, no mask)"].execute([q, *kv])
-                  for kv in zip(k.chunk(2, dim=2), v.chunk(2, dim=2))]
-        merged, _ = definitions["LseMerge"].execute([*halves[0], *halves[1]])
+                  for kv in kv_halves]
+        (out_a, lse_a), (out_b, lse_b) = halves  # LseMerge folds a block into fp32 sums
+        merged, _ = definitions["LseMerge"].execute([out_a.float(), lse_a, out_b, lse_b])
     else:
         kernel, scale = ReferenceKernel(), spec.softmax_scale
         out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
-        halves = [kernel.forward(q, *kv, causal=False, scale=scale)
-                  for kv in zip(k.chunk(2, dim=2), v.chunk(2, dim=2))]
+        halves = [kernel.forward(q, *kv, causal=False, scale=scale) for kv in kv_halves]
         merged, _ = merge_partial(*halves[0], *halves[1])
     checked.update({name: error(t, want[name])
                     for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv))})
