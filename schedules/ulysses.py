@@ -47,6 +47,11 @@ class Placement:
     local: int
     parts: list
 
+    @property
+    def complete(self) -> bool:
+        """Whether the parts fill every row of the whole sequence (else the rest is zeros)."""
+        return sum(len(slots) for _, slots in self.parts) == self.length
+
 
 def packed_placement(split) -> Placement:
     """The real tokens of every rank, each at its place among the real tokens of the
@@ -136,6 +141,8 @@ class Ulysses(SequenceSchedule):
             place = self._placement(spec, s, tensors[i].device)
             out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
+            if not place.complete:
+                out.zero_()
             for blocks, (rows, slots) in zip(received, place.parts):
                 out.index_copy_(2, slots, take(blocks[i], rows))
             outs.append(out)
