@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from . import batch  # noqa: F401  (schedules.batch: a model's batch over the ranks)
 from .allgather import AllGather
 from .base import Description, Schedule
 from .head_parallel import HeadParallel

@@ -10,7 +10,7 @@ import torch
 from . import kernels
 from .kernels import Dropout, Kernel
 from .kernels.base import like_layout
-from .layout import Layout
+from .layout import Layout, tensor_layout
 from .spec import AttentionSpec
 
 log = logging.getLogger("sdpa_fusion")
@@ -45,7 +45,7 @@ def _default_schedule():
     return Replicated(None)
 
 
-def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", schedule=None,
+def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", schedule=None,
          dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None) -> Plan:
     """Validate the call on every rank and choose the kernel; raises the same ValueError on
     every rank of the schedule's mesh when any rank's input is bad, before any data moves."""
@@ -53,7 +53,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", sch
     error, spec, chosen = None, None, None
     try:
         packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
-            if Layout.of(layout).is_varlen else None
+            if tensor_layout("q", q, layout).is_varlen else None
         if packing is not None:  # the global packing, split: this rank's lengths
             cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
         spec = AttentionSpec.from_tensors(
@@ -96,7 +96,8 @@ def _agree_on(mesh, schedule, problem, error) -> None:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan):
-        dropout = Dropout(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
+        q, k, v = (plan.spec.layout.to(t) for t in (q, k, v))  # layout="auto": one layout
+        dropout = Dropout.draw(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
         out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.dropout = plan, dropout
@@ -112,7 +113,7 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-              layout: Layout | str = "bhse", kernel: str | Kernel = "auto", schedule=None,
+              layout: Layout | str = "auto", kernel: str | Kernel = "auto", schedule=None,
               dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None,
               window=None) -> torch.Tensor:
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
@@ -121,7 +122,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     mesh on this rank's shards. ``kernel`` names the local kernel ("auto", "cudnn", "fa4",
     "flash", "nvfuser", "reference"). ``window=(left, right)`` keeps key j for query i when
     ``i - left <= j <= i + right`` (top-left aligned, per sequence when packed; None on a side
-    is unbounded). Differentiable in q, k, v. DTensors sharded the way the schedule shards
+    is unbounded). ``layout="auto"`` reads each tensor's memory order (k and v are copied to
+    q's when they differ); an explicit layout a tensor contradicts is a ValueError.
+    Differentiable in q, k, v. DTensors sharded the way the schedule shards
     are accepted and a DTensor is returned.
     """
     from .dtensor import unwrap_dtensors
