@@ -104,8 +104,7 @@ def _inputs(shape, attention_mask, position_ids, device):
         given[0].device if given else torch.device("cpu"))
     mask = None
     if attention_mask is not None:
-        if attention_mask.dtype.is_floating_point or bool(((attention_mask != 0) &
-                                                           (attention_mask != 1)).any()):
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
             raise ValueError(
                 f"attention_mask must hold 1 for real tokens and 0 for padding, got dtype "
                 f"{attention_mask.dtype} and values {attention_mask.unique().tolist()[:6]}; pass "
