@@ -197,3 +197,11 @@ def test_a_mask_with_a_sharded_batch_is_refused(mesh, weights, backend):
     mask[:, 0] = 0
     with pytest.raises(ValueError, match="call the model with batch.inputs only"):
         model(**sharded.inputs, attention_mask=mask)
+
+
+@pytest.mark.parametrize("name,kind", [("ring", "padded"), ("head_parallel", "packed")])
+def test_the_example_matches_one_process(mesh, name, kind):
+    from examples.transformers_llama import run
+
+    checked = run(mesh, name, kind=kind)
+    assert max(checked["loss"], checked["logits"], checked["weights"]) < 1e-5, checked
