@@ -26,7 +26,7 @@ import torch.distributed as dist
 from sdpa_fusion.layout import Layout, shard_layout
 from sdpa_fusion.local import local_backward, local_forward
 
-from .base import Description, Schedule, gather_cat
+from .base import Description, Schedule
 
 
 class _SumGradients(torch.autograd.Function):
@@ -137,7 +137,7 @@ class HeadParallel(Schedule):
         layout = shard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
-        full = gather_cat(t, 1, self.group, self.size, self.index)
+        full = self.gather(t, 1)
         if heads is not None and heads != full.shape[1]:
             full = fold_copies(full, heads, copies, self._where)
         return layout.to(full)

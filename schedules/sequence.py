@@ -20,7 +20,7 @@ import torch
 from sdpa_fusion.layout import Layout, shard_layout
 
 from . import partition as partitions
-from .base import Schedule, gather_cat
+from .base import Schedule
 from .packing import LocalPacking, Split, global_packing
 
 _KEPT_PACKINGS = 4  # global packings whose splits (and kernel calls) a schedule keeps
@@ -106,7 +106,7 @@ class SequenceSchedule(Schedule):
         return self._splits[key]
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        return gather_cat(t, 0, self.group, self.size, self.index)
+        return self.gather(t, 0)
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
         """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
@@ -181,6 +181,6 @@ class SequenceSchedule(Schedule):
     def gather_tokens(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's tokens along ``dim`` of ``t``, gathered in the original order (the
         same on every rank); differentiable, this rank's tokens receiving their gradient."""
-        full = gather_cat(t, dim, self.group, self.size, self.index)
+        full = self.gather(t, dim)
         inverse = self.partition.inverse(full.shape[dim], self.size).to(t.device)
         return full.index_select(dim, inverse)

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from sdpa_fusion.layout import Layout
-from sdpa_fusion.mesh import DEFAULT_TIMEOUT
 
 from .buffers import views
 from .comm import Pending
@@ -101,7 +100,9 @@ class RingBuffer:
         ``src`` goes to the next rank); ``wait()`` returns ``tensors(dst)``."""
         works = self._mover.shift(self._flat, self._offsets[src], self._offsets[dst],
                                   self.data.used)
-        return Pending(works, self.tensors(dst))
+        comm = self._mover.comm
+        return comm.pending(works, self.tensors(dst), f"ring shift: send to rank "
+                            f"{comm.next_rank}, receive from rank {comm.previous_rank}")
 
 
 class Mover:
@@ -163,7 +164,7 @@ class CopyEngineMover(Mover):
         super().__init__(comm)
         self._flat = self._handle = self._peer = None
         self._stream = None
-        self._timeout_ms = int(DEFAULT_TIMEOUT.total_seconds() * 1000)
+        self._timeout_ms = int(comm.timeout.total_seconds() * 1000)  # the mesh's timeout
 
     @property
     def kept_bytes(self) -> int:
