@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from sdpa_fusion.agreement import agree, canonical
 from sdpa_fusion.kernels import Dropout, Kernel
-from sdpa_fusion.layout import Layout, shard_layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
 from sdpa_fusion.waiting import MeshTimeout
@@ -196,7 +196,7 @@ class Schedule(abc.ABC):
                 cu_seqlens_padded=None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's local part; differentiable,
         the gradient of the full tensor flowing back to this rank's part."""
-        layout = shard_layout(t, layout)
+        layout = unshard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
         return layout.to(self.gather(t, self.sharded_dim))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sdpa_fusion.layout import Layout, shard_layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.local import local_backward, local_forward
 
 from .base import Description, Schedule
@@ -134,7 +134,7 @@ class HeadParallel(Schedule):
         rank's heads receiving their gradient. ``heads`` < ranks (K/V of GQA): ``t`` is a copy
         of one of ``heads`` heads, folded by ``copies`` ("sum" for gradients, "first" for
         values)."""
-        layout = shard_layout(t, layout)
+        layout = unshard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
         full = self.gather(t, 1)

@@ -40,7 +40,7 @@ import math
 import torch
 
 from sdpa_fusion.kernels import Kernel
-from sdpa_fusion.layout import Layout, shard_layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
 from .allgather import AllGather
 from .base import Description, Schedule
@@ -255,7 +255,7 @@ class Hybrid(Schedule):
         ``heads`` < inner ranks (K/V of GQA under inner head_parallel): ``t`` is a copy of
         one of ``heads`` heads; ``copies="sum"`` adds the copies (gradients: each is its
         ranks' share), ``copies="first"`` takes one (values: the copies are equal)."""
-        layout = shard_layout(t, layout)
+        layout = unshard_layout(t, layout)
         line = self.inner.unshard(t, layout=layout)
         if heads is not None and heads != line.shape[1]:
             if not self.splits_heads:

@@ -17,7 +17,7 @@ import collections
 
 import torch
 
-from sdpa_fusion.layout import Layout, shard_layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
 from . import partition as partitions
 from .base import Schedule
@@ -169,7 +169,7 @@ class SequenceSchedule(Schedule):
 
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None) -> torch.Tensor:
-        layout = shard_layout(t, layout)
+        layout = unshard_layout(t, layout)
         if layout.is_varlen:
             return self._packing_of(cu_seqlens, cu_seqlens_padded).unshard(t)
         return layout.to(self.gather_tokens(t, 2))

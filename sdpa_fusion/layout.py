@@ -82,6 +82,12 @@ class Layout(enum.Enum):
 
     def to(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of logical tensor ``t`` in this layout (``t`` itself when it already is)."""
+        if t.dim() != self.ndim:
+            raise ValueError(
+                f"a tensor of {t.dim()} dims (shape {list(t.shape)}) has no layout "
+                f"{self.value!r}, which takes {'[T, H, E]' if self is Layout.THD else '[B, H, S, E]'}"
+                f" tensors; a model's [B, S, ...] batch tensors go through schedules.batch"
+            )
         if has_layout(t, self):
             return t
         out = self.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -143,6 +149,17 @@ def shard_layout(t: torch.Tensor, layout: "Layout | str") -> Layout:
         if Layout.of(layout) is Layout.THD:
             return Layout.THD
     return tensor_layout("t", t, layout)
+
+
+def unshard_layout(t, layout: "Layout | str") -> Layout:
+    """The layout in which ``schedule.unshard`` returns the full tensor: ``layout``, or for
+    "auto" the local part's (BHSE for what is no attention tensor: the agreed gather that
+    follows reports it on every rank)."""
+    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
+        return Layout.of(layout)
+    if isinstance(t, torch.Tensor) and t.dim() in (3, 4):
+        return Layout.THD if t.dim() == 3 else layout_of(t)
+    return Layout.BHSE
 
 
 def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
