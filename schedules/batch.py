@@ -233,6 +233,12 @@ class TokenBatch:
         output like q. Under a head-splitting schedule q, k, v are the model's replicated
         tensors (all heads); their heads are split here and the output's gathered."""
         if self.packed:
+            if any(t.dim() != 4 or t.shape[0] != 1 for t in (q, k, v)):
+                raise ValueError(
+                    f"q, k, v of a packed batch are [1, H, T_local, E] (the model's one row of "
+                    f"this rank's tokens), got {[list(t.shape) for t in (q, k, v)]}; feed the "
+                    f"model batch.shard(...) of its inputs"
+                )
             q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [T_l, H, E]
         heads = self.schedule.head_split
         if heads is not None:
