@@ -129,6 +129,11 @@ class AllGather(SequenceSchedule):
     def _packed_plan(self, packing, causal: bool):
         return packing.cached(("allgather", causal), lambda: packed_plan(packing, causal))
 
+    def _stream(self, dropout, call):
+        """The dropout stream of this rank's kernel call ``call`` ("own", or the index of a
+        call over the gathered K/V)."""
+        return dropout.stream("allgather", self.index, call) if dropout is not None else None
+
     def _calls(self, q_len: int, kv_len: int, causal: bool):
         return gathered_calls(self.indices(q_len), kv_len, kv_len // self.size, causal)
 
@@ -160,12 +165,14 @@ class AllGather(SequenceSchedule):
         layout, scale = spec.layout, spec.softmax_scale
         pending, positions = self._start_gather(k, v, layout)
         out_acc, lse_acc = accumulators(q, layout)
-        local = kernel.forward(q, k, v, causal=spec.causal, scale=scale)
+        local = kernel.forward(q, k, v, causal=spec.causal, scale=scale,
+                               dropout=self._stream(dropout, "own"))
         out_acc, lse_acc = fold(out_acc, lse_acc, *local)
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
+        calls = self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal)
+        for i, (rows, n) in enumerate(calls):
             o, lse = kernel.forward(q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], causal=False,
-                                    scale=scale)
+                                    scale=scale, dropout=self._stream(dropout, i))
             out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
         return finish(out_acc, q.dtype, layout), lse_acc
 
@@ -174,14 +181,17 @@ class AllGather(SequenceSchedule):
             return self._packed_backward(dout, q, k, v, out, lse, spec, kernel)
         layout, scale = spec.layout, spec.softmax_scale
         pending, positions = self._start_gather(k, v, layout)
-        dq, *own = kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale)
+        dq, *own = kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
+                                   dropout=self._stream(dropout, "own"))
         dq = dq.float()
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
         others = [torch.zeros_like(t, dtype=torch.float32) for t in (k_o, v_o)]
-        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
+        calls = self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal)
+        for i, (rows, n) in enumerate(calls):
             dq_b, *grads = kernel.backward(
                 dout[:, :, rows], q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], out[:, :, rows],
                 lse[:, :, rows].contiguous(), causal=False, scale=scale,
+                dropout=self._stream(dropout, i),
             )
             dq[:, :, rows] += dq_b
             for acc, g in zip(others, grads):

@@ -40,16 +40,18 @@ class DenseCall:
     keys: slice
     causal: bool
 
-    def forward(self, kernel, q, k, v, scale):
-        """(out, lse) of the call's query rows."""
+    def forward(self, kernel, q, k, v, scale, dropout=None):
+        """(out, lse) of the call's query rows (``dropout``: the call's stream)."""
         r, c = self.rows, self.keys
-        return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale)
+        return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
+                              dropout=dropout)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
         r, c = self.rows, self.keys
         return kernel.backward(dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
-                               lse[:, :, r].contiguous(), causal=self.causal, scale=scale)
+                               lse[:, :, r].contiguous(), causal=self.causal, scale=scale,
+                               dropout=dropout)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,14 +65,14 @@ class PackedCall:
     seqlens: Seqlens
     causal: bool
 
-    def forward(self, kernel, q, k, v, scale):
+    def forward(self, kernel, q, k, v, scale, dropout=None):  # packed: no dropout (spec)
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
             causal=self.causal, scale=scale,
         )
         return as_block(o), lse.unsqueeze(0)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         lse = lse[0] if self.rows is None else lse[0].index_select(1, self.rows)
         grads = kernel.varlen_backward(
             _take(dout, self.rows), _take(q, self.rows), _take(k, self.keys),

@@ -176,6 +176,12 @@ class Ring(SequenceSchedule):
         datas = [RingData((tuple(k.shape), tuple(v.shape)), dtype, layout) for dtype in dtypes]
         return self.mover(k.device).ring_buffers(datas, k.device)
 
+    def _stream(self, dropout, step: int):
+        """The dropout stream of this rank's queries against the block of ring step ``step``."""
+        if dropout is None:
+            return None
+        return dropout.stream("ring", self.index, (self.index - step) % self.size)
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
@@ -190,7 +196,7 @@ class Ring(SequenceSchedule):
             if step + 1 < self.size:
                 pending = blocks.shift(step % 2, (step + 1) % 2)
             if call is not None:
-                o, lse = call.forward(kernel, q, *current, scale)
+                o, lse = call.forward(kernel, q, *current, scale, self._stream(dropout, step))
                 out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
                 del o, lse  # free the block's output before the next kernel call
             if pending is not None:
@@ -205,11 +211,12 @@ class Ring(SequenceSchedule):
         dq = accumulators(q)[0]
         own, *remote = self._calls(spec, q.shape[2], k.shape[2])
 
-        def block_grads(call, kb, vb):
+        def block_grads(call, kb, vb, step):
             """(dK, dV) of the call's key rows; its dQ goes into dq."""
             if call is None:
                 return None
-            dq_b, *grads = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale)
+            dq_b, *grads = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale,
+                                         self._stream(dropout, step))
             add_rows(dq, call.rows, dq_b)
             return grads
 
@@ -221,7 +228,7 @@ class Ring(SequenceSchedule):
             current = pending_kv.wait()
             if step + 1 < self.size:
                 pending_kv = blocks.shift(step % 2, (step + 1) % 2)
-            grads, keys = block_grads(call, *current), call and call.keys
+            grads, keys = block_grads(call, *current, step), call and call.keys
             acc = sums.tensors(step % 2)
             if pending_sums is None:
                 _start_sums(acc, grads, keys)
@@ -231,7 +238,7 @@ class Ring(SequenceSchedule):
             del grads  # free the block's dK/dV before the next kernel call
             pending_sums = sums.shift(step % 2, (step + 1) % 2)
         # the own block last: its backward runs while the own sums make their last hop home
-        grads = block_grads(own, k, v)
+        grads = block_grads(own, k, v, 0)
         dq = finish(dq, q.dtype, layout_of(q))
         home = pending_sums.wait() if remote else [accumulators(t)[0] for t in (k, v)]
         _add_rows(home, grads, own and own.keys)

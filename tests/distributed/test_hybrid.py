@@ -389,13 +389,6 @@ def test_packed_bad_input_on_one_rank_then_a_correct_call(meshes, mesh, inner):
     assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
 
 
-def test_dropout_is_refused(meshes):
-    sched = schedules.get("hybrid", meshes(SHAPES[0]))
-    q = torch.randn(1, 4, 8, 8)
-    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported under schedule 'hybrid'"):
-        sdpa_fusion.attention(q, q, q, dropout_p=0.1, schedule=sched, kernel="reference")
-
-
 @shapes
 @pytest.mark.parametrize("inner", INNERS)
 def test_dtensor_in_dtensor_out(meshes, shape, inner):
