@@ -274,6 +274,11 @@ class Hybrid(Schedule):
             return tokens
         return tokens[self.inner.indices(len(tokens))]
 
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens of a ``seq_len``-token sequence (int64, on
+        ``device``): index a RoPE table with them. Packed sequences: ``pack(...).position_ids``."""
+        return self.indices(seq_len).to(device or "cpu")
+
     def _check_sequence(self, seq_len: int) -> None:
         outer, inner = self.outer, self.inner
         outer.partition.check(seq_len, outer.size)

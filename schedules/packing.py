@@ -284,8 +284,8 @@ class NestedPacking(LocalPacking):
         outer part (rank o)     a0 a1 .  .  | b0 b1 b6 b7        slots of 4 and 4
         split again over 2      rank 0: a0 a1 | b0 b1    rank 1: .  .  | b6 b7
 
-    ``cu_seqlens``, ``tokens`` and ``cached`` are those of the second split (what this rank
-    holds); ``position_ids``, ``token_index``, ``shard`` and ``unshard`` reach the global
+    ``cu_seqlens``, ``tokens``, ``counts`` and ``cached`` are those of the second split (what
+    this rank holds; ``counts`` per rank of that split); ``position_ids``, ``token_index``, ``shard`` and ``unshard`` reach the global
     packing through ``outer``. Made by ``schedules.get("hybrid", ...).pack(cu_seqlens)``.
     """
 

@@ -243,7 +243,8 @@ def test_packed_matches_reference(meshes, shape, inner, outer, causal, kv, padde
 @pytest.mark.parametrize("partition", ["load_balanced", "striped"])
 def test_packed_positions_are_those_of_one_process(meshes, shape, inner, partition):
     """position_ids of this rank's tokens are their positions in their sequences (0 for
-    padding); shard then unshard gives back every real token (zero in the padding slots)."""
+    padding); shard then unshard gives back every real token (zero in the padding slots).
+    Dense: position_ids are the positions of the tokens shard gives."""
     problem = packed_for(shape, padded=True)
     sched = schedules.get("hybrid", meshes(shape), inner=inner, partition=partition)
     local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
@@ -257,6 +258,9 @@ def test_packed_positions_are_those_of_one_process(meshes, shape, inner, partiti
         in_a_sequence[start:start + n] = True
     back = sched.unshard(sched.shard(problem.q, **kw), **kw)
     assert torch.equal(back, torch.where(in_a_sequence[:, None, None], problem.q, 0.0))
+    s = 8 * shape[0] * shape[1]  # dense: the positions of the tokens shard gives this rank
+    positions = torch.arange(s, dtype=torch.float32).view(1, 1, s, 1)
+    assert torch.equal(sched.position_ids(s), sched.shard(positions).flatten().long())
 
 
 @pytest.mark.parametrize("inner, outer, line", [
