@@ -40,11 +40,11 @@ def check(sched, layout, causal, kernel, *, h_kv=4, s=2048):
 
 def check_packed(sched, causal, kv_heads):
     """Packed sequences of 0, 1 and lengths not multiples of 2 x ranks in user padding
-    (``test_thd_gpu``); padding outputs and gradients exactly zero."""
+    (``test_thd_gpu``), ATen flash varlen calls; padding outputs and gradients exactly zero."""
     (q, k, v, dout, cu, cu_padded), expected = _problem(causal, kv_heads, True)
     kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=cu_padded)
     q_l, k_l, v_l = (sched.shard(t, **kw).requires_grad_() for t in (q, k, v))
-    out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, kernel="auto", schedule=sched,
+    out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, kernel="flash", schedule=sched,
                                   **kw)
     out_l.backward(sched.shard(dout, **kw))
     local = (out_l, q_l.grad, k_l.grad, v_l.grad)
