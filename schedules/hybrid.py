@@ -33,6 +33,7 @@ gradient is that rank's share (``unshard(..., heads=, copies="sum")`` adds the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -134,6 +135,15 @@ class Hybrid(Schedule):
     def _check_configuration(self) -> None:
         if self._error is not None:
             raise ValueError(self._error)
+
+    def configuration(self) -> dict:
+        return {**super().configuration(), "inner": self._inner, "outer": self._outer,
+                "error": self._error}
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        with self.inner.running(f"hybrid, {what}"), self.outer.running(f"hybrid, {what}"):
+            yield
 
     @property
     def size(self) -> int:

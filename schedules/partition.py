@@ -140,7 +140,11 @@ class IndexMap(_Fixed):
     name = "index_map"
 
     def __init__(self, index_map):
-        rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in index_map]
+        rows = [torch.as_tensor(r).flatten() for r in index_map]
+        if any(r.is_floating_point() or r.is_complex() or r.dtype == torch.bool for r in rows):
+            raise ValueError("index_map must hold integer token positions, not "
+                             f"{sorted({str(r.dtype) for r in rows})}")
+        rows = [r.long() for r in rows]
         if not rows or len({len(r) for r in rows}) != 1:
             raise ValueError("index_map must give every rank the same number of tokens")
         self.rows = torch.stack(rows)

@@ -20,7 +20,7 @@ import torch
 from sdpa_fusion.layout import Layout
 
 from . import partition as partitions
-from .base import Schedule, gather_cat
+from .base import Schedule
 from .packing import LocalPacking, Split, global_packing
 
 _KEPT_PACKINGS = 4  # global packings whose splits (and kernel calls) a schedule keeps
@@ -106,7 +106,7 @@ class SequenceSchedule(Schedule):
         return self._splits[key]
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        return gather_cat(t, 0, self.group, self.size, self.index)
+        return self.gather(t, 0)
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
         """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
@@ -180,6 +180,6 @@ class SequenceSchedule(Schedule):
         layout = Layout.of(layout)
         if layout.is_varlen:
             return self._packing_of(cu_seqlens, cu_seqlens_padded).unshard(t)
-        full = gather_cat(t, 2, self.group, self.size, self.index)
+        full = self.gather(t, 2)
         inverse = self.partition.inverse(full.shape[2], self.size).to(t.device)
         return layout.to(full.index_select(2, inverse))

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from sdpa_fusion.layout import Layout
-from sdpa_fusion.mesh import DEFAULT_TIMEOUT
 
 from .buffers import views
 from .comm import Pending
@@ -103,7 +102,9 @@ class RingBuffer:
         ``tensors(dst)``."""
         works = self._mover.shift(self._flat, self._offsets[src], self._offsets[dst],
                                   self.data.used, hops)
-        return Pending(works, self.tensors(dst))
+        comm = self._mover.comm
+        return comm.pending(works, self.tensors(dst), f"ring shift: send to rank "
+                            f"{comm.peer(hops)}, receive from rank {comm.peer(-hops)}")
 
 
 class Mover:
@@ -166,7 +167,7 @@ class CopyEngineMover(Mover):
         self._flat = self._handle = None
         self._peers: dict[int, torch.Tensor] = {}  # hops -> the buffer of the rank hops before
         self._stream = None
-        self._timeout_ms = int(DEFAULT_TIMEOUT.total_seconds() * 1000)
+        self._timeout_ms = int(comm.timeout.total_seconds() * 1000)  # the mesh's timeout
 
     @property
     def kept_bytes(self) -> int:

@@ -17,6 +17,7 @@
 #   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min)
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
+#   bench-agree      mpirun -np $NP python -m benchmarks.agreement         (~1 min)
 #   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid --tag $CP_TAG  (~3 min on 2)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
@@ -144,6 +145,10 @@ bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
 }
 
+bench_agree() {
+    bench bench-agree agreement 150 30 "${MPI[@]}" "$PY" -m benchmarks.agreement
+}
+
 profile_ring() {
     local t
     t=$(limit 120) || { skip profile-ring "time budget"; return; }
@@ -208,6 +213,7 @@ for part in "${parts[@]}"; do
         bench-cp-dist) bench_cp_dist ;;
         profile-ring) profile_ring ;;
         bench-transport) bench_transport ;;
+        bench-agree) bench_agree ;;
         bench-hybrid) bench_hybrid ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac

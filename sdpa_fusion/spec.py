@@ -84,8 +84,14 @@ class AttentionSpec:
             )
         if not 0.0 <= self.dropout_p < 1.0:
             raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
-        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            raise ValueError(f"scale={self.scale!r} must be a positive number or None")
+        if self.scale is not None and not (
+            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+            and math.isfinite(self.scale) and self.scale > 0
+        ):
+            raise ValueError(
+                f"scale={self.scale!r} must be a positive number or None: finite and > 0 "
+                f"(None means 1/sqrt(head_dim))"
+            )
         if self.layout.is_varlen:
             self._validate_varlen()
         return self

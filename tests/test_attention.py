@@ -160,7 +160,7 @@ def test_explain_reports_the_reference_kernel_on_cpu(rng):
     assert plan.kernel.name == "reference"
     assert plan.spec.causal and plan.spec.layout is Layout.BSHE and plan.spec.kv_heads == 2
     text = str(plan)
-    assert "kernel: reference" in text and "replicated" in text
+    assert "kernel: reference" in text and "one device" in text
 
 
 def test_explain_raises_what_attention_would(rng):

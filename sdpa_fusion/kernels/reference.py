@@ -34,11 +34,13 @@ def _probabilities(q, k, lse, *, causal, scale, window):
         scores = scores.masked_fill(~seen, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
+        # a row with a +inf score has no softmax (inf / inf): NaN for the whole row, as torch's
+        lse = torch.where(torch.isposinf(lse), torch.nan, lse)
     else:
         lse = lse.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
-    finite = torch.isfinite(lse)
-    p = torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1))
-    p = torch.where(finite.unsqueeze(-1), p, 0.0)
+    empty = torch.isneginf(lse)  # rows that see no key; NaN and +inf rows stay NaN
+    p = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    p = torch.where(empty.unsqueeze(-1), 0.0, p)
     return p, lse
 
 
