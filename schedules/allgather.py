@@ -38,7 +38,8 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import accumulators, finish
 
-from .bands import check_runs, dense_calls, packed_calls, run_index, spec_runs, window_band
+from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
+                    window_band)
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, as_block, as_packed, backward_calls, fold_calls, packed_call,
@@ -107,19 +108,26 @@ def packed_plan(packing, causal: bool):
 def window_plan(spec, mask, partition, parts: int, rank: int):
     """(own calls, gathered calls) of ``rank`` under the band ``mask``: ``bands`` calls of its
     block and of every other rank's block (rank order: dense ``others``, packed gathered)."""
-    runs_q, runs_k = spec_runs(spec, partition, parts)
-    others = [j for j in range(parts) if j != rank]
     packing = spec.packing
     if packing is None:
-        own = dense_calls(runs_q, rank, runs_k, rank, mask)
-        return own, [call for slot, j in enumerate(others)
-                     for call in dense_calls(runs_q, rank, runs_k, j, mask,
-                                             key_base=slot * spec.kv_len)]
+        return _dense_window_plan(mask, partition, parts, rank, spec.q_len, spec.kv_len)
+    runs, _ = spec_runs(spec, partition, parts)
     t, device = packing.tokens, packing.device
-    own = packed_calls(runs_q, rank, rank, mask, tokens=(t, t), device=device)
-    return own, [call for j in others
-                 for call in packed_calls(runs_q, rank, j, mask, tokens=(t, parts * t),
+    own = packed_calls(runs, rank, rank, mask, tokens=(t, t), device=device)
+    return own, [call for j in range(parts) if j != rank
+                 for call in packed_calls(runs, rank, j, mask, tokens=(t, parts * t),
                                           device=device, key_base=j * t)]
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_window_plan(mask, partition, parts, rank, s_q, s_kv):
+    """``window_plan`` of a dense rank holding ``s_q`` queries and ``s_kv`` keys."""
+    runs_q = dense_runs(partition, s_q * parts, parts)
+    runs_k = dense_runs(partition, s_kv * parts, parts)
+    others = [j for j in range(parts) if j != rank]
+    own = dense_calls(runs_q, rank, runs_k, rank, mask)
+    return own, [call for slot, j in enumerate(others)
+                 for call in dense_calls(runs_q, rank, runs_k, j, mask, key_base=slot * s_kv)]
 
 
 class AllGather(SequenceSchedule):

@@ -206,6 +206,13 @@ class Ring(SequenceSchedule):
         return packing.cached(("ring", spec.causal),
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
+    def _step_count(self, spec) -> int:
+        """Steps every rank takes for the global ``spec`` (the own block's included)."""
+        if window_band(spec) is None:
+            return self.size
+        local = self.local_spec(spec)
+        return len(self._steps(local, local.q_len, local.kv_len))
+
     def _ring_buffers(self, k, v, *dtypes):
         """A double-buffered ring buffer of blocks shaped like k and v, one per dtype."""
         layout = layout_of(k)
@@ -275,8 +282,7 @@ class Ring(SequenceSchedule):
 
     def describe(self, spec):
         p = self.size
-        local = self.local_spec(spec)
-        steps = len(self._steps(local, local.q_len, local.kv_len))  # every rank takes them all
+        steps = self._step_count(spec)
         kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
         forward = spec.flops() / p

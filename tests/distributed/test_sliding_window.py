@@ -67,47 +67,44 @@ def examples(request, n: int):
     return decorate
 
 
+def dense_problem(data, p: int):
+    chunks = data.draw(st.integers(1, 3))  # tokens per chunk of 2P
+    s, causal = 2 * p * chunks, data.draw(st.booleans())
+    window = draw_window(data.draw, data.draw(st.sampled_from(KINDS)), chunks, s)
+    return make_problem(b=1, h=2 * p, h_kv=data.draw(st.sampled_from([p, 2 * p])), s=s, e=8,
+                        layout=data.draw(st.sampled_from(["bhse", "bshe"])), causal=causal,
+                        scale=0.5, window=window, seed=data.draw(st.integers(0, 99)))
+
+
+def packed_problem(data, p: int):
+    drawn = data.draw(st.lists(st.integers(0, 6 * p + 3), min_size=1, max_size=3))
+    lengths = [*drawn, 0, 1, 2 * p + 1]  # empty, one token, not a multiple of 2P
+    slack = data.draw(st.none() | st.lists(st.integers(0, 3), min_size=len(lengths),
+                                           max_size=len(lengths)))
+    causal = data.draw(st.booleans())
+    window = draw_window(data.draw, data.draw(st.sampled_from(KINDS)),
+                         max(max(lengths) // (2 * p), 1), max(lengths))
+    return make_packed(lengths, h=2 * p, h_kv=data.draw(st.sampled_from([p, 2 * p])),
+                       slack=slack, causal=causal, scale=0.5, window=window,
+                       seed=data.draw(st.integers(0, 99)))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "thd"])
 @pytest.mark.parametrize("name, partition", SCHEDULES, ids=[f"{n}-{p}" for n, p in SCHEDULES])
-def test_dense_matches_reference(mesh, name, partition, request):
+def test_matches_reference(mesh, name, partition, packed, request):
     p = mesh.size()
     sched = get_schedule(mesh, name, partition)
 
-    @examples(request, 5)
+    @examples(request, 4)
     def check(data):
-        chunks = data.draw(st.integers(1, 3))  # tokens per chunk of 2P
-        s, causal = 2 * p * chunks, data.draw(st.booleans())
-        window = draw_window(data.draw, data.draw(st.sampled_from(KINDS)), chunks, s)
-        if refused(name, partition, causal, window):
+        problem = (packed_problem if packed else dense_problem)(data, p)
+        if refused(name, partition, problem.causal, problem.window):
             return
-        problem = make_problem(b=1, h=2 * p, h_kv=data.draw(st.sampled_from([p, 2 * p])), s=s,
-                               e=8, layout=data.draw(st.sampled_from(["bhse", "bshe"])),
-                               causal=causal, scale=0.5, window=window,
-                               seed=data.draw(st.integers(0, 99)))
-        assert_matches(problem, run_schedule(sched, problem))
-
-    check()
-
-
-@pytest.mark.parametrize("name, partition", SCHEDULES, ids=[f"{n}-{p}" for n, p in SCHEDULES])
-def test_packed_matches_reference(mesh, name, partition, request):
-    p = mesh.size()
-    sched = get_schedule(mesh, name, partition)
-
-    @examples(request, 5)
-    def check(data):
-        drawn = data.draw(st.lists(st.integers(0, 6 * p + 3), min_size=1, max_size=3))
-        lengths = [*drawn, 0, 1, 2 * p + 1]  # empty, one token, not a multiple of 2P
-        slack = data.draw(st.none() | st.lists(st.integers(0, 3), min_size=len(lengths),
-                                               max_size=len(lengths)))
-        causal = data.draw(st.booleans())
-        window = draw_window(data.draw, data.draw(st.sampled_from(KINDS)),
-                             max(max(lengths) // (2 * p), 1), max(lengths))
-        if refused(name, partition, causal, window):
-            return
-        problem = make_packed(lengths, h=2 * p, h_kv=data.draw(st.sampled_from([p, 2 * p])),
-                              slack=slack, causal=causal, scale=0.5, window=window,
-                              seed=data.draw(st.integers(0, 99)))
-        assert_packed_matches(problem, run_packed(sched, problem, local=slack is not None))
+        if packed:  # user padding: the call takes the LocalPacking
+            local = problem.cu_seqlens_padded is not None
+            assert_packed_matches(problem, run_packed(sched, problem, local=local))
+        else:
+            assert_matches(problem, run_schedule(sched, problem))
 
     check()
 
