@@ -28,9 +28,10 @@ takes no step for a block no rank needs); one that leaves every pair is a call w
     rank 0's queries 12-15 vs its own 0-3: d = 12, left side 2 - 12 <= -4: no call
 
 Packed sequences: one varlen call holds the segments (a sequence's run of queries against a
-run of its keys) that share one window after their cuts, so sequences whose runs sit at
-different distances are grouped by the window they come out with (one call per window); the
-segments of one call take each query row at most once (one call per diagonal of run pairs).
+run of its keys) that share one window and one shift (keys minus queries) after their cuts,
+so sequences whose runs sit at different distances are grouped by what they come out with
+(one call per window and shift; mostly squares, shift 0); the segments of one call take each
+query row at most once (one call per diagonal of run pairs).
 """
 
 from __future__ import annotations
@@ -208,9 +209,10 @@ def dense_calls(runs_q: Runs, rank: int, runs_k: Runs, source: int, mask, *,
 def packed_calls(runs: Runs, rank: int, source: int, mask, *, tokens: tuple[int, int], device,
                  key_base: int = 0) -> list:
     """The varlen calls of ``rank``'s queries against ``source``'s keys of every packed
-    sequence: segments grouped by their window, and by diagonal of run pairs so that no
-    query row appears twice in a call. ``tokens``: rows of the query and key tensors; key
-    rows are shifted by ``key_base``."""
+    sequence: segments grouped by their window and their keys minus queries (one call of
+    flash or FA4 aligns every sequence's mask by one such shift), and by diagonal of run
+    pairs so that no query row appears twice in a call. ``tokens``: rows of the query and
+    key tensors; key rows are shifted by ``key_base``."""
     c = _pair_cut(runs, rank, runs, source, mask)
     kept = (c.rows > 0).nonzero()  # [M, 3]: sequence, query run, key run, in sequence order
     if not len(kept):
@@ -219,13 +221,14 @@ def packed_calls(runs: Runs, rank: int, source: int, mask, *, tokens: tuple[int,
     at = (seq, a, b)
     sides = [torch.full_like(seq, -1) if side is None else t[at]
              for side, t in zip(mask, (c.left, c.right))]
-    full = c.full[at]
+    full, rows, keys = c.full[at], c.rows[at], c.keys[at]
     diagonal = (b - a) % runs.count.shape[-1]
-    groups = torch.stack([full.long(), *(s.masked_fill(full, -1) for s in sides), diagonal], 1)
+    shift = (keys - rows).masked_fill(full, 0)  # kernels align a mask by keys minus queries
+    groups = torch.stack([full.long(), *(s.masked_fill(full, -1) for s in sides), shift,
+                          diagonal], 1)
     kinds, which = torch.unique(groups, dim=0, return_inverse=True)
     row_start = runs.row[rank][seq, a] + c.row_cut[at]
     key_start = key_base + runs.row[source][seq, b] + c.key_cut[at]
-    rows, keys = c.rows[at], c.keys[at]
     calls = []
     for g in range(len(kinds)):
         sel = which == g

@@ -25,6 +25,11 @@ Packed sequences: each step is one varlen kernel call over every sequence, the s
 applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
 made once per packing). The blocks are the whole local K/V, padding included, so every
 block has one size.
+
+Sliding windows: each step's calls come from ``bands`` (every call a window in its own rows
+and keys; none for a block the window does not reach), and the ring takes only the steps at
+which some rank's queries see a key of the block. A shift then sends the block, and in
+backward its dK/dV sums, straight to the rank of its next step: several hops at once.
 """
 
 from __future__ import annotations
@@ -231,7 +236,7 @@ class Ring(SequenceSchedule):
             (blocks,) = self._ring_buffers(k, v, k.dtype)
             blocks.load(0, (k, v))
         for i, (step, calls) in enumerate(steps):
-            if i + 1 < len(steps):  # the next step's block, relayed by the ranks between
+            if i + 1 < len(steps):  # the next step's block, straight from the rank holding it
                 pending = blocks.shift(i % 2, (i + 1) % 2, hops=steps[i + 1][0] - step)
             out_acc, lse_acc = fold_calls(calls, kernel, q, *current, scale, out_acc, lse_acc)
             if pending is not None:

@@ -1,7 +1,8 @@
 """The kernel calls of sliding windows over split sequences (``schedules.bands``), single
 process: table cases, the ring steps a window needs, and for every partition, rank count,
 length and window that the calls of every pair of ranks compute each visible query-key
-pair exactly once (dense and packed), with no call, row or key that sees nothing.
+pair exactly once (dense and packed), with no call, row or key that sees nothing, and every
+packed call one varlen call of flash and of FA4 (one shift).
 
 Run: pytest -q tests/test_bands.py
 Oracle: the band written out on global positions (a - left <= b <= a + right), and the
@@ -19,6 +20,8 @@ from schedules.bands import dense_calls, dense_runs, packed_calls, packed_runs, 
 from schedules.calls import DenseCall
 from schedules.packing import Split
 from schedules.partition import Contiguous, LoadBalanced, Striped
+from sdpa_fusion.kernels.fa4 import varlen_shift
+from sdpa_fusion.kernels.flash_window import flash_call
 from sdpa_fusion.mask import Window, band
 from tests.conftest import visible
 
@@ -122,6 +125,9 @@ def test_packed_calls_cover_the_band_exactly():
                 rows = torch.arange(t) if call.rows is None else call.rows
                 keys = torch.arange(t) if call.keys is None else call.keys
                 assert len(rows.unique()) == len(rows), f"{call}: a query row twice in one call"
+                mask_of_call = band(call.causal, call.window)
+                assert flash_call(call.seqlens, len(rows), len(keys), mask_of_call) is not None
+                assert varlen_shift(call.seqlens, call.causal, call.window) is not None
                 cu_q, cu_k = call.seqlens.cu_q, call.seqlens.cu_k
                 for i in range(len(cu_q) - 1):
                     rr, kk = rows[cu_q[i]:cu_q[i + 1]], keys[cu_k[i]:cu_k[i + 1]]
