@@ -243,12 +243,13 @@ def main(argv=None) -> int:
                   "settings": {k: str(v) if isinstance(v, torch.dtype) else v
                                for k, v in vars(args).items() if k not in ("results_dir",)},
                   "rows": []}
-        start = time.monotonic()
-        for batch in args.batches:
-            record["rows"] += batch_rows(args, mesh, batch)
-            report(mesh, record, args, start, batch)
-        record["rows"] += window_rows(args, mesh)
-        report(mesh, record, args, start, "window")
+        start, deadline = time.monotonic(), common.Deadline(args.max_seconds)
+        for part in [*args.batches, "window"]:
+            if not mesh.agree(deadline.left() > 0)[0]:  # every rank stops alike
+                continue
+            record["rows"] += window_rows(args, mesh) if part == "window" else \
+                batch_rows(args, mesh, part)
+            report(mesh, record, args, start, part)
         if mesh.rank == 0:
             finish(args, record, start)
     finally:
