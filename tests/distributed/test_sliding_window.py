@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 import schedules
 import sdpa_fusion
 from schedules.comm import Pending
-from sdpa_fusion.kernels import Kernel
 from sdpa_fusion.kernels.reference import ReferenceKernel
 
 from .conftest import assert_matches, make_problem, run_schedule
@@ -51,7 +50,8 @@ def draw_window(draw, kind: str, chunk: int, length: int):
 
 
 def refused(name, partition, causal, window) -> bool:
-    """allgather over stripes refuses causal masks; a window without a left side is none."""
+    """allgather over stripes refuses causal masks, and a window without a left side adds
+    nothing to a causal one."""
     return (name, partition) == ("allgather", "striped") and causal and window[0] is None
 
 
