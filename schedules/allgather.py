@@ -176,6 +176,13 @@ class AllGather(SequenceSchedule):
         calls = gathered_calls(self.indices(q_len), kv_len, spec.kv_len, spec.causal)
         return own, [DenseCall(rows, slice(0, n), False) for rows, n in calls], False
 
+    def _streams(self, dropout, part: str):
+        """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls,
+        one per call (``streams(i)``); None without dropout."""
+        if dropout is None:
+            return None
+        return lambda call: dropout.stream("allgather", self.index, part, call)
+
     def _other_positions(self, kv_len: int, device, rank_order: bool):
         """(rank, where its tokens go in ``others``) for every other rank."""
         if rank_order:
@@ -209,9 +216,11 @@ class AllGather(SequenceSchedule):
         layout, scale = spec.layout, spec.softmax_scale
         own, calls, rank_order = self._plan(spec)
         pending, positions = self._start_gather(k, v, layout, rank_order)
-        out_acc, lse_acc = fold_calls(own, kernel, q, k, v, scale, *accumulators(q, layout))
+        out_acc, lse_acc = fold_calls(own, kernel, q, k, v, scale, *accumulators(q, layout),
+                                      self._streams(dropout, "own"))
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        out_acc, lse_acc = fold_calls(calls, kernel, q, k_o, v_o, scale, out_acc, lse_acc)
+        out_acc, lse_acc = fold_calls(calls, kernel, q, k_o, v_o, scale, out_acc, lse_acc,
+                                      self._streams(dropout, "gathered"))
         return finish(out_acc, q.dtype, layout), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
@@ -221,10 +230,12 @@ class AllGather(SequenceSchedule):
         own, calls, rank_order = self._plan(spec)
         pending, positions = self._start_gather(k, v, layout, rank_order)
         dq, *mine = (accumulators(t, layout)[0] for t in (q, k, v))
-        backward_calls(own, kernel, dout, q, k, v, out, lse, scale, dq, mine)
+        backward_calls(own, kernel, dout, q, k, v, out, lse, scale, dq, mine,
+                       self._streams(dropout, "own"))
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
         others = [torch.zeros_like(t, dtype=torch.float32) for t in (k_o, v_o)]
-        backward_calls(calls, kernel, dout, q, k_o, v_o, out, lse, scale, dq, others)
+        backward_calls(calls, kernel, dout, q, k_o, v_o, out, lse, scale, dq, others,
+                       self._streams(dropout, "gathered"))
         dk, dv = self._reduce_scatter(mine, others, positions, layout)
         return finish(dq, q.dtype, layout), finish(dk, k.dtype, layout), finish(dv, v.dtype, layout)
 

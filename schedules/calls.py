@@ -46,18 +46,18 @@ class DenseCall:
     causal: bool
     window: Window | None = None
 
-    def forward(self, kernel, q, k, v, scale):
-        """(out, lse) of the call's query rows."""
+    def forward(self, kernel, q, k, v, scale, dropout=None):
+        """(out, lse) of the call's query rows (``dropout``: the call's stream)."""
         r, c = self.rows, self.keys
         return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
-                              window=self.window)
+                              window=self.window, dropout=dropout)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
         r, c = self.rows, self.keys
         return kernel.backward(dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
                                lse[:, :, r].contiguous(), causal=self.causal, scale=scale,
-                               window=self.window)
+                               window=self.window, dropout=dropout)
 
     def pairs(self, s_q: int, s_kv: int) -> float:
         """Query-key pairs the call computes on blocks of ``s_q`` queries and ``s_kv`` keys
@@ -82,14 +82,14 @@ class PackedCall:
     causal: bool
     window: Window | None = None
 
-    def forward(self, kernel, q, k, v, scale):
+    def forward(self, kernel, q, k, v, scale, dropout=None):  # packed: no dropout (spec)
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
             causal=self.causal, scale=scale, window=self.window,
         )
         return as_block(o), lse.unsqueeze(0)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         lse = lse[0] if self.rows is None else lse[0].index_select(1, self.rows)
         grads = kernel.varlen_backward(
             _take(dout, self.rows), _take(q, self.rows), _take(k, self.keys),
@@ -144,21 +144,23 @@ def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | None:
     return rows.to(device)
 
 
-def fold_calls(calls, kernel, q, k, v, scale, out_acc, lse_acc):
+def fold_calls(calls, kernel, q, k, v, scale, out_acc, lse_acc, streams=None):
     """Fold every call's (out, lse) on the blocks q, k, v into the fp32 accumulators; returns
-    them (``merge.fold``)."""
-    for call in calls:
-        o, lse = call.forward(kernel, q, k, v, scale)
+    them (``merge.fold``). ``streams(i)``: the dropout stream of call i (None: no dropout)."""
+    for i, call in enumerate(calls):
+        o, lse = call.forward(kernel, q, k, v, scale, streams and streams(i))
         out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
         del o, lse  # free the call's output before the next kernel call
     return out_acc, lse_acc
 
 
-def backward_calls(calls, kernel, dout, q, k, v, out, lse, scale, dq, sums) -> None:
+def backward_calls(calls, kernel, dout, q, k, v, out, lse, scale, dq, sums,
+                   streams=None) -> None:
     """Every call's backward (global ``out`` and ``lse``): dQ added into the fp32 ``dq``, dK
-    and dV into the fp32 ``sums`` of the key blocks k, v."""
-    for call in calls:
-        dq_b, *grads = call.backward(kernel, dout, q, k, v, out, lse, scale)
+    and dV into the fp32 ``sums`` of the key blocks k, v (``streams`` as ``fold_calls``)."""
+    for i, call in enumerate(calls):
+        dq_b, *grads = call.backward(kernel, dout, q, k, v, out, lse, scale,
+                                     streams and streams(i))
         add_rows(dq, call.rows, dq_b)
         for acc, g in zip(sums, grads):
             add_rows(acc, call.keys, g)

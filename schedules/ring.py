@@ -132,13 +132,13 @@ def _add_rows(acc, grads, keys) -> None:
 
 
 def _sum_calls(calls, grads_of, arrive, *, start: bool = False):
-    """Add the dK/dV of every call (``grads_of(call)``) into the fp32 sums that ``arrive()``
+    """Add the dK/dV of every call (``grads_of(i, call)``) into the fp32 sums that ``arrive()``
     returns, called once the first call's gradients exist (so that a transfer bringing the
     sums overlaps that call); with ``start`` the sums begin here (``_start_sums``). Returns
     the sums."""
     acc = None
     for n, call in enumerate(calls):
-        grads = grads_of(call)
+        grads = grads_of(n, call)
         if n == 0:
             acc = arrive()
         if n == 0 and start:
@@ -224,6 +224,14 @@ class Ring(SequenceSchedule):
         datas = [RingData((tuple(k.shape), tuple(v.shape)), dtype, layout) for dtype in dtypes]
         return self.mover(k.device).ring_buffers(datas, k.device)
 
+    def _streams(self, dropout, step: int):
+        """The dropout streams of this rank's queries against the block of ring step ``step``,
+        one per kernel call of the step (``streams(i)``); None without dropout."""
+        if dropout is None:
+            return None
+        source = (self.index - step) % self.size
+        return lambda call: dropout.stream("ring", self.index, source, call)
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
@@ -238,7 +246,8 @@ class Ring(SequenceSchedule):
         for i, (step, calls) in enumerate(steps):
             if i + 1 < len(steps):  # the next step's block, straight from the rank holding it
                 pending = blocks.shift(i % 2, (i + 1) % 2, hops=steps[i + 1][0] - step)
-            out_acc, lse_acc = fold_calls(calls, kernel, q, *current, scale, out_acc, lse_acc)
+            out_acc, lse_acc = fold_calls(calls, kernel, q, *current, scale, out_acc, lse_acc,
+                                          self._streams(dropout, step))
             if pending is not None:
                 current, pending = tuple(pending.wait()), None
         out = finish(out_acc, q.dtype, layout_of(q))
@@ -251,10 +260,13 @@ class Ring(SequenceSchedule):
         dq = accumulators(q)[0]
         (_, own), *remote = self._steps(spec, q.shape[2], k.shape[2])
 
-        def grads_of(kb, vb):
-            def grads(call):
-                """(dK, dV) of the call's key rows; its dQ goes into dq."""
-                dq_b, *g = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale)
+        def grads_of(kb, vb, step):
+            streams = self._streams(dropout, step)
+
+            def grads(i, call):
+                """(dK, dV) of the key rows of the step's call i; its dQ goes into dq."""
+                dq_b, *g = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale,
+                                         streams and streams(i))
                 add_rows(dq, call.rows, dq_b)
                 return g
             return grads
@@ -271,12 +283,12 @@ class Ring(SequenceSchedule):
                 pending_kv = blocks.shift(i % 2, (i + 1) % 2, hops=hops)
             if pending_sums is None:  # the block's sums start here
                 slot = sums.tensors(i % 2)
-                _sum_calls(calls, grads_of(*current), lambda: slot, start=True)
+                _sum_calls(calls, grads_of(*current, step), lambda: slot, start=True)
             else:  # the slot holds the block's sums from the earlier ranks once they arrive
-                _sum_calls(calls, grads_of(*current), pending_sums.wait)
+                _sum_calls(calls, grads_of(*current, step), pending_sums.wait)
             pending_sums = sums.shift(i % 2, (i + 1) % 2, hops=hops)
         # the own block last: its backward runs while the own sums make their last hop home
-        home = _sum_calls(own, grads_of(k, v), pending_sums.wait if remote else
+        home = _sum_calls(own, grads_of(k, v, 0), pending_sums.wait if remote else
                           lambda: [accumulators(t)[0] for t in (k, v)])
         dq = finish(dq, q.dtype, layout_of(q))
         kv_layout = layout_of(k)

@@ -17,7 +17,7 @@ import collections
 
 import torch
 
-from sdpa_fusion.layout import Layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
 from . import partition as partitions
 from .base import Schedule
@@ -167,19 +167,28 @@ class SequenceSchedule(Schedule):
         return spec.kv_len // self.size
 
     # ---- shard / unshard -----------------------------------------------------------------
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
-        layout = Layout.of(layout)
+        layout = shard_layout(t, layout)
         if layout.is_varlen:
             return self._packing_of(cu_seqlens, cu_seqlens_padded).shard(t)
         index = self.indices(t.shape[2]).to(t.device)
         return layout.to(t.index_select(2, index))
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None) -> torch.Tensor:
-        layout = Layout.of(layout)
+        layout = unshard_layout(t, layout)
         if layout.is_varlen:
             return self._packing_of(cu_seqlens, cu_seqlens_padded).unshard(t)
-        full = self.gather(t, 2)
-        inverse = self.partition.inverse(full.shape[2], self.size).to(t.device)
-        return layout.to(full.index_select(2, inverse))
+        return layout.to(self.gather_tokens(t, 2))
+
+    @property
+    def token_splits(self) -> tuple:
+        return (self,)
+
+    def gather_tokens(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's tokens along ``dim`` of ``t``, gathered in the original order (the
+        same on every rank); differentiable, this rank's tokens receiving their gradient."""
+        full = self.gather(t, dim)
+        inverse = self.partition.inverse(full.shape[dim], self.size).to(t.device)
+        return full.index_select(dim, inverse)

@@ -181,6 +181,10 @@ class Ulysses(SequenceSchedule):
                 target.copy_(block)
         return finish(out, blocks[0].dtype, layout) if replicated else out
 
+    def _stream(self, dropout):
+        """The dropout stream of this rank's heads over the whole sequence."""
+        return dropout.stream("ulysses", self.index) if dropout is not None else None
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.packing is not None
         layout = Layout.BSHE if packed else spec.layout
@@ -192,7 +196,8 @@ class Ulysses(SequenceSchedule):
             out_h = torch.zeros_like(q_h)
             lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
         else:
-            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale)
+            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
+                                        self._stream(dropout))
         (out,) = self._to_sequence([out_h], layout, [spec.heads], spec)
         (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads], spec,
                                    padding=float("-inf"))
@@ -210,7 +215,7 @@ class Ulysses(SequenceSchedule):
             grads = [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
         else:
             grads = call.backward(kernel, dout_h, q_h, k_h, v_h, out_h, lse_h.squeeze(-1),
-                                  spec.softmax_scale)
+                                  spec.softmax_scale, self._stream(dropout))
         heads = [spec.heads, spec.kv_heads, spec.kv_heads]
         grads = self._to_sequence(list(grads), layout, heads, spec)
         return tuple(as_packed(g) for g in grads) if packed else tuple(grads)

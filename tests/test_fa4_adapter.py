@@ -108,7 +108,8 @@ def test_fa4_has_no_dropout(monkeypatch):
     monkeypatch.setattr(fa4, "import_error", lambda: None)
     assert get("fa4").unavailable_reason(spec(), torch.device("cuda")) is None
     reason = get("fa4").unavailable_reason(spec(dropout_p=0.1), torch.device("cuda"))
-    assert reason == "kernel 'fa4' has no dropout; use kernel='nvfuser' for dropout_p > 0"
+    assert reason == ("kernel 'fa4' has no dropout; use kernel='nvfuser' or 'flash' (or "
+                      "'reference') for dropout_p > 0")
 
 
 @pytest.mark.parametrize("causal,window,cu_k,shift", [
