@@ -303,6 +303,7 @@ def padding(seqlens: Seqlens, t_q: int, t_k: int, mask, device) -> Padding | Non
         return Padding(count, length, {"q": None, "k": None}, {"q": None, "k": None})
     slots = {"q": _rows((i * length["q"], n) for i, (_, _, n, _) in enumerate(spans)),
              "k": _rows((i * length["k"], m) for i, (*_, m) in enumerate(spans))}
-    tokens = {"q": _rows((a, n) for a, _, n, _ in spans), "k": _rows((b, m) for _, b, _, m in spans)}
+    tokens = {"q": _rows((a, n) for a, _, n, _ in spans),
+              "k": _rows((b, m) for _, b, _, m in spans)}
     return Padding(count, length, {side: t.to(device) for side, t in tokens.items()},
                    {side: t.to(device) for side, t in slots.items()})
