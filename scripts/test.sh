@@ -8,7 +8,7 @@
 # collects no tests. Extra arguments go to every pytest run (e.g. -x, -k ring).
 #
 # Environment: SDPA_FUSION_VENV (default .venv), SDPA_TEST_TIMEOUT_S (single-process stage,
-# default 480), SDPA_MPI_TIMEOUT_S (each mpirun stage, default 360).
+# default 900), SDPA_MPI_TIMEOUT_S (each mpirun stage, default 900).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
