@@ -154,11 +154,6 @@ class Schedule(abc.ABC):
                 f"schedule {self.name!r} does not take layout='thd' yet; use 'bshe' (pad "
                 f"sequences to one length) or run packed sequences with schedule=None"
             )
-        if spec.window is not None and self.size > 1 and self.sharded_dim == 2:
-            raise ValueError(
-                f"window={(spec.window.left, spec.window.right)} is not supported yet under the "
-                f"sequence schedule {self.name!r}; use head_parallel or one device"
-            )
 
     @abc.abstractmethod
     def forward(self, q, k, v, spec: AttentionSpec, kernel: Kernel, dropout: Dropout | None = None):

@@ -118,6 +118,14 @@ class SequenceSchedule(Schedule):
         """The ``owner`` of the packings this rank uses (see ``LocalPacking.owner``)."""
         return ((self.partition, self.size, self.index),)
 
+    def local_spec(self, spec):
+        """This rank's part of the global ``spec`` (packed: with its packing, made on the host;
+        what ``describe`` plans with)."""
+        if spec.layout.is_varlen:
+            split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
+            return spec.replace(packing=split.part(self.index))
+        return spec.replace(q_len=spec.q_len // self.size, kv_len=spec.kv_len // self.size)
+
     def local_tokens(self, spec) -> int:
         """Tokens (K/V rows) each rank holds for the global ``spec``."""
         if spec.layout.is_varlen:

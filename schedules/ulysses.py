@@ -17,7 +17,8 @@ goes to the P / kv_heads ranks whose query heads use it, and their dK/dV are sum
 Backward repeats the first all-to-all for dout, q, k, v and out (and lse), runs the local
 backward and returns dq, dk, dv the same way. Nothing is kept between forward and backward.
 
-Any partition works, causal included: the tokens are attended in global order. Packed
+Any partition works, causal and sliding windows included: the tokens are attended in global
+order, the window over the whole sequence (per sequence when packed). Packed
 sequences: each rank's real tokens go to their place among the real tokens of the whole
 packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
 """
@@ -113,7 +114,7 @@ class Ulysses(SequenceSchedule):
         """The kernel call over the whole sequence of this rank's heads (None: no token)."""
         if spec.packing is not None:
             return self._packed_plan(spec)[1]
-        return DenseCall(slice(None), slice(None), spec.causal)
+        return DenseCall(slice(None), slice(None), spec.causal, spec.window)
 
     def _packed_plan(self, spec):
         packing = spec.packing
@@ -122,9 +123,10 @@ class Ulysses(SequenceSchedule):
             place, lengths = packed_placement(packing.split), packing.split.lengths
             every = torch.arange(place.length)
             return place, packed_call(every, lengths, every, lengths, causal=spec.causal,
-                                      tokens=(place.length, place.length), device=packing.device)
+                                      tokens=(place.length, place.length), device=packing.device,
+                                      window=spec.window)
 
-        return packing.cached(("ulysses", spec.causal), build)
+        return packing.cached(("ulysses", spec.causal, spec.window), build)
 
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""

@@ -160,7 +160,7 @@ class Kernel(abc.ABC):
             return (f"kernel {self.name!r} has no dropout; use kernel='nvfuser' or 'flash' (or "
                     f"'reference') for dropout_p > 0")
         if spec.window is not None and not self.supports_window:
-            return f"kernel {self.name!r} has no sliding window; use kernel='flash' or 'reference'"
+            return f"kernel {self.name!r} has no sliding window; use kernel={_window_kernels()}"
         return self._unavailable_reason(spec, device)
 
     def _unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
@@ -286,6 +286,12 @@ def register(kernel: Kernel) -> Kernel:
     """Make ``kernel`` available by its name to ``get`` and ``attention(kernel=...)``."""
     _REGISTRY[kernel.name] = kernel
     return kernel
+
+
+def _window_kernels() -> str:
+    """The registered kernels with sliding windows, as a phrase: 'fa4', 'flash' or 'reference'."""
+    quoted = [repr(name) for name, k in sorted(_REGISTRY.items()) if k.supports_window]
+    return " or ".join(filter(None, [", ".join(quoted[:-1]), quoted[-1]]))
 
 
 def names() -> list[str]:

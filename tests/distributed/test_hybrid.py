@@ -548,3 +548,14 @@ def test_describe_matches_the_communicators(meshes, shape, inner, outer, layout)
     for c, cost in zip(comms, d.dims):
         assert (c.stats.bytes_sent, c.stats.bytes_received) == (
             cost.description.backward_bytes_sent, cost.description.backward_bytes_received), cost.dim
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+def test_sliding_window(meshes, shape, inner, outer):
+    """The outer schedule masks the window over its partition of the sequence."""
+    causal, window = (True, (3, 0)) if outer == "ring" else (False, (2, 5))
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    problem = problem_for(shape, causal=causal, window=window)
+    assert_matches(problem, run_schedule(sched, problem))
