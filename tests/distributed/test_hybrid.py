@@ -553,9 +553,16 @@ def test_describe_matches_the_communicators(meshes, shape, inner, outer, layout)
 @shapes
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("outer", OUTERS)
-def test_sliding_window(meshes, shape, inner, outer):
-    """The outer schedule masks the window over its partition of the sequence."""
+@pytest.mark.parametrize("layout", ["bhse", "thd"])
+def test_sliding_window(meshes, shape, inner, outer, layout):
+    """The outer schedule masks the window over its partition of the sequence (packed: of
+    every sequence, user padding included)."""
     causal, window = (True, (3, 0)) if outer == "ring" else (False, (2, 5))
     sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    if layout == "thd":
+        problem = make_packed([2 * shape[0] * shape[1] + 1, 0, 9], h=2 * shape[0], h_kv=shape[0],
+                              slack=[1, 2, 0], causal=causal, scale=0.4, window=window)
+        assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
+        return
     problem = problem_for(shape, causal=causal, window=window)
     assert_matches(problem, run_schedule(sched, problem))
