@@ -14,6 +14,7 @@ import inspect
 from sdpa_fusion.agreement import agree
 from sdpa_fusion.mesh import Mesh
 
+from . import batch  # noqa: F401  (schedules.batch: a model's batch over the ranks)
 from .allgather import AllGather
 from .base import Description, Schedule
 from .head_parallel import HeadParallel

@@ -23,18 +23,27 @@ Packed sequences: the same calls, each one varlen call over every sequence. The 
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
 local tokens against the other ranks' real tokens of that sequence before the run (full
 mask, so the keys may stay in the gathered order: rank, then local slot).
+
+Sliding windows: the own block and every other rank's block (``others`` then in rank order)
+are split into the calls of ``schedules.bands``, each a window in its own coordinates; blocks
+the window does not reach make no call.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish, fold
+from sdpa_fusion.merge import accumulators, finish
 
+from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
+                    window_band)
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import add_rows, as_block, as_packed, packed_call, part_call
+from .calls import (DenseCall, as_block, as_packed, backward_calls, fold_calls, packed_call,
+                    part_call)
 from .sequence import SequenceSchedule
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
@@ -65,17 +74,11 @@ def gathered_calls(indices: torch.Tensor, kv_len: int, kv_local: int,
 def packed_runs(split) -> torch.Tensor:
     """[P, T_local]: the run of consecutive positions each real local token belongs to,
     counted from 0 in its sequence's part; -1 for padding."""
-    pos, real, slot = split.positions, split.real, split.slot
-    start = real.clone()
-    start[:, 1:] &= (pos[:, 1:] != pos[:, :-1] + 1) | (slot[1:] == 0)
-    seen = torch.cumsum(start.long(), dim=1)
-    first = split.offsets[:-1].clamp(max=max(split.tokens - 1, 0))
-    before = (seen - start.long())[:, first]  # runs of the earlier sequences' parts
-    return torch.where(real, seen - 1 - before[:, split.seq], -1)
+    return run_index(split.positions, split.real, split.seq)
 
 
 def packed_plan(packing, causal: bool):
-    """(own call, gathered calls) of this rank on packed sequences; gathered calls take their
+    """(own calls, gathered calls) of this rank on packed sequences; gathered calls take their
     keys from every rank's part, gathered in rank order ([P * T_local] rows)."""
     split, r = packing.split, packing.rank
     own = part_call(packing, r, (0, split.storage), (0, split.storage), causal)
@@ -99,7 +102,32 @@ def packed_plan(packing, causal: bool):
                            tokens=(split.tokens, split.parts * split.tokens), device=split.device)
         if call is not None:
             calls.append(call)
-    return own, calls
+    return [own] if own is not None else [], calls
+
+
+def window_plan(spec, mask, partition, parts: int, rank: int):
+    """(own calls, gathered calls) of ``rank`` under the band ``mask``: ``bands`` calls of its
+    block and of every other rank's block (rank order: dense ``others``, packed gathered)."""
+    packing = spec.packing
+    if packing is None:
+        return _dense_window_plan(mask, partition, parts, rank, spec.q_len, spec.kv_len)
+    runs, _ = spec_runs(spec, partition, parts)
+    t, device = packing.tokens, packing.device
+    own = packed_calls(runs, rank, rank, mask, tokens=(t, t), device=device)
+    return own, [call for j in range(parts) if j != rank
+                 for call in packed_calls(runs, rank, j, mask, tokens=(t, parts * t),
+                                          device=device, key_base=j * t)]
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_window_plan(mask, partition, parts, rank, s_q, s_kv):
+    """``window_plan`` of a dense rank holding ``s_q`` queries and ``s_kv`` keys."""
+    runs_q = dense_runs(partition, s_q * parts, parts)
+    runs_k = dense_runs(partition, s_kv * parts, parts)
+    others = [j for j in range(parts) if j != rank]
+    own = dense_calls(runs_q, rank, runs_k, rank, mask)
+    return own, [call for slot, j in enumerate(others)
+                 for call in dense_calls(runs_q, rank, runs_k, j, mask, key_base=slot * s_kv)]
 
 
 class AllGather(SequenceSchedule):
@@ -107,6 +135,9 @@ class AllGather(SequenceSchedule):
 
     def validate(self, spec):
         super().validate(spec)
+        if window_band(spec) is not None:  # causal is part of the window's band
+            check_runs(spec, self.partition, self.size, self.name)
+            return
         if not spec.causal:
             return
         if spec.packing is not None:
@@ -126,14 +157,39 @@ class AllGather(SequenceSchedule):
                 f"schedule 'ring' for 'striped')"
             )
 
-    def _packed_plan(self, packing, causal: bool):
-        return packing.cached(("allgather", causal), lambda: packed_plan(packing, causal))
+    def _plan(self, spec):
+        """(own calls, calls over the gathered keys, others in rank order) of this rank's
+        local ``spec``: ``others`` holds the other ranks' tokens in global order, or in rank
+        order under a window. Packed plans are made once per packing."""
+        mask, packing = window_band(spec), spec.packing
+        if mask is not None:
+            build = functools.partial(window_plan, spec, mask, self.partition, self.size,
+                                      self.index)
+            if packing is None:
+                return (*build(), True)
+            return (*packing.cached(("allgather", mask), build), True)
+        if packing is not None:
+            return (*packing.cached(("allgather", spec.causal),
+                                    lambda: packed_plan(packing, spec.causal)), False)
+        own = [DenseCall(slice(None), slice(None), spec.causal)]
+        q_len, kv_len = spec.q_len * self.size, spec.kv_len * self.size
+        calls = gathered_calls(self.indices(q_len), kv_len, spec.kv_len, spec.causal)
+        return own, [DenseCall(rows, slice(0, n), False) for rows, n in calls], False
 
-    def _calls(self, q_len: int, kv_len: int, causal: bool):
-        return gathered_calls(self.indices(q_len), kv_len, kv_len // self.size, causal)
+    def _streams(self, dropout, part: str):
+        """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls,
+        one per call (``streams(i)``); None without dropout."""
+        if dropout is None:
+            return None
+        return lambda call: dropout.stream("allgather", self.index, part, call)
 
-    def _other_positions(self, kv_len: int, device):
+    def _other_positions(self, kv_len: int, device, rank_order: bool):
         """(rank, where its tokens go in ``others``) for every other rank."""
+        if rank_order:
+            s_local = kv_len // self.size
+            others = [j for j in range(self.size) if j != self.index]
+            return [(j, torch.arange(slot * s_local, (slot + 1) * s_local, device=device))
+                    for slot, j in enumerate(others)]
         positions = self.positions(kv_len, device)
         kept = torch.ones(kv_len, dtype=torch.long, device=device)
         kept[positions[self.index]] = 0
@@ -149,44 +205,38 @@ class AllGather(SequenceSchedule):
             others.index_copy_(2, slots, from_buffer(gathered[j], layout))
         return others
 
-    def _start_gather(self, k, v, layout):
+    def _start_gather(self, k, v, layout, rank_order: bool):
         """Start gathering K and V; also return where the other ranks' tokens go in ``others``."""
         pending = [self.comm.all_gather(to_buffer(t, layout)) for t in (k, v)]
-        return pending, self._other_positions(k.shape[2] * self.size, k.device)
+        return pending, self._other_positions(k.shape[2] * self.size, k.device, rank_order)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         if spec.packing is not None:
             return self._packed_forward(q, k, v, spec, kernel)
         layout, scale = spec.layout, spec.softmax_scale
-        pending, positions = self._start_gather(k, v, layout)
-        out_acc, lse_acc = accumulators(q, layout)
-        local = kernel.forward(q, k, v, causal=spec.causal, scale=scale)
-        out_acc, lse_acc = fold(out_acc, lse_acc, *local)
+        own, calls, rank_order = self._plan(spec)
+        pending, positions = self._start_gather(k, v, layout, rank_order)
+        out_acc, lse_acc = fold_calls(own, kernel, q, k, v, scale, *accumulators(q, layout),
+                                      self._streams(dropout, "own"))
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
-            o, lse = kernel.forward(q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], causal=False,
-                                    scale=scale)
-            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
+        out_acc, lse_acc = fold_calls(calls, kernel, q, k_o, v_o, scale, out_acc, lse_acc,
+                                      self._streams(dropout, "gathered"))
         return finish(out_acc, q.dtype, layout), lse_acc
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         if spec.packing is not None:
             return self._packed_backward(dout, q, k, v, out, lse, spec, kernel)
         layout, scale = spec.layout, spec.softmax_scale
-        pending, positions = self._start_gather(k, v, layout)
-        dq, *own = kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale)
-        dq = dq.float()
+        own, calls, rank_order = self._plan(spec)
+        pending, positions = self._start_gather(k, v, layout, rank_order)
+        dq, *mine = (accumulators(t, layout)[0] for t in (q, k, v))
+        backward_calls(own, kernel, dout, q, k, v, out, lse, scale, dq, mine,
+                       self._streams(dropout, "own"))
         k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
         others = [torch.zeros_like(t, dtype=torch.float32) for t in (k_o, v_o)]
-        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
-            dq_b, *grads = kernel.backward(
-                dout[:, :, rows], q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], out[:, :, rows],
-                lse[:, :, rows].contiguous(), causal=False, scale=scale,
-            )
-            dq[:, :, rows] += dq_b
-            for acc, g in zip(others, grads):
-                acc[:, :, :n] += g
-        dk, dv = self._reduce_scatter(own, others, positions, layout)
+        backward_calls(calls, kernel, dout, q, k_o, v_o, out, lse, scale, dq, others,
+                       self._streams(dropout, "gathered"))
+        dk, dv = self._reduce_scatter(mine, others, positions, layout)
         return finish(dq, q.dtype, layout), finish(dk, k.dtype, layout), finish(dv, v.dtype, layout)
 
     def _reduce_scatter(self, own, others, positions, layout):
@@ -201,21 +251,17 @@ class AllGather(SequenceSchedule):
         return [from_buffer(g, layout) for g in mine]
 
     def _packed_forward(self, q, k, v, spec, kernel):
-        own, calls = self._packed_plan(spec.packing, spec.causal)
+        own, calls, _ = self._plan(spec)
         pending = [self.comm.all_gather(t) for t in (k, v)]
         q, k, v = (as_block(t) for t in (q, k, v))
-        out_acc, lse_acc = accumulators(q)
-        if own is not None:
-            o, lse = own.forward(kernel, q, k, v, spec.softmax_scale)
-            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=own.rows)
+        scale = spec.softmax_scale
+        out_acc, lse_acc = fold_calls(own, kernel, q, k, v, scale, *accumulators(q))
         k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
-        for call in calls:
-            o, lse = call.forward(kernel, q, k_all, v_all, spec.softmax_scale)
-            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
+        out_acc, lse_acc = fold_calls(calls, kernel, q, k_all, v_all, scale, out_acc, lse_acc)
         return as_packed(finish(out_acc, q.dtype, layout_of(q))), lse_acc
 
     def _packed_backward(self, dout, q, k, v, out, lse, spec, kernel):
-        own, calls = self._packed_plan(spec.packing, spec.causal)
+        own, calls, _ = self._plan(spec)
         pending = [self.comm.all_gather(t) for t in (k, v)]
         tokens, scale = k.shape[0], spec.softmax_scale
         dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
@@ -223,17 +269,11 @@ class AllGather(SequenceSchedule):
         # fp32 dK/dV of every gathered token: [dK | dV] x [rank 0 | rank 1 | ...]
         sums = torch.zeros((2, self.size * tokens, *k.shape[1::2]), dtype=torch.float32,
                            device=k.device)
-        if own is not None:
-            dq_b, *grads = own.backward(kernel, dout, q, k, v, out, lse, scale)
-            add_rows(dq, own.rows, dq_b)
-            for acc, g in zip(sums, grads):
-                add_rows(as_block(acc[self.index * tokens:(self.index + 1) * tokens]), own.keys, g)
+        mine = [as_block(acc[self.index * tokens:(self.index + 1) * tokens]) for acc in sums]
+        backward_calls(own, kernel, dout, q, k, v, out, lse, scale, dq, mine)
         k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
-        for call in calls:
-            dq_b, *grads = call.backward(kernel, dout, q, k_all, v_all, out, lse, scale)
-            add_rows(dq, call.rows, dq_b)
-            for acc, g in zip(sums, grads):
-                add_rows(as_block(acc), call.keys, g)
+        backward_calls(calls, kernel, dout, q, k_all, v_all, out, lse, scale, dq,
+                       [as_block(acc) for acc in sums])
         dk, dv = self.comm.reduce_scatter(sums.unflatten(1, (self.size, tokens)).transpose(0, 1))
         return (as_packed(finish(dq, q.dtype, layout_of(q))),
                 dk.to(k.dtype), dv.to(v.dtype))
@@ -254,12 +294,10 @@ class AllGather(SequenceSchedule):
 
     def _work(self, spec) -> tuple[int, float]:
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
+        local = self.local_spec(spec)
+        own, calls, _ = self._plan(local)
         if spec.layout.is_varlen:
-            split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
-            own, calls = packed_plan(split.part(self.index), spec.causal)
-            done = [c for c in (own, *calls) if c is not None]
-            return len(done), sum(c.pairs for c in done)
-        q_local = spec.q_len // self.size
-        calls = self._calls(spec.q_len, spec.kv_len, spec.causal)
-        pairs = q_local * (spec.kv_len // self.size) * (0.5 if spec.causal else 1.0)
-        return 1 + len(calls), pairs + sum((rows.stop - rows.start) * n for rows, n in calls)
+            return len(own) + len(calls), sum(c.pairs for c in own + calls)
+        pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
+            sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
+        return len(own) + len(calls), pairs

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from sdpa_fusion.agreement import agree, canonical
 from sdpa_fusion.kernels import Dropout, Kernel
-from sdpa_fusion.layout import Layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
 from sdpa_fusion.waiting import MeshTimeout
@@ -119,14 +119,15 @@ class Schedule(abc.ABC):
         with self.comm.running(f"schedule {self.name!r} over {self.dim}={self.size}, {what}"):
             yield
 
-    def placements(self, length: int) -> list:
-        """The DTensor placements (one per mesh dim) of this rank's shards when the sharded dim
-        has ``length`` entries; a ValueError when no placement describes them."""
+    def placements(self, shape) -> list:
+        """The DTensor placements (one per mesh dim) of this rank's shards of a tensor of
+        global logical ``shape``; a ValueError when no placement describes them."""
         from torch.distributed.tensor import Replicate, Shard
 
         placements = [Replicate()] * len(self.mesh.names)
         if self.sharded_dim is None or self.size == 1:
             return placements
+        length = shape[self.sharded_dim] if len(shape) > self.sharded_dim else 1
         if length not in self._contiguous:
             probe = torch.arange(length).view([length if d == self.sharded_dim else 1 for d in range(4)])
             mine = self.shard(probe).flatten()
@@ -153,16 +154,6 @@ class Schedule(abc.ABC):
                 f"schedule {self.name!r} does not take layout='thd' yet; use 'bshe' (pad "
                 f"sequences to one length) or run packed sequences with schedule=None"
             )
-        if spec.window is not None and self.size > 1 and self.sharded_dim == 2:
-            raise ValueError(
-                f"window={(spec.window.left, spec.window.right)} is not supported yet under the "
-                f"sequence schedule {self.name!r}; use head_parallel or one device"
-            )
-        if spec.dropout_p > 0 and self.size > 1:
-            raise ValueError(
-                f"dropout_p={spec.dropout_p} is not supported under the multidevice schedule "
-                f"{self.name!r} (shards would draw the same random mask); use dropout_p=0"
-            )
 
     @abc.abstractmethod
     def forward(self, q, k, v, spec: AttentionSpec, kernel: Kernel, dropout: Dropout | None = None):
@@ -187,21 +178,21 @@ class Schedule(abc.ABC):
             )
         return None
 
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
         """This rank's part of a full tensor, in ``layout`` (differentiable); packed tensors
         (``layout='thd'``) take the global ``cu_seqlens`` (and ``cu_seqlens_padded``)."""
-        layout = Layout.of(layout)
+        layout = shard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
         _check_divisible(t, self.sharded_dim, self.size, self.name)
         return layout.to(t.chunk(self.size, dim=self.sharded_dim)[self.index])
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's local part; differentiable,
         the gradient of the full tensor flowing back to this rank's part."""
-        layout = Layout.of(layout)
+        layout = unshard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
         return layout.to(self.gather(t, self.sharded_dim))
@@ -221,6 +212,20 @@ class Schedule(abc.ABC):
               fix="unshard on every rank this rank's part of one tensor (e.g. the output of "
                   "attention with this schedule)")
         return gather_cat(t, dim, self.group, self.size, self.index)
+
+    # ---- a model's batch (schedules.batch) ------------------------------------------------
+    @property
+    def token_splits(self) -> tuple:
+        """The sequence schedules that split a batch's tokens over this schedule's ranks, inner
+        first; none here: every rank holds every token."""
+        return ()
+
+    @property
+    def head_split(self):
+        """The ``head_parallel`` schedule that splits the heads of a model's activations over
+        this schedule's ranks (``shard(t, replicated=True)``), or None: local tensors keep
+        every head."""
+        return None
 
     def __repr__(self) -> str:
         where = f"{self.dim}={self.size}" if self.mesh is not None else "one device"

@@ -96,15 +96,9 @@ class Communicator:
                 f"must make the same transfers in the same order ({e})"
             ) from e
 
-    @property
-    def next_rank(self) -> int:
-        """Global rank after this one on the ring of the line."""
-        return self.ranks[(self.index + 1) % self.size]
-
-    @property
-    def previous_rank(self) -> int:
-        """Global rank before this one on the ring of the line."""
-        return self.ranks[(self.index - 1) % self.size]
+    def peer(self, hops: int) -> int:
+        """Global rank ``hops`` after this one on the ring of the line (before when < 0)."""
+        return self.ranks[(self.index + hops) % self.size]
 
     def count(self, sent: int, received: int) -> None:
         """Record a transfer of ``sent`` and ``received`` bytes."""

@@ -41,6 +41,11 @@ class Partition(abc.ABC):
         """Sequence lengths must be divisible by this."""
         return parts
 
+    def stride(self, parts: int) -> int:
+        """Distance between the positions of consecutive local tokens inside one run of a
+        rank's tokens (what a sliding window's band is scaled by): 1, or P for ``striped``."""
+        return 1
+
     def check(self, seq_len: int, parts: int) -> None:
         m = self.multiple(parts)
         if seq_len % m:
@@ -110,6 +115,9 @@ class LoadBalanced(Partition):
 
 class Striped(Partition):
     name = "striped"
+
+    def stride(self, parts):
+        return parts
 
     def position(self, slot, length, parts, rank):
         return rank + slot * parts

@@ -19,11 +19,12 @@ from sdpa_fusion.mesh import VirtualMesh
 from sdpa_fusion.spec import AttentionSpec
 
 from .base import Description
-from .hybrid import buffer_bytes
+from .dim_costs import buffer_bytes
 
 # schedules that fold partial outputs and gradients into fp32 accumulators (out in forward;
-# dQ, dK, dV in backward)
+# dQ, dK, dV in backward), and those whose communication buffers ``buffer_bytes`` knows
 _ACCUMULATES = ("ring", "allgather", "hybrid")
+_BUFFERED = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +135,10 @@ def _memory(schedule, spec: AttentionSpec, local: AttentionSpec,
     if schedule.name == "hybrid":
         dims = description.dims
         buffers = (sum(d.memory for d in dims), sum(d.backward_memory for d in dims))
+    elif schedule.name in _BUFFERED:
+        buffers = buffer_bytes(schedule, spec)
     else:
-        buffers = buffer_bytes(schedule.name, spec, description.ranks)
+        buffers = (0, 0)
     return Memory(
         tensors=(2 * q + 2 * kv) * size + lse, accumulators=4 * q + lse if accumulates else 0,
         buffers=buffers[0],

@@ -25,6 +25,11 @@ Packed sequences: each step is one varlen kernel call over every sequence, the s
 applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
 made once per packing). The blocks are the whole local K/V, padding included, so every
 block has one size.
+
+Sliding windows: each step's calls come from ``bands`` (every call a window in its own rows
+and keys; none for a block the window does not reach), and the ring takes only the steps at
+which some rank's queries see a key of the block. A shift then sends the block, and in
+backward its dK/dV sums, straight to the rank of its next step: several hops at once.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ import enum
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish, fold
+from sdpa_fusion.merge import accumulators, finish
 
+from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import DenseCall, PackedCall, add_rows, as_block, as_packed, part_call, put_rows
+from .calls import (DenseCall, PackedCall, add_rows, as_block, as_packed, fold_calls, part_call,
+                    put_rows)
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
 from .transport import Mover, RingData, check_transport, mover
@@ -124,6 +131,28 @@ def _add_rows(acc, grads, keys) -> None:
         add_rows(a, keys, g)
 
 
+def _sum_calls(calls, grads_of, arrive, *, start: bool = False):
+    """Add the dK/dV of every call (``grads_of(i, call)``) into the fp32 sums that ``arrive()``
+    returns, called once the first call's gradients exist (so that a transfer bringing the
+    sums overlaps that call); with ``start`` the sums begin here (``_start_sums``). Returns
+    the sums."""
+    acc = None
+    for n, call in enumerate(calls):
+        grads = grads_of(n, call)
+        if n == 0:
+            acc = arrive()
+        if n == 0 and start:
+            _start_sums(acc, grads, call.keys)
+        else:
+            _add_rows(acc, grads, call.keys)
+        del grads  # free the call's dK/dV before the next kernel call
+    if acc is None:
+        acc = arrive()
+        if start:
+            _start_sums(acc, None, None)
+    return acc
+
+
 class Ring(SequenceSchedule):
     """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``)."""
 
@@ -136,7 +165,9 @@ class Ring(SequenceSchedule):
 
     def validate(self, spec):
         super().validate(spec)
-        if spec.causal and not isinstance(self.partition, (Contiguous, LoadBalanced, Striped)):
+        if window_band(spec) is not None:  # causal is part of the window's band
+            check_runs(spec, self.partition, self.size, self.name)
+        elif spec.causal and not isinstance(self.partition, (Contiguous, LoadBalanced, Striped)):
             raise ValueError(
                 f"ring attention with causal=True takes partition 'load_balanced', 'contiguous' "
                 f"or 'striped', not {self.partition.name!r}; use causal=False, one of those, or "
@@ -156,9 +187,19 @@ class Ring(SequenceSchedule):
         memory, which torch.cuda.memory_allocated does not count)."""
         return sum(m.kept_bytes for m in self._movers.values())
 
+    def _steps(self, spec, s_q: int, s_kv: int) -> list[tuple[int, list]]:
+        """(step, kernel calls) of every ring step this rank takes, in order: at step i the
+        block of rank (r - i) mod P. Every step without a window; with one, only the steps
+        at which some rank's queries see a key (``bands.ring_plan``). Packed calls are made
+        once per packing."""
+        mask = window_band(spec)
+        if mask is not None:
+            return ring_plan(spec, mask, self.partition, self.size, self.index)
+        calls = self._calls(spec, s_q, s_kv)
+        return [(step, [] if call is None else [call]) for step, call in enumerate(calls)]
+
     def _calls(self, spec, s_q: int, s_kv: int) -> list:
-        """The kernel call (or None) of every ring step of this rank, in step order: at step
-        i the block of rank (r - i) mod P. Packed calls are made once per packing."""
+        """The kernel call (or None) of every ring step of this rank without a window."""
         sources = [(self.index - step) % self.size for step in range(self.size)]
 
         def case(source):
@@ -170,11 +211,26 @@ class Ring(SequenceSchedule):
         return packing.cached(("ring", spec.causal),
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
+    def _step_count(self, spec) -> int:
+        """Steps every rank takes for the global ``spec`` (the own block's included)."""
+        if window_band(spec) is None:
+            return self.size
+        local = self.local_spec(spec)
+        return len(self._steps(local, local.q_len, local.kv_len))
+
     def _ring_buffers(self, k, v, *dtypes):
         """A double-buffered ring buffer of blocks shaped like k and v, one per dtype."""
         layout = layout_of(k)
         datas = [RingData((tuple(k.shape), tuple(v.shape)), dtype, layout) for dtype in dtypes]
         return self.mover(k.device).ring_buffers(datas, k.device)
+
+    def _streams(self, dropout, step: int):
+        """The dropout streams of this rank's queries against the block of ring step ``step``,
+        one per kernel call of the step (``streams(i)``); None without dropout."""
+        if dropout is None:
+            return None
+        source = (self.index - step) % self.size
+        return lambda call: dropout.stream("ring", self.index, source, call)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
@@ -182,17 +238,16 @@ class Ring(SequenceSchedule):
             q, k, v = (as_block(t) for t in (q, k, v))
         scale = spec.softmax_scale
         out_acc, lse_acc = accumulators(q)
+        steps = self._steps(spec, q.shape[2], k.shape[2])
         current, pending = (k, v), None
-        if self.size > 1:
+        if len(steps) > 1:
             (blocks,) = self._ring_buffers(k, v, k.dtype)
             blocks.load(0, (k, v))
-        for step, call in enumerate(self._calls(spec, q.shape[2], k.shape[2])):
-            if step + 1 < self.size:
-                pending = blocks.shift(step % 2, (step + 1) % 2)
-            if call is not None:
-                o, lse = call.forward(kernel, q, *current, scale)
-                out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
-                del o, lse  # free the block's output before the next kernel call
+        for i, (step, calls) in enumerate(steps):
+            if i + 1 < len(steps):  # the next step's block, straight from the rank holding it
+                pending = blocks.shift(i % 2, (i + 1) % 2, hops=steps[i + 1][0] - step)
+            out_acc, lse_acc = fold_calls(calls, kernel, q, *current, scale, out_acc, lse_acc,
+                                          self._streams(dropout, step))
             if pending is not None:
                 current, pending = tuple(pending.wait()), None
         out = finish(out_acc, q.dtype, layout_of(q))
@@ -203,38 +258,39 @@ class Ring(SequenceSchedule):
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         dq = accumulators(q)[0]
-        own, *remote = self._calls(spec, q.shape[2], k.shape[2])
+        (_, own), *remote = self._steps(spec, q.shape[2], k.shape[2])
 
-        def block_grads(call, kb, vb):
-            """(dK, dV) of the call's key rows; its dQ goes into dq."""
-            if call is None:
-                return None
-            dq_b, *grads = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale)
-            add_rows(dq, call.rows, dq_b)
+        def grads_of(kb, vb, step):
+            streams = self._streams(dropout, step)
+
+            def grads(i, call):
+                """(dK, dV) of the key rows of the step's call i; its dQ goes into dq."""
+                dq_b, *g = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale,
+                                         streams and streams(i))
+                add_rows(dq, call.rows, dq_b)
+                return g
             return grads
 
         if remote:
             blocks, sums = self._ring_buffers(k, v, k.dtype, torch.float32)
             blocks.load(0, (k, v))
-            pending_kv, pending_sums = blocks.shift(0, 1), None
-        for step, call in enumerate(remote, start=1):
+            pending_kv, pending_sums = blocks.shift(0, 1, hops=remote[0][0]), None
+        for i, (step, calls) in enumerate(remote, start=1):
             current = pending_kv.wait()
-            if step + 1 < self.size:
-                pending_kv = blocks.shift(step % 2, (step + 1) % 2)
-            grads, keys = block_grads(call, *current), call and call.keys
-            acc = sums.tensors(step % 2)
-            if pending_sums is None:
-                _start_sums(acc, grads, keys)
-            else:
-                pending_sums.wait()  # acc holds the block's sums from the earlier ranks
-                _add_rows(acc, grads, keys)
-            del grads  # free the block's dK/dV before the next kernel call
-            pending_sums = sums.shift(step % 2, (step + 1) % 2)
+            # to the rank of the next step with this block, or home after the last one
+            hops = (remote[i][0] if i < len(remote) else self.size) - step
+            if i < len(remote):
+                pending_kv = blocks.shift(i % 2, (i + 1) % 2, hops=hops)
+            if pending_sums is None:  # the block's sums start here
+                slot = sums.tensors(i % 2)
+                _sum_calls(calls, grads_of(*current, step), lambda: slot, start=True)
+            else:  # the slot holds the block's sums from the earlier ranks once they arrive
+                _sum_calls(calls, grads_of(*current, step), pending_sums.wait)
+            pending_sums = sums.shift(i % 2, (i + 1) % 2, hops=hops)
         # the own block last: its backward runs while the own sums make their last hop home
-        grads = block_grads(own, k, v)
+        home = _sum_calls(own, grads_of(k, v, 0), pending_sums.wait if remote else
+                          lambda: [accumulators(t)[0] for t in (k, v)])
         dq = finish(dq, q.dtype, layout_of(q))
-        home = pending_sums.wait() if remote else [accumulators(t)[0] for t in (k, v)]
-        _add_rows(home, grads, own and own.keys)
         kv_layout = layout_of(k)
         dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(home, (k, v)))
         if packed:
@@ -243,14 +299,16 @@ class Ring(SequenceSchedule):
 
     def describe(self, spec):
         p = self.size
+        steps = self._step_count(spec)
         kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
         forward = spec.flops() / p
+        shifts = steps - 1
         return Description(
-            self.name, p, steps=p, bytes_sent=(p - 1) * kv_bytes, bytes_received=(p - 1) * kv_bytes,
-            flops=forward, backward_steps=p,
-            backward_bytes_sent=(p - 1) * (kv_bytes + kv_block * 4),
-            backward_bytes_received=(p - 1) * (kv_bytes + kv_block * 4),
+            self.name, p, steps=steps, bytes_sent=shifts * kv_bytes,
+            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps,
+            backward_bytes_sent=shifts * (kv_bytes + kv_block * 4),
+            backward_bytes_received=shifts * (kv_bytes + kv_block * 4),
             backward_flops=spec.flops(backward=True) / p - forward,
             notes=f"partition {self.partition.name}; transport {self.transport}; K/V blocks of "
                   f"{kv_bytes} bytes, fp32 dK/dV blocks of {kv_block * 4} bytes",

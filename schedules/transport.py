@@ -2,8 +2,9 @@
 
 A ring schedule keeps what travels (K/V blocks, fp32 dK/dV sums) in *slots*: equal pieces of
 one flat byte buffer per rank. ``shift(src, dst)`` fills this rank's slot ``dst`` with the
-previous rank's slot ``src`` while this rank's slot ``src`` goes to the next rank. Every rank
-makes the same shifts in the same order.
+previous rank's slot ``src`` while this rank's slot ``src`` goes to the next rank
+(``hops=h``: the rank h before, the rank h after; a ring that skips steps). Every rank makes
+the same shifts in the same order.
 
     blocks, sums = mover(comm, "auto", device).ring_buffers(
         [RingData((k.shape, v.shape), k.dtype, layout), ...], device)
@@ -95,14 +96,15 @@ class RingBuffer:
         for target, t in zip(self.tensors(slot), tensors):
             target.copy_(t)
 
-    def shift(self, src: int, dst: int) -> Pending:
-        """Start filling slot ``dst`` with the previous rank's slot ``src`` (this rank's slot
-        ``src`` goes to the next rank); ``wait()`` returns ``tensors(dst)``."""
+    def shift(self, src: int, dst: int, hops: int = 1) -> Pending:
+        """Start filling slot ``dst`` with slot ``src`` of the rank ``hops`` before this one
+        (this rank's slot ``src`` goes to the rank ``hops`` after it); ``wait()`` returns
+        ``tensors(dst)``."""
         works = self._mover.shift(self._flat, self._offsets[src], self._offsets[dst],
-                                  self.data.used)
+                                  self.data.used, hops)
         comm = self._mover.comm
         return comm.pending(works, self.tensors(dst), f"ring shift: send to rank "
-                            f"{comm.next_rank}, receive from rank {comm.previous_rank}")
+                            f"{comm.peer(hops)}, receive from rank {comm.peer(-hops)}")
 
 
 class Mover:
@@ -131,9 +133,9 @@ class Mover:
         """A flat byte buffer of at least ``nbytes`` for this call's slots."""
         raise NotImplementedError
 
-    def shift(self, flat: torch.Tensor, src: int, dst: int, nbytes: int) -> list:
-        """Start moving ``flat[src:src+nbytes]`` to the next rank and the previous rank's
-        into ``flat[dst:dst+nbytes]``; the works to wait for."""
+    def shift(self, flat: torch.Tensor, src: int, dst: int, nbytes: int, hops: int = 1) -> list:
+        """Start moving ``flat[src:src+nbytes]`` to the rank ``hops`` after this one and that
+        of the rank ``hops`` before into ``flat[dst:dst+nbytes]``; the works to wait for."""
         raise NotImplementedError
 
 
@@ -145,11 +147,11 @@ class P2PMover(Mover):
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def shift(self, flat, src, dst, nbytes):
+    def shift(self, flat, src, dst, nbytes, hops=1):
         comm = self.comm
         send, recv = flat[src:src + nbytes], flat[dst:dst + nbytes]
-        ops = [dist.P2POp(dist.isend, send, comm.next_rank, comm.group),
-               dist.P2POp(dist.irecv, recv, comm.previous_rank, comm.group)]
+        ops = [dist.P2POp(dist.isend, send, comm.peer(hops), comm.group),
+               dist.P2POp(dist.irecv, recv, comm.peer(-hops), comm.group)]
         comm.count(nbytes, nbytes)
         return dist.batch_isend_irecv(ops)
 
@@ -162,7 +164,8 @@ class CopyEngineMover(Mover):
 
     def __init__(self, comm):
         super().__init__(comm)
-        self._flat = self._handle = self._peer = None
+        self._flat = self._handle = None
+        self._peers: dict[int, torch.Tensor] = {}  # hops -> the buffer of the rank hops before
         self._stream = None
         self._timeout_ms = int(comm.timeout.total_seconds() * 1000)  # the mesh's timeout
 
@@ -177,23 +180,29 @@ class CopyEngineMover(Mover):
             flat = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
             # every rank's earlier transfers have finished before any old buffer goes away
             torch.cuda.synchronize(device)
-            handle = symm_mem.rendezvous(flat, self.comm.group)
-            previous = dist.get_group_rank(self.comm.group, self.comm.previous_rank)
-            self._peer = handle.get_buffer(previous, (nbytes,), torch.uint8, 0)
-            self._flat, self._handle = flat, handle
+            self._handle = symm_mem.rendezvous(flat, self.comm.group)
+            self._flat, self._peers = flat, {}
             self._stream = torch.cuda.Stream(device=device)
         # no neighbour still reads this buffer for an earlier call
         self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
         return self._flat
 
-    def shift(self, flat, src, dst, nbytes):
+    def _peer(self, hops: int) -> torch.Tensor:
+        """The buffer of the rank ``hops`` before this one, mapped here (made once)."""
+        if hops not in self._peers:
+            peer = dist.get_group_rank(self.comm.group, self.comm.peer(-hops))
+            self._peers[hops] = self._handle.get_buffer(peer, (self._flat.numel(),), torch.uint8, 0)
+        return self._peers[hops]
+
+    def shift(self, flat, src, dst, nbytes, hops=1):
         stream = self._stream
+        peer = self._peer(hops)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # after the barrier every rank has finished its work so far, so the previous
-            # rank's slot src is ready and the next rank has read our slot dst
+            # after the barrier every rank has finished its work so far, so the source rank's
+            # slot src is ready and the rank that read our slot dst has read it
             self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
-            flat[dst:dst + nbytes].copy_(self._peer[src:src + nbytes])
+            flat[dst:dst + nbytes].copy_(peer[src:src + nbytes])
             event = torch.cuda.Event()
             event.record(stream)
         self.comm.count(nbytes, nbytes)

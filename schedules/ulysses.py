@@ -17,7 +17,8 @@ goes to the P / kv_heads ranks whose query heads use it, and their dK/dV are sum
 Backward repeats the first all-to-all for dout, q, k, v and out (and lse), runs the local
 backward and returns dq, dk, dv the same way. Nothing is kept between forward and backward.
 
-Any partition works, causal included: the tokens are attended in global order. Packed
+Any partition works, causal and sliding windows included: the tokens are attended in global
+order, the window over the whole sequence (per sequence when packed). Packed
 sequences: each rank's real tokens go to their place among the real tokens of the whole
 packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
 """
@@ -46,6 +47,11 @@ class Placement:
     length: int
     local: int
     parts: list
+
+    @property
+    def complete(self) -> bool:
+        """Whether the parts fill every row of the whole sequence (else the rest is zeros)."""
+        return sum(len(slots) for _, slots in self.parts) == self.length
 
 
 def packed_placement(split) -> Placement:
@@ -108,7 +114,7 @@ class Ulysses(SequenceSchedule):
         """The kernel call over the whole sequence of this rank's heads (None: no token)."""
         if spec.packing is not None:
             return self._packed_plan(spec)[1]
-        return DenseCall(slice(None), slice(None), spec.causal)
+        return DenseCall(slice(None), slice(None), spec.causal, spec.window)
 
     def _packed_plan(self, spec):
         packing = spec.packing
@@ -117,9 +123,10 @@ class Ulysses(SequenceSchedule):
             place, lengths = packed_placement(packing.split), packing.split.lengths
             every = torch.arange(place.length)
             return place, packed_call(every, lengths, every, lengths, causal=spec.causal,
-                                      tokens=(place.length, place.length), device=packing.device)
+                                      tokens=(place.length, place.length), device=packing.device,
+                                      window=spec.window)
 
-        return packing.cached(("ulysses", spec.causal), build)
+        return packing.cached(("ulysses", spec.causal, spec.window), build)
 
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
@@ -136,6 +143,8 @@ class Ulysses(SequenceSchedule):
             place = self._placement(spec, s, tensors[i].device)
             out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
+            if not place.complete:
+                out.zero_()
             for blocks, (rows, slots) in zip(received, place.parts):
                 out.index_copy_(2, slots, take(blocks[i], rows))
             outs.append(out)
@@ -179,6 +188,10 @@ class Ulysses(SequenceSchedule):
                 target.copy_(block)
         return finish(out, blocks[0].dtype, layout) if replicated else out
 
+    def _stream(self, dropout):
+        """The dropout stream of this rank's heads over the whole sequence."""
+        return dropout.stream("ulysses", self.index) if dropout is not None else None
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.packing is not None
         layout = Layout.BSHE if packed else spec.layout
@@ -190,7 +203,8 @@ class Ulysses(SequenceSchedule):
             out_h = torch.zeros_like(q_h)
             lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
         else:
-            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale)
+            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
+                                        self._stream(dropout))
         (out,) = self._to_sequence([out_h], layout, [spec.heads], spec)
         (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads], spec,
                                    padding=float("-inf"))
@@ -208,7 +222,7 @@ class Ulysses(SequenceSchedule):
             grads = [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
         else:
             grads = call.backward(kernel, dout_h, q_h, k_h, v_h, out_h, lse_h.squeeze(-1),
-                                  spec.softmax_scale)
+                                  spec.softmax_scale, self._stream(dropout))
         heads = [spec.heads, spec.kv_heads, spec.kv_heads]
         grads = self._to_sequence(list(grads), layout, heads, spec)
         return tuple(as_packed(g) for g in grads) if packed else tuple(grads)

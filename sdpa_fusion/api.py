@@ -17,7 +17,7 @@ from . import kernels
 from .agreement import agree
 from .kernels import Dropout, Kernel
 from .kernels.base import like_layout
-from .layout import Layout
+from .layout import Layout, tensor_layout
 from .local import local_backward, local_forward
 from .spec import AttentionSpec
 
@@ -47,13 +47,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", schedule=None,
+def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", schedule=None,
          dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None) -> Plan:
     """Check this rank's call and choose the kernel, without communicating: the ValueError
     of a bad argument is raised here on this rank (``attention`` raises it on every rank)."""
-    _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded)
+    q_layout = tensor_layout("q", q, layout)  # "auto": read from q
+    _check_arguments(schedule, causal, q_layout, cu_seqlens, cu_seqlens_padded)
     packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
-        if schedule is not None and Layout.of(layout).is_varlen else None
+        if schedule is not None and q_layout.is_varlen else None
     if packing is not None:  # the global packing, split: this rank's lengths
         cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
     spec = AttentionSpec.from_tensors(
@@ -82,7 +83,7 @@ def _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded) ->
         )
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be True or False, not a {type(causal).__name__}")
-    varlen = Layout.of(layout).is_varlen
+    varlen = layout.is_varlen
     for name, value in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
         if value is not None and not varlen:
             raise ValueError(
@@ -119,7 +120,8 @@ def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, call: int):
-        dropout = Dropout(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
+        q, k, v = (plan.spec.layout.to(t) for t in (q, k, v))  # layout="auto": one layout
+        dropout = Dropout.draw(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
         if plan.schedule is None:
             out, lse = local_forward(plan.kernel, q, k, v, plan.spec, dropout)
         else:
@@ -143,7 +145,7 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-              layout: Layout | str = "bhse", kernel: str | Kernel = "auto", schedule=None,
+              layout: Layout | str = "auto", kernel: str | Kernel = "auto", schedule=None,
               dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None,
               window=None) -> torch.Tensor:
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
@@ -153,7 +155,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     any rank raises the same ValueError on every rank). ``kernel`` names the local kernel
     ("auto", "cudnn", "fa4", "flash", "nvfuser", "reference"). ``window=(left, right)`` keeps
     key j for query i when ``i - left <= j <= i + right`` (top-left aligned, per sequence when
-    packed; None on a side is unbounded). Differentiable in q, k, v.
+    packed; None on a side is unbounded). ``layout="auto"`` reads each tensor's memory order
+    (k and v are copied to q's when they differ); an explicit layout that a tensor contradicts
+    is a ValueError. Differentiable in q, k, v.
     DTensors whose placements describe the schedule's shards are accepted and a DTensor is
     returned.
     """

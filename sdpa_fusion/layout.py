@@ -6,6 +6,10 @@ says how that shape is laid out in memory:
 - ``bhse``: a contiguous [B, H, S, E] buffer.
 - ``bshe``: a contiguous [B, S, H, E] buffer viewed as [B, H, S, E] (``t.transpose(1, 2)``).
 - ``thd``: a packed [T, H, E] buffer of several sequences, delimited by ``cu_seqlens``.
+
+``"auto"`` (``tensor_layout``) reads each tensor's own layout from its dims and strides; an
+explicit layout that a tensor's shape or strides contradict is a ValueError. A natural
+[B, S, H, E] tensor is passed as its logical view ``t.transpose(1, 2)`` (BSHE).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class Layout(enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             known = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"layout={value!r} is not a known layout; use one of {known}") from None
+            raise ValueError(f"layout={value!r} is not a known layout; use one of {known} (or "
+                             f"'auto': read from the tensors)") from None
 
     def __str__(self) -> str:
         return self.value
@@ -77,6 +82,12 @@ class Layout(enum.Enum):
 
     def to(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of logical tensor ``t`` in this layout (``t`` itself when it already is)."""
+        if t.dim() != self.ndim:
+            raise ValueError(
+                f"a tensor of {t.dim()} dims (shape {list(t.shape)}) has no layout "
+                f"{self.value!r}, which takes {'[T, H, E]' if self is Layout.THD else '[B, H, S, E]'}"
+                f" tensors; a model's [B, S, ...] batch tensors go through schedules.batch"
+            )
         if has_layout(t, self):
             return t
         out = self.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -103,6 +114,54 @@ def has_layout(t: torch.Tensor, layout: Layout) -> bool:
     return True
 
 
+AUTO = "auto"
+
+
+def layout_of(t: torch.Tensor) -> Layout:
+    """The layout ``t``'s memory order gives a logical [B, H, S, E] tensor: BSHE when its heads
+    are inner to its tokens in memory, else BHSE."""
+    return Layout.BSHE if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else Layout.BHSE
+
+
+def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
+    """The layout of tensor ``t`` (called ``name`` in errors): ``layout`` itself, checked
+    against t's shape and strides (a ValueError when they contradict it), or for ``"auto"``
+    read from t: THD for a 3-D tensor, else BHSE or BSHE by memory order (``layout_of``)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(layout, str) and layout.lower() == AUTO:
+        if t.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} has {t.dim()} dims (shape {list(t.shape)}); attention tensors are "
+                f"logical [B, H, S, E] (layout 'bhse' or 'bshe') or packed [T, H, E] (layout "
+                f"'thd'). Shard a model's [B, S, ...] batch tensors with schedules.batch"
+            )
+        return Layout.THD if t.dim() == 3 else layout_of(t)
+    layout = Layout.of(layout)
+    check_layout(name, t, layout)
+    return layout
+
+
+def shard_layout(t: torch.Tensor, layout: "Layout | str") -> Layout:
+    """The layout in which ``schedule.shard``/``unshard`` read ``t``: ``tensor_layout`` for
+    dense layouts and "auto"; 'thd' takes packed [T, ...] tensors of any trailing dims."""
+    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
+        if Layout.of(layout) is Layout.THD:
+            return Layout.THD
+    return tensor_layout("t", t, layout)
+
+
+def unshard_layout(t, layout: "Layout | str") -> Layout:
+    """The layout in which ``schedule.unshard`` returns the full tensor: ``layout``, or for
+    "auto" the local part's (BHSE for what is no attention tensor: the agreed gather that
+    follows reports it on every rank)."""
+    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
+        return Layout.of(layout)
+    if isinstance(t, torch.Tensor) and t.dim() in (3, 4):
+        return Layout.THD if t.dim() == 3 else layout_of(t)
+    return Layout.BHSE
+
+
 def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
     """Raise a ValueError naming ``name`` unless ``t`` really has ``layout``."""
     if t.dim() != layout.ndim:
@@ -115,8 +174,8 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
         hint = {
             Layout.BHSE: "pass t.contiguous(), or layout='bshe' if it is a [B,S,H,E] buffer "
             "viewed as [B,H,S,E]",
-            Layout.BSHE: "pass t.transpose(1, 2).contiguous().transpose(1, 2), or layout='bhse' "
-            "for a contiguous [B,H,S,E] tensor",
+            Layout.BSHE: "a [B,S,H,E] tensor is passed as t.transpose(1, 2) (its logical "
+            "[B,H,S,E] view); pass layout='bhse' for a contiguous [B,H,S,E] tensor, or 'auto'",
             Layout.THD: "pass t.contiguous()",
         }[layout]
         raise ValueError(

@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from .layout import (Layout, check_cu_seqlens, check_layout, check_offsets, check_padding,
-                     seqlens_of)
+from .layout import (Layout, check_cu_seqlens, check_offsets, check_padding, seqlens_of,
+                     tensor_layout)
 from .mask import Window, band, visible_pairs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -145,7 +145,7 @@ class AttentionSpec:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        layout: Layout | str = Layout.BHSE,
+        layout: Layout | str = "auto",
         causal: bool = False,
         scale: float | None = None,
         dropout_p: float = 0.0,
@@ -153,12 +153,11 @@ class AttentionSpec:
         cu_seqlens_padded: torch.Tensor | None = None,
         window=None,
     ) -> "AttentionSpec":
-        """Build and validate the spec of q, k, v, checking that each has ``layout``."""
-        layout = Layout.of(layout)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            check_layout(name, t, layout)
+        """Build and validate the spec of q, k, v, checking that each has ``layout``; with
+        ``"auto"`` each tensor's own layout is read and the spec takes the query's (the caller
+        brings k and v to it: ``spec.layout.to(t)``)."""
+        layout = _common_layout(
+            [tensor_layout(name, t, layout) for name, t in (("q", q), ("k", k), ("v", v))])
         if k.shape != v.shape:
             raise ValueError(
                 f"k {list(k.shape)} and v {list(v.shape)} must have the same shape"
@@ -194,3 +193,14 @@ class AttentionSpec:
             dtype=q.dtype, causal=bool(causal), scale=scale, dropout_p=float(dropout_p),
             layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded, window=window,
         ).validate()
+
+
+def _common_layout(layouts: list[Layout]) -> Layout:
+    """The query's layout, once q, k and v are all packed or all dense."""
+    if len({layout.is_varlen for layout in layouts}) > 1:
+        shown = ", ".join(f"{n} {layout.value}" for n, layout in zip("qkv", layouts))
+        raise ValueError(
+            f"q, k, v must be all packed [T, H, E] (layout 'thd') or all logical [B, H, S, E], "
+            f"got {shown}"
+        )
+    return layouts[0]

@@ -98,7 +98,7 @@ def test_bhse_tensor_claimed_as_bshe():
 def test_non_dense_tensor_is_not_bhse():
     sliced = bhse(e=32)[..., :16]
     with pytest.raises(ValueError, match=r"^q .*strides.* does not have the layout 'bhse'"):
-        spec_of(sliced, bhse())
+        spec_of(sliced, bhse(), layout="bhse")
 
 
 def test_unknown_layout():

@@ -109,7 +109,7 @@ def test_padded_way_matches_torch_per_sequence(lengths, left, kv_heads, seed):
 def test_padded_way_without_copies_when_sequences_share_one_length(causal):
     seqlens = packed_seqlens(cumulative([6, 6, 6]))
     plan = packed.padding(seqlens, 18, 18, band(causal, None), torch.device("cpu"))
-    assert plan.slots["q"] is None and (plan.count, plan.length) == (3, 6)
+    assert plan.slots["q"] is None and (plan.count, plan.length) == (3, {"q": 6, "k": 6})
     q, k, v, dout = packed_inputs(seqlens, 2, 0)
     got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, causal, None)
     check_per_sequence(got, q, k, v, dout, seqlens, causal, None, assert_close, sdpa_oracle)
@@ -119,11 +119,21 @@ def test_padded_way_refuses_what_padding_would_get_wrong():
     seqlens = packed_seqlens(cumulative([3, 5]))
     q, k, v, _ = packed_inputs(seqlens, 4, 0)
     with pytest.raises(KernelUnavailable, match="padding keys would be attended"):
-        Padded("reference").varlen_forward(q, k, v, seqlens, causal=False, scale=SCALE)
-    uneven = Seqlens((0, 3), (0, 5))
-    q, k, v, _ = packed_inputs(uneven, 4, 0)
-    with pytest.raises(KernelUnavailable, match="as many queries as keys"):
-        Padded("reference").varlen_forward(q, k, v, uneven, causal=True, scale=SCALE)
+        sdpa_fusion.attention(q, k, v, layout="thd", cu_seqlens=[0, 3, 8],
+                              kernel=Padded("reference"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cu_k", [(0, 5, 10, 15), (0, 5, 7, 12)], ids=["one-shape", "uneven"])
+def test_padded_way_runs_the_calls_of_a_schedule(causal, cu_k, assert_close, sdpa_oracle):
+    """Calls with other shapes than the problem's (a ring block: 3 queries, 5 keys each) pad
+    to one dense call when they share one shape, else go through the kernel's varlen call."""
+    seqlens = Seqlens((0, 3, 6, 9), cu_k)
+    q, k, v, dout = packed_inputs(seqlens, 2, 0)
+    one_shape = packed.padding(seqlens, 9, 15, band(causal, None), torch.device("cpu"))
+    assert (one_shape is not None) == (cu_k == (0, 5, 10, 15))
+    got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, causal, None)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, None, assert_close, sdpa_oracle)
 
 
 # ---- the split way: long sequences one by one, short ones in one varlen call --------------------

@@ -17,7 +17,6 @@ import sdpa_fusion
 from sdpa_fusion import AttentionSpec, Layout
 from sdpa_fusion.kernels import Kernel, KernelUnavailable, get
 from sdpa_fusion.mask import Window, band, visible, visible_pairs
-from schedules.base import Schedule
 from tests.conftest import visible as oracle_visible
 
 WINDOWS = [(3, 0), (0, 0), (2, 5), (None, 1), (4, None), (None, None)]
@@ -113,19 +112,9 @@ def test_kernels_without_a_window_say_so():
     spec = AttentionSpec(batch=1, heads=2, kv_heads=2, q_len=8, kv_len=8, head_dim=8,
                          window=(2, 0))
     assert _NoWindow().unavailable_reason(spec, torch.device("cpu")) == \
-        "kernel 'plain' has no sliding window; use kernel='flash' or 'reference'"
+        "kernel 'plain' has no sliding window; use kernel='fa4', 'flash' or 'reference'"
     assert get("flash").supports_window and get("reference").supports_window
     assert not get("cudnn").supports_window and not get("nvfuser").supports_window
-
-
-def test_sequence_schedules_refuse_a_window_until_they_carry_it():
-    spec = AttentionSpec(batch=1, heads=2, kv_heads=2, q_len=8, kv_len=8, head_dim=8,
-                         window=(2, 0))
-    ring = types.SimpleNamespace(name="ring", size=2, sharded_dim=2)
-    with pytest.raises(ValueError, match=r"^window=\(2, 0\) is not supported yet under the sequence "
-                                         r"schedule 'ring'; use head_parallel or one device"):
-        Schedule.validate(ring, spec)
-    Schedule.validate(types.SimpleNamespace(name="head_parallel", size=2, sharded_dim=1), spec)
 
 
 def test_explain_names_the_window(rng):

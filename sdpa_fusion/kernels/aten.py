@@ -17,8 +17,8 @@ import torch
 
 from ..mask import band
 from ..spec import AttentionSpec
-from .base import (Dropout, Kernel, Seqlens, expand_kv_heads, get, like_layout, reduce_kv_heads,
-                   register)
+from .base import (Dropout, Kernel, Seqlens, expand_kv_heads, get, like_layout, on_cuda,
+                   reduce_kv_heads, register)
 from .flash_window import flash_call, flash_cut, flash_window
 
 aten = torch.ops.aten
@@ -52,10 +52,13 @@ class FlashKernel(Kernel):
 
     name = "flash"
     supports_window = True
+    supports_dropout = True
 
     def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
         if spec.head_dim > 256:
             return f"kernel 'flash' supports head_dim <= 256, got {spec.head_dim}"
+        if spec.dropout_p > 0 and spec.window is not None:
+            return "kernel 'flash' takes dropout without a sliding window only; use window=None"
         return None
 
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
@@ -69,11 +72,15 @@ class FlashKernel(Kernel):
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         if rows == 0:
             return torch.zeros_like(q), lse
-        o, l, *_ = aten._flash_attention_forward(
-            *(t.transpose(1, 2) for t in (q[:, :, :rows], k[:, :, :keys], v[:, :, :keys])),
-            None, None, rows, keys, 0.0, win.causal, False, scale=scale,
-            window_size_left=win.left, window_size_right=win.right,
-        )
+        p = dropout.p if dropout is not None else 0.0
+        with on_cuda(dropout, q.device):
+            o, l, *state, _ = aten._flash_attention_forward(
+                *(t.transpose(1, 2) for t in (q[:, :, :rows], k[:, :, :keys], v[:, :, :keys])),
+                None, None, rows, keys, p, win.causal, False, scale=scale,
+                window_size_left=win.left, window_size_right=win.right,
+            )
+        if p > 0:
+            dropout.state = tuple(state)  # philox seed and offset, replayed by the backward
         lse[:, :, :rows] = _no_key_to_minus_inf(l)
         return _filled(o.transpose(1, 2), q), lse
 
@@ -91,9 +98,10 @@ class FlashKernel(Kernel):
         grads = aten._flash_attention_backward(
             *(t.transpose(1, 2) for t in (dout[:, :, :rows], q[:, :, :rows], k[:, :, :keys],
                                           v[:, :, :keys], out[:, :, :rows])),
-            _no_key_to_plus_inf(lse[:, :, :rows]).contiguous(), None, None, rows, keys, 0.0,
-            win.causal, *_rng_state(q.device), scale=scale, window_size_left=win.left,
-            window_size_right=win.right,
+            _no_key_to_plus_inf(lse[:, :, :rows]).contiguous(), None, None, rows, keys,
+            dropout.p if dropout is not None else 0.0, win.causal,
+            *(dropout.state if dropout is not None and dropout.p > 0 else _rng_state(q.device)),
+            scale=scale, window_size_left=win.left, window_size_right=win.right,
         )
         return tuple(_filled(g.transpose(1, 2), t) for g, t in zip(grads, (q, k, v)))
 

@@ -7,8 +7,10 @@
   dense kernel at full speed on long sequences, but every call costs host time;
 - ``Padded(kernel)``: one dense call on the sequences padded to the longest (free when they
   have one length and fill the pack, a copy in and out otherwise). Padding keys sit after
-  each sequence, so this needs a mask that hides later keys (causal, or a window whose right
-  side is 0) or sequences of one length;
+  each sequence, so this needs sequences of one shape (queries x keys, any mask), or as many
+  queries as keys and a mask that hides later keys (causal, or a window whose right side is
+  0). A call it cannot pad exactly (a schedule's block of other shapes) goes through the
+  kernel's own varlen call;
 - ``Split(kernel, short, min_long)``: sequences of ``min_long`` tokens or more one by one
   through ``kernel``, the others in one varlen call of ``short``: long documents at the
   dense kernel's full speed, short ones without a host call each.
@@ -29,7 +31,7 @@ import torch
 
 from ..mask import band
 from ..spec import AttentionSpec
-from .base import Kernel, KernelUnavailable, Seqlens, backward_each, forward_each, get
+from .base import Kernel, Seqlens, backward_each, forward_each, get
 from .cost import COPY_BYTES_PER_S, per_sequence_seconds, sequence_work, speed, varlen_seconds
 
 
@@ -170,6 +172,10 @@ class Padded(Way):
         """Why padding cannot run packed ``spec`` exactly, or None."""
         return _unfit([(n, n) for _, n in spec.sequences()], band(spec.causal, spec.window))
 
+    def unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
+        reason = super().unavailable_reason(spec, device)
+        return reason or (self.unfit_reason(spec) if spec.layout.is_varlen else None)
+
     def estimate(self, spec):
         if self.unfit_reason(spec) is not None:
             return math.inf
@@ -187,6 +193,9 @@ class Padded(Way):
 
     def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
         pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
+        if pad is None:
+            return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                              window=window)
         if pad.count == 0:
             return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
                                           window=window)
@@ -198,6 +207,9 @@ class Padded(Way):
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
         pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
+        if pad is None:
+            return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                               scale=scale, window=window)
         if pad.count == 0:
             return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
                                            scale=scale, window=window)
@@ -210,27 +222,28 @@ class Padded(Way):
 
 @dataclasses.dataclass(frozen=True)
 class Padding:
-    """Where the tokens of packed sequences sit in a dense [N, H, m, E] batch: ``tokens[side]``
-    are the packed rows of the real tokens, ``slots[side]`` their rows in the flat [N*m]
-    batch (both None when the pack is that batch already: N sequences of m tokens)."""
+    """Where the tokens of packed sequences sit in a dense [N, H, m, E] batch, m =
+    ``length[side]`` ("q" or "k"): ``tokens[side]`` are the packed rows of the real tokens,
+    ``slots[side]`` their rows in the flat [N*m] batch (both None when the pack is that batch
+    already: N sequences of m tokens)."""
 
     count: int
-    length: int
+    length: dict
     tokens: dict
     slots: dict
 
     def dense(self, t: torch.Tensor, side: str) -> torch.Tensor:
         """Packed [T, H, E] -> dense BSHE [N, H, m, E], zeros in the padding."""
-        shape = (self.count, self.length, *t.shape[1:])
+        shape = (self.count, self.length[side], *t.shape[1:])
         if self.slots[side] is None:
             return t.reshape(shape).transpose(1, 2)
-        flat = t.new_zeros(self.count * self.length, *t.shape[1:])
+        flat = t.new_zeros(self.count * self.length[side], *t.shape[1:])
         flat[self.slots[side]] = t[self.tokens[side]]
         return flat.view(shape).transpose(1, 2)
 
     def packed(self, dense: torch.Tensor, model: torch.Tensor, side: str) -> torch.Tensor:
         """Dense [N, H, m, E] -> packed like ``model``, zeros on tokens outside the sequences."""
-        flat = dense.transpose(1, 2).reshape(self.count * self.length, *model.shape[1:])
+        flat = dense.transpose(1, 2).reshape(self.count * self.length[side], *model.shape[1:])
         if self.slots[side] is None:
             return flat
         out = torch.zeros_like(model)
@@ -251,16 +264,18 @@ class Padding:
         if self.slots["q"] is None:
             flat = lse
         else:
-            flat = lse.new_zeros(lse.shape[0], self.count * self.length)
+            flat = lse.new_zeros(lse.shape[0], self.count * self.length["q"])
             flat[:, self.slots["q"]] = lse[:, self.tokens["q"]]
-        return flat.view(lse.shape[0], self.count, self.length).transpose(0, 1).contiguous()
+        return flat.view(lse.shape[0], self.count, self.length["q"]).transpose(0, 1).contiguous()
 
 
 def _unfit(lengths: list[tuple[int, int]], mask) -> str | None:
     """Why sequences of (queries, keys) ``lengths`` cannot be padded to one dense batch."""
     real = [(n, m) for n, m in lengths if n and m]
+    if len(set(real)) <= 1:  # one shape: no padding at all
+        return None
     if any(n != m for n, m in real):
-        return "padded: every sequence needs as many queries as keys"
+        return "padded: sequences of several shapes need as many queries as keys"
     if mask[1] != 0 and len({n for n, _ in real}) > 1:
         return ("padded: sequences of several lengths need a mask whose right side is 0 "
                 "(causal), else padding keys would be attended")
@@ -274,18 +289,21 @@ def _rows(spans) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def padding(seqlens: Seqlens, t_q: int, t_k: int, mask, device) -> Padding:
-    """The ``Padding`` of ``seqlens``; KernelUnavailable when padding cannot run them exactly."""
-    reason = _unfit(list(zip(seqlens.lengths_q, seqlens.lengths_k)), mask)
-    if reason is not None:
-        raise KernelUnavailable(reason)
-    spans = [(a, b, n) for a, b, n, m in zip(seqlens.cu_q, seqlens.cu_k, seqlens.lengths_q,
-                                              seqlens.lengths_k) if n and m]
-    count, length = len(spans), max((n for *_, n in spans), default=0)
-    if t_q == t_k == count * length and all(a == b == i * length for i, (a, b, _) in
-                                            enumerate(spans)):
+def padding(seqlens: Seqlens, t_q: int, t_k: int, mask, device) -> Padding | None:
+    """The ``Padding`` of ``seqlens``; None when padding cannot run them exactly (``_unfit``)."""
+    if _unfit(list(zip(seqlens.lengths_q, seqlens.lengths_k)), mask) is not None:
+        return None
+    spans = [(a, b, n, m) for a, b, n, m in zip(seqlens.cu_q, seqlens.cu_k, seqlens.lengths_q,
+                                                 seqlens.lengths_k) if n and m]
+    count = len(spans)
+    length = {"q": max((n for *_, n, _ in spans), default=0),
+              "k": max((m for *_, m in spans), default=0)}
+    if (t_q, t_k) == (count * length["q"], count * length["k"]) and all(
+            (a, b) == (i * length["q"], i * length["k"]) for i, (a, b, *_) in enumerate(spans)):
         return Padding(count, length, {"q": None, "k": None}, {"q": None, "k": None})
-    slots = _rows((i * length, n) for i, (*_, n) in enumerate(spans)).to(device)
-    tokens = {"q": _rows((a, n) for a, _, n in spans), "k": _rows((b, n) for _, b, n in spans)}
+    slots = {"q": _rows((i * length["q"], n) for i, (_, _, n, _) in enumerate(spans)),
+             "k": _rows((i * length["k"], m) for i, (*_, m) in enumerate(spans))}
+    tokens = {"q": _rows((a, n) for a, _, n, _ in spans),
+              "k": _rows((b, m) for _, b, _, m in spans)}
     return Padding(count, length, {side: t.to(device) for side, t in tokens.items()},
-                   {"q": slots, "k": slots})
+                   {side: t.to(device) for side, t in slots.items()})

@@ -9,6 +9,11 @@ gradient (no autograd), given the global out and lse of each query row:
     dV = P^T dO
     dS = P * (dO V^T - rowsum(dO * O))
     dQ = scale * dS K,   dK = scale * dS^T Q
+
+With dropout the kept probabilities D = P * M / (1 - p) replace P in the products with V
+(out = D V, dV = D^T dO, dS = P * (M / (1 - p) * dO V^T - rowsum(dO * O))); the keep mask M is
+drawn from a ``torch.Generator`` seeded with the call's ``Dropout.seed``, in forward and again
+in backward. lse is that of P (dropout is applied after the softmax).
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ def _probabilities(q, k, lse, *, causal, scale, window):
     return p, lse
 
 
+def _kept(p: torch.Tensor, dropout: Dropout | None) -> torch.Tensor:
+    """M / (1 - p) of the call's dropout stream, shaped like the probabilities ``p`` (1 without
+    dropout)."""
+    if dropout is None or dropout.p == 0:
+        return torch.ones((), device=p.device)
+    draw = torch.rand(p.shape, generator=dropout.generator(p.device), device=p.device)
+    return (draw >= dropout.p).float() / (1.0 - dropout.p)
+
+
 def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     """[B, H_kv, G, S, E] fp32 -> [B, H, S, E] in model's dtype and layout."""
     return like_layout(t.flatten(1, 2).to(model.dtype), model)
@@ -53,10 +67,11 @@ class ReferenceKernel(Kernel):
     name = "reference"
     gpu_only = False
     supports_window = True
+    supports_dropout = True
 
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
         p, lse = _probabilities(q, k, None, causal=causal, scale=scale, window=window)
-        out = torch.einsum("bhgqk,bhke->bhgqe", p, v.float())
+        out = torch.einsum("bhgqk,bhke->bhgqe", p * _kept(p, dropout), v.float())
         return _out(out, q), lse.flatten(1, 2).contiguous()
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
@@ -65,8 +80,9 @@ class ReferenceKernel(Kernel):
         p, _ = _probabilities(q, k, lse, causal=causal, scale=scale, window=window)
         do = _grouped(dout, kv_heads)
         delta = (do * _grouped(out, kv_heads)).sum(-1, keepdim=True)
-        dv = torch.einsum("bhgqk,bhgqe->bhke", p, do)
-        dp = torch.einsum("bhgqe,bhke->bhgqk", do, v.float())
+        kept = _kept(p, dropout)
+        dv = torch.einsum("bhgqk,bhgqe->bhke", p * kept, do)
+        dp = torch.einsum("bhgqe,bhke->bhgqk", do, v.float()) * kept
         ds = p * (dp - delta)
         dq = torch.einsum("bhgqk,bhke->bhgqe", ds, k.float()) * scale
         dk = torch.einsum("bhgqk,bhgqe->bhke", ds, _grouped(q, kv_heads)) * scale

@@ -13,6 +13,7 @@ import torch
 
 import sdpa_fusion
 from sdpa_fusion.kernels.reference import ReferenceKernel
+from sdpa_fusion.mask import Window
 
 
 @dataclasses.dataclass
@@ -27,6 +28,7 @@ class PackedProblem:
     cu_seqlens_padded: torch.Tensor | None
     causal: bool
     scale: float | None
+    window: tuple | None = None
     out: torch.Tensor = None
     dq: torch.Tensor = None
     dk: torch.Tensor = None
@@ -39,9 +41,10 @@ def _cumulative(lengths) -> torch.Tensor:
 
 
 def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale=None,
-                dtype=torch.float32, device="cpu", seed=0) -> PackedProblem:
+                dtype=torch.float32, device="cpu", seed=0, window=None) -> PackedProblem:
     """Sequences of ``lengths`` tokens; ``slack[i]`` extra padding slots after sequence i
-    (given as ``cu_seqlens_padded``) when ``slack`` is not None."""
+    (given as ``cu_seqlens_padded``) when ``slack`` is not None; ``window`` a sliding window
+    (left, right) of every sequence."""
     g = torch.Generator().manual_seed(seed)
     cu = _cumulative(lengths)
     padded = None if slack is None else _cumulative([n + x for n, x in zip(lengths, slack)])
@@ -51,7 +54,8 @@ def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale
         return torch.randn(total, heads, e, generator=g).to(dtype=dtype, device=device)
 
     problem = PackedProblem(rand(h), rand(h_kv or h), rand(h_kv or h), rand(h), cu.to(device),
-                            None if padded is None else padded.to(device), causal, scale)
+                            None if padded is None else padded.to(device), causal, scale,
+                            window)
     _reference(problem)
     return problem
 
@@ -64,26 +68,39 @@ def sequences(problem: PackedProblem):
     return list(zip(starts.tolist(), [b - a for a, b in zip(cu, cu[1:])]))
 
 
+def global_positions(problem: PackedProblem) -> torch.Tensor:
+    """Position of every global token in its sequence, computed from the packing alone (0 in
+    the padding slots)."""
+    positions = torch.zeros(problem.q.shape[0], dtype=torch.long)
+    for start, n in sequences(problem):
+        positions[start:start + n] = torch.arange(n)
+    return positions
+
+
 def _reference(p: PackedProblem) -> None:
     """Out and gradients of the reference kernel, sequence by sequence (zero in padding)."""
     ref = ReferenceKernel()
     scale = p.scale if p.scale is not None else p.q.shape[-1] ** -0.5
+    masks = dict(causal=p.causal, scale=scale, window=Window.of(p.window))
     p.out, p.dq, p.dk, p.dv = (torch.zeros_like(t) for t in (p.q, p.q, p.k, p.v))
     for start, n in sequences(p):
         if n == 0:
             continue
         view = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (p.q, p.k, p.v, p.dout)]
         q, k, v, dout = view
-        out, lse = ref.forward(q, k, v, causal=p.causal, scale=scale)
-        grads = ref.backward(dout, q, k, v, out, lse, causal=p.causal, scale=scale)
+        out, lse = ref.forward(q, k, v, **masks)
+        grads = ref.backward(dout, q, k, v, out, lse, **masks)
         for full, got in zip((p.out, p.dq, p.dk, p.dv), (out, *grads)):
             full[start:start + n] = got[0].transpose(0, 1)
 
 
-def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=False):
+def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=False,
+               kv_copies=False):
     """Shard, run forward and backward through ``attention`` (with the global cu_seqlens, or
     the LocalPacking when ``local``), unshard: (out, dq, dk, dv) full on every rank. Checks
-    that the padding rows of this rank's results are exactly zero."""
+    that the padding rows of this rank's results are exactly zero. ``kv_copies``: dK and dV
+    are unsharded as the sums of their copies (``hybrid`` with K/V heads fewer than its
+    inner head_parallel ranks)."""
     cu, padded = problem.cu_seqlens, problem.cu_seqlens_padded
     kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=padded)
     q, k, v = (schedule.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
@@ -93,14 +110,16 @@ def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=Fa
     if local and packing is not None:
         args = dict(cu_seqlens=packing)
     out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale, layout="thd",
-                                kernel=kernel, schedule=schedule, **args)
+                                kernel=kernel, schedule=schedule, window=problem.window, **args)
     out.backward(dout)
     results = (out, q.grad, k.grad, v.grad)
     if packing is not None:
         padding = packing.token_index < 0
         for name, t in zip(("out", "dq", "dk", "dv"), results):
             assert not t[padding].any(), f"{name} is not zero on padding tokens"
-    return tuple(schedule.unshard(t, **kw) for t in results)
+    copies = dict(heads=problem.k.shape[1], copies="sum") if kv_copies else {}
+    return (*(schedule.unshard(t, **kw) for t in results[:2]),
+            *(schedule.unshard(t, **kw, **copies) for t in results[2:]))
 
 
 def assert_packed_matches(problem: PackedProblem, results, *, rtol=1e-5, atol=1e-5):

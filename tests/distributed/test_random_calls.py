@@ -37,7 +37,7 @@ SCHEDULES = {  # name -> partitions it takes (None: it splits heads)
 def short_mesh(mesh):
     if mesh.size() == 1:
         pytest.skip("runs under mpirun")
-    return sdpa_fusion.init_mesh((-1,), ("seq",), timeout=datetime.timedelta(seconds=30))
+    return sdpa_fusion.init_mesh((-1,), ("seq",), timeout=datetime.timedelta(seconds=120))
 
 
 @st.composite
