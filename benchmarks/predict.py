@@ -160,8 +160,9 @@ def _link(transport: str, block_bytes: float, results_dir: Path) -> tuple[Figure
     overlap = _interpolate({b: min(1.0, max(0.0, (during[b] - attention[b]) / r["median_ms"]))
                             for b, r in alone.items() if b in during and b in attention},
                            block_bytes)
-    source = (f"{impl} shifts of {block_bytes / 2**20:.0f} MiB: {gbps:.0f} GB/s alone, "
-              f"{overlap:.0%} of it not hidden by attention (ring_transport.json)")
+    source = (f"transfers of {block_bytes / 2**20:.0f} MiB at the {impl} ring-shift figures: "
+              f"{gbps:.0f} GB/s alone, {overlap:.0%} of a shift's time not hidden by attention "
+              f"(ring_transport.json)")
     return Figure(gbps * GB, source), overlap
 
 
