@@ -102,6 +102,19 @@ def _inverse(order: tuple[int, ...]) -> list[int]:
     return inv
 
 
+def exact_strides(t: torch.Tensor, memory_order) -> torch.Tensor:
+    """Dense ``t`` (dims nested in ``memory_order``, outermost first) as a view whose size-1
+    dims have the strides of that order too: torch leaves them free, nvFuser checks them
+    against a fusion's contiguity (a one-token sequence of a packed batch, a batch of one)."""
+    strides, expected = [0] * t.dim(), 1
+    for d in reversed(memory_order):
+        strides[d] = expected
+        expected *= t.shape[d]
+    if list(t.stride()) == strides:
+        return t
+    return t.as_strided(t.shape, strides, t.storage_offset())
+
+
 def has_layout(t: torch.Tensor, layout: Layout) -> bool:
     """Whether ``t`` is dense with its dims nested in ``layout``'s memory order."""
     if t.dim() != layout.ndim:

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ..layout import exact_strides
 from ..spec import AttentionSpec
 from .base import (Dropout, Kernel, expand_kv_heads, layout_of, on_cuda, reduce_kv_heads,
                    register)
@@ -82,7 +83,7 @@ class NvFuserKernel(Kernel):
                  window=None):
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
-        inputs = [*self._dense(spec, dout, q, k, v, out), lse.contiguous(),
+        inputs = [*self._dense(spec, dout, q, k, v, out), exact_strides(lse.contiguous(), range(3)),
                   *_rng_state(spec, dropout, q.device)]
         dq, dk, dv = self._fusion("SdpaBackward", spec).execute(inputs, **self._scalars(spec))
         return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
@@ -116,8 +117,9 @@ class NvFuserKernel(Kernel):
 
     @staticmethod
     def _dense(spec: AttentionSpec, *tensors):
-        """``tensors`` dense in the query's layout (themselves when they already are)."""
-        return [spec.layout.to(t) for t in tensors]
+        """``tensors`` dense in the query's layout (themselves when they already are), with
+        exactly the strides the fusion's inputs declare."""
+        return [exact_strides(spec.layout.to(t), spec.layout.memory_order) for t in tensors]
 
     @staticmethod
     def _scalars(spec: AttentionSpec) -> dict:
