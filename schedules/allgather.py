@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish, fold
+from sdpa_fusion.merge import Merged
 
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import add_rows, as_block, as_packed, packed_call, part_call
+from .calls import DenseCall, Sum, add_rows, as_block, as_packed, packed_call, part_call
 from .sequence import SequenceSchedule
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
@@ -132,6 +132,17 @@ class AllGather(SequenceSchedule):
     def _calls(self, q_len: int, kv_len: int, causal: bool):
         return gathered_calls(self.indices(q_len), kv_len, kv_len // self.size, causal)
 
+    def _plan(self, spec, q_len: int):
+        """(the own call, the calls over the gathered keys) of this rank: dense calls take
+        the other ranks' keys in global order (``_others``), packed calls every rank's keys
+        in rank order."""
+        if spec.packing is not None:
+            return self._packed_plan(spec.packing, spec.causal)
+        q_full, kv_full = q_len * self.size, spec.kv_len * self.size
+        own = DenseCall(slice(None), slice(None), spec.causal)
+        return own, [DenseCall(rows, slice(0, n), False)
+                     for rows, n in self._calls(q_full, kv_full, spec.causal)]
+
     def _other_positions(self, kv_len: int, device):
         """(rank, where its tokens go in ``others``) for every other rank."""
         positions = self.positions(kv_len, device)
@@ -139,6 +150,30 @@ class AllGather(SequenceSchedule):
         kept[positions[self.index]] = 0
         slot = kept.cumsum(0) - 1
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
+
+    def _gathers(self, spec, k, v, groups):
+        """(group, its K and V as the calls take them) for every head group; each group's
+        gather is started while the group before is attended."""
+        layout = layout_of(k)
+        positions = None if spec.packing else self._other_positions(k.shape[2] * self.size,
+                                                                    k.device)
+
+        def start(g):
+            if spec.packing is not None:
+                return [self.comm.all_gather(as_packed(g.of_kv(t))) for t in (k, v)]
+            return [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
+
+        pending = start(groups[0])
+        for index, g in enumerate(groups):
+            gathered = [p.wait() for p in pending]
+            if spec.packing is not None:
+                keys = [as_block(t.flatten(0, 1)) for t in gathered]
+            else:
+                keys = [self._others(t, positions, layout) for t in gathered]
+            del gathered
+            if index + 1 < len(groups):
+                pending = start(groups[index + 1])
+            yield g, keys, positions
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
         """The other ranks' tokens of a gathered [P, *buffer] tensor, in global token order."""
@@ -149,94 +184,79 @@ class AllGather(SequenceSchedule):
             others.index_copy_(2, slots, from_buffer(gathered[j], layout))
         return others
 
-    def _start_gather(self, k, v, layout):
-        """Start gathering K and V; also return where the other ranks' tokens go in ``others``."""
-        pending = [self.comm.all_gather(to_buffer(t, layout)) for t in (k, v)]
-        return pending, self._other_positions(k.shape[2] * self.size, k.device)
-
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        if spec.packing is not None:
-            return self._packed_forward(q, k, v, spec, kernel)
-        layout, scale = spec.layout, spec.softmax_scale
-        pending, positions = self._start_gather(k, v, layout)
-        out_acc, lse_acc = accumulators(q, layout)
-        local = kernel.forward(q, k, v, causal=spec.causal, scale=scale)
-        out_acc, lse_acc = fold(out_acc, lse_acc, *local)
-        k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
-            o, lse = kernel.forward(q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], causal=False,
-                                    scale=scale)
-            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=rows)
-        return finish(out_acc, q.dtype, layout), lse_acc
+        packed = spec.packing is not None
+        if packed:
+            q, k, v = (as_block(t) for t in (q, k, v))
+        own, calls = self._plan(spec, q.shape[2])
+        out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        groups, scale = self.groups_of(q, k), spec.softmax_scale
+        for g, (k_all, v_all), _ in self._gathers(spec, k, v, groups):
+            q_g = g.of_q(q)
+            merged = Merged(g.of_q(out), g.of_q(lse), blocks=2)  # own + one call per row
+            for call, keys in ((own, (g.of_kv(k), g.of_kv(v))), *((c, (k_all, v_all)) for c in calls)):
+                if call is not None:
+                    o, block_lse = call.forward(kernel, q_g, *keys, scale)
+                    merged.add(o, block_lse, rows=call.rows)
+                    del o, block_lse
+            merged.finish()
+        return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        if spec.packing is not None:
-            return self._packed_backward(dout, q, k, v, out, lse, spec, kernel)
-        layout, scale = spec.layout, spec.softmax_scale
-        pending, positions = self._start_gather(k, v, layout)
-        dq, *own = kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale)
-        dq = dq.float()
-        k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        others = [torch.zeros_like(t, dtype=torch.float32) for t in (k_o, v_o)]
-        for rows, n in self._calls(q.shape[2] * self.size, k.shape[2] * self.size, spec.causal):
-            dq_b, *grads = kernel.backward(
-                dout[:, :, rows], q[:, :, rows], k_o[:, :, :n], v_o[:, :, :n], out[:, :, rows],
-                lse[:, :, rows].contiguous(), causal=False, scale=scale,
-            )
-            dq[:, :, rows] += dq_b
-            for acc, g in zip(others, grads):
-                acc[:, :, :n] += g
-        dk, dv = self._reduce_scatter(own, others, positions, layout)
-        return finish(dq, q.dtype, layout), finish(dk, k.dtype, layout), finish(dv, v.dtype, layout)
+        packed = spec.packing is not None
+        if packed:
+            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+        own, calls = self._plan(spec, q.shape[2])
+        dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+                      for t in (q, k, v))
+        groups, scale = self.groups_of(q, k), spec.softmax_scale
+        for g, keys, positions in self._gathers(spec, k, v, groups):
+            args = [g.of_q(t) for t in (dout, q)], [g.of_q(t) for t in (out, lse)]
+            dq_sum = Sum(g.of_q(dq), 2)  # own + one call per row
+            own_grads = _grads(own, kernel, dq_sum, (g.of_kv(k), g.of_kv(v)), args, scale)
+            sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
+            for call in calls:
+                for acc, grad in zip(sums, _grads(call, kernel, dq_sum, keys, args, scale)):
+                    add_rows(acc, call.keys, grad)
+            del keys
+            dq_sum.finish()
+            for i, target in enumerate((g.of_kv(dk), g.of_kv(dv))):
+                own_grad = None if own is None else own_grads[i]
+                summed, sums[i] = sums[i], None
+                if packed:
+                    target.copy_(self._packed_scatter(own_grad, own and own.keys, summed))
+                else:
+                    target.copy_(self._scatter(own_grad, summed, positions, target))
+                del summed
+        if packed:
+            dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
+        return dq, dk, dv
 
-    def _reduce_scatter(self, own, others, positions, layout):
-        """dK, dV (fp32) of this rank's tokens: every rank's gradients of them, summed."""
-        shape = buffer_shape(own[0].shape, layout)
-        send = torch.empty((self.size, len(own), *shape), dtype=torch.float32, device=own[0].device)
-        for i, (g_own, g_others) in enumerate(zip(own, others)):
-            from_buffer(send[self.index, i], layout).copy_(g_own)
-            for j, slots in positions:
-                torch.index_select(g_others, 2, slots, out=from_buffer(send[j, i], layout))
-        mine = self.comm.reduce_scatter(send)
-        return [from_buffer(g, layout) for g in mine]
+    def _scatter(self, own, others, positions, like):
+        """This rank's tokens' dK (or dV), fp32, of a head group: every rank's gradients of
+        them, summed (``own``: this rank's own, None for none; ``others``: its fp32 sums of
+        the other ranks' tokens, in ``_others`` order); ``like``: the local tensor's layout."""
+        layout = layout_of(like)
+        send = torch.empty((self.size, *buffer_shape(like.shape, layout)), dtype=torch.float32,
+                           device=like.device)
+        for j, slots in positions:
+            torch.index_select(others, 2, slots, out=from_buffer(send[j], layout))
+        del others
+        mine = from_buffer(send[self.index], layout)
+        if own is None:
+            mine.zero_()
+        else:
+            mine.copy_(own)
+        return from_buffer(self.comm.reduce_scatter(send), layout)
 
-    def _packed_forward(self, q, k, v, spec, kernel):
-        own, calls = self._packed_plan(spec.packing, spec.causal)
-        pending = [self.comm.all_gather(t) for t in (k, v)]
-        q, k, v = (as_block(t) for t in (q, k, v))
-        out_acc, lse_acc = accumulators(q)
+    def _packed_scatter(self, own, own_keys, summed):
+        """This rank's tokens' dK (or dV) of a head group: the fp32 sums of every rank's
+        tokens (rank order), with this rank's own gradients added, reduce-scattered."""
+        tokens = summed.shape[2] // self.size
         if own is not None:
-            o, lse = own.forward(kernel, q, k, v, spec.softmax_scale)
-            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=own.rows)
-        k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
-        for call in calls:
-            o, lse = call.forward(kernel, q, k_all, v_all, spec.softmax_scale)
-            out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
-        return as_packed(finish(out_acc, q.dtype, layout_of(q))), lse_acc
-
-    def _packed_backward(self, dout, q, k, v, out, lse, spec, kernel):
-        own, calls = self._packed_plan(spec.packing, spec.causal)
-        pending = [self.comm.all_gather(t) for t in (k, v)]
-        tokens, scale = k.shape[0], spec.softmax_scale
-        dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        dq = accumulators(q)[0]
-        # fp32 dK/dV of every gathered token: [dK | dV] x [rank 0 | rank 1 | ...]
-        sums = torch.zeros((2, self.size * tokens, *k.shape[1::2]), dtype=torch.float32,
-                           device=k.device)
-        if own is not None:
-            dq_b, *grads = own.backward(kernel, dout, q, k, v, out, lse, scale)
-            add_rows(dq, own.rows, dq_b)
-            for acc, g in zip(sums, grads):
-                add_rows(as_block(acc[self.index * tokens:(self.index + 1) * tokens]), own.keys, g)
-        k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
-        for call in calls:
-            dq_b, *grads = call.backward(kernel, dout, q, k_all, v_all, out, lse, scale)
-            add_rows(dq, call.rows, dq_b)
-            for acc, g in zip(sums, grads):
-                add_rows(as_block(acc), call.keys, g)
-        dk, dv = self.comm.reduce_scatter(sums.unflatten(1, (self.size, tokens)).transpose(0, 1))
-        return (as_packed(finish(dq, q.dtype, layout_of(q))),
-                dk.to(k.dtype), dv.to(v.dtype))
+            add_rows(summed[:, :, self.index * tokens:(self.index + 1) * tokens], own_keys, own)
+        return as_block(self.comm.reduce_scatter(as_packed(summed).unflatten(0, (self.size, tokens))))
 
     def describe(self, spec):
         p, itemsize = self.size, spec.dtype.itemsize
@@ -263,3 +283,15 @@ class AllGather(SequenceSchedule):
         calls = self._calls(spec.q_len, spec.kv_len, spec.causal)
         pairs = q_local * (spec.kv_len // self.size) * (0.5 if spec.causal else 1.0)
         return 1 + len(calls), pairs + sum((rows.stop - rows.start) * n for rows, n in calls)
+
+
+def _grads(call, kernel, dq_sum: Sum, keys, args, scale):
+    """(dK, dV) of a call over ``keys`` (none without a call); its dQ goes into ``dq_sum``."""
+    if call is None:
+        return ()
+    (dout, q), (out, lse) = args
+    dq = dq_sum.into(call.rows)
+    dq_b, *grads = call.backward_into(kernel, (dq, None, None), dout, q, *keys, out, lse, scale)
+    if dq is None:
+        dq_sum.add(call.rows, dq_b)
+    return grads

@@ -21,6 +21,7 @@ from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
 
 from .comm import Communicator
+from .memory import Memory
 from .packing import LocalPacking
 
 
@@ -39,6 +40,7 @@ class Description:
     backward_bytes_received: int = 0
     backward_flops: float = 0.0
     notes: str = ""
+    memory: Memory | None = None  # bytes the call allocates on each rank (sequence schedules)
 
 
 class Schedule(abc.ABC):

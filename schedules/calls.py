@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from sdpa_fusion.kernels.base import Seqlens
+from sdpa_fusion.kernels.base import Seqlens, layout_of
 from sdpa_fusion.merge import take_rows
 
 
@@ -47,9 +47,20 @@ class DenseCall:
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
+        return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale)
+
+    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale):
+        """``backward`` writing each gradient into its call's rows of the given target (a
+        tensor shaped, typed and laid out like q, k or v; other rows untouched), or into a
+        new tensor where the target is None; returns the three gradients (views of targets)."""
         r, c = self.rows, self.keys
-        return kernel.backward(dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
-                               lse[:, :, r].contiguous(), causal=self.causal, scale=scale)
+        args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
+                lse[:, :, r].contiguous())
+        if all(t is None for t in targets):
+            return kernel.backward(*args, causal=self.causal, scale=scale)
+        grads = [_empty_like(like[:, :, span]) if t is None else t[:, :, span]
+                 for t, like, span in zip(targets, (q, k, v), (r, c, c))]
+        return kernel.backward_into(grads, *args, causal=self.causal, scale=scale)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,6 +90,14 @@ class PackedCall:
         )
         return tuple(as_block(g) for g in grads)
 
+    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale):
+        """``backward``, each gradient also written into its rows of a target that is not None."""
+        grads = self.backward(kernel, dout, q, k, v, out, lse, scale)
+        for t, span, g in zip(targets, (self.rows, self.keys, self.keys), grads):
+            if t is not None:
+                put_rows(t, span, g)
+        return grads
+
     @property
     def pairs(self) -> int:
         """Query-key pairs the call computes (for ``describe``)."""
@@ -90,6 +109,11 @@ class PackedCall:
             else:
                 total += n_q * n_k
         return total
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
+    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -151,6 +175,58 @@ def put_rows(acc: torch.Tensor, rows, g: torch.Tensor) -> None:
         acc.index_copy_(2, rows, g.to(acc.dtype))
     else:
         take(acc, rows).copy_(g)
+
+
+def zero_outside(t: torch.Tensor, rows) -> None:
+    """Zero the sequence rows of ``t`` outside ``rows`` (a slice, an index tensor: all
+    zeroed, or None: none)."""
+    if isinstance(rows, torch.Tensor):
+        t.zero_()
+        return
+    if rows is None or rows == slice(None):
+        return
+    start, stop, _ = rows.indices(t.shape[2])
+    t[:, :, :start].zero_()
+    t[:, :, stop:].zero_()
+
+
+class Sum:
+    """Contributions of calls to one gradient (dQ of a head group) summed into ``target``:
+    straight into it when at most two come (the first written as is, the second added once:
+    no rounding an fp32 sum would not make), else into an fp32 sum cast at the end."""
+
+    def __init__(self, target: torch.Tensor, contributions: int):
+        self.target = target
+        direct = contributions <= 2 or target.dtype == torch.float32
+        self.acc = target if direct else layout_of(target).empty(
+            target.shape, dtype=torch.float32, device=target.device)
+        self._empty = True
+
+    def into(self, rows) -> torch.Tensor | None:
+        """Where the next call may write its gradient of ``rows`` itself (the target, for the
+        first contribution), or None: ``add`` it."""
+        if not (self._empty and self.acc is self.target):
+            return None
+        zero_outside(self.target, rows)
+        self._empty = False
+        return self.target
+
+    def add(self, rows, g: torch.Tensor) -> None:
+        """Add a call's gradient of ``rows``."""
+        if self._empty:
+            zero_outside(self.acc, rows)
+            put_rows(self.acc, rows, g)
+            self._empty = False
+        else:
+            add_rows(self.acc, rows, g)
+
+    def finish(self) -> None:
+        """Write the sum into the target (zeros when nothing came)."""
+        if self._empty:
+            self.target.zero_()
+        elif self.acc is not self.target:
+            self.target.copy_(self.acc)
+        self.acc = None
 
 
 def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:

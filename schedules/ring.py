@@ -2,8 +2,8 @@
 
 At step i rank r holds the K/V block of rank (r - i) mod P. While it attends its queries to
 that block, the block travels on to rank r + 1 and the next one arrives from rank r - 1
-(async point-to-point, double-buffered). Each step's (out, lse) is folded into fp32
-accumulators by ``fold``.
+(async, two receive slots). Each step's (out, lse) is folded into the result in place
+(``Merged``).
 
 Causal masks per step come from ``block_case`` (no communication). With the load-balanced
 partition every rank holds an early chunk and a late chunk of the sequence, and every step
@@ -13,13 +13,31 @@ after the first costs half a block:
     block of a rank < r  all local queries vs the block's first (early) chunk
     block of a rank > r  the local late chunk vs the whole block
 
-Backward: dQ accumulates locally; the fp32 dK/dV sums of a block start on the rank after its
-owner, travel the ring with the block and end on the owner, P - 1 hops in all. The owner
-works on its own block last, while its sums make their last hop, and adds its own dK/dV to
-them. Every step uses the global out and lse of the forward.
+Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its owner,
+travel the ring with the block and end on the owner, P - 1 hops in all. The owner works on
+its own block last, while its sums make their last hop, writes its own dK/dV straight into
+its gradients and adds the sums. Every step uses the global out and lse of the forward.
 
-The blocks and sums travel in the slots of ``transport`` (NCCL/gloo send-receive, or copy
-engines pulling from symmetric memory on GPUs).
+Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
+heads one after another, each group's blocks 1/G of the whole; the first block of the next
+group travels during the last step of the current one, so only the very first transfer of a
+call waits. What each rank holds at the peak (G groups, P ranks, blocks of one group):
+
+    forward   out, lse; two K/V slots (one when only one block travels); the block's output;
+              an fp32 accumulator of the group's out only when a row gets more than two
+              blocks (P > 2: with two, the first is written into out as is and the second
+              merged into it, rounding once)
+    backward  saved out, lse; dq, dk, dv; two K/V slots; the received dK/dV sums (one slot
+              at P = 2, two above) and the sums sent on; a dQ temporary and the kernel's
+              workspace; an fp32 dQ sum only when more than two blocks add to it
+
+dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2, where the sums
+that travel are one kernel result each (nothing is rounded that fp32 sums would not round),
+and fp32 above; "input" always travels in the input dtype (half the bytes of fp32, one more
+rounding per hop), "fp32" always in fp32.
+
+The blocks and sums travel through ``transport`` (NCCL/gloo send-receive, or copy engines
+writing into the next rank's symmetric slots on GPUs): the own K/V goes out without a copy.
 
 Packed sequences: each step is one varlen kernel call over every sequence, the step's case
 applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
@@ -34,13 +52,17 @@ import enum
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish, fold
+from sdpa_fusion.merge import Merged
 
 from .base import Description
-from .calls import DenseCall, PackedCall, add_rows, as_block, as_packed, part_call, put_rows
+from .calls import DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, part_call, \
+    put_rows, zero_outside
+from .memory import Memory, Sizes, kernel_workspace
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
-from .transport import Mover, RingData, check_transport, mover
+from .transport import Mover, RingData, aligned, check_transport, mover
+
+GRAD_DTYPES = ("auto", "fp32", "input")
 
 
 class Block(enum.Enum):
@@ -104,34 +126,26 @@ def packed_call(case: Block, packing, source: int) -> PackedCall | None:
     return part_call(packing, source, rows, keys, causal)
 
 
-def _all(rows) -> bool:
-    return rows is None or (isinstance(rows, slice) and rows == slice(None))
-
-
-def _start_sums(acc, grads, keys) -> None:
-    """Set the fp32 sums ``acc`` to a block's first gradients (zero where they are None or
-    outside ``keys``)."""
-    for a, g in zip(acc, grads or (None,) * len(acc)):
-        if g is None or not _all(keys):
-            a.zero_()
-        if g is not None:
-            put_rows(a, keys, g)
-
-
-def _add_rows(acc, grads, keys) -> None:
-    """Add gradients of the key rows ``keys`` into the fp32 sums ``acc`` (nothing for None)."""
-    for a, g in zip(acc, grads or ()):
-        add_rows(a, keys, g)
+def check_grad_dtype(grad_dtype: str) -> str:
+    """``grad_dtype`` if it is one of GRAD_DTYPES, else a ValueError naming them."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype={grad_dtype!r} is not known; choose one of {GRAD_DTYPES} "
+                         f"(the dtype the dK/dV sums travel in)")
+    return grad_dtype
 
 
 class Ring(SequenceSchedule):
-    """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``)."""
+    """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``),
+    ``head_groups`` how many K/V head groups run in turn (see ``schedules.heads``),
+    ``grad_dtype`` the dtype dK/dV sums travel in."""
 
     name = "ring"
 
-    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto"):
-        super().__init__(mesh, dim=dim, partition=partition)
+    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
+                 head_groups="auto", grad_dtype="auto"):
+        super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
         self.transport = check_transport(transport)
+        self.grad_dtype = check_grad_dtype(grad_dtype)
         self._movers: dict[torch.device, Mover] = {}
 
     def validate(self, spec):
@@ -156,6 +170,12 @@ class Ring(SequenceSchedule):
         memory, which torch.cuda.memory_allocated does not count)."""
         return sum(m.kept_bytes for m in self._movers.values())
 
+    def sums_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype dK/dV sums of ``dtype`` inputs travel in."""
+        if self.grad_dtype == "input" or (self.grad_dtype == "auto" and self.size == 2):
+            return dtype
+        return torch.float32
+
     def _calls(self, spec, s_q: int, s_kv: int) -> list:
         """The kernel call (or None) of every ring step of this rank, in step order: at step
         i the block of rank (r - i) mod P. Packed calls are made once per packing."""
@@ -170,88 +190,227 @@ class Ring(SequenceSchedule):
         return packing.cached(("ring", spec.causal),
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
-    def _ring_buffers(self, k, v, *dtypes):
-        """A double-buffered ring buffer of blocks shaped like k and v, one per dtype."""
-        layout = layout_of(k)
-        datas = [RingData((tuple(k.shape), tuple(v.shape)), dtype, layout) for dtype in dtypes]
-        return self.mover(k.device).ring_buffers(datas, k.device)
+    def _kv_steps(self, k, v, groups, order, kv):
+        """(group, j, K block, V block) for every group and every j of ``order``: the block
+        of rank r - j (j = 0: this rank's own), K/V coming through the ring ``kv`` (None on
+        one rank). One shift is in flight at a time: a block travels on (or the next group's
+        own block leaves) while the current one is used."""
+        own = [(g.of_kv(k), g.of_kv(v)) for g in groups]
+        if kv is not None:
+            pending = kv.shift(own[0])
+        for index, g in enumerate(groups):
+            for j in order:
+                if j == 0:
+                    yield g, 0, *own[index]
+                    continue
+                block = tuple(pending.wait())
+                if j + 1 < self.size:
+                    pending = kv.shift(block)
+                elif index + 1 < len(groups):
+                    pending = kv.shift(own[index + 1])
+                yield g, j, *block
+
+    def _rings(self, k, groups, *dtypes_and_slots):
+        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors, all
+        in this call's buffer of the transport; Nones on one rank."""
+        if self.size == 1:
+            return [None] * len(dtypes_and_slots)
+        shape = tuple(groups[0].of_kv(k).shape)
+        datas = [RingData((shape, shape), dtype, layout_of(k), slots)
+                 for dtype, slots in dtypes_and_slots]
+        return self.mover(k.device).rings(datas, k.device)
+
+    def _kv_slots(self, groups: int) -> int:
+        """Receive slots of the K/V ring: two, or one when only one block travels."""
+        return min(2, groups * (self.size - 1))
+
+    def _sums_slots(self) -> int:
+        """Receive slots of the dK/dV sums ring: at P = 2 the sums a rank receives are used
+        up (added to its own) before it sends the next group's, so one; else two."""
+        return 1 if self.size == 2 else 2
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
-        scale = spec.softmax_scale
-        out_acc, lse_acc = accumulators(q)
-        current, pending = (k, v), None
-        if self.size > 1:
-            (blocks,) = self._ring_buffers(k, v, k.dtype)
-            blocks.load(0, (k, v))
-        for step, call in enumerate(self._calls(spec, q.shape[2], k.shape[2])):
-            if step + 1 < self.size:
-                pending = blocks.shift(step % 2, (step + 1) % 2)
+        calls = self._calls(spec, q.shape[2], k.shape[2])
+        groups = self.groups_of(q, k)
+        out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        blocks = sum(c is not None for c in calls)
+        (kv,) = self._rings(k, groups, (k.dtype, self._kv_slots(len(groups))))
+        for g, j, kb, vb in self._kv_steps(k, v, groups, range(self.size), kv):
+            if j == 0:
+                merged = Merged(g.of_q(out), g.of_q(lse), blocks)
+            call = calls[j]
             if call is not None:
-                o, lse = call.forward(kernel, q, *current, scale)
-                out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
-                del o, lse  # free the block's output before the next kernel call
-            if pending is not None:
-                current, pending = tuple(pending.wait()), None
-        out = finish(out_acc, q.dtype, layout_of(q))
-        return (as_packed(out) if packed else out), lse_acc
+                o, block_lse = call.forward(kernel, g.of_q(q), kb, vb, spec.softmax_scale)
+                merged.add(o, block_lse, rows=call.rows)
+                del o, block_lse  # free the block's output before the next kernel call
+            if j == self.size - 1:
+                merged.finish()
+        return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        dq = accumulators(q)[0]
-        own, *remote = self._calls(spec, q.shape[2], k.shape[2])
-
-        def block_grads(call, kb, vb):
-            """(dK, dV) of the call's key rows; its dQ goes into dq."""
-            if call is None:
-                return None
-            dq_b, *grads = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale)
-            add_rows(dq, call.rows, dq_b)
-            return grads
-
-        if remote:
-            blocks, sums = self._ring_buffers(k, v, k.dtype, torch.float32)
-            blocks.load(0, (k, v))
-            pending_kv, pending_sums = blocks.shift(0, 1), None
-        for step, call in enumerate(remote, start=1):
-            current = pending_kv.wait()
-            if step + 1 < self.size:
-                pending_kv = blocks.shift(step % 2, (step + 1) % 2)
-            grads, keys = block_grads(call, *current), call and call.keys
-            acc = sums.tensors(step % 2)
-            if pending_sums is None:
-                _start_sums(acc, grads, keys)
-            else:
-                pending_sums.wait()  # acc holds the block's sums from the earlier ranks
-                _add_rows(acc, grads, keys)
-            del grads  # free the block's dK/dV before the next kernel call
-            pending_sums = sums.shift(step % 2, (step + 1) % 2)
-        # the own block last: its backward runs while the own sums make their last hop home
-        grads = block_grads(own, k, v)
-        dq = finish(dq, q.dtype, layout_of(q))
-        home = pending_sums.wait() if remote else [accumulators(t)[0] for t in (k, v)]
-        _add_rows(home, grads, own and own.keys)
-        kv_layout = layout_of(k)
-        dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(home, (k, v)))
+        calls = self._calls(spec, q.shape[2], k.shape[2])
+        groups = self.groups_of(q, k)
+        dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+                      for t in (q, k, v))
+        contributions = sum(c is not None for c in calls)
+        sums_dtype = self.sums_dtype(k.dtype)
+        kv, sums = self._rings(k, groups, (k.dtype, self._kv_slots(len(groups))),
+                               (sums_dtype, self._sums_slots()))
+        order = [*range(1, self.size), 0]  # the own block last
+        for g, j, kb, vb in self._kv_steps(k, v, groups, order, kv):
+            if j == order[0]:
+                dq_sum = Sum(g.of_q(dq), contributions)
+            step = _Step(calls[j], kernel, dq_sum, g.of_q(dout), g.of_q(q), kb, vb,
+                         g.of_q(out), g.of_q(lse), spec.softmax_scale)
+            if j == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
+                targets = (g.of_kv(dk), g.of_kv(dv))
+                step.write(targets)
+                if sums is not None:
+                    for target, summed in zip(targets, sent.wait()):
+                        target.add_(summed)
+                dq_sum.finish()
+            elif j == 1:  # this rank starts the block's sums
+                outgoing = sums.data.empty(k.device)
+                step.write(outgoing)
+                sent = sums.shift(outgoing)
+                del outgoing  # the transport holds it until it has left
+            else:  # add to the sums of the ranks before, which arrive meanwhile
+                summed = step.add_into(sent)
+                sent = sums.shift(summed)
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
 
+    # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
         p = self.size
         kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
+        sums_bytes = kv_block * self.sums_dtype(spec.dtype).itemsize
         forward = spec.flops() / p
+        groups = self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
         return Description(
-            self.name, p, steps=p, bytes_sent=(p - 1) * kv_bytes, bytes_received=(p - 1) * kv_bytes,
-            flops=forward, backward_steps=p,
-            backward_bytes_sent=(p - 1) * (kv_bytes + kv_block * 4),
-            backward_bytes_received=(p - 1) * (kv_bytes + kv_block * 4),
+            self.name, p, steps=p * groups, bytes_sent=(p - 1) * kv_bytes,
+            bytes_received=(p - 1) * kv_bytes, flops=forward, backward_steps=p * groups,
+            backward_bytes_sent=(p - 1) * (kv_bytes + sums_bytes),
+            backward_bytes_received=(p - 1) * (kv_bytes + sums_bytes),
             backward_flops=spec.flops(backward=True) / p - forward,
-            notes=f"partition {self.partition.name}; transport {self.transport}; K/V blocks of "
-                  f"{kv_bytes} bytes, fp32 dK/dV blocks of {kv_block * 4} bytes",
+            notes=f"partition {self.partition.name}; transport {self.transport}; "
+                  f"{groups} head group(s); K/V blocks of {kv_bytes // groups} bytes, dK/dV "
+                  f"sums of {sums_bytes // groups} bytes ({self.sums_dtype(spec.dtype)})",
+            memory=self.memory(spec),
         )
+
+    def memory(self, spec) -> Memory:
+        """What this rank allocates for a call on the global ``spec`` (the buffers of the
+        module docstring, each counted at the step where most of them are alive)."""
+        p, rows = self.size, self.local_tokens(spec)
+        groups = self.group_count(spec.heads, spec.kv_heads, rows)
+        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
+        calls = self._calls(self._with_packing(spec), rows, rows)
+        done = [c for c in calls if c is not None]
+        sums_item = self.sums_dtype(spec.dtype).itemsize
+        kv_slots = 0 if p == 1 else self._kv_slots(groups) * aligned(2 * size.kv())
+        sums_slots = 0 if p == 1 else self._sums_slots() * aligned(2 * size.kv(itemsize=sums_item))
+        kept = kv_slots + sums_slots if self._keeps_slots() else 0
+        fresh = not kept  # p2p allocates its slots for each call
+        sent = 0 if kept or p == 1 or _sends_views(spec, groups) else 2 * size.kv()
+        fp32_sum = size.q(itemsize=4) if len(done) > 2 and spec.dtype.itemsize < 4 else 0
+
+        def call(c, dq: bool):  # a kernel call's results and workspace
+            r = _rows(c, rows)
+            return (size.q(r) if dq else 0) + size.lse(r) + (kernel_workspace(size, r) if dq else 0)
+
+        forward = fresh * kv_slots + sent + fp32_sum + max(
+            (size.q(_rows(c, rows)) + call(c, False) for c in done), default=0)
+        outgoing = 2 * size.kv(itemsize=sums_item)
+        steps = []
+        for j, c in enumerate(calls):
+            if c is None:
+                continue
+            held = outgoing if (j == 2 or (j == 0 and p == 2)) else 0
+            temps = 2 * size.kv() if j >= 2 or (j == 1 and sums_item != spec.dtype.itemsize) else 0
+            first = j == (1 if p > 1 else 0)
+            dq_temp = not (first and not fp32_sum)
+            steps.append((outgoing if j == 1 else held) + temps + call(c, True)
+                         - (0 if dq_temp else size.q(_rows(c, rows))))
+        grads = whole.q() + 2 * whole.kv()
+        backward = (grads + fresh * (kv_slots + sums_slots) + sent + fp32_sum
+                    + max(steps, default=0))
+        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
+                      kept=kept)
+
+    def _with_packing(self, spec):
+        """The global ``spec`` with this rank's packing (for its kernel calls)."""
+        if not spec.layout.is_varlen:
+            return spec
+        split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
+        return spec.replace(packing=split.part(self.index))
+
+    def _keeps_slots(self) -> bool:
+        """Whether the slots are kept between calls (the copy-engine transport)."""
+        movers = list(self._movers.values())
+        if movers:
+            return movers[0].name == "copy_engine"
+        on_gpus = self.mesh is not None and self.mesh.device.type == "cuda"
+        return self.transport == "copy_engine" or (self.transport == "auto" and on_gpus)
+
+
+def _rows(call, rows: int) -> int:
+    """Query rows a call computes (of ``rows`` local rows)."""
+    if isinstance(call, DenseCall):
+        return len(range(rows)[call.rows])
+    return rows if call.rows is None else len(call.rows)
+
+
+def _sends_views(spec, groups: int) -> bool:
+    """Whether a group's own K/V is contiguous in its layout (sent without a copy by p2p)."""
+    return groups == 1 or (spec.layout.value == "bhse" and spec.batch == 1)
+
+
+class _Step:
+    """One backward step: a call (None: nothing) on a head group's tensors and one K/V block;
+    its dQ goes into ``dq_sum``."""
+
+    def __init__(self, call, kernel, dq_sum: Sum, dout, q, k, v, out, lse, scale):
+        self.call, self.kernel, self.dq_sum = call, kernel, dq_sum
+        self.args = (dout, q, k, v, out, lse, scale)
+
+    def add_into(self, pending):
+        """Add the call's dK/dV to the sums ``pending`` brings (they arrive while the kernel
+        runs); returns the sums."""
+        grads = None if self.call is None else self._run(None, None)
+        summed = pending.wait()
+        for acc, grad in zip(summed, grads or ()):
+            add_rows(acc, self.call.keys, grad)
+        return summed
+
+    def write(self, targets) -> None:
+        """Write the call's dK/dV into ``targets`` (full blocks: zero outside its keys);
+        straight from the kernel when they have the kernel's dtype."""
+        call = self.call
+        if call is None:
+            for t in targets:
+                t.zero_()
+            return
+        for t in targets:
+            zero_outside(t, call.keys)
+        if targets[0].dtype == self.args[2].dtype:
+            self._run(*targets)
+            return
+        for t, grad in zip(targets, self._run(None, None)):  # fp32 sums of bf16 gradients
+            put_rows(t, call.keys, grad)
+
+    def _run(self, dk, dv):
+        dq = self.dq_sum.into(self.call.rows)
+        grads = self.call.backward_into(self.kernel, (dq, dk, dv), *self.args)
+        if dq is None:
+            self.dq_sum.add(self.call.rows, grads[0])
+        return grads[1:]

@@ -1,0 +1,75 @@
+"""What a schedule's call allocates on each rank: the memory half of ``describe()``.
+
+Every sequence schedule counts, for the problem it is given, the bytes of each buffer it
+holds at the peak of its forward and of its backward (its module docstring lists them), so
+that the memory of a step is designed, not measured afterwards; tests check the count against
+what the schedule allocates on CPU ranks, and a GPU test against ``max_memory_allocated``.
+Kernels' own workspace is counted as the fp32 dQ of a call's queries that FlashAttention and
+cuDNN backwards keep (``kernel_workspace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sdpa_fusion.spec import AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes one rank allocates for one call of a schedule (the inputs q, k, v and dout not
+    counted).
+
+    outputs   out and lse, made by the forward and held (saved for backward) until it ends
+    forward   the forward's peak beyond its outputs (slots, accumulators, kernel results)
+    backward  the backward's peak beyond the saved outputs (dq, dk, dv included)
+    kept      held between calls outside torch's caching allocator (the ring's symmetric
+              slots), in forward and backward alike
+    """
+
+    outputs: int
+    forward: int
+    backward: int
+    kept: int = 0
+
+    @property
+    def step(self) -> int:
+        """The peak of a forward and backward step, kept buffers included: what the
+        benchmarks call a step's memory."""
+        return self.kept + self.outputs + max(self.forward, self.backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Bytes of the tensors of one rank's part of a problem: ``rows`` local query (and key)
+    rows, ``groups`` head groups."""
+
+    spec: AttentionSpec
+    rows: int
+    groups: int = 1
+
+    def q(self, rows: int | None = None, itemsize: int | None = None) -> int:
+        """Bytes of the query heads of a head group, over ``rows`` rows (all by default)."""
+        return self._tensor(self.spec.heads, rows, itemsize)
+
+    def kv(self, rows: int | None = None, itemsize: int | None = None) -> int:
+        """Bytes of the K/V heads of a head group (one of K or V)."""
+        return self._tensor(self.spec.kv_heads, rows, itemsize)
+
+    def lse(self, rows: int | None = None) -> int:
+        """Bytes of the fp32 lse of a head group's queries."""
+        return self.spec.batch * self.spec.heads // self.groups * self._rows(rows) * 4
+
+    def _rows(self, rows):
+        return self.rows if rows is None else rows
+
+    def _tensor(self, heads, rows, itemsize) -> int:
+        itemsize = self.spec.dtype.itemsize if itemsize is None else itemsize
+        return (self.spec.batch * heads // self.groups * self._rows(rows) * self.spec.head_dim
+                * itemsize)
+
+
+def kernel_workspace(sizes: Sizes, rows: int) -> int:
+    """The backward workspace of a GPU kernel call over ``rows`` query rows of a head group:
+    its fp32 dQ accumulator."""
+    return sizes.q(rows, itemsize=4)
