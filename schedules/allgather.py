@@ -32,9 +32,12 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
+from . import heads
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import DenseCall, Sum, add_rows, as_block, as_packed, packed_call, part_call
+from .calls import DenseCall, Sum, add_rows, as_block, as_packed, keys_of, packed_call, \
+    part_call, rows_of
+from .memory import Memory, Sizes, kernel_workspace
 from .sequence import SequenceSchedule
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
@@ -165,7 +168,7 @@ class AllGather(SequenceSchedule):
 
         pending = start(groups[0])
         for index, g in enumerate(groups):
-            gathered = [p.wait() for p in pending]
+            gathered, pending = [p.wait() for p in pending], None
             if spec.packing is not None:
                 keys = [as_block(t.flatten(0, 1)) for t in gathered]
             else:
@@ -174,6 +177,7 @@ class AllGather(SequenceSchedule):
             if index + 1 < len(groups):
                 pending = start(groups[index + 1])
             yield g, keys, positions
+            del keys
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
         """The other ranks' tokens of a gathered [P, *buffer] tensor, in global token order."""
@@ -192,15 +196,13 @@ class AllGather(SequenceSchedule):
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         groups, scale = self.groups_of(q, k), spec.softmax_scale
-        for g, (k_all, v_all), _ in self._gathers(spec, k, v, groups):
-            q_g = g.of_q(q)
+        for g, gathered, _ in self._gathers(spec, k, v, groups):
             merged = Merged(g.of_q(out), g.of_q(lse), blocks=2)  # own + one call per row
-            for call, keys in ((own, (g.of_kv(k), g.of_kv(v))), *((c, (k_all, v_all)) for c in calls)):
-                if call is not None:
-                    o, block_lse = call.forward(kernel, q_g, *keys, scale)
-                    merged.add(o, block_lse, rows=call.rows)
-                    del o, block_lse
+            _attend(own, kernel, merged, g.of_q(q), (g.of_kv(k), g.of_kv(v)), scale)
+            for call in calls:
+                _attend(call, kernel, merged, g.of_q(q), gathered, scale)
             merged.finish()
+            del gathered
         return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
@@ -214,21 +216,18 @@ class AllGather(SequenceSchedule):
         for g, keys, positions in self._gathers(spec, k, v, groups):
             args = [g.of_q(t) for t in (dout, q)], [g.of_q(t) for t in (out, lse)]
             dq_sum = Sum(g.of_q(dq), 2)  # own + one call per row
-            own_grads = _grads(own, kernel, dq_sum, (g.of_kv(k), g.of_kv(v)), args, scale)
-            sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
-            for call in calls:
-                for acc, grad in zip(sums, _grads(call, kernel, dq_sum, keys, args, scale)):
-                    add_rows(acc, call.keys, grad)
+            own_grads = list(_grads(own, kernel, dq_sum, (g.of_kv(k), g.of_kv(v)), args, scale))
+            sums = _sums(calls, kernel, dq_sum, keys, args, scale)
             del keys
             dq_sum.finish()
-            for i, target in enumerate((g.of_kv(dk), g.of_kv(dv))):
-                own_grad = None if own is None else own_grads[i]
-                summed, sums[i] = sums[i], None
+            for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
+                own_grad = own_grads.pop(0) if own_grads else None
                 if packed:
-                    target.copy_(self._packed_scatter(own_grad, own and own.keys, summed))
+                    mine = self._packed_scatter(own_grad, own and own.keys, sums.pop(0))
                 else:
-                    target.copy_(self._scatter(own_grad, summed, positions, target))
-                del summed
+                    mine = self._scatter(own_grad, sums.pop(0), positions, target)
+                target.copy_(mine)
+                del own_grad, mine
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
@@ -269,8 +268,43 @@ class AllGather(SequenceSchedule):
             flops=flops, backward_steps=steps, backward_bytes_sent=gather + scatter,
             backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
-                  f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered",
+                  f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered; "
+                  f"{self._group_count(spec)} head group(s)",
+            memory=self.memory(spec),
         )
+
+    def _group_count(self, spec) -> int:
+        return self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
+
+    def memory(self, spec) -> Memory:
+        """What this rank allocates for a call on the global ``spec``, per head group: every
+        rank's K/V as gathered and the other ranks' in token order (the next group's gather
+        meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered keys'
+        dK/dV and, per tensor, the fp32 input and output of the reduce-scatter."""
+        p, rows = self.size, self.local_tokens(spec)
+        packed = spec.layout.is_varlen
+        groups = self._group_count(spec)
+        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
+        kv, kv32 = size.kv(), size.kv(itemsize=4)
+        copies = 0 if heads.contiguous(spec, groups) else 2 * kv  # what a gather sends
+        gathered = 2 * p * kv + copies
+        keys = 0 if packed else 2 * (p - 1) * kv  # dense: the others, in token order
+        ahead = gathered if groups > 1 else 0  # the next group's gather
+        key_rows = (p if packed else p - 1) * rows
+        own, calls = self._plan(self.local_spec(spec), rows)
+        work = [(rows_of(c, rows), keys_of(c, key_rows)) for c in calls if c is not None]
+        own_rows = rows_of(own, rows) if own is not None else 0
+        forward = max(gathered + keys, keys + ahead + max(
+            (size.q(r) + size.lse(r) for r, _ in [(own_rows, 0), *work]), default=0))
+        sums = 2 * (key_rows // rows) * kv32
+        calls_step = max((size.q(r) + kernel_workspace(size, r) + size.lse(r) + 2 * size.kv(n)
+                          for r, n in work), default=0)
+        own_step = 2 * kv + kernel_workspace(size, own_rows) + size.lse(own_rows)
+        scatter = kv32 if packed else p * kv32  # the reduce-scatter's input beside the sums
+        backward = whole.q() + 2 * whole.kv() + max(
+            gathered + keys, keys + ahead + own_step, keys + ahead + 2 * kv + sums + calls_step,
+            ahead + 2 * kv + sums + scatter)
+        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
@@ -285,6 +319,21 @@ class AllGather(SequenceSchedule):
         return 1 + len(calls), pairs + sum((rows.stop - rows.start) * n for rows, n in calls)
 
 
+def _attend(call, kernel, merged: Merged, q, keys, scale) -> None:
+    """Fold a call's (out, lse) over ``keys`` into ``merged`` (nothing without a call)."""
+    if call is not None:
+        merged.add(*call.forward(kernel, q, *keys, scale), rows=call.rows)
+
+
+def _sums(calls, kernel, dq_sum: Sum, keys, args, scale) -> list[torch.Tensor]:
+    """fp32 sums of the calls' dK and dV over ``keys``; their dQ goes into ``dq_sum``."""
+    sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
+    for call in calls:
+        for acc, grad in zip(sums, _grads(call, kernel, dq_sum, keys, args, scale)):
+            add_rows(acc, call.keys, grad)
+    return sums
+
+
 def _grads(call, kernel, dq_sum: Sum, keys, args, scale):
     """(dK, dV) of a call over ``keys`` (none without a call); its dQ goes into ``dq_sum``."""
     if call is None:
@@ -295,3 +344,4 @@ def _grads(call, kernel, dq_sum: Sum, keys, args, scale):
     if dq is None:
         dq_sum.add(call.rows, dq_b)
     return grads
+

@@ -111,6 +111,22 @@ class PackedCall:
         return total
 
 
+def rows_of(call, rows: int) -> int:
+    """Query rows a call computes, of ``rows`` local rows."""
+    return _count(call.rows, rows)
+
+
+def keys_of(call, keys: int) -> int:
+    """Key rows a call reads, of ``keys`` rows."""
+    return _count(call.keys, keys)
+
+
+def _count(span, n: int) -> int:
+    if span is None:
+        return n
+    return len(span) if isinstance(span, torch.Tensor) else len(range(n)[span])
+
+
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
     return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)

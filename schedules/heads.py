@@ -60,6 +60,12 @@ def check_divides(groups: int, kv_heads: int, schedule: str) -> None:
         )
 
 
+def contiguous(spec, groups: int) -> bool:
+    """Whether a head group of a local tensor of ``spec`` is one contiguous buffer in its
+    layout (collectives and transports then take it without a copy)."""
+    return groups == 1 or (spec.layout.value == "bhse" and spec.batch == 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadGroup:
     """The query heads ``q`` and K/V heads ``kv`` (slices of the head dim) of one group."""

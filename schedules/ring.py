@@ -54,9 +54,10 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
+from . import heads
 from .base import Description
 from .calls import DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, part_call, \
-    put_rows, zero_outside
+    put_rows, rows_of, zero_outside
 from .memory import Memory, Sizes, kernel_workspace
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -314,22 +315,22 @@ class Ring(SequenceSchedule):
         p, rows = self.size, self.local_tokens(spec)
         groups = self.group_count(spec.heads, spec.kv_heads, rows)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
-        calls = self._calls(self._with_packing(spec), rows, rows)
+        calls = self._calls(self.local_spec(spec), rows, rows)
         done = [c for c in calls if c is not None]
         sums_item = self.sums_dtype(spec.dtype).itemsize
         kv_slots = 0 if p == 1 else self._kv_slots(groups) * aligned(2 * size.kv())
         sums_slots = 0 if p == 1 else self._sums_slots() * aligned(2 * size.kv(itemsize=sums_item))
         kept = kv_slots + sums_slots if self._keeps_slots() else 0
         fresh = not kept  # p2p allocates its slots for each call
-        sent = 0 if kept or p == 1 or _sends_views(spec, groups) else 2 * size.kv()
+        sent = 0 if kept or p == 1 or heads.contiguous(spec, groups) else 2 * size.kv()
         fp32_sum = size.q(itemsize=4) if len(done) > 2 and spec.dtype.itemsize < 4 else 0
 
         def call(c, dq: bool):  # a kernel call's results and workspace
-            r = _rows(c, rows)
+            r = rows_of(c, rows)
             return (size.q(r) if dq else 0) + size.lse(r) + (kernel_workspace(size, r) if dq else 0)
 
         forward = fresh * kv_slots + sent + fp32_sum + max(
-            (size.q(_rows(c, rows)) + call(c, False) for c in done), default=0)
+            (size.q(rows_of(c, rows)) + call(c, False) for c in done), default=0)
         outgoing = 2 * size.kv(itemsize=sums_item)
         steps = []
         for j, c in enumerate(calls):
@@ -340,19 +341,12 @@ class Ring(SequenceSchedule):
             first = j == (1 if p > 1 else 0)
             dq_temp = not (first and not fp32_sum)
             steps.append((outgoing if j == 1 else held) + temps + call(c, True)
-                         - (0 if dq_temp else size.q(_rows(c, rows))))
+                         - (0 if dq_temp else size.q(rows_of(c, rows))))
         grads = whole.q() + 2 * whole.kv()
         backward = (grads + fresh * (kv_slots + sums_slots) + sent + fp32_sum
                     + max(steps, default=0))
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
                       kept=kept)
-
-    def _with_packing(self, spec):
-        """The global ``spec`` with this rank's packing (for its kernel calls)."""
-        if not spec.layout.is_varlen:
-            return spec
-        split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
-        return spec.replace(packing=split.part(self.index))
 
     def _keeps_slots(self) -> bool:
         """Whether the slots are kept between calls (the copy-engine transport)."""
@@ -361,18 +355,6 @@ class Ring(SequenceSchedule):
             return movers[0].name == "copy_engine"
         on_gpus = self.mesh is not None and self.mesh.device.type == "cuda"
         return self.transport == "copy_engine" or (self.transport == "auto" and on_gpus)
-
-
-def _rows(call, rows: int) -> int:
-    """Query rows a call computes (of ``rows`` local rows)."""
-    if isinstance(call, DenseCall):
-        return len(range(rows)[call.rows])
-    return rows if call.rows is None else len(call.rows)
-
-
-def _sends_views(spec, groups: int) -> bool:
-    """Whether a group's own K/V is contiguous in its layout (sent without a copy by p2p)."""
-    return groups == 1 or (spec.layout.value == "bhse" and spec.batch == 1)
 
 
 class _Step:

@@ -179,6 +179,13 @@ class SequenceSchedule(Schedule):
             return self._own(cu_seqlens)
         return self.pack(cu_seqlens, cu_seqlens_padded)
 
+    def local_spec(self, spec):
+        """This rank's part of the global ``spec`` (inverse of ``global_spec``)."""
+        if spec.layout.is_varlen:
+            split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
+            return spec.replace(packing=split.part(self.index))
+        return spec.replace(q_len=spec.q_len // self.size, kv_len=spec.kv_len // self.size)
+
     def local_tokens(self, spec) -> int:
         """Tokens (K/V rows) each rank holds for the global ``spec``."""
         if spec.layout.is_varlen:

@@ -224,8 +224,8 @@ class CopyEngineMover(Mover):
             # ready, and the slot the previous rank writes into has been read
             self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
             target = self._peer[start:start + data.nbytes].view(data.dtype)
-            for slot, t in zip(views(target, data.shapes, data.layout), tensors):
-                slot.copy_(t)
+            for piece, t in zip(views(target, data.shapes, data.layout), tensors):
+                piece.copy_(t)
                 t.record_stream(stream)  # its memory is not reused before the copy is done
             # after the second barrier every rank's slot is filled
             self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
