@@ -35,9 +35,8 @@ from sdpa_fusion.merge import Merged
 from . import heads
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import DenseCall, Sum, add_rows, as_block, as_packed, keys_of, packed_call, \
-    part_call, rows_of
-from .memory import Memory, Sizes, kernel_workspace
+from .calls import DenseCall, Sum, add_rows, as_block, as_packed, packed_call, part_call
+from .memory import Memory, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
@@ -288,22 +287,27 @@ class AllGather(SequenceSchedule):
         kv, kv32 = size.kv(), size.kv(itemsize=4)
         copies = 0 if heads.contiguous(spec, groups) else 2 * kv  # what a gather sends
         gathered = 2 * p * kv + copies
-        keys = 0 if packed else 2 * (p - 1) * kv  # dense: the others, in token order
+        # packed calls read the gathered K/V itself; dense ones the others in token order
+        keys = 2 * p * kv if packed else 2 * (p - 1) * kv
+        building = gathered if packed else gathered + keys
         ahead = gathered if groups > 1 else 0  # the next group's gather
         key_rows = (p if packed else p - 1) * rows
         own, calls = self._plan(self.local_spec(spec), rows)
-        work = [(rows_of(c, rows), keys_of(c, key_rows)) for c in calls if c is not None]
-        own_rows = rows_of(own, rows) if own is not None else 0
-        forward = max(gathered + keys, keys + ahead + max(
-            (size.q(r) + size.lse(r) for r, _ in [(own_rows, 0), *work]), default=0))
+        calls = [c for c in calls if c is not None]
+        own_keys = [] if own is None else [(own, rows)]
+        forward = max(building, keys + ahead + max(
+            (forward_call(size, c, n, spec.dtype.itemsize)
+             for c, n in [*own_keys, *((c, key_rows) for c in calls)]), default=0))
         sums = 2 * (key_rows // rows) * kv32
-        calls_step = max((size.q(r) + kernel_workspace(size, r) + size.lse(r) + 2 * size.kv(n)
-                          for r, n in work), default=0)
-        own_step = 2 * kv + kernel_workspace(size, own_rows) + size.lse(own_rows)
+        calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
+                          for c in calls), default=0)
+        own_step = max((backward_call(size, c, n, dq_temp=False, kv_temps=True)
+                        for c, n in own_keys), default=0)
+        own_grads = 2 * kv if own is not None else 0
         scatter = kv32 if packed else p * kv32  # the reduce-scatter's input beside the sums
         backward = whole.q() + 2 * whole.kv() + max(
-            gathered + keys, keys + ahead + own_step, keys + ahead + 2 * kv + sums + calls_step,
-            ahead + 2 * kv + sums + scatter)
+            building, keys + ahead + own_step, keys + ahead + own_grads + sums + calls_step,
+            ahead + own_grads + sums + scatter)
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:

@@ -121,6 +121,15 @@ def keys_of(call, keys: int) -> int:
     return _count(call.keys, keys)
 
 
+def gathered(call, rows: int, keys: int) -> tuple[int, int]:
+    """(query rows, key rows) a call copies out of its blocks for the kernel: the index rows
+    of a packed call (none for slices or all rows)."""
+    if not isinstance(call, PackedCall):
+        return 0, 0
+    return (0 if call.rows is None else _count(call.rows, rows),
+            0 if call.keys is None else _count(call.keys, keys))
+
+
 def _count(span, n: int) -> int:
     if span is None:
         return n

@@ -54,13 +54,23 @@ OUTER = {"ring": Ring, "allgather": AllGather}
 @dataclasses.dataclass(frozen=True)
 class DimCost:
     """What one mesh dim of the hybrid costs each rank: its schedule's description for the
-    problem of one line of that dim, and the bytes of the buffers its communication holds at
-    its peak (see ``buffer_bytes``)."""
+    problem of one line of that dim."""
 
     dim: str
     description: Description
-    memory: int
-    backward_memory: int
+
+    @property
+    def memory(self) -> int:
+        """Bytes the dim's schedule holds at the peak of its forward beyond its outputs, kept
+        buffers included (``Description.memory``; 0 for a schedule without buffers)."""
+        m = self.description.memory
+        return 0 if m is None else m.kept + m.forward
+
+    @property
+    def backward_memory(self) -> int:
+        """The same at the peak of its backward (its gradients included)."""
+        m = self.description.memory
+        return 0 if m is None else m.kept + m.backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +287,7 @@ class Hybrid(Schedule):
         line = spec.replace(q_len=spec.q_len // outer.size, kv_len=spec.kv_len // outer.size)
         heads = spec.replace(heads=spec.heads // inner.size,
                              kv_heads=max(spec.kv_heads // inner.size, 1))
-        dims = tuple(DimCost(s.dim, s.describe(d), *buffer_bytes(s.name, d, s.size))
-                     for s, d in ((inner, line), (outer, heads)))
+        dims = tuple(DimCost(s.dim, s.describe(d)) for s, d in ((inner, line), (outer, heads)))
         i, o = (d.description for d in dims)
         return HybridDescription(
             self.name, inner.size * outer.size, steps=o.steps,
@@ -299,34 +308,6 @@ class Hybrid(Schedule):
         return (f"<schedule hybrid: {self._inner.name} over {self._inner.dim}="
                 f"{self._inner.size} x {self._outer.name} over {self._outer.dim}="
                 f"{self._outer.size}>")
-
-
-def buffer_bytes(name: str, spec, p: int) -> tuple[int, int]:
-    """(forward, backward) bytes per rank of the buffers that schedule ``name`` over ``p``
-    ranks holds for its communication at its peak, for the global ``spec`` of its line
-    (inputs, outputs, fp32 accumulators and kernel workspace not counted; ring slots are
-    also rounded up to 512 bytes each):
-
-        head_parallel  none
-        ulysses        send and receive buffers of the all-to-all of q, k, v (forward) and
-                       of dout, q, k, v, out (backward)
-        ring           two K/V slots, and in backward two fp32 dK/dV slots (none when p = 1)
-        allgather      every rank's K/V and the others' in token order; backward adds the
-                       others' fp32 dK/dV and the fp32 input of the reduce-scatter
-    """
-    size = spec.dtype.itemsize
-    e, b = spec.head_dim, spec.batch
-    kv_block = 2 * b * spec.kv_heads * (spec.kv_len // p) * e  # K and V of one rank's tokens
-    if name == "ulysses":
-        q = b * spec.heads * (spec.q_len // p) * e
-        kv = b * max(spec.kv_heads // p, 1) * spec.kv_len * e
-        return 2 * (q + 2 * kv) * size, 2 * (3 * q + 2 * kv) * size
-    if name == "ring":
-        return (0, 0) if p == 1 else (2 * kv_block * size, 2 * kv_block * (size + 4))
-    if name == "allgather":
-        blocks = (2 * p - 1) * kv_block
-        return blocks * size, blocks * (size + 4)
-    return 0, 0
 
 
 def _compose(mesh, inner: str, outer: str, inner_dim, outer_dim, outer_options):

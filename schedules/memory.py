@@ -14,6 +14,8 @@ import dataclasses
 
 from sdpa_fusion.spec import AttentionSpec
 
+from .calls import PackedCall, gathered, keys_of, rows_of
+
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
@@ -73,3 +75,26 @@ def kernel_workspace(sizes: Sizes, rows: int) -> int:
     """The backward workspace of a GPU kernel call over ``rows`` query rows of a head group:
     its fp32 dQ accumulator."""
     return sizes.q(rows, itemsize=4)
+
+
+def forward_call(sizes: Sizes, call, keys: int, acc_itemsize: int) -> int:
+    """Bytes a forward kernel call holds beside the schedule's buffers, for a head group
+    (``keys``: rows of the key block): its out and lse; a packed call also the rows it
+    gathers for the kernel, then for the merge by index (into an accumulator of
+    ``acc_itemsize``)."""
+    r = rows_of(call, sizes.rows)
+    gq, gk = gathered(call, sizes.rows, keys)
+    merge = sizes.q(gq, acc_itemsize) + sizes.q(gq, 4) if gq else 0
+    return sizes.q(r) + sizes.lse(r) + max(sizes.q(gq) + 2 * sizes.kv(gk), merge)
+
+
+def backward_call(sizes: Sizes, call, keys: int, *, dq_temp: bool, kv_temps: bool) -> int:
+    """Bytes a backward kernel call holds beside the schedule's buffers: its lse rows and
+    workspace, its dQ when it is not written in place (``dq_temp``), its dK/dV when they are
+    not (``kv_temps``; packed calls always return new gradients), and the rows a packed call
+    gathers."""
+    r, n = rows_of(call, sizes.rows), keys_of(call, keys)
+    gq, gk = gathered(call, sizes.rows, keys)
+    packed = isinstance(call, PackedCall)
+    return (sizes.lse(r) + kernel_workspace(sizes, r) + (sizes.q(r) if dq_temp or packed else 0)
+            + (2 * sizes.kv(n) if kv_temps or packed else 0) + 3 * sizes.q(gq) + 2 * sizes.kv(gk))

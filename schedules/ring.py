@@ -58,7 +58,7 @@ from . import heads
 from .base import Description
 from .calls import DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, part_call, \
     put_rows, rows_of, zero_outside
-from .memory import Memory, Sizes, kernel_workspace
+from .memory import Memory, Sizes, backward_call, forward_call
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
 from .transport import Mover, RingData, aligned, check_transport, mover
@@ -322,29 +322,31 @@ class Ring(SequenceSchedule):
         sums_slots = 0 if p == 1 else self._sums_slots() * aligned(2 * size.kv(itemsize=sums_item))
         kept = kv_slots + sums_slots if self._keeps_slots() else 0
         fresh = not kept  # p2p allocates its slots for each call
-        sent = 0 if kept or p == 1 or heads.contiguous(spec, groups) else 2 * size.kv()
+        # p2p sends a group's own K/V from a contiguous copy when the group is strided: in
+        # flight during the own step, and during the last remote one when a group follows
+        copy = 0 if kept or p == 1 or heads.contiguous(spec, groups) else 2 * size.kv()
+
+        def sent(j: int, backward: bool) -> int:
+            return copy if (j == 0 and not (backward and groups == 1)) or (
+                j == p - 1 and groups > 1) else 0
+
         fp32_sum = size.q(itemsize=4) if len(done) > 2 and spec.dtype.itemsize < 4 else 0
-
-        def call(c, dq: bool):  # a kernel call's results and workspace
-            r = rows_of(c, rows)
-            return (size.q(r) if dq else 0) + size.lse(r) + (kernel_workspace(size, r) if dq else 0)
-
-        forward = fresh * kv_slots + sent + fp32_sum + max(
-            (size.q(rows_of(c, rows)) + call(c, False) for c in done), default=0)
+        acc_item = 4 if fp32_sum else spec.dtype.itemsize
+        forward = fresh * kv_slots + fp32_sum + max(
+            (forward_call(size, c, rows, acc_item) + sent(j, False)
+             for j, c in enumerate(calls) if c is not None), default=0)
         outgoing = 2 * size.kv(itemsize=sums_item)
         steps = []
         for j, c in enumerate(calls):
             if c is None:
                 continue
-            held = outgoing if (j == 2 or (j == 0 and p == 2)) else 0
-            temps = 2 * size.kv() if j >= 2 or (j == 1 and sums_item != spec.dtype.itemsize) else 0
-            first = j == (1 if p > 1 else 0)
-            dq_temp = not (first and not fp32_sum)
-            steps.append((outgoing if j == 1 else held) + temps + call(c, True)
-                         - (0 if dq_temp else size.q(rows_of(c, rows))))
+            first = j == (1 if p > 1 else 0)  # the first dQ goes straight into dq
+            held = outgoing if j == 1 or j == 2 or (j == 0 and p == 2) else 0
+            kv_temps = j >= 2 or (j == 1 and sums_item != spec.dtype.itemsize)
+            steps.append(held + sent(j, True) + backward_call(
+                size, c, rows, dq_temp=not first or fp32_sum > 0, kv_temps=kv_temps))
         grads = whole.q() + 2 * whole.kv()
-        backward = (grads + fresh * (kv_slots + sums_slots) + sent + fp32_sum
-                    + max(steps, default=0))
+        backward = grads + fresh * (kv_slots + sums_slots) + fp32_sum + max(steps, default=0)
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
                       kept=kept)
 

@@ -212,6 +212,7 @@ class Ulysses(SequenceSchedule):
             self._to_sequence([out_h], layout, [g.of_q(out)], spec)
             self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [g.of_q(lse).unsqueeze(-1)],
                               spec, padding=float("-inf"))
+            del out_h, lse_h
         return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):

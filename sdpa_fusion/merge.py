@@ -168,8 +168,8 @@ def _weights(lse, block_lse):
 
 def _merge_torch(out, lse, block_out, block_lse):
     w, w_block, new_lse = _weights(lse, block_lse)
-    new_out = out.float() * w.unsqueeze(-1) + block_out.float() * w_block.unsqueeze(-1)
-    return layout_of(out).to(new_out), new_lse
+    new_out = layout_of(out).to(block_out.float() * w_block.unsqueeze(-1))
+    return new_out.addcmul_(out, w.unsqueeze(-1)), new_lse
 
 
 def _fold_torch(out, lse, block_out, block_lse) -> None:
