@@ -489,7 +489,7 @@ def new_record(args, title, module, **settings) -> dict:
 
 def merge_baseline(args, record) -> None:
     """Add the one-GPU rows of ``--single-gpu``'s JSON, when it ran on the same problem."""
-    path = args.results_dir / f"{NAME}_single{'_tiny' if args.tiny else ''}.json"
+    path = args.results_dir / f"{NAME}_single{args.tag}{'_tiny' if args.tiny else ''}.json"
     if not path.exists():
         record["baseline"] = f"{path.name} not found; run with --single-gpu first"
         return
