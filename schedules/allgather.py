@@ -268,12 +268,9 @@ class AllGather(SequenceSchedule):
             backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
                   f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered; "
-                  f"{self._group_count(spec)} head group(s)",
+                  f"{self.groups_for(spec)} head group(s)",
             memory=self.memory(spec),
         )
-
-    def _group_count(self, spec) -> int:
-        return self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
 
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: every
@@ -282,7 +279,7 @@ class AllGather(SequenceSchedule):
         dK/dV and, per tensor, the fp32 input and output of the reduce-scatter."""
         p, rows = self.size, self.local_tokens(spec)
         packed = spec.layout.is_varlen
-        groups = self._group_count(spec)
+        groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
         kv, kv32 = size.kv(), size.kv(itemsize=4)
         copies = 0 if heads.contiguous(spec, groups) else 2 * kv  # what a gather sends

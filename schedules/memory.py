@@ -5,7 +5,7 @@ holds at the peak of its forward and of its backward (its module docstring lists
 that the memory of a step is designed, not measured afterwards; tests check the count against
 what the schedule allocates on CPU ranks, and a GPU test against ``max_memory_allocated``.
 Kernels' own workspace is counted as the fp32 dQ of a call's queries that FlashAttention and
-cuDNN backwards keep (``kernel_workspace``).
+cuDNN backwards keep, and with GQA FlashAttention-4's fp32 dK and dV (``kernel_workspace``).
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class Sizes:
                 * itemsize)
 
 
-def kernel_workspace(sizes: Sizes, rows: int) -> int:
-    """The backward workspace of a GPU kernel call over ``rows`` query rows of a head group:
-    its fp32 dQ accumulator."""
-    return sizes.q(rows, itemsize=4)
+def kernel_workspace(sizes: Sizes, rows: int, keys: int) -> int:
+    """The backward workspace of a GPU kernel call over ``rows`` query rows and ``keys`` key
+    rows of a head group: its fp32 dQ accumulator, and with GQA fp32 dK and dV accumulators
+    (FlashAttention-4)."""
+    gqa = sizes.spec.heads != sizes.spec.kv_heads
+    return sizes.q(rows, itemsize=4) + (2 * sizes.kv(keys, itemsize=4) if gqa else 0)
 
 
 def forward_call(sizes: Sizes, call, keys: int, acc_itemsize: int) -> int:
@@ -96,5 +98,6 @@ def backward_call(sizes: Sizes, call, keys: int, *, dq_temp: bool, kv_temps: boo
     r, n = rows_of(call, sizes.rows), keys_of(call, keys)
     gq, gk = gathered(call, sizes.rows, keys)
     packed = isinstance(call, PackedCall)
-    return (sizes.lse(r) + kernel_workspace(sizes, r) + (sizes.q(r) if dq_temp or packed else 0)
+    return (sizes.lse(r) + kernel_workspace(sizes, r, n)
+            + (sizes.q(r) if dq_temp or packed else 0)
             + (2 * sizes.kv(n) if kv_temps or packed else 0) + 3 * sizes.q(gq) + 2 * sizes.kv(gk))

@@ -296,7 +296,7 @@ class Ring(SequenceSchedule):
         kv_bytes = kv_block * spec.dtype.itemsize
         sums_bytes = kv_block * self.sums_dtype(spec.dtype).itemsize
         forward = spec.flops() / p
-        groups = self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
+        groups = self.groups_for(spec)
         return Description(
             self.name, p, steps=p * groups, bytes_sent=(p - 1) * kv_bytes,
             bytes_received=(p - 1) * kv_bytes, flops=forward, backward_steps=p * groups,
@@ -313,7 +313,7 @@ class Ring(SequenceSchedule):
         """What this rank allocates for a call on the global ``spec`` (the buffers of the
         module docstring, each counted at the step where most of them are alive)."""
         p, rows = self.size, self.local_tokens(spec)
-        groups = self.group_count(spec.heads, spec.kv_heads, rows)
+        groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
         calls = self._calls(self.local_spec(spec), rows, rows)
         done = [c for c in calls if c is not None]

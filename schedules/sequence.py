@@ -88,6 +88,10 @@ class SequenceSchedule(Schedule):
         """Whether ``auto`` may take ``groups`` head groups."""
         return True
 
+    def groups_for(self, spec) -> int:
+        """Head groups of a call on the global ``spec``."""
+        return self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
+
     def groups_of(self, q, k) -> list[heads.HeadGroup]:
         """The head groups of local [B, H, S, E] q and k."""
         count = self.group_count(q.shape[1], k.shape[1], q.shape[2])

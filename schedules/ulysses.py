@@ -252,12 +252,9 @@ class Ulysses(SequenceSchedule):
             backward_flops=spec.flops(backward=True) / p - flops,
             notes=f"partition {self.partition.name}; {h} of {spec.heads} heads and {h_kv} K/V "
                   f"heads per rank over the whole sequence; all-to-alls repeated in backward; "
-                  f"{self._group_count(spec)} head group(s)",
+                  f"{self.groups_for(spec)} head group(s)",
             memory=self.memory(spec),
         )
-
-    def _group_count(self, spec) -> int:
-        return self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
 
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: the
@@ -265,7 +262,7 @@ class Ulysses(SequenceSchedule):
         forward; dout, q, k, v, out in backward), the kernel's results, and the all-to-all
         of those back into the outputs."""
         rows = self.local_tokens(spec)
-        groups = self._group_count(spec)
+        groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
         q = size.q()
         kv = size.kv() * self._heads_per_rank(spec.kv_heads // groups) * self.size \
@@ -275,6 +272,6 @@ class Ulysses(SequenceSchedule):
         forward = max(2 * (q + 2 * kv), q + 2 * kv + q + lse, 3 * q + lse)
         inputs, grads = 3 * q + 2 * kv, q + 2 * kv
         backward = whole.q() + 2 * whole.kv() + max(
-            2 * inputs, inputs + 2 * lse + grads + kernel_workspace(size, rows),
+            2 * inputs, inputs + 2 * lse + grads + kernel_workspace(size, rows, rows),
             3 * grads + replicated)
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)

@@ -87,7 +87,7 @@ class LikeGpuKernels(Kernel):
         return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale)
 
     def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, window=None):
-        workspace = torch.empty(q.shape, dtype=torch.float32)
+        workspace = _workspace(q, k, v)
         for g in grads:
             g.zero_()
         del workspace
@@ -98,9 +98,17 @@ class LikeGpuKernels(Kernel):
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
         grads = tuple(torch.zeros_like(t) for t in (q, k, v))
-        workspace = torch.empty(q.shape, dtype=torch.float32)
+        workspace = _workspace(q, k, v)
         del workspace
         return grads
+
+
+def _workspace(q, k, v) -> list[torch.Tensor]:
+    """FlashAttention-4's backward workspace: fp32 dQ, and with GQA fp32 dK and dV."""
+    spaces = [torch.empty(q.shape, dtype=torch.float32)]
+    if q.shape[-2 if q.dim() == 3 else 1] != k.shape[-2 if k.dim() == 3 else 1]:
+        spaces += [torch.empty(t.shape, dtype=torch.float32) for t in (k, v)]
+    return spaces
 
 
 def _empty_like(t):
