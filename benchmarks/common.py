@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -379,9 +380,10 @@ def _nvidia_smi() -> list[str] | None:
 
 # ---- output -----------------------------------------------------------------------------
 def save(name: str, record: dict, *, results_dir: Path = RESULTS_DIR, copy_to: str | None = None,
-         plot: bool = True, metrics: Sequence[str] = ("tflops",)) -> list[Path]:
-    """Write ``<name>.json`` (and ``<name>.png`` when ``plot``) into ``results_dir``; copy them
-    into ``copy_to`` too when given. Returns the paths written."""
+         plot: bool = True, metrics: Sequence[str] = ("tflops",), bars: bool = False) -> list[Path]:
+    """Write ``<name>.json`` (and ``<name>.png`` when ``plot``: lines over sequence lengths,
+    or with ``bars`` one bar per impl and panel) into ``results_dir``; copy them into
+    ``copy_to`` too when given. Returns the paths written."""
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"
@@ -391,7 +393,8 @@ def save(name: str, record: dict, *, results_dir: Path = RESULTS_DIR, copy_to: s
     paths = [path]
     if plot:
         try:
-            paths.append(plot_record(record, results_dir / f"{name}.png", metrics=metrics))
+            draw = plot_bars if bars else plot_record
+            paths.append(draw(record, results_dir / f"{name}.png", metrics=metrics))
         except Exception as e:  # noqa: BLE001 -- the JSON matters more than the picture
             print(f"warning: could not draw {name}.png: {type(e).__name__}: {e}", file=sys.stderr)
     copy_files(paths, copy_to)
@@ -470,6 +473,39 @@ def plot_record(record: dict, path: Path, *, metrics: Sequence[str] = ("tflops",
                  f"torch {env.get('torch', '?')})", fontsize=11)
     bottom = min(0.3, (0.05 + 0.035 * legend_rows) / max(1, per_metric * len(metrics)) * 2)
     fig.tight_layout(rect=(0, bottom, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_bars(record: dict, path: Path, *, metrics: Sequence[str] = ("tflops",)) -> Path:
+    """One panel per case (``row["panel"]``) and metric, one labelled bar per impl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record["rows"] if r.get("status") == "ok"]
+    metrics = [m for m in metrics if any(r.get(m) is not None for r in rows)] or list(metrics[:1])
+    panels = list(dict.fromkeys(r["panel"] for r in record["rows"]))
+    fig, axes = plt.subplots(len(metrics), len(panels), squeeze=False,
+                             figsize=(max(4.4 * len(panels), 10.0), 4.2 * len(metrics)))
+    for (m_i, metric), (p_i, panel) in itertools.product(enumerate(metrics), enumerate(panels)):
+        ax = axes[m_i][p_i]
+        cells = [(r["impl"], r[metric]) for r in rows
+                 if r["panel"] == panel and r.get(metric) is not None]
+        if cells:
+            bars = ax.bar(range(len(cells)), [v for _, v in cells])
+            ax.bar_label(bars, [number(v) for _, v in cells], fontsize=8)
+            ax.set_xticks(range(len(cells)), [impl for impl, _ in cells], rotation=30,
+                          ha="right", fontsize=8)
+        ax.set_title(panel, fontsize=10)
+        ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    env = record.get("environment", {})
+    fig.suptitle(f"{record.get('title', path.stem)} ({env.get('device', '?')}, "
+                 f"torch {env.get('torch', '?')})", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

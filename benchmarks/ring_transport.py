@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     mesh = sdpa_fusion.init_mesh((-1,), ("seq",),
                                  timeout=datetime.timedelta(seconds=args.timeout_s))
-    comm = Communicator(mesh.group("seq"), mesh.ranks("seq"), mesh.coordinate("seq"))
+    comm = Communicator(mesh.group("seq"), mesh.ranks("seq"), mesh.coordinate("seq"),
+                        timeout=mesh.timeout)
     record = {"title": f"ring transports over {mesh.world_size} ranks",
               "environment": common.environment("benchmarks.ring_transport"),
               "settings": {"seq_lens": args.seq_lens, "heads": args.heads,

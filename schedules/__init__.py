@@ -2,10 +2,19 @@
 
     sched = schedules.get("ring", mesh)            # options as keywords
     schedules.register(MySchedule)                 # a user's schedule, no edit of this package
+
+``get`` is collective over the mesh: every rank calls it, and either every rank gets a
+schedule of the same configuration or every rank raises the same ValueError.
 """
 
 from __future__ import annotations
 
+import inspect
+
+from sdpa_fusion.agreement import agree
+from sdpa_fusion.mesh import Mesh
+
+from . import batch  # noqa: F401  (schedules.batch: a model's batch over the ranks)
 from .allgather import AllGather
 from .base import Description, Schedule
 from .head_parallel import HeadParallel
@@ -29,14 +38,56 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str, mesh=None, **options) -> Schedule:
-    """The schedule registered as ``name`` over ``mesh`` (its options as keywords)."""
-    if name not in _REGISTRY:
+def options(name: str) -> list[str]:
+    """The keyword options schedule ``name`` names (``get(name, mesh, **options)``); some,
+    such as ``hybrid``, pass further options on to the schedules they are made of."""
+    cls = _class(name)
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return sorted(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:
+    """The schedule registered as ``name`` over ``mesh`` (its options as keywords).
+
+    Collective over ``mesh``: an unknown name or option, or a bad value, on any rank raises the
+    same ValueError on every rank, and so do ranks that build different configurations."""
+    schedule = error = None
+    try:
+        cls = _class(name)
+        known = _options(cls)
+        unknown = [] if known is None else sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"schedule {name!r} takes the options {sorted(known)}; "
+                f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+                f"among them"
+            )
+        schedule = cls(mesh, **options)
+    except Exception as e:  # noqa: BLE001 - every failure is agreed on
+        error = e
+    control = mesh.control_group() if isinstance(mesh, Mesh) else None
+    fields = None if schedule is None else schedule.configuration_fields()
+    agree(control, fields, error, what="schedules.get",
+          fix="build it with the same name and options on every rank")
+    return schedule
+
+
+def _class(name: str) -> type[Schedule]:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"schedule {name!r} is not known; choose one of {names()}")
-    return _REGISTRY[name](mesh, **options)
+    return _REGISTRY[name]
+
+
+def _options(cls: type[Schedule]) -> set[str] | None:
+    """Keyword-only parameters of ``cls.__init__``; None when it also takes ``**options``
+    (it checks those itself)."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses, Hybrid):
     register(_cls)
 
-__all__ = ["Description", "Schedule", "get", "names", "register"]
+__all__ = ["Description", "Schedule", "get", "names", "options", "register"]

@@ -15,17 +15,27 @@ load_balanced, P = 2, S = 16 in chunks of 4; rank 0 holds chunks 0 and 3 (tokens
     rows 4-7  (tokens 12-15)  others[:8]: tokens 4-11 of rank 1
 
 Without causal, all local rows attend to all of ``others`` in one call. Every block is
-folded into fp32 accumulators by ``fold``. Backward gathers K/V again (the forward
-keeps nothing), runs the same calls with the global out and lse, accumulates dQ and the
-dK/dV of every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+folded into the result in place (``Merged``). Backward gathers K/V again (the forward
+keeps nothing), runs the same calls with the global out and lse, sums dQ and the dK/dV of
+every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+
+Head groups (``head_groups``, see ``schedules.heads``): the gathers, calls and
+reduce-scatters run one group of K/V heads at a time, the next group's gather in flight
+while the current one is attended.
 
 Packed sequences: the same calls, each one varlen call over every sequence. The own call is
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
 local tokens against the other ranks' real tokens of that sequence before the run (full
 mask, so the keys may stay in the gathered order: rank, then local slot).
+
+Sliding windows: the own block and every other rank's block (``others`` then in rank order)
+are split into the calls of ``schedules.bands``, each a window in its own coordinates; blocks
+the window does not reach make no call.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,9 +43,12 @@ from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
 from . import heads
+from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
+                    window_band)
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import DenseCall, Sum, add_rows, as_block, as_packed, packed_call, part_call
+from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
+                    fold_calls, keys_of, packed_call, part_call)
 from .memory import Memory, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
 
@@ -67,17 +80,11 @@ def gathered_calls(indices: torch.Tensor, kv_len: int, kv_local: int,
 def packed_runs(split) -> torch.Tensor:
     """[P, T_local]: the run of consecutive positions each real local token belongs to,
     counted from 0 in its sequence's part; -1 for padding."""
-    pos, real, slot = split.positions, split.real, split.slot
-    start = real.clone()
-    start[:, 1:] &= (pos[:, 1:] != pos[:, :-1] + 1) | (slot[1:] == 0)
-    seen = torch.cumsum(start.long(), dim=1)
-    first = split.offsets[:-1].clamp(max=max(split.tokens - 1, 0))
-    before = (seen - start.long())[:, first]  # runs of the earlier sequences' parts
-    return torch.where(real, seen - 1 - before[:, split.seq], -1)
+    return run_index(split.positions, split.real, split.seq)
 
 
 def packed_plan(packing, causal: bool):
-    """(own call, gathered calls) of this rank on packed sequences; gathered calls take their
+    """(own calls, gathered calls) of this rank on packed sequences; gathered calls take their
     keys from every rank's part, gathered in rank order ([P * T_local] rows)."""
     split, r = packing.split, packing.rank
     own = part_call(packing, r, (0, split.storage), (0, split.storage), causal)
@@ -101,7 +108,32 @@ def packed_plan(packing, causal: bool):
                            tokens=(split.tokens, split.parts * split.tokens), device=split.device)
         if call is not None:
             calls.append(call)
-    return own, calls
+    return [own] if own is not None else [], calls
+
+
+def window_plan(spec, mask, partition, parts: int, rank: int):
+    """(own calls, gathered calls) of ``rank`` under the band ``mask``: ``bands`` calls of its
+    block and of every other rank's block (rank order: dense ``others``, packed gathered)."""
+    packing = spec.packing
+    if packing is None:
+        return _dense_window_plan(mask, partition, parts, rank, spec.q_len, spec.kv_len)
+    runs, _ = spec_runs(spec, partition, parts)
+    t, device = packing.tokens, packing.device
+    own = packed_calls(runs, rank, rank, mask, tokens=(t, t), device=device)
+    return own, [call for j in range(parts) if j != rank
+                 for call in packed_calls(runs, rank, j, mask, tokens=(t, parts * t),
+                                          device=device, key_base=j * t)]
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_window_plan(mask, partition, parts, rank, s_q, s_kv):
+    """``window_plan`` of a dense rank holding ``s_q`` queries and ``s_kv`` keys."""
+    runs_q = dense_runs(partition, s_q * parts, parts)
+    runs_k = dense_runs(partition, s_kv * parts, parts)
+    others = [j for j in range(parts) if j != rank]
+    own = dense_calls(runs_q, rank, runs_k, rank, mask)
+    return own, [call for slot, j in enumerate(others)
+                 for call in dense_calls(runs_q, rank, runs_k, j, mask, key_base=slot * s_kv)]
 
 
 class AllGather(SequenceSchedule):
@@ -109,6 +141,9 @@ class AllGather(SequenceSchedule):
 
     def validate(self, spec):
         super().validate(spec)
+        if window_band(spec) is not None:  # causal is part of the window's band
+            check_runs(spec, self.partition, self.size, self.name)
+            return
         if not spec.causal:
             return
         if spec.packing is not None:
@@ -128,37 +163,59 @@ class AllGather(SequenceSchedule):
                 f"schedule 'ring' for 'striped')"
             )
 
-    def _packed_plan(self, packing, causal: bool):
-        return packing.cached(("allgather", causal), lambda: packed_plan(packing, causal))
+    def _plan(self, spec):
+        """(own calls, calls over the gathered keys, others in rank order) of this rank's
+        local ``spec``: ``others`` holds the other ranks' tokens in global order, or in rank
+        order under a window. Packed plans are made once per packing."""
+        mask, packing = window_band(spec), spec.packing
+        if mask is not None:
+            build = functools.partial(window_plan, spec, mask, self.partition, self.size,
+                                      self.index)
+            if packing is None:
+                return (*build(), True)
+            return (*packing.cached(("allgather", mask), build), True)
+        if packing is not None:
+            return (*packing.cached(("allgather", spec.causal),
+                                    lambda: packed_plan(packing, spec.causal)), False)
+        own = [DenseCall(slice(None), slice(None), spec.causal)]
+        q_len, kv_len = spec.q_len * self.size, spec.kv_len * self.size
+        calls = gathered_calls(self.indices(q_len), kv_len, spec.kv_len, spec.causal)
+        return own, [DenseCall(rows, slice(0, n), False) for rows, n in calls], False
 
-    def _calls(self, q_len: int, kv_len: int, causal: bool):
-        return gathered_calls(self.indices(q_len), kv_len, kv_len // self.size, causal)
+    @staticmethod
+    def _blocks(own, calls, rank_order: bool) -> int:
+        """The most calls that any query row gets: the own one and one over the gathered keys
+        (their rows are runs, apart) without a window; under one (``rank_order``) every
+        call may reach a row."""
+        return len(own) + len(calls) if rank_order else 2
 
-    def _plan(self, spec, q_len: int):
-        """(the own call, the calls over the gathered keys) of this rank: dense calls take
-        the other ranks' keys in global order (``_others``), packed calls every rank's keys
-        in rank order."""
-        if spec.packing is not None:
-            return self._packed_plan(spec.packing, spec.causal)
-        q_full, kv_full = q_len * self.size, spec.kv_len * self.size
-        own = DenseCall(slice(None), slice(None), spec.causal)
-        return own, [DenseCall(rows, slice(0, n), False)
-                     for rows, n in self._calls(q_full, kv_full, spec.causal)]
+    def _streams(self, dropout, part: str, group):
+        """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls
+        of head group ``group``, one per call (``streams(i)``); None without dropout."""
+        if dropout is None:
+            return None
+        return lambda call: dropout.stream("allgather", self.index, part, group.index, call)
 
-    def _other_positions(self, kv_len: int, device):
+    def _other_positions(self, kv_len: int, device, rank_order: bool):
         """(rank, where its tokens go in ``others``) for every other rank."""
+        if rank_order:
+            s_local = kv_len // self.size
+            others = [j for j in range(self.size) if j != self.index]
+            return [(j, torch.arange(slot * s_local, (slot + 1) * s_local, device=device))
+                    for slot, j in enumerate(others)]
         positions = self.positions(kv_len, device)
         kept = torch.ones(kv_len, dtype=torch.long, device=device)
         kept[positions[self.index]] = 0
         slot = kept.cumsum(0) - 1
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
-    def _gathers(self, spec, k, v, groups):
-        """(group, its K and V as the calls take them) for every head group; each group's
-        gather is started while the group before is attended."""
+    def _gathers(self, spec, k, v, groups, rank_order: bool):
+        """(group, its K and V as the calls take them, where the other ranks' tokens are in
+        them) for every head group; each group's gather is started while the group before
+        is attended."""
         layout = layout_of(k)
-        positions = None if spec.packing else self._other_positions(k.shape[2] * self.size,
-                                                                    k.device)
+        positions = None if spec.packing else self._other_positions(
+            k.shape[2] * self.size, k.device, rank_order)
 
         def start(g):
             if spec.packing is not None:
@@ -166,20 +223,25 @@ class AllGather(SequenceSchedule):
             return [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
 
         pending = start(groups[0])
-        for index, g in enumerate(groups):
+
+        def keys(index: int):
+            nonlocal pending
             gathered, pending = [p.wait() for p in pending], None
             if spec.packing is not None:
-                keys = [as_block(t.flatten(0, 1)) for t in gathered]
+                built = [as_block(t.flatten(0, 1)) for t in gathered]
             else:
-                keys = [self._others(t, positions, layout) for t in gathered]
+                built = [self._others(t, positions, layout) for t in gathered]
             del gathered
             if index + 1 < len(groups):
                 pending = start(groups[index + 1])
-            yield g, keys, positions
-            del keys
+            return built
+
+        for index, g in enumerate(groups):
+            yield g, keys(index), positions  # not kept here: the caller frees the keys
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
-        """The other ranks' tokens of a gathered [P, *buffer] tensor, in global token order."""
+        """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
+        ``positions`` (global token order, or rank order under a window)."""
         b, h, s_local, e = from_buffer(gathered[0], layout).shape
         others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
                               device=gathered.device)
@@ -191,15 +253,17 @@ class AllGather(SequenceSchedule):
         packed = spec.packing is not None
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
-        own, calls = self._plan(spec, q.shape[2])
+        own, calls, rank_order = self._plan(spec)
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         groups, scale = self.groups_of(q, k), spec.softmax_scale
-        for g, gathered, _ in self._gathers(spec, k, v, groups):
-            merged = Merged(g.of_q(out), g.of_q(lse), blocks=2)  # own + one call per row
-            _attend(own, kernel, merged, g.of_q(q), (g.of_kv(k), g.of_kv(v)), scale)
-            for call in calls:
-                _attend(call, kernel, merged, g.of_q(q), gathered, scale)
+        blocks = self._blocks(own, calls, rank_order)
+        for g, gathered, _ in self._gathers(spec, k, v, groups, rank_order):
+            merged = Merged(g.of_q(out), g.of_q(lse), blocks)
+            fold_calls(own, kernel, merged, g.of_q(q), g.of_kv(k), g.of_kv(v), scale,
+                       self._streams(dropout, "own", g))
+            fold_calls(calls, kernel, merged, g.of_q(q), *gathered, scale,
+                       self._streams(dropout, "gathered", g))
             merged.finish()
             del gathered
         return (as_packed(out) if packed else out), lse
@@ -208,52 +272,68 @@ class AllGather(SequenceSchedule):
         packed = spec.packing is not None
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        own, calls = self._plan(spec, q.shape[2])
+        own, calls, rank_order = self._plan(spec)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
         groups, scale = self.groups_of(q, k), spec.softmax_scale
-        for g, keys, positions in self._gathers(spec, k, v, groups):
-            args = [g.of_q(t) for t in (dout, q)], [g.of_q(t) for t in (out, lse)]
-            dq_sum = Sum(g.of_q(dq), 2)  # own + one call per row
-            own_grads = list(_grads(own, kernel, dq_sum, (g.of_kv(k), g.of_kv(v)), args, scale))
-            sums = _sums(calls, kernel, dq_sum, keys, args, scale)
+        blocks = self._blocks(own, calls, rank_order)
+        for g, keys, positions in self._gathers(spec, k, v, groups, rank_order):
+            dq_sum = Sum(g.of_q(dq), blocks)
+            dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
+            mine = self._own_grads(own, kernel, dq_sum, (dout_g, q_g, g.of_kv(k), g.of_kv(v),
+                                                         out_g, lse_g, scale),
+                                   self._streams(dropout, "own", g))
+            sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
+            backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
+                           sums, self._streams(dropout, "gathered", g))
             del keys
             dq_sum.finish()
             for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
-                own_grad = own_grads.pop(0) if own_grads else None
                 if packed:
-                    mine = self._packed_scatter(own_grad, own and own.keys, sums.pop(0))
+                    summed = self._packed_scatter(mine.pop(0), sums.pop(0))
                 else:
-                    mine = self._scatter(own_grad, sums.pop(0), positions, target)
-                target.copy_(mine)
-                del own_grad, mine
+                    summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
+                target.copy_(summed)
+                del summed
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
 
+    @staticmethod
+    def _own_grads(own, kernel, dq_sum: Sum, args, streams):
+        """[dK parts, dV parts] of the own calls on ``args`` (as ``calls.call_grads``), each
+        part (key rows, gradient); their dQ goes into ``dq_sum``."""
+        parts = [[], []]
+        for i, call in enumerate(own):
+            grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
+            for part, grad in zip(parts, grads):
+                part.append((call.keys, grad))
+        return parts
+
     def _scatter(self, own, others, positions, like):
         """This rank's tokens' dK (or dV), fp32, of a head group: every rank's gradients of
-        them, summed (``own``: this rank's own, None for none; ``others``: its fp32 sums of
-        the other ranks' tokens, in ``_others`` order); ``like``: the local tensor's layout."""
+        them, summed (``own``: this rank's own, as (key rows, gradient) parts; ``others``: its
+        fp32 sums of the other ranks' tokens, in ``_others`` order); ``like``: the local
+        tensor's layout."""
         layout = layout_of(like)
         send = torch.empty((self.size, *buffer_shape(like.shape, layout)), dtype=torch.float32,
                            device=like.device)
         for j, slots in positions:
             torch.index_select(others, 2, slots, out=from_buffer(send[j], layout))
         del others
-        mine = from_buffer(send[self.index], layout)
-        if own is None:
-            mine.zero_()
-        else:
-            mine.copy_(own)
+        mine = Sum(from_buffer(send[self.index], layout), len(own))
+        for rows, grad in own:
+            mine.add(rows, grad)
+        mine.finish()
         return from_buffer(self.comm.reduce_scatter(send), layout)
 
-    def _packed_scatter(self, own, own_keys, summed):
+    def _packed_scatter(self, own, summed):
         """This rank's tokens' dK (or dV) of a head group: the fp32 sums of every rank's
-        tokens (rank order), with this rank's own gradients added, reduce-scattered."""
+        tokens (rank order), with this rank's own gradients (``own``: (key rows, gradient)
+        parts) added, reduce-scattered."""
         tokens = summed.shape[2] // self.size
-        if own is not None:
-            add_rows(summed[:, :, self.index * tokens:(self.index + 1) * tokens], own_keys, own)
+        for rows, grad in own:
+            add_rows(summed[:, :, self.index * tokens:(self.index + 1) * tokens], rows, grad)
         return as_block(self.comm.reduce_scatter(as_packed(summed).unflatten(0, (self.size, tokens))))
 
     def describe(self, spec):
@@ -274,9 +354,10 @@ class AllGather(SequenceSchedule):
 
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: every
-        rank's K/V as gathered and the other ranks' in token order (the next group's gather
-        meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered keys'
-        dK/dV and, per tensor, the fp32 input and output of the reduce-scatter."""
+        rank's K/V as gathered and the other ranks' in the calls' order (the next group's
+        gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
+        keys' dK/dV and, per tensor, the fp32 input and output of the reduce-scatter; fp32
+        sums of out and dQ where a row may get more than two calls."""
         p, rows = self.size, self.local_tokens(spec)
         packed = spec.layout.is_varlen
         groups = self.groups_for(spec)
@@ -284,65 +365,40 @@ class AllGather(SequenceSchedule):
         kv, kv32 = size.kv(), size.kv(itemsize=4)
         copies = 0 if heads.contiguous(spec, groups) else 2 * kv  # what a gather sends
         gathered = 2 * p * kv + copies
-        # packed calls read the gathered K/V itself; dense ones the others in token order
+        # packed calls read the gathered K/V itself; dense ones the others in the calls' order
         keys = 2 * p * kv if packed else 2 * (p - 1) * kv
         building = gathered if packed else gathered + keys
         ahead = gathered if groups > 1 else 0  # the next group's gather
         key_rows = (p if packed else p - 1) * rows
-        own, calls = self._plan(self.local_spec(spec), rows)
-        calls = [c for c in calls if c is not None]
-        own_keys = [] if own is None else [(own, rows)]
-        forward = max(building, keys + ahead + max(
-            (forward_call(size, c, n, spec.dtype.itemsize)
-             for c, n in [*own_keys, *((c, key_rows) for c in calls)]), default=0))
+        own, calls, rank_order = self._plan(self.local_spec(spec))
+        fp32_sum = size.q(itemsize=4) if self._blocks(own, calls, rank_order) > 2 \
+            and spec.dtype.itemsize < 4 else 0
+        during = keys + ahead + fp32_sum  # beside every kernel call of a group
+        item = 4 if fp32_sum else spec.dtype.itemsize
+        forward = max(building, during + max(
+            (forward_call(size, c, n, item)
+             for c, n in [*((c, rows) for c in own), *((c, key_rows) for c in calls)]),
+            default=0))
+        own_grads = [2 * size.kv(keys_of(c, rows)) for c in own]
+        own_steps = [sum(own_grads[:i]) + backward_call(
+            size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
+            for i, c in enumerate(own)]
         sums = 2 * (key_rows // rows) * kv32
         calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
                           for c in calls), default=0)
-        own_step = max((backward_call(size, c, n, dq_temp=False, kv_temps=True)
-                        for c, n in own_keys), default=0)
-        own_grads = 2 * kv if own is not None else 0
         scatter = kv32 if packed else p * kv32  # the reduce-scatter's input beside the sums
         backward = whole.q() + 2 * whole.kv() + max(
-            building, keys + ahead + own_step, keys + ahead + own_grads + sums + calls_step,
-            ahead + own_grads + sums + scatter)
+            building, during + max(own_steps, default=0),
+            during + sum(own_grads) + sums + calls_step,
+            ahead + sum(own_grads) + sums + scatter)
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
+        local = self.local_spec(spec)
+        own, calls, _ = self._plan(local)
         if spec.layout.is_varlen:
-            split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
-            own, calls = packed_plan(split.part(self.index), spec.causal)
-            done = [c for c in (own, *calls) if c is not None]
-            return len(done), sum(c.pairs for c in done)
-        q_local = spec.q_len // self.size
-        calls = self._calls(spec.q_len, spec.kv_len, spec.causal)
-        pairs = q_local * (spec.kv_len // self.size) * (0.5 if spec.causal else 1.0)
-        return 1 + len(calls), pairs + sum((rows.stop - rows.start) * n for rows, n in calls)
-
-
-def _attend(call, kernel, merged: Merged, q, keys, scale) -> None:
-    """Fold a call's (out, lse) over ``keys`` into ``merged`` (nothing without a call)."""
-    if call is not None:
-        merged.add(*call.forward(kernel, q, *keys, scale), rows=call.rows)
-
-
-def _sums(calls, kernel, dq_sum: Sum, keys, args, scale) -> list[torch.Tensor]:
-    """fp32 sums of the calls' dK and dV over ``keys``; their dQ goes into ``dq_sum``."""
-    sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
-    for call in calls:
-        for acc, grad in zip(sums, _grads(call, kernel, dq_sum, keys, args, scale)):
-            add_rows(acc, call.keys, grad)
-    return sums
-
-
-def _grads(call, kernel, dq_sum: Sum, keys, args, scale):
-    """(dK, dV) of a call over ``keys`` (none without a call); its dQ goes into ``dq_sum``."""
-    if call is None:
-        return ()
-    (dout, q), (out, lse) = args
-    dq = dq_sum.into(call.rows)
-    dq_b, *grads = call.backward_into(kernel, (dq, None, None), dout, q, *keys, out, lse, scale)
-    if dq is None:
-        dq_sum.add(call.rows, dq_b)
-    return grads
-
+            return len(own) + len(calls), sum(c.pairs for c in own + calls)
+        pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
+            sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
+        return len(own) + len(calls), pairs

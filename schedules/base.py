@@ -1,24 +1,32 @@
 """The Schedule contract: how one attention problem is spread over a mesh dim.
 
-A schedule sees the *local* tensors of its rank. ``validate`` checks the local spec (pure,
-so that every rank, given every rank's spec, raises the same error); ``forward`` and
-``backward`` run the local kernel and the communication; ``shard``/``unshard`` move between
-full and local tensors; ``describe`` reports what one call costs each rank.
+A schedule sees the *local* tensors of its rank. ``validate`` checks the local spec (pure:
+no communication); ``forward`` and ``backward`` run the local kernel and the communication;
+``shard``/``unshard`` move between full and local tensors; ``describe`` reports what one call
+costs each rank. ``describe``, ``validate``, ``shard`` and ``repr`` never communicate.
+
+The ranks of the schedule's ``control`` group (its line of the mesh) agree on every call
+(``sdpa_fusion.agreement``): the global problem, and the schedule's ``configuration()``: its
+name, mesh, dim and options, which are its public attributes, fixed when it is built. Keep
+caches and per-rank state in ``_private`` attributes.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 
 import torch
 import torch.distributed as dist
 
+from sdpa_fusion.agreement import agree, canonical
 from sdpa_fusion.kernels import Dropout, Kernel
-from sdpa_fusion.layout import Layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
+from sdpa_fusion.waiting import MeshTimeout
 
 from .comm import Communicator
 from .memory import Memory
@@ -52,8 +60,12 @@ class Schedule(abc.ABC):
     takes_dtensors: bool = True  # False: attention() refuses DTensor inputs
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ValueError(
+                f"mesh={mesh!r} must be a sdpa_fusion.Mesh (from sdpa_fusion.init_mesh) or None"
+            )
         self.mesh = mesh
-        self.agreed: set[AttentionSpec] = set()  # local problems all ranks have checked
+        self._contiguous: dict[int, bool] = {}  # per length: does shard() cut contiguous chunks?
         if mesh is not None:
             self.dim = dim or mesh.names[-1 if self.sharded_dim != 1 else 0]
             mesh.size(self.dim)  # a clear error for an unknown dim name
@@ -76,7 +88,60 @@ class Schedule(abc.ABC):
     @functools.cached_property
     def comm(self) -> Communicator:
         """The communicator over this schedule's mesh dim (counts the bytes it moves)."""
-        return Communicator(self.group, self.mesh.ranks(self.dim), self.index)
+        return Communicator(self.group, self.mesh.ranks(self.dim), self.index,
+                            timeout=self.mesh.timeout)
+
+    @property
+    def control(self):
+        """The control group of the ranks that run each call together (None without a mesh)."""
+        return self.mesh.control_group(self.dim) if self.mesh is not None else None
+
+    def configuration(self) -> dict:
+        """What every rank must have alike: name, mesh and options (public attributes)."""
+        options = {k: v for k, v in vars(self).items()
+                   if not k.startswith("_") and k not in ("mesh", "comm")}
+        return {"schedule": self.name, "mesh": self.mesh, **options}
+
+    def configuration_fields(self) -> dict[str, str]:
+        """``configuration()`` as canonical text per entry ("schedule", "schedule.mesh",
+        "schedule.<option>"), made once: a schedule's options are fixed when it is built."""
+        return self._configuration_fields
+
+    @functools.cached_property
+    def _configuration_fields(self) -> dict[str, str]:
+        return {name if name == "schedule" else f"schedule.{name}": canonical(value)
+                for name, value in self.configuration().items()}
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        """Name ``what`` (e.g. "forward of call 3") in the timeouts of the transfers inside."""
+        if self.mesh is None or self.dim is None:
+            yield
+            return
+        with self.comm.running(f"schedule {self.name!r} over {self.dim}={self.size}, {what}"):
+            yield
+
+    def placements(self, length: int) -> list:
+        """The DTensor placements (one per mesh dim) of this rank's shards when the sharded dim
+        has ``length`` entries; a ValueError when no placement describes them."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        placements = [Replicate()] * len(self.mesh.names)
+        if self.sharded_dim is None or self.size == 1:
+            return placements
+        if length not in self._contiguous:
+            probe = torch.arange(length).view([length if d == self.sharded_dim else 1 for d in range(4)])
+            mine = self.shard(probe).flatten()
+            self._contiguous[length] = torch.equal(mine, probe.flatten().chunk(self.size)[self.index])
+        if not self._contiguous[length]:
+            raise ValueError(
+                f"schedule {self.name!r} holds a partition of dim {self.sharded_dim} that is not "
+                f"contiguous chunks, which is what the DTensor placement Shard({self.sharded_dim}) "
+                f"means; build the schedule with partition='contiguous' to take Shard("
+                f"{self.sharded_dim}) DTensors, or pass plain tensors from schedule.shard(...)"
+            )
+        placements[self.mesh.names.index(self.dim)] = Shard(self.sharded_dim)
+        return placements
 
     # ---- the contract --------------------------------------------------------------------
     def global_spec(self, spec: AttentionSpec) -> AttentionSpec:
@@ -89,11 +154,6 @@ class Schedule(abc.ABC):
             raise ValueError(
                 f"schedule {self.name!r} does not take layout='thd' yet; use 'bshe' (pad "
                 f"sequences to one length) or run packed sequences with schedule=None"
-            )
-        if spec.dropout_p > 0 and self.size > 1:
-            raise ValueError(
-                f"dropout_p={spec.dropout_p} is not supported under the multidevice schedule "
-                f"{self.name!r} (shards would draw the same random mask); use dropout_p=0"
             )
 
     @abc.abstractmethod
@@ -119,25 +179,54 @@ class Schedule(abc.ABC):
             )
         return None
 
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
         """This rank's part of a full tensor, in ``layout`` (differentiable); packed tensors
         (``layout='thd'``) take the global ``cu_seqlens`` (and ``cu_seqlens_padded``)."""
-        layout = Layout.of(layout)
+        layout = shard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
         _check_divisible(t, self.sharded_dim, self.size, self.name)
         return layout.to(t.chunk(self.size, dim=self.sharded_dim)[self.index])
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's local part; differentiable,
         the gradient of the full tensor flowing back to this rank's part."""
-        layout = Layout.of(layout)
+        layout = unshard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
-        full = gather_cat(t, self.sharded_dim, self.group, self.size, self.index)
-        return layout.to(full)
+        return layout.to(self.gather(t, self.sharded_dim))
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's part ``t`` concatenated along ``dim`` in mesh order, once the ranks
+        agree on its shape, dtype and device type (a ValueError on every rank when not);
+        differentiable, as ``gather_cat``."""
+        error = fields = None
+        try:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"unshard takes a torch.Tensor, got {type(t).__name__}")
+            fields = {"shape": str(list(t.shape)), "dtype": str(t.dtype), "device": t.device.type}
+        except Exception as e:  # noqa: BLE001 - every failure is agreed on
+            error = e
+        agree(self.control, fields, error, what="unshard",
+              fix="unshard on every rank this rank's part of one tensor (e.g. the output of "
+                  "attention with this schedule)")
+        return gather_cat(t, dim, self.group, self.size, self.index)
+
+    # ---- a model's batch (schedules.batch) ------------------------------------------------
+    @property
+    def token_splits(self) -> tuple:
+        """The sequence schedules that split a batch's tokens over this schedule's ranks, inner
+        first; none here: every rank holds every token."""
+        return ()
+
+    @property
+    def head_split(self):
+        """The ``head_parallel`` schedule that splits the heads of a model's activations over
+        this schedule's ranks (``shard(t, replicated=True)``), or None: local tensors keep
+        every head."""
+        return None
 
     def __repr__(self) -> str:
         where = f"{self.dim}={self.size}" if self.mesh is not None else "one device"
@@ -161,7 +250,11 @@ class _GatherCat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, dim: int, group, size: int, index: int):
         parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(size)]
-        dist.all_gather(parts, t.contiguous(), group=group)
+        work = dist.all_gather(parts, t.contiguous(), group=group, async_op=True)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise MeshTimeout(f"the all-gather of unshard did not complete: {e}") from e
         ctx.dim, ctx.size, ctx.index = dim, size, index
         return torch.cat(parts, dim=dim)
 

@@ -8,6 +8,9 @@ call; its rows are precomputed once per packing. Packed [T, H, E] tensors travel
 schedules as [1, H, T, E] views (``as_block``), so loops, merges and transports are the same
 for dense and packed tensors; the calls hand the kernels [T, H, E] tensors again.
 
+A call's mask is data: ``causal`` and a top-left ``window`` in the call's own coordinates
+(per sequence of a packed call; ``schedules.bands`` makes them for split sequences).
+
 Rows are a slice, an index tensor or None (all rows); ``add_rows`` and ``put_rows`` write a
 call's gradients back into fp32 sums.
 """
@@ -19,7 +22,8 @@ import dataclasses
 import torch
 
 from sdpa_fusion.kernels.base import Seqlens, layout_of
-from sdpa_fusion.merge import take_rows
+from sdpa_fusion.mask import Window, band, visible_pairs
+from sdpa_fusion.merge import Merged, take_rows
 
 
 def as_block(t: torch.Tensor) -> torch.Tensor:
@@ -34,65 +38,81 @@ def as_packed(t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class DenseCall:
-    """Query rows ``rows`` vs key rows ``keys`` (slices) of dense blocks."""
+    """Query rows ``rows`` vs key rows ``keys`` (slices) of dense blocks, masked by ``causal``
+    and ``window`` (top-left in the call's rows and keys)."""
 
     rows: slice
     keys: slice
     causal: bool
+    window: Window | None = None
 
-    def forward(self, kernel, q, k, v, scale):
-        """(out, lse) of the call's query rows."""
+    def forward(self, kernel, q, k, v, scale, dropout=None):
+        """(out, lse) of the call's query rows (``dropout``: the call's stream)."""
         r, c = self.rows, self.keys
-        return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale)
+        return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
+                              window=self.window, dropout=dropout)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
-        return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale)
+        return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale,
+                                  dropout)
 
-    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale):
+    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
         """``backward`` writing each gradient into its call's rows of the given target (a
         tensor shaped, typed and laid out like q, k or v; other rows untouched), or into a
         new tensor where the target is None; returns the three gradients (views of targets)."""
         r, c = self.rows, self.keys
         args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
                 lse[:, :, r].contiguous())
+        mask = dict(causal=self.causal, scale=scale, window=self.window, dropout=dropout)
         if all(t is None for t in targets):
-            return kernel.backward(*args, causal=self.causal, scale=scale)
+            return kernel.backward(*args, **mask)
         grads = [_empty_like(like[:, :, span]) if t is None else t[:, :, span]
                  for t, like, span in zip(targets, (q, k, v), (r, c, c))]
-        return kernel.backward_into(grads, *args, causal=self.causal, scale=scale)
+        return kernel.backward_into(grads, *args, **mask)
+
+    def pairs(self, s_q: int, s_kv: int) -> float:
+        """Query-key pairs the call computes on blocks of ``s_q`` queries and ``s_kv`` keys
+        (half of them when causal without a window, as ``AttentionSpec.flops`` counts)."""
+        n_q, n_k = (len(range(*part.indices(n))) for part, n in ((self.rows, s_q),
+                                                                 (self.keys, s_kv)))
+        if self.window is None:
+            return n_q * n_k * (0.5 if self.causal else 1.0)
+        return visible_pairs(n_q, n_k, band(self.causal, self.window))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedCall:
     """One varlen kernel call: packed query rows ``rows`` vs key rows ``keys`` (index tensors
     grouped by sequence, None for every row in order), sequence i being queries
-    ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of them."""
+    ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of them; every
+    sequence masked by ``causal`` and ``window``."""
 
     rows: torch.Tensor | None
     keys: torch.Tensor | None
     seqlens: Seqlens
     causal: bool
+    window: Window | None = None
 
-    def forward(self, kernel, q, k, v, scale):
+    def forward(self, kernel, q, k, v, scale, dropout=None):  # packed: no dropout (spec)
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
-            causal=self.causal, scale=scale,
+            causal=self.causal, scale=scale, window=self.window,
         )
         return as_block(o), lse.unsqueeze(0)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         lse = lse[0] if self.rows is None else lse[0].index_select(1, self.rows)
         grads = kernel.varlen_backward(
             _take(dout, self.rows), _take(q, self.rows), _take(k, self.keys),
             _take(v, self.keys), _take(out, self.rows), lse, self.seqlens,
-            causal=self.causal, scale=scale,
+            causal=self.causal, scale=scale, window=self.window,
         )
         return tuple(as_block(g) for g in grads)
 
-    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale):
+    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
         """``backward``, each gradient also written into its rows of a target that is not None."""
-        grads = self.backward(kernel, dout, q, k, v, out, lse, scale)
+        grads = self.backward(kernel, dout, q, k, v, out, lse, scale, dropout)
         for t, span, g in zip(targets, (self.rows, self.keys, self.keys), grads):
             if t is not None:
                 put_rows(t, span, g)
@@ -101,14 +121,9 @@ class PackedCall:
     @property
     def pairs(self) -> int:
         """Query-key pairs the call computes (for ``describe``)."""
-        total = 0
-        for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k):
-            if self.causal:  # query i sees min(i + 1, n_k) keys
-                seen = min(n_q, n_k)
-                total += seen * (seen + 1) // 2 + (n_q - seen) * n_k
-            else:
-                total += n_q * n_k
-        return total
+        mask = band(self.causal, self.window)
+        return sum(visible_pairs(n_q, n_k, mask)
+                   for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k))
 
 
 def rows_of(call, rows: int) -> int:
@@ -153,7 +168,7 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tuple[int, int],
-                device) -> PackedCall | None:
+                device, window: Window | None = None) -> PackedCall | None:
     """The call of query ``rows`` vs key ``keys`` (host index tensors grouped by sequence,
     ``row_counts``/``key_counts`` per sequence), leaving out sequences with no query or no
     key; None when no sequence is left. ``tokens``: rows of the query and key tensors (rows
@@ -166,7 +181,7 @@ def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tup
     row_counts, key_counts = row_counts[kept], key_counts[kept]
     seqlens = Seqlens(_cumulative(row_counts), _cumulative(key_counts))
     return PackedCall(_index(rows, tokens[0], device), _index(keys, tokens[1], device), seqlens,
-                      causal)
+                      causal, window)
 
 
 def _cumulative(counts: torch.Tensor) -> tuple[int, ...]:
@@ -177,6 +192,36 @@ def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | None:
     if len(rows) == tokens and torch.equal(rows, torch.arange(tokens)):
         return None
     return rows.to(device)
+
+
+def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> None:
+    """Fold every call's (out, lse) on the blocks q, k, v into ``merged``. ``streams(i)``: the
+    dropout stream of call i (None: no dropout)."""
+    for i, call in enumerate(calls):
+        o, lse = call.forward(kernel, q, k, v, scale, streams and streams(i))
+        merged.add(o, lse, rows=call.rows)
+        del o, lse  # free the call's output before the next kernel call
+
+
+def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, None)):
+    """(dK, dV) of ``call`` on ``args`` = (dout, q, k, v, out, lse, scale), the global out and
+    lse, written into ``targets`` where not None; its dQ goes into ``dq_sum`` (straight from
+    the kernel where it may)."""
+    dq = dq_sum.into(call.rows)
+    dq_b, *grads = call.backward_into(kernel, (dq, *targets), *args, dropout)
+    if dq is None:
+        dq_sum.add(call.rows, dq_b)
+    return grads
+
+
+def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None:
+    """Every call's backward on ``args`` (as ``call_grads``): dQ into ``dq_sum``, dK and dV
+    added into the fp32 ``sums`` of the key blocks (``streams`` as ``fold_calls``)."""
+    for i, call in enumerate(calls):
+        grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
+        for acc, g in zip(sums, grads):
+            add_rows(acc, call.keys, g)
+        del grads  # free the call's gradients before the next kernel call
 
 
 def take(t: torch.Tensor, rows) -> torch.Tensor:

@@ -3,15 +3,21 @@
 Every transfer of a schedule goes through one ``Communicator`` so that what a call moved can
 be compared with what ``describe()`` promises (tests do). Collectives run asynchronously where
 the caller can overlap them with compute: NCCL runs them on its own streams, and ``wait()``
-makes the current stream wait for the result.
+makes the current stream wait for the result. On CPU ranks (gloo) a transfer that does not
+complete within the group's timeout (the mesh's) raises ``MeshTimeout`` naming the schedule,
+the call, the transfer and the ranks that did not arrive; NCCL's watchdog reports its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
+
+from sdpa_fusion.waiting import Arrivals, MeshTimeout
 
 
 @dataclasses.dataclass
@@ -27,15 +33,16 @@ class CommStats:
 
 
 class Pending:
-    """Transfers in flight; ``wait()`` returns ``result`` once they have landed."""
+    """Transfers in flight; ``wait()`` returns ``result`` once they have landed. ``waits`` is
+    a list of (work, what it is, transfer number) made by ``Communicator.pending``."""
 
-    def __init__(self, works, result=None):
-        self._works, self.result = works, result
+    def __init__(self, comm: "Communicator", waits, result=None):
+        self._comm, self._waits, self.result = comm, waits, result
 
     def wait(self):
-        for w in self._works:
-            w.wait()
-        self._works = []
+        for work, what, step in self._waits:
+            self._comm.wait(work, what, step)
+        self._waits = []
         return self.result
 
 
@@ -44,25 +51,58 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Communicator:
-    """Collectives over one line of the mesh (``ranks`` are global ranks in line order)."""
+    """Collectives over one line of the mesh (``ranks`` are global ranks in line order);
+    ``timeout`` is the mesh's (the group's own, and the copy-engine barriers')."""
 
-    def __init__(self, group, ranks: list[int], index: int):
+    def __init__(self, group, ranks: list[int], index: int, *, timeout: datetime.timedelta):
         self.group, self.ranks, self.index = group, ranks, index
         self.size = len(ranks)
+        self.timeout = timeout
         self.stats = CommStats()
+        self._running = "a schedule"  # what the transfers belong to (see ``running``)
+        self._started = 0  # transfers before that began
+        self._transfers = 0  # transfers ever started (every rank counts alike)
+        self._arrivals = Arrivals(group.group_name, ranks, timeout) \
+            if dist.get_backend(group) == "gloo" else None
 
-    @property
-    def next_rank(self) -> int:
-        """Global rank after this one on the ring of the line."""
-        return self.ranks[(self.index + 1) % self.size]
+    @contextlib.contextmanager
+    def running(self, what: str):
+        """Name ``what`` (schedule, call) in the timeouts of the transfers inside."""
+        before = self._running, self._started
+        self._running, self._started = what, self._transfers
+        try:
+            yield
+        finally:
+            self._running, self._started = before
 
-    @property
-    def previous_rank(self) -> int:
-        """Global rank before this one on the ring of the line."""
-        return self.ranks[(self.index - 1) % self.size]
+    def pending(self, works, result, what: str) -> Pending:
+        """``works`` of the transfer just counted as in flight; ``what`` names its peers."""
+        step = self._transfers
+        name = f"transfer {step - self._started} ({what})"
+        return Pending(self, [(w, name, step) for w in works], result)
+
+    def wait(self, work, what: str, step: int) -> None:
+        """Wait for ``work`` of transfer ``step``; on CPU ranks a MeshTimeout names the
+        transfer and the ranks that did not arrive when it fails."""
+        try:
+            if self._arrivals is None:
+                work.wait()  # NCCL: the current stream waits; its watchdog reports timeouts
+            else:
+                self._arrivals.wait(work, step)
+        except RuntimeError as e:
+            who = self._arrivals.missing(step) if self._arrivals is not None else str(e)
+            raise MeshTimeout(
+                f"{self._running}: {what} did not complete: {who}; every rank of {self.ranks} "
+                f"must make the same transfers in the same order ({e})"
+            ) from e
+
+    def peer(self, hops: int) -> int:
+        """Global rank ``hops`` after this one on the ring of the line (before when < 0)."""
+        return self.ranks[(self.index + hops) % self.size]
 
     def count(self, sent: int, received: int) -> None:
         """Record a transfer of ``sent`` and ``received`` bytes."""
+        self._transfers += 1
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
         self.stats.transfers += 1
@@ -74,23 +114,24 @@ class Communicator:
         # flat views: gloo wants the output as the inputs concatenated along dim 0
         work = dist.all_gather_into_tensor(out.view(-1), t.view(-1), group=self.group, async_op=True)
         self.count(_nbytes(t) * (self.size - 1), _nbytes(t) * (self.size - 1))
-        return Pending([work], out)
+        return self.pending([work], out, f"all-gather over ranks {self.ranks}")
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """Sum [size, *shape] over ranks and keep this rank's slice [*shape]."""
         t = t.contiguous()
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out.view(-1), t.view(-1), group=self.group)  # flat for gloo
+        work = dist.reduce_scatter_tensor(out.view(-1), t.view(-1), group=self.group,  # flat for gloo
+                                          async_op=True)
         part = _nbytes(out)
         self.count(part * (self.size - 1), part * (self.size - 1))
-        return out
+        return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """Exchange slices: ``t`` is [size, ...]; slice i goes to rank i; result [size, ...]
         holds slice ``index`` of every rank, in rank order."""
         t = t.contiguous()
         out = torch.empty_like(t)
-        dist.all_to_all_single(out, t, group=self.group)
+        work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
         part = _nbytes(t) // self.size
         self.count(part * (self.size - 1), part * (self.size - 1))
-        return out
+        return self.pending([work], out, f"all-to-all over ranks {self.ranks}").wait()

@@ -68,10 +68,12 @@ def contiguous(spec, groups: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HeadGroup:
-    """The query heads ``q`` and K/V heads ``kv`` (slices of the head dim) of one group."""
+    """The query heads ``q`` and K/V heads ``kv`` (slices of the head dim) of group ``index``
+    (which also keys the group's dropout streams: every group draws its own masks)."""
 
     q: slice
     kv: slice
+    index: int
 
     def of_q(self, t):
         """This group's query heads of a [B, H, ...] tensor (a view)."""
@@ -85,5 +87,5 @@ class HeadGroup:
 def groups_of(groups: int, heads: int, kv_heads: int) -> list[HeadGroup]:
     """The ``groups`` head groups of a problem of ``heads`` query and ``kv_heads`` K/V heads."""
     hq, hkv = heads // groups, kv_heads // groups
-    return [HeadGroup(slice(g * hq, (g + 1) * hq), slice(g * hkv, (g + 1) * hkv))
+    return [HeadGroup(slice(g * hq, (g + 1) * hq), slice(g * hkv, (g + 1) * hkv), g)
             for g in range(groups)]

@@ -33,17 +33,18 @@ gradient is that rank's share (``unshard(..., heads=, copies="sum")`` adds the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import torch
 
 from sdpa_fusion.kernels import Kernel
-from sdpa_fusion.layout import Layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
 from .allgather import AllGather
 from .base import Description, Schedule
-from .head_parallel import HeadParallel
+from .head_parallel import HeadParallel, fold_copies, heads_of
 from .ring import Ring
 from .ulysses import Ulysses
 
@@ -100,10 +101,11 @@ class _OuterKernel(Kernel):
         )
 
     def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
-        return self.outer.forward(q, k, v, self._local(q, k), self.kernel)
+        return self.outer.forward(q, k, v, self._local(q, k), self.kernel, dropout)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
-        return self.outer.backward(dout, q, k, v, out, lse, self._local(q, k), self.kernel)
+        return self.outer.backward(dout, q, k, v, out, lse, self._local(q, k), self.kernel,
+                                   dropout)
 
 
 class Hybrid(Schedule):
@@ -145,6 +147,15 @@ class Hybrid(Schedule):
         if self._error is not None:
             raise ValueError(self._error)
 
+    def configuration(self) -> dict:
+        return {**super().configuration(), "inner": self._inner, "outer": self._outer,
+                "error": self._error}
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        with self.inner.running(f"hybrid, {what}"), self.outer.running(f"hybrid, {what}"):
+            yield
+
     @property
     def size(self) -> int:
         return self.inner.size * self.outer.size
@@ -175,11 +186,6 @@ class Hybrid(Schedule):
                 "schedule 'hybrid' does not take layout='thd' yet; use 'bshe' (pad sequences "
                 "to one length) or run packed sequences under a 1-D schedule"
             )
-        if spec.dropout_p > 0:
-            raise ValueError(
-                f"dropout_p={spec.dropout_p} is not supported under schedule 'hybrid' (shards "
-                f"would draw the same random mask); use dropout_p=0"
-            )
         for role, sched, local in (("inner", self.inner, spec),
                                    ("outer", self.outer, self._outer_spec(spec))):
             try:
@@ -197,11 +203,11 @@ class Hybrid(Schedule):
                             q_len=spec.q_len * p, kv_len=spec.kv_len * p)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        return self.inner.forward(q, k, v, spec, _OuterKernel(self.outer, kernel, spec))
+        return self.inner.forward(q, k, v, spec, _OuterKernel(self.outer, kernel, spec), dropout)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         return self.inner.backward(dout, q, k, v, out, lse, spec,
-                                   _OuterKernel(self.outer, kernel, spec))
+                                   _OuterKernel(self.outer, kernel, spec), dropout)
 
     # ---- full tensors ----------------------------------------------------------------------
     def indices(self, seq_len: int) -> torch.Tensor:
@@ -225,58 +231,49 @@ class Hybrid(Schedule):
                 f"{multiple}"
             )
 
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE) -> torch.Tensor:
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto") -> torch.Tensor:
         """This rank's tokens (and, with inner head_parallel, heads) of a full tensor. A
         tensor with fewer heads than inner ranks (K/V of GQA) gives each rank a copy of the
         head its query heads use."""
-        layout = Layout.of(layout)
+        layout = shard_layout(t, layout)
         if layout.is_varlen:
             raise ValueError("schedule 'hybrid' does not shard layout='thd' yet; use 'bshe'")
         local = t.index_select(2, self.indices(t.shape[2]).to(t.device))
         return layout.to(self._heads_of(local) if self.splits_heads else local)
 
     def _heads_of(self, t: torch.Tensor) -> torch.Tensor:
-        """This inner rank's heads of ``t``: a 1/Pi share, or a copy of one head when ``t``
-        has fewer heads than the Pi inner ranks."""
-        h, p, i = t.shape[1], self.inner.size, self.inner.index
-        if h % p and p % h:
-            raise ValueError(
-                f"heads {h} must be divisible by the {p} ranks of inner dim {self.inner.dim!r} "
-                f"(or divide {p}, for K/V heads that ranks then share); use a multiple of {p} "
-                f"heads, or inner='ulysses'"
-            )
-        return t.narrow(1, i * h // p, max(h // p, 1))
+        """This inner rank's heads of ``t`` (a copy of one head when ``t`` has fewer heads
+        than the inner ranks)."""
+        return heads_of(t, self.inner.size, self.inner.index, self._inner_where)
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE,
+    @property
+    def _inner_where(self) -> str:
+        return f"inner dim {self.inner.dim!r}"
+
+    @property
+    def token_splits(self) -> tuple:
+        return self.outer.token_splits if self.splits_heads else (self.inner, self.outer)
+
+    @property
+    def head_split(self):
+        return self.inner if self.splits_heads else None
+
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto",
                 heads: int | None = None, copies: str | None = None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's part; differentiable.
 
         ``heads`` < inner ranks (K/V of GQA under inner head_parallel): ``t`` is a copy of
         one of ``heads`` heads; ``copies="sum"`` adds the copies (gradients: each is its
         ranks' share), ``copies="first"`` takes one (values: the copies are equal)."""
-        layout = Layout.of(layout)
+        layout = unshard_layout(t, layout)
         line = self.inner.unshard(t, layout=layout)
         if heads is not None and heads != line.shape[1]:
-            line = self._fold_copies(line, heads, copies)
+            if not self.splits_heads:
+                raise ValueError(
+                    f"heads={heads} does not match the {line.shape[1]} heads of the tensor; "
+                    f"leave heads out (only K/V copies under inner='head_parallel' need it)")
+            line = fold_copies(line, heads, copies, self._inner_where)
         return self.outer.unshard(line, layout=layout)
-
-    def _fold_copies(self, t: torch.Tensor, heads: int, copies: str | None) -> torch.Tensor:
-        """[B, Pi, S, E], inner rank i's copy of head i * heads // Pi at i -> [B, heads, S, E]."""
-        p, dim = self.inner.size, self.inner.dim
-        if not (self.splits_heads and t.shape[1] == p and p % heads == 0):
-            raise ValueError(
-                f"heads={heads} does not match the {t.shape[1]} heads gathered from the ranks; "
-                f"pass the full tensor's head count (it differs only for K/V with fewer heads "
-                f"than the {p} ranks of an inner head_parallel dim {dim!r})"
-            )
-        if copies not in ("sum", "first"):
-            raise ValueError(
-                f"the {p} ranks of inner dim {dim!r} hold copies of heads={heads} heads; pass "
-                f"copies='sum' for gradients (each copy holds its ranks' share) or "
-                f"copies='first' for values (the copies are equal), not copies={copies!r}"
-            )
-        grouped = t.unflatten(1, (heads, p // heads))
-        return grouped.sum(2) if copies == "sum" else grouped.select(2, 0)
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):

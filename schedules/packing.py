@@ -35,12 +35,17 @@ from .partition import Partition
 def global_packing(cu_seqlens, cu_seqlens_padded=None) -> tuple[tuple, tuple | None]:
     """The checked global packing as tuples: (cu_seqlens, cu_seqlens_padded or None)."""
     for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {type(t).__name__}")
+        if t is not None and not isinstance(t, (torch.Tensor, list, tuple)):
+            raise ValueError(
+                f"{name} must be an int32/int64 tensor or a list of ints, got {type(t).__name__}"
+            )
     if cu_seqlens is None:
         raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths, [N+1])")
     ends = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-    tokens = int(ends[-1]) if ends.dim() == 1 and ends.numel() else 0
+    if isinstance(ends, torch.Tensor):
+        tokens = int(ends[-1]) if ends.dim() == 1 and ends.numel() else 0
+    else:
+        tokens = int(ends[-1]) if len(ends) else 0
     padded = None
     if cu_seqlens_padded is not None:
         padded = check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, tokens)

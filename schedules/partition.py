@@ -41,6 +41,11 @@ class Partition(abc.ABC):
         """Sequence lengths must be divisible by this."""
         return parts
 
+    def stride(self, parts: int) -> int:
+        """Distance between the positions of consecutive local tokens inside one run of a
+        rank's tokens (what a sliding window's band is scaled by): 1, or P for ``striped``."""
+        return 1
+
     def check(self, seq_len: int, parts: int) -> None:
         m = self.multiple(parts)
         if seq_len % m:
@@ -111,6 +116,9 @@ class LoadBalanced(Partition):
 class Striped(Partition):
     name = "striped"
 
+    def stride(self, parts):
+        return parts
+
     def position(self, slot, length, parts, rank):
         return rank + slot * parts
 
@@ -132,7 +140,11 @@ class IndexMap(_Fixed):
     name = "index_map"
 
     def __init__(self, index_map):
-        rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in index_map]
+        rows = [torch.as_tensor(r).flatten() for r in index_map]
+        if any(r.is_floating_point() or r.is_complex() or r.dtype == torch.bool for r in rows):
+            raise ValueError("index_map must hold integer token positions, not "
+                             f"{sorted({str(r.dtype) for r in rows})}")
+        rows = [r.long() for r in rows]
         if not rows or len({len(r) for r in rows}) != 1:
             raise ValueError("index_map must give every rank the same number of tokens")
         self.rows = torch.stack(rows)

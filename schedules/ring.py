@@ -14,9 +14,10 @@ after the first costs half a block:
     block of a rank > r  the local late chunk vs the whole block
 
 Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its owner,
-travel the ring with the block and end on the owner, P - 1 hops in all. The owner works on
-its own block last, while its sums make their last hop, writes its own dK/dV straight into
-its gradients and adds the sums. Every step uses the global out and lse of the forward.
+travel the ring with the block and end on the owner, P - 1 hops in all (fewer shifts under a
+window, see below). The owner works on its own block last, while its sums make their last
+hop, writes its own dK/dV straight into its gradients and adds the sums. Every step uses the
+global out and lse of the forward.
 
 Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
 heads one after another, each group's blocks 1/G of the whole; the first block of the next
@@ -31,10 +32,10 @@ call waits. What each rank holds at the peak (G groups, P ranks, blocks of one g
               at P = 2, two above) and the sums sent on; a dQ temporary and the kernel's
               workspace; an fp32 dQ sum only when more than two blocks add to it
 
-dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2, where the sums
-that travel are one kernel result each (nothing is rounded that fp32 sums would not round),
-and fp32 above; "input" always travels in the input dtype (half the bytes of fp32, one more
-rounding per hop), "fp32" always in fp32.
+dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2 without a window,
+where the sums that travel are one kernel result each (nothing is rounded that fp32 sums
+would not round), and fp32 otherwise; "input" always travels in the input dtype (half the
+bytes of fp32, one more rounding per hop), "fp32" always in fp32.
 
 The blocks and sums travel through ``transport`` (NCCL/gloo send-receive, or copy engines
 writing into the next rank's symmetric slots on GPUs): the own K/V goes out without a copy.
@@ -43,6 +44,18 @@ Packed sequences: each step is one varlen kernel call over every sequence, the s
 applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
 made once per packing). The blocks are the whole local K/V, padding included, so every
 block has one size.
+
+Sliding windows: each step's calls come from ``bands`` (every call a window in its own rows
+and keys; none for a block the window does not reach), and the ring takes only the steps at
+which some rank's queries see a key of the block. A shift then sends the block, and in
+backward its dK/dV sums, straight to the rank of its next step: several hops at once. With
+head groups every group takes those steps, and the next group's own block goes straight to
+the rank of its first step. A row may then get more blocks than steps (a block split into
+calls), so out and dQ of 16-bit inputs are summed in fp32 whenever a rank makes more than
+two calls.
+
+Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
+head group and the call's place in its step, the same in forward and backward.
 """
 
 from __future__ import annotations
@@ -55,9 +68,10 @@ from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
 from . import heads
+from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, part_call, \
-    put_rows, rows_of, zero_outside
+from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
+                    fold_calls, part_call, put_rows, zero_outside)
 from .memory import Memory, Sizes, backward_call, forward_call
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -134,7 +148,6 @@ def check_grad_dtype(grad_dtype: str) -> str:
                          f"(the dtype the dK/dV sums travel in)")
     return grad_dtype
 
-
 class Ring(SequenceSchedule):
     """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``),
     ``head_groups`` how many K/V head groups run in turn (see ``schedules.heads``),
@@ -151,7 +164,9 @@ class Ring(SequenceSchedule):
 
     def validate(self, spec):
         super().validate(spec)
-        if spec.causal and not isinstance(self.partition, (Contiguous, LoadBalanced, Striped)):
+        if window_band(spec) is not None:  # causal is part of the window's band
+            check_runs(spec, self.partition, self.size, self.name)
+        elif spec.causal and not isinstance(self.partition, (Contiguous, LoadBalanced, Striped)):
             raise ValueError(
                 f"ring attention with causal=True takes partition 'load_balanced', 'contiguous' "
                 f"or 'striped', not {self.partition.name!r}; use causal=False, one of those, or "
@@ -171,15 +186,26 @@ class Ring(SequenceSchedule):
         memory, which torch.cuda.memory_allocated does not count)."""
         return sum(m.kept_bytes for m in self._movers.values())
 
-    def sums_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype dK/dV sums of ``dtype`` inputs travel in."""
-        if self.grad_dtype == "input" or (self.grad_dtype == "auto" and self.size == 2):
-            return dtype
+    def sums_dtype(self, spec) -> torch.dtype:
+        """The dtype dK/dV sums of a call on ``spec`` (global or local) travel in."""
+        if self.grad_dtype == "input" or (self.grad_dtype == "auto" and self.size == 2
+                                          and window_band(spec) is None):
+            return spec.dtype
         return torch.float32
 
+    def _steps(self, spec, s_q: int, s_kv: int) -> list[tuple[int, list]]:
+        """(step, kernel calls) of every ring step this rank takes, in order: at step i the
+        block of rank (r - i) mod P. Every step without a window; with one, only the steps
+        at which some rank's queries see a key (``bands.ring_plan``). Packed calls are made
+        once per packing."""
+        mask = window_band(spec)
+        if mask is not None:
+            return ring_plan(spec, mask, self.partition, self.size, self.index)
+        calls = self._calls(spec, s_q, s_kv)
+        return [(step, [] if call is None else [call]) for step, call in enumerate(calls)]
+
     def _calls(self, spec, s_q: int, s_kv: int) -> list:
-        """The kernel call (or None) of every ring step of this rank, in step order: at step
-        i the block of rank (r - i) mod P. Packed calls are made once per packing."""
+        """The kernel call (or None) of every ring step of this rank without a window."""
         sources = [(self.index - step) % self.size for step in range(self.size)]
 
         def case(source):
@@ -191,64 +217,86 @@ class Ring(SequenceSchedule):
         return packing.cached(("ring", spec.causal),
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
-    def _kv_steps(self, k, v, groups, order, kv):
-        """(group, j, K block, V block) for every group and every j of ``order``: the block
-        of rank r - j (j = 0: this rank's own), K/V coming through the ring ``kv`` (None on
-        one rank). One shift is in flight at a time: a block travels on (or the next group's
-        own block leaves) while the current one is used."""
+    def _step_count(self, spec) -> int:
+        """Steps every rank takes for the global ``spec`` (the own block's included)."""
+        if window_band(spec) is None:
+            return self.size
+        local = self.local_spec(spec)
+        return len(self._steps(local, local.q_len, local.kv_len))
+
+    def _streams(self, dropout, step: int, group: heads.HeadGroup):
+        """The dropout streams of this rank's queries of head group ``group`` against the
+        block of ring step ``step``, one per kernel call of the step (``streams(i)``); None
+        without dropout."""
+        if dropout is None:
+            return None
+        source = (self.index - step) % self.size
+        return lambda call: dropout.stream("ring", self.index, source, group.index, call)
+
+    def _kv_steps(self, k, v, groups, order, remote, kv):
+        """(group, step, K block, V block) for every group and every step of ``order``: the
+        block of rank r - step (step 0: this rank's own), K/V coming through the ring ``kv``
+        (None when no block travels). ``remote``: the steps other than 0, in order; a block
+        goes from the rank of one to that of the next, several hops at once. One shift is in
+        flight at a time: a block travels on (or the next group's own block leaves) while
+        the current one is used."""
         own = [(g.of_kv(k), g.of_kv(v)) for g in groups]
+        following = dict(zip(remote, remote[1:]))
         if kv is not None:
-            pending = kv.shift(own[0])
+            pending = kv.shift(own[0], hops=remote[0])
         for index, g in enumerate(groups):
-            for j in order:
-                if j == 0:
+            for step in order:
+                if step == 0:
                     yield g, 0, *own[index]
                     continue
                 block = tuple(pending.wait())
-                if j + 1 < self.size:
-                    pending = kv.shift(block)
+                if step in following:
+                    pending = kv.shift(block, hops=following[step] - step)
                 elif index + 1 < len(groups):
-                    pending = kv.shift(own[index + 1])
-                yield g, j, *block
+                    pending = kv.shift(own[index + 1], hops=remote[0])
+                yield g, step, *block
 
-    def _rings(self, k, groups, *dtypes_and_slots):
+    def _rings(self, k, groups, remote, *dtypes_and_slots):
         """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors, all
-        in this call's buffer of the transport; Nones on one rank."""
-        if self.size == 1:
+        in this call's buffer of the transport; Nones when no block travels."""
+        if not remote:
             return [None] * len(dtypes_and_slots)
         shape = tuple(groups[0].of_kv(k).shape)
         datas = [RingData((shape, shape), dtype, layout_of(k), slots)
                  for dtype, slots in dtypes_and_slots]
         return self.mover(k.device).rings(datas, k.device)
 
-    def _kv_slots(self, groups: int) -> int:
-        """Receive slots of the K/V ring: two, or one when only one block travels."""
-        return min(2, groups * (self.size - 1))
+    @staticmethod
+    def _kv_slots(groups: int, remote: int) -> int:
+        """Receive slots of the K/V ring for ``remote`` steps per group: two, or one when
+        only one block travels."""
+        return min(2, groups * remote)
 
-    def _sums_slots(self) -> int:
-        """Receive slots of the dK/dV sums ring: at P = 2 the sums a rank receives are used
-        up (added to its own) before it sends the next group's, so one; else two."""
-        return 1 if self.size == 2 else 2
+    @staticmethod
+    def _sums_slots(remote: int) -> int:
+        """Receive slots of the dK/dV sums ring: with one remote step per group (P = 2, or a
+        window that needs one) the sums a rank receives are used up (added to its own)
+        before it sends the next group's, so one; else two."""
+        return 1 if remote == 1 else 2
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
-        calls = self._calls(spec, q.shape[2], k.shape[2])
+        steps = self._steps(spec, q.shape[2], k.shape[2])
+        calls, order = dict(steps), [step for step, _ in steps]
+        remote = order[1:]
         groups = self.groups_of(q, k)
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        blocks = sum(c is not None for c in calls)
-        (kv,) = self._rings(k, groups, (k.dtype, self._kv_slots(len(groups))))
-        for g, j, kb, vb in self._kv_steps(k, v, groups, range(self.size), kv):
-            if j == 0:
+        blocks = sum(len(c) for c in calls.values())
+        (kv,) = self._rings(k, groups, remote, (k.dtype, self._kv_slots(len(groups), len(remote))))
+        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv):
+            if step == 0:
                 merged = Merged(g.of_q(out), g.of_q(lse), blocks)
-            call = calls[j]
-            if call is not None:
-                o, block_lse = call.forward(kernel, g.of_q(q), kb, vb, spec.softmax_scale)
-                merged.add(o, block_lse, rows=call.rows)
-                del o, block_lse  # free the block's output before the next kernel call
-            if j == self.size - 1:
+            fold_calls(calls[step], kernel, merged, g.of_q(q), kb, vb, spec.softmax_scale,
+                       self._streams(dropout, step, g))
+            if step == order[-1]:
                 merged.finish()
         return (as_packed(out) if packed else out), lse
 
@@ -256,99 +304,118 @@ class Ring(SequenceSchedule):
         packed = spec.layout.is_varlen
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        calls = self._calls(spec, q.shape[2], k.shape[2])
+        steps = self._steps(spec, q.shape[2], k.shape[2])
+        calls, remote = dict(steps), [step for step, _ in steps[1:]]
+        order = [*remote, 0]  # the own block last
+        home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         groups = self.groups_of(q, k)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
-        contributions = sum(c is not None for c in calls)
-        sums_dtype = self.sums_dtype(k.dtype)
-        kv, sums = self._rings(k, groups, (k.dtype, self._kv_slots(len(groups))),
-                               (sums_dtype, self._sums_slots()))
-        order = [*range(1, self.size), 0]  # the own block last
-        for g, j, kb, vb in self._kv_steps(k, v, groups, order, kv):
-            if j == order[0]:
+        contributions = sum(len(c) for c in calls.values())
+        kv, sums = self._rings(k, groups, remote,
+                               (k.dtype, self._kv_slots(len(groups), len(remote))),
+                               (self.sums_dtype(spec), self._sums_slots(len(remote))))
+        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv):
+            if step == order[0]:
                 dq_sum = Sum(g.of_q(dq), contributions)
-            step = _Step(calls[j], kernel, dq_sum, g.of_q(dout), g.of_q(q), kb, vb,
-                         g.of_q(out), g.of_q(lse), spec.softmax_scale)
-            if j == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
+            run = _Step(calls[step], kernel, dq_sum, (g.of_q(dout), g.of_q(q), kb, vb,
+                        g.of_q(out), g.of_q(lse), spec.softmax_scale),
+                        self._streams(dropout, step, g))
+            if step == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
                 targets = (g.of_kv(dk), g.of_kv(dv))
-                step.write(targets)
+                run.write(targets)
                 if sums is not None:
                     for target, summed in zip(targets, sent.wait()):
                         target.add_(summed)
                 dq_sum.finish()
-            elif j == 1:  # this rank starts the block's sums
+            elif step == remote[0]:  # this rank starts the block's sums
                 outgoing = sums.data.empty(k.device)
-                step.write(outgoing)
-                sent = sums.shift(outgoing)
+                run.write(outgoing)
+                sent = sums.shift(outgoing, hops=home[step] - step)
                 del outgoing  # the transport holds it until it has left
             else:  # add to the sums of the ranks before, which arrive meanwhile
-                summed = step.add_into(sent)
-                sent = sums.shift(summed)
+                sent = sums.shift(run.add_into(sent), hops=home[step] - step)
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        p = self.size
+        p, steps = self.size, self._step_count(spec)
         kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
-        sums_bytes = kv_block * self.sums_dtype(spec.dtype).itemsize
+        sums_bytes = kv_block * self.sums_dtype(spec).itemsize
         forward = spec.flops() / p
-        groups = self.groups_for(spec)
+        groups, shifts = self.groups_for(spec), steps - 1
         return Description(
-            self.name, p, steps=p * groups, bytes_sent=(p - 1) * kv_bytes,
-            bytes_received=(p - 1) * kv_bytes, flops=forward, backward_steps=p * groups,
-            backward_bytes_sent=(p - 1) * (kv_bytes + sums_bytes),
-            backward_bytes_received=(p - 1) * (kv_bytes + sums_bytes),
+            self.name, p, steps=steps * groups, bytes_sent=shifts * kv_bytes,
+            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * groups,
+            backward_bytes_sent=shifts * (kv_bytes + sums_bytes),
+            backward_bytes_received=shifts * (kv_bytes + sums_bytes),
             backward_flops=spec.flops(backward=True) / p - forward,
             notes=f"partition {self.partition.name}; transport {self.transport}; "
                   f"{groups} head group(s); K/V blocks of {kv_bytes // groups} bytes, dK/dV "
-                  f"sums of {sums_bytes // groups} bytes ({self.sums_dtype(spec.dtype)})",
+                  f"sums of {sums_bytes // groups} bytes ({self.sums_dtype(spec)})",
             memory=self.memory(spec),
         )
 
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec`` (the buffers of the
-        module docstring, each counted at the step where most of them are alive)."""
-        p, rows = self.size, self.local_tokens(spec)
-        groups = self.groups_for(spec)
+        module docstring, each counted at the kernel call where most of them are alive)."""
+        rows, groups = self.local_tokens(spec), self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
-        calls = self._calls(self.local_spec(spec), rows, rows)
-        done = [c for c in calls if c is not None]
-        sums_item = self.sums_dtype(spec.dtype).itemsize
-        kv_slots = 0 if p == 1 else self._kv_slots(groups) * aligned(2 * size.kv())
-        sums_slots = 0 if p == 1 else self._sums_slots() * aligned(2 * size.kv(itemsize=sums_item))
+        steps = self._steps(self.local_spec(spec), rows, rows)
+        remote = [step for step, _ in steps[1:]]
+        sums_item = self.sums_dtype(spec).itemsize
+        kv_slots = sums_slots = 0
+        if remote:
+            kv_slots = self._kv_slots(groups, len(remote)) * aligned(2 * size.kv())
+            sums_slots = self._sums_slots(len(remote)) * aligned(2 * size.kv(itemsize=sums_item))
         kept = kv_slots + sums_slots if self._keeps_slots() else 0
         fresh = not kept  # p2p allocates its slots for each call
         # p2p sends a group's own K/V from a contiguous copy when the group is strided: in
         # flight during the own step, and during the last remote one when a group follows
-        copy = 0 if kept or p == 1 or heads.contiguous(spec, groups) else 2 * size.kv()
+        copy = 0 if kept or not remote or heads.contiguous(spec, groups) else 2 * size.kv()
 
-        def sent(j: int, backward: bool) -> int:
-            return copy if (j == 0 and not (backward and groups == 1)) or (
-                j == p - 1 and groups > 1) else 0
+        def sent(step: int, backward: bool) -> int:
+            if not copy:
+                return 0
+            return copy if (step == 0 and not (backward and groups == 1)) or (
+                step == remote[-1] and groups > 1) else 0
 
-        fp32_sum = size.q(itemsize=4) if len(done) > 2 and spec.dtype.itemsize < 4 else 0
+        n_calls = sum(len(c) for _, c in steps)
+        fp32_sum = size.q(itemsize=4) if n_calls > 2 and spec.dtype.itemsize < 4 else 0
         acc_item = 4 if fp32_sum else spec.dtype.itemsize
         forward = fresh * kv_slots + fp32_sum + max(
-            (forward_call(size, c, rows, acc_item) + sent(j, False)
-             for j, c in enumerate(calls) if c is not None), default=0)
+            (forward_call(size, c, rows, acc_item) + sent(step, False)
+             for step, calls in steps for c in calls), default=0)
         outgoing = 2 * size.kv(itemsize=sums_item)
-        steps = []
-        for j, c in enumerate(calls):
-            if c is None:
-                continue
-            first = j == (1 if p > 1 else 0)  # the first dQ goes straight into dq
-            held = outgoing if j == 1 or j == 2 or (j == 0 and p == 2) else 0
-            kv_temps = j >= 2 or (j == 1 and sums_item != spec.dtype.itemsize)
-            steps.append(held + sent(j, True) + backward_call(
-                size, c, rows, dq_temp=not first or fp32_sum > 0, kv_temps=kv_temps))
-        grads = whole.q() + 2 * whole.kv()
-        backward = grads + fresh * (kv_slots + sums_slots) + fp32_sum + max(steps, default=0)
+        peaks = [held + sent(step, True) + backward_call(
+            size, c, rows, dq_temp=dq_temp or fp32_sum > 0, kv_temps=kv_temps)
+            for step, c, held, dq_temp, kv_temps in self._backward_calls(
+                steps, remote, outgoing, converts=sums_item != spec.dtype.itemsize)]
+        backward = (whole.q() + 2 * whole.kv() + fresh * (kv_slots + sums_slots) + fp32_sum
+                    + max(peaks, default=0))
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
                       kept=kept)
+
+    @staticmethod
+    def _backward_calls(steps, remote, outgoing: int, *, converts: bool):
+        """(step, call, bytes of sums held, dQ in a temporary, dK/dV in temporaries) of every
+        backward kernel call, in order: the own block last; the first call's dQ goes
+        straight into dq, the first call of a step that starts sums or ends at the own
+        gradients writes its dK/dV there (unless the sums' dtype ``converts``); the sums a
+        rank starts (``outgoing`` bytes) are held until the next step's first call is done,
+        or through the own step when that is the next."""
+        calls = dict(steps)
+        first = True
+        for step in [*remote, 0]:
+            for i, c in enumerate(calls[step]):
+                held = bool(remote) and (step == remote[0] or (step == 0 and len(remote) == 1)
+                                         or (len(remote) > 1 and step == remote[1] and i == 0))
+                direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
+                yield step, c, outgoing if held else 0, not first, not direct
+                first = False
 
     def _keeps_slots(self) -> bool:
         """Whether the slots are kept between calls (the copy-engine transport)."""
@@ -360,41 +427,48 @@ class Ring(SequenceSchedule):
 
 
 class _Step:
-    """One backward step: a call (None: nothing) on a head group's tensors and one K/V block;
-    its dQ goes into ``dq_sum``."""
+    """One backward step: the kernel calls (maybe none) of a head group's tensors on one K/V
+    block, ``args`` = (dout, q, K block, V block, out, lse, scale); their dQ goes into
+    ``dq_sum``, call i draws dropout stream ``streams(i)``."""
 
-    def __init__(self, call, kernel, dq_sum: Sum, dout, q, k, v, out, lse, scale):
-        self.call, self.kernel, self.dq_sum = call, kernel, dq_sum
-        self.args = (dout, q, k, v, out, lse, scale)
+    def __init__(self, calls, kernel, dq_sum: Sum, args, streams):
+        self.calls, self.kernel, self.dq_sum = calls, kernel, dq_sum
+        self.args, self.streams = args, streams
 
     def add_into(self, pending):
-        """Add the call's dK/dV to the sums ``pending`` brings (they arrive while the kernel
-        runs); returns the sums."""
-        grads = None if self.call is None else self._run(None, None)
+        """Add the calls' dK/dV to the sums ``pending`` brings (they arrive while the first
+        call runs); returns the sums."""
+        grads = self._grads(0) if self.calls else ()
         summed = pending.wait()
-        for acc, grad in zip(summed, grads or ()):
-            add_rows(acc, self.call.keys, grad)
+        for acc, grad in zip(summed, grads):
+            add_rows(acc, self.calls[0].keys, grad)
+        del grads
+        self._add_rest(summed)
         return summed
 
     def write(self, targets) -> None:
-        """Write the call's dK/dV into ``targets`` (full blocks: zero outside its keys);
-        straight from the kernel when they have the kernel's dtype."""
-        call = self.call
-        if call is None:
+        """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
+        keys); the first call's straight from the kernel when they have the kernel's dtype."""
+        if not self.calls:
             for t in targets:
                 t.zero_()
             return
+        keys = self.calls[0].keys
         for t in targets:
-            zero_outside(t, call.keys)
+            zero_outside(t, keys)
         if targets[0].dtype == self.args[2].dtype:
-            self._run(*targets)
-            return
-        for t, grad in zip(targets, self._run(None, None)):  # fp32 sums of bf16 gradients
-            put_rows(t, call.keys, grad)
+            self._grads(0, targets)
+        else:
+            for t, grad in zip(targets, self._grads(0)):  # fp32 sums of bf16 gradients
+                put_rows(t, keys, grad)
+        self._add_rest(targets)
 
-    def _run(self, dk, dv):
-        dq = self.dq_sum.into(self.call.rows)
-        grads = self.call.backward_into(self.kernel, (dq, dk, dv), *self.args)
-        if dq is None:
-            self.dq_sum.add(self.call.rows, grads[0])
-        return grads[1:]
+    def _add_rest(self, sums) -> None:
+        """Add the dK/dV of every call but the first into ``sums``."""
+        for i in range(1, len(self.calls)):
+            for acc, grad in zip(sums, self._grads(i)):
+                add_rows(acc, self.calls[i].keys, grad)
+
+    def _grads(self, i: int, targets=(None, None)):
+        return call_grads(self.calls[i], self.kernel, self.dq_sum, self.args,
+                          self.streams and self.streams(i), targets)

@@ -19,11 +19,11 @@ import collections
 
 import torch
 
-from sdpa_fusion.layout import Layout
+from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
 from . import heads
 from . import partition as partitions
-from .base import Schedule, gather_cat
+from .base import Schedule
 from .packing import LocalPacking, Split, global_packing
 
 _KEPT_PACKINGS = 4  # global packings whose splits (and kernel calls) a schedule keeps
@@ -137,7 +137,7 @@ class SequenceSchedule(Schedule):
         return self._splits[key]
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        return gather_cat(t, 0, self.group, self.size, self.index)
+        return self.gather(t, 0)
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
         """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
@@ -184,7 +184,8 @@ class SequenceSchedule(Schedule):
         return self.pack(cu_seqlens, cu_seqlens_padded)
 
     def local_spec(self, spec):
-        """This rank's part of the global ``spec`` (inverse of ``global_spec``)."""
+        """This rank's part of the global ``spec`` (inverse of ``global_spec``; packed: with
+        its packing, made on the host; what ``describe`` plans with)."""
         if spec.layout.is_varlen:
             split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
             return spec.replace(packing=split.part(self.index))
@@ -197,19 +198,28 @@ class SequenceSchedule(Schedule):
         return spec.kv_len // self.size
 
     # ---- shard / unshard -----------------------------------------------------------------
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
-        layout = Layout.of(layout)
+        layout = shard_layout(t, layout)
         if layout.is_varlen:
             return self._packing_of(cu_seqlens, cu_seqlens_padded).shard(t)
         index = self.indices(t.shape[2]).to(t.device)
         return layout.to(t.index_select(2, index))
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = Layout.BHSE, cu_seqlens=None,
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None) -> torch.Tensor:
-        layout = Layout.of(layout)
+        layout = unshard_layout(t, layout)
         if layout.is_varlen:
             return self._packing_of(cu_seqlens, cu_seqlens_padded).unshard(t)
-        full = gather_cat(t, 2, self.group, self.size, self.index)
-        inverse = self.partition.inverse(full.shape[2], self.size).to(t.device)
-        return layout.to(full.index_select(2, inverse))
+        return layout.to(self.gather_tokens(t, 2))
+
+    @property
+    def token_splits(self) -> tuple:
+        return (self,)
+
+    def gather_tokens(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's tokens along ``dim`` of ``t``, gathered in the original order (the
+        same on every rank); differentiable, this rank's tokens receiving their gradient."""
+        full = self.gather(t, dim)
+        inverse = self.partition.inverse(full.shape[dim], self.size).to(t.device)
+        return full.index_select(dim, inverse)

@@ -9,9 +9,10 @@ only "send this, give me the next":
     pending = kv.shift((k, v))     # async: k, v (any memory) go to the next rank
     k_prev, v_prev = pending.wait()   # the previous rank's, in this rank's next slot
 
-Slots are used in turn. A ring that receives the next block while it still reads the last
-needs two; one whose every received block is used up before the next shift starts needs
-one. Every rank makes the same shifts in the same order.
+``shift(tensors, hops=h)`` sends to the rank h after this one and receives from the rank h
+before (a ring that skips steps). Slots are used in turn. A ring that receives the next
+block while it still reads the last needs two; one whose every received block is used up
+before the next shift starts needs one. Every rank makes the same shifts in the same order.
 
 Two transports move the bytes:
 
@@ -40,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from sdpa_fusion.layout import Layout
-from sdpa_fusion.mesh import DEFAULT_TIMEOUT
 
 from .buffers import to_buffer, views
 from .comm import Pending
@@ -111,13 +111,16 @@ class Ring:
         elements = self._flat[start:start + self.data.nbytes].view(self.data.dtype)
         return views(elements, self.data.shapes, self.data.layout)
 
-    def shift(self, tensors) -> Pending:
-        """Start sending ``tensors`` (logical, of this ring's shapes; any memory) to the next
-        rank and receiving the previous rank's into the next slot; ``wait()`` returns them."""
+    def shift(self, tensors, hops: int = 1) -> Pending:
+        """Start sending ``tensors`` (logical, of this ring's shapes; any memory) to the rank
+        ``hops`` after this one and receiving those of the rank ``hops`` before into the next
+        slot; ``wait()`` returns them."""
         slot = self._shifts % self.data.slots
         self._shifts += 1
-        works = self._mover.push(list(tensors), self, slot)
-        return Pending(works, self.tensors(slot))
+        works = self._mover.push(list(tensors), self, slot, hops)
+        comm = self._mover.comm
+        return comm.pending(works, self.tensors(slot), f"ring shift: send to rank "
+                            f"{comm.peer(hops)}, receive from rank {comm.peer(-hops)}")
 
     def offset(self, slot: int) -> int:
         """Byte offset of slot ``slot`` in the flat buffer (the same on every rank)."""
@@ -150,9 +153,10 @@ class Mover:
         """A flat byte buffer of at least ``nbytes`` for this call's slots."""
         raise NotImplementedError
 
-    def push(self, tensors, ring: Ring, slot: int) -> list:
-        """Start sending ``tensors`` into the next rank's slot ``slot`` of ``ring`` and
-        receiving the previous rank's into this rank's; the works to wait for."""
+    def push(self, tensors, ring: Ring, slot: int, hops: int = 1) -> list:
+        """Start sending ``tensors`` into slot ``slot`` of ``ring`` on the rank ``hops`` after
+        this one and receiving those of the rank ``hops`` before into this rank's; the works
+        to wait for."""
         raise NotImplementedError
 
 
@@ -164,25 +168,24 @@ class P2PMover(Mover):
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def push(self, tensors, ring, slot):
+    def push(self, tensors, ring, slot, hops=1):
         comm, layout = self.comm, ring.data.layout
         sends = [to_buffer(t, layout) for t in tensors]  # a copy only for tensors out of layout
         receives = [to_buffer(t, layout) for t in ring.tensors(slot)]
-        ops = [dist.P2POp(dist.isend, s, comm.next_rank, comm.group) for s in sends]
-        ops += [dist.P2POp(dist.irecv, r, comm.previous_rank, comm.group) for r in receives]
+        ops = [dist.P2POp(dist.isend, s, comm.peer(hops), comm.group) for s in sends]
+        ops += [dist.P2POp(dist.irecv, r, comm.peer(-hops), comm.group) for r in receives]
         comm.count(ring.data.used, ring.data.used)
-        return [_Keep(dist.batch_isend_irecv(ops), sends)]
+        return [_Keep(work, sends) for work in dist.batch_isend_irecv(ops)]
 
 
 class _Keep:
-    """Works that read ``tensors``: the tensors stay alive until the works are waited for."""
+    """A work that reads ``tensors``: they stay alive until it has been waited for."""
 
-    def __init__(self, works, tensors):
-        self.works, self.tensors = works, tensors
+    def __init__(self, work, tensors):
+        self.work, self.tensors = work, tensors
 
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+    def wait(self, *timeout) -> None:
+        self.work.wait(*timeout)
         self.tensors = None
 
 
@@ -194,9 +197,10 @@ class CopyEngineMover(Mover):
 
     def __init__(self, comm):
         super().__init__(comm)
-        self._flat = self._handle = self._peer = None
+        self._flat = self._handle = None
+        self._peers: dict[int, torch.Tensor] = {}  # hops -> the buffer of the rank hops after
         self._stream = None
-        self._timeout_ms = int(DEFAULT_TIMEOUT.total_seconds() * 1000)
+        self._timeout_ms = int(comm.timeout.total_seconds() * 1000)  # the mesh's timeout
 
     @property
     def kept_bytes(self) -> int:
@@ -209,21 +213,27 @@ class CopyEngineMover(Mover):
             flat = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
             # every rank's earlier transfers have finished before any old buffer goes away
             torch.cuda.synchronize(device)
-            handle = symm_mem.rendezvous(flat, self.comm.group)
-            following = dist.get_group_rank(self.comm.group, self.comm.next_rank)
-            self._peer = handle.get_buffer(following, (nbytes,), torch.uint8, 0)
-            self._flat, self._handle = flat, handle
+            self._handle = symm_mem.rendezvous(flat, self.comm.group)
+            self._flat, self._peers = flat, {}
             self._stream = torch.cuda.Stream(device=device)
         return self._flat
 
-    def push(self, tensors, ring, slot):
+    def _peer(self, hops: int) -> torch.Tensor:
+        """The buffer of the rank ``hops`` after this one, mapped here (made once)."""
+        if hops not in self._peers:
+            peer = dist.get_group_rank(self.comm.group, self.comm.peer(hops))
+            self._peers[hops] = self._handle.get_buffer(peer, (self._flat.numel(),), torch.uint8, 0)
+        return self._peers[hops]
+
+    def push(self, tensors, ring, slot, hops=1):
         stream, data, start = self._stream, ring.data, ring.offset(slot)
+        peer = self._peer(hops)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             # after the barrier every rank has finished its work so far: what it sends is
-            # ready, and the slot the previous rank writes into has been read
+            # ready, and the slot the rank hops before writes into has been read
             self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
-            target = self._peer[start:start + data.nbytes].view(data.dtype)
+            target = peer[start:start + data.nbytes].view(data.dtype)
             for piece, t in zip(views(target, data.shapes, data.layout), tensors):
                 piece.copy_(t)
                 t.record_stream(stream)  # its memory is not reused before the copy is done

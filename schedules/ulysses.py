@@ -17,7 +17,8 @@ goes to the P / kv_heads ranks whose query heads use it, and their dK/dV are sum
 Backward repeats the first all-to-all for dout, q, k, v and out (and lse), runs the local
 backward and returns dq, dk, dv the same way. Nothing is kept between forward and backward.
 
-Any partition works, causal included: the tokens are attended in global order. Packed
+Any partition works, causal and sliding windows included: the tokens are attended in global
+order, the window over the whole sequence (per sequence when packed). Packed
 sequences: each rank's real tokens go to their place among the real tokens of the whole
 packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
 """
@@ -108,7 +109,7 @@ class Ulysses(SequenceSchedule):
         """The kernel call over the whole sequence of this rank's heads (None: no token)."""
         if spec.packing is not None:
             return self._packed_plan(spec)[1]
-        return DenseCall(slice(None), slice(None), spec.causal)
+        return DenseCall(slice(None), slice(None), spec.causal, spec.window)
 
     def _packed_plan(self, spec):
         packing = spec.packing
@@ -117,9 +118,10 @@ class Ulysses(SequenceSchedule):
             place, lengths = packed_placement(packing.split), packing.split.lengths
             every = torch.arange(place.length)
             return place, packed_call(every, lengths, every, lengths, causal=spec.causal,
-                                      tokens=(place.length, place.length), device=packing.device)
+                                      tokens=(place.length, place.length), device=packing.device,
+                                      window=spec.window)
 
-        return packing.cached(("ulysses", spec.causal), build)
+        return packing.cached(("ulysses", spec.causal, spec.window), build)
 
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
@@ -193,6 +195,11 @@ class Ulysses(SequenceSchedule):
     def _kv_fit(self, kv_heads: int) -> bool:
         return kv_heads % self.size == 0 or self.size % kv_heads == 0
 
+    def _stream(self, dropout, group):
+        """The dropout stream of this rank's heads of head group ``group`` over the whole
+        sequence (None without dropout)."""
+        return dropout.stream("ulysses", self.index, group.index) if dropout is not None else None
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.packing is not None
         layout = Layout.BSHE if packed else spec.layout
@@ -207,7 +214,8 @@ class Ulysses(SequenceSchedule):
                 out_h = torch.zeros_like(q_h)
                 lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
             else:
-                out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale)
+                out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
+                                            self._stream(dropout, g))
             del q_h, k_h, v_h
             self._to_sequence([out_h], layout, [g.of_q(out)], spec)
             self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [g.of_q(lse).unsqueeze(-1)],
@@ -229,7 +237,8 @@ class Ulysses(SequenceSchedule):
             if call is None:
                 grads = [torch.zeros_like(t) for t in inputs[1:4]]
             else:
-                grads = call.backward(kernel, *inputs, lse_h.squeeze(-1), spec.softmax_scale)
+                grads = call.backward(kernel, *inputs, lse_h.squeeze(-1), spec.softmax_scale,
+                                      self._stream(dropout, g))
             del inputs, lse_h
             self._to_sequence(list(grads), layout, [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)], spec)
             del grads

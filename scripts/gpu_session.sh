@@ -19,7 +19,10 @@
 #                    --single-gpu, then under mpirun (--tag _goals; ~2 + ~5 min)
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
+#   bench-agree      mpirun -np $NP python -m benchmarks.agreement         (~1 min)
 #   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid --tag $CP_TAG  (~3 min on 2)
+#   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel --tag $CP_TAG
+#                    (packed batches and a 4K window at 128K; ~3 min on 2)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
@@ -149,8 +152,17 @@ bench_hybrid() {
     bench bench-hybrid "hybrid$CP_TAG" 330 80 "${MPI[@]}" "$PY" -m benchmarks.hybrid --tag "$CP_TAG"
 }
 
+bench_thd_cp() {
+    bench bench-thd-cp "thd_context_parallel$CP_TAG" 330 60 "${MPI[@]}" "$PY" \
+        -m benchmarks.thd_context_parallel --tag "$CP_TAG"
+}
+
 bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
+}
+
+bench_agree() {
+    bench bench-agree agreement 150 30 "${MPI[@]}" "$PY" -m benchmarks.agreement
 }
 
 profile_ring() {
@@ -218,7 +230,9 @@ for part in "${parts[@]}"; do
         bench-cp-goals) bench_cp_goals ;;
         profile-ring) profile_ring ;;
         bench-transport) bench_transport ;;
+        bench-agree) bench_agree ;;
         bench-hybrid) bench_hybrid ;;
+        bench-thd-cp) bench_thd_cp ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done

@@ -8,7 +8,7 @@
 # collects no tests. Extra arguments go to every pytest run (e.g. -x, -k ring).
 #
 # Environment: SDPA_FUSION_VENV (default .venv), SDPA_TEST_TIMEOUT_S (single-process stage,
-# default 480), SDPA_MPI_TIMEOUT_S (each mpirun stage, default 360).
+# default 900), SDPA_MPI_TIMEOUT_S (each mpirun stage, default 900).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,8 +27,8 @@ export PYTHONDONTWRITEBYTECODE=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # A collective that waits this long fails instead of hanging the suite.
 export SDPA_FUSION_TIMEOUT_S="${SDPA_FUSION_TIMEOUT_S:-120}"
-SINGLE_TIMEOUT="${SDPA_TEST_TIMEOUT_S:-480}"
-MPI_TIMEOUT="${SDPA_MPI_TIMEOUT_S:-360}"
+SINGLE_TIMEOUT="${SDPA_TEST_TIMEOUT_S:-900}"
+MPI_TIMEOUT="${SDPA_MPI_TIMEOUT_S:-900}"
 
 # Colours only on a terminal (several ranks share one output stream under mpirun).
 color=no

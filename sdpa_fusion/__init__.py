@@ -5,11 +5,13 @@ from .kernels import KernelUnavailable
 from .layout import Layout
 from .mesh import Mesh, close_mesh, init_mesh
 from .spec import AttentionSpec
+from .waiting import MeshTimeout
 
 _DEFINITIONS = ("LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward")
 
 __all__ = [
-    "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "Plan", "SdpaBackward",
+    "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "MeshTimeout", "Plan",
+    "SdpaBackward",
     "SdpaForward", "SdpaForwardBackward", "attention", "close_mesh", "explain", "init_mesh", "plan",
 ]
 

@@ -1,4 +1,10 @@
-"""``attention(q, k, v, ...)``: the differentiable entry point, on one device or a mesh."""
+"""``attention(q, k, v, ...)``: the differentiable entry point, on one device or a mesh.
+
+On a mesh every call is agreed on first (``sdpa_fusion.agreement``): the ranks of the
+schedule's control group compare the global problem, the schedule's configuration, the kernel,
+whether a backward will follow, the device type and whether the inputs were DTensors, or all
+raise the same ValueError. ``explain``/``plan`` check one rank's call and never communicate.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,17 @@ import logging
 import torch
 
 from . import kernels
+from .agreement import agree
 from .kernels import Dropout, Kernel
 from .kernels.base import like_layout
-from .layout import Layout
+from .layout import Layout, tensor_layout
+from .local import local_backward, local_forward
 from .spec import AttentionSpec
 
 log = logging.getLogger("sdpa_fusion")
+
+_FIX = ("pass the same arguments on every rank, each rank's part of the same tensors "
+        "(schedule.shard(...)), under the same grad mode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,111 +38,145 @@ class Plan:
     why: str = ""  # why ``auto`` chose the kernel
 
     def __str__(self) -> str:
-        lines = [
-            f"schedule: {self.schedule}",
-            f"local problem: {self.spec}",
-            f"kernel: {self.kernel.name}",
-        ]
+        where = self.schedule if self.schedule is not None else "none (one device, no communication)"
+        lines = [f"schedule: {where}", f"local problem: {self.spec}", f"kernel: {self.kernel.name}"]
         lines += [f"  {self.why}"] if self.why else []
         lines += [f"  skipped: {reason}" for reason in self.skipped]
-        if getattr(self.schedule, "mesh", None) is not None:
+        if self.schedule is not None and self.schedule.mesh is not None:
             lines.append(f"per rank: {self.schedule.describe(self.schedule.global_spec(self.spec))}")
         return "\n".join(lines)
 
 
-def _default_schedule():
-    from schedules.replicated import Replicated
-
-    return Replicated(None)
-
-
-def plan(q, k, v, *, causal=False, scale=None, layout="bhse", kernel="auto", schedule=None,
-         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None) -> Plan:
-    """Validate the call on every rank and choose the kernel; raises the same ValueError on
-    every rank of the schedule's mesh when any rank's input is bad, before any data moves."""
-    schedule = schedule if schedule is not None else _default_schedule()
-    error, spec, chosen = None, None, None
-    try:
-        packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
-            if Layout.of(layout).is_varlen else None
-        if packing is not None:  # the global packing, split: this rank's lengths
-            cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
-        spec = AttentionSpec.from_tensors(
-            q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
-            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-        ).replace(packing=packing)
+def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", schedule=None,
+         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None) -> Plan:
+    """Check this rank's call and choose the kernel, without communicating: the ValueError
+    of a bad argument is raised here on this rank (``attention`` raises it on every rank)."""
+    q_layout = tensor_layout("q", q, layout)  # "auto": read from q
+    _check_arguments(schedule, causal, q_layout, cu_seqlens, cu_seqlens_padded)
+    packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
+        if schedule is not None and q_layout.is_varlen else None
+    if packing is not None:  # the global packing, split: this rank's lengths
+        cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
+    spec = AttentionSpec.from_tensors(
+        q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
+        cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, window=window,
+    ).replace(packing=packing)
+    _check_device(q.device, schedule.mesh if schedule is not None else None)
+    if schedule is not None:
         schedule.validate(spec)
-        chosen = kernels.select(kernel, spec, q.device)
-    except ValueError as e:
-        error = e
-    mesh = getattr(schedule, "mesh", None)
-    # A problem every rank already agreed on skips the exchange (a training step's hot path).
-    # Kept as the global problem: no rank's packing of a past step stays alive.
-    problem = None if error is not None else schedule.global_spec(spec)
-    if mesh is not None and mesh.world_size > 1 and (error is not None or problem not in schedule.agreed):
-        _agree_on(mesh, schedule, problem, error)
-        schedule.agreed.add(problem)
-    if error is not None:
-        raise error
+    chosen = kernels.select(kernel, spec, q.device)
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
 
 
-def _agree_on(mesh, schedule, problem, error) -> None:
-    """Exchange every rank's verdict (its error, or its global problem) and raise the first
-    rank's error on all ranks, or an error when the problems differ."""
-    verdicts = mesh.agree((str(error) if error else None, problem))
-    for rank, (message, _) in enumerate(verdicts):
-        if message is not None:
-            raise ValueError(f"rank {rank}: {message}") from (error if rank == mesh.rank else None)
-    specs = {s for _, s in verdicts}
-    if len(specs) > 1:
-        shown = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(verdicts))
+def explain(q, k, v, **kwargs) -> Plan:
+    """The plan ``attention(q, k, v, **kwargs)`` would run: kernel chosen (and why), schedule
+    and per-rank cost. Accepts the same keywords as ``attention``; never communicates, so one
+    rank may call it alone."""
+    return plan(q, k, v, **kwargs)
+
+
+def _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded) -> None:
+    if schedule is not None and not hasattr(schedule, "control"):
         raise ValueError(
-            f"schedule {schedule.name!r} needs the same local problem on every rank, got (as "
-            f"global problems) {shown}; shard every tensor with schedule.shard(...), packed "
-            f"tensors with the same global cu_seqlens on every rank"
+            f"schedule={schedule!r} must be a schedule object, e.g. schedules.get('ring', mesh), "
+            f"or None (one device)"
         )
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be True or False, not a {type(causal).__name__}")
+    varlen = layout.is_varlen
+    for name, value in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if value is not None and not varlen:
+            raise ValueError(
+                f"{name}= is given but layout={str(layout)!r} is dense; pass layout='thd' for "
+                f"packed sequences, or leave {name} out"
+            )
+
+
+def _check_device(device: torch.device, mesh) -> None:
+    if device.type == "meta":
+        raise ValueError("q, k, v are on the meta device (no data); attention needs real tensors")
+    if mesh is None:
+        return
+    if device.type != mesh.device.type or (device.type == "cuda" and device != mesh.device):
+        raise ValueError(
+            f"q, k, v are on {device} but this rank of the mesh runs on {mesh.device}; move "
+            f"them there (tensor.to({str(mesh.device)!r}))"
+        )
+
+
+def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) -> dict[str, str]:
+    """What every rank of the schedule's control group must have alike for this call."""
+    full = p.schedule.global_spec(p.spec).replace(scale=p.spec.softmax_scale)
+    fields = {f.name: repr(getattr(full, f.name)) for f in dataclasses.fields(full)}
+    fields.update(p.schedule.configuration_fields())
+    fields.update(
+        kernel=p.kernel.name, device=device.type,
+        backward="follows" if needs_grad else "none (no_grad, or no input requires grad)",
+        inputs="DTensor" if dtensor else "torch.Tensor",
+    )
+    return fields
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: Plan):
-        dropout = Dropout(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
-        out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout)
+    def forward(ctx, q, k, v, plan: Plan, call: int):
+        q, k, v = (plan.spec.layout.to(t) for t in (q, k, v))  # layout="auto": one layout
+        dropout = Dropout.draw(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
+        if plan.schedule is None:
+            out, lse = local_forward(plan.kernel, q, k, v, plan.spec, dropout)
+        else:
+            with plan.schedule.running(f"forward of call {call}"):
+                out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.dropout = plan, dropout
+        ctx.plan, ctx.dropout, ctx.call = plan, dropout, call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        dout = plan.spec.layout.to(dout) if plan.spec.layout.is_varlen else like_layout(dout, q)
-        dq, dk, dv = plan.schedule.backward(dout, q, k, v, out, lse, plan.spec, plan.kernel, ctx.dropout)
-        return dq, dk, dv, None
+        p, dropout = ctx.plan, ctx.dropout
+        dout = p.spec.layout.to(dout) if p.spec.layout.is_varlen else like_layout(dout, q)
+        if p.schedule is None:
+            dq, dk, dv = local_backward(p.kernel, dout, q, k, v, out, lse, p.spec, dropout)
+        else:
+            with p.schedule.running(f"backward of call {ctx.call}"):
+                dq, dk, dv = p.schedule.backward(dout, q, k, v, out, lse, p.spec, p.kernel, dropout)
+        return dq, dk, dv, None, None
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-              layout: Layout | str = "bhse", kernel: str | Kernel = "auto", schedule=None,
-              dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None) -> torch.Tensor:
+              layout: Layout | str = "auto", kernel: str | Kernel = "auto", schedule=None,
+              dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None,
+              window=None) -> torch.Tensor:
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
 
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
-    mesh on this rank's shards. ``kernel`` names the local kernel ("auto", "cudnn", "fa4",
-    "flash", "nvfuser", "reference"). Differentiable in q, k, v. DTensors sharded the way the
-    schedule shards are accepted and a DTensor is returned.
+    mesh on this rank's shards, after every rank of it agreed on the call (a bad argument on
+    any rank raises the same ValueError on every rank). ``kernel`` names the local kernel
+    ("auto", "cudnn", "fa4", "flash", "nvfuser", "reference"). ``window=(left, right)`` keeps
+    key j for query i when ``i - left <= j <= i + right`` (top-left aligned, per sequence when
+    packed; None on a side is unbounded). ``layout="auto"`` reads each tensor's memory order
+    (k and v are copied to q's when they differ); an explicit layout that a tensor contradicts
+    is a ValueError. Differentiable in q, k, v.
+    DTensors whose placements describe the schedule's shards are accepted and a DTensor is
+    returned.
     """
     from .dtensor import unwrap_dtensors
 
-    (q, k, v), rewrap = unwrap_dtensors((q, k, v), schedule)
-    p = plan(q, k, v, causal=causal, scale=scale, layout=layout, kernel=kernel, schedule=schedule,
-             dropout_p=dropout_p, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    p = fields = error = rewrap = None
+    try:
+        (q, k, v), rewrap = unwrap_dtensors((q, k, v), schedule)
+        p = plan(q, k, v, causal=causal, scale=scale, layout=layout, kernel=kernel,
+                 schedule=schedule, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
+                 cu_seqlens_padded=cu_seqlens_padded, window=window)
+        if schedule is not None and schedule.mesh is not None:
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            fields = call_fields(p, needs_grad, rewrap is not None, q.device)
+    except Exception as e:  # noqa: BLE001 - every failure is agreed on, not only ValueError
+        error = e
+    control = schedule.control if schedule is not None and hasattr(schedule, "control") else None
+    call = agree(control, fields, error, what="attention", fix=_FIX)
     if p.skipped:
         log.info("%s (skipped: %s)", p.why, "; ".join(p.skipped))
-    return rewrap(_Attention.apply(q, k, v, p))
-
-
-def explain(q, k, v, **kwargs) -> Plan:
-    """The plan ``attention(q, k, v, **kwargs)`` would run: kernel chosen (and why), schedule
-    and per-rank cost. Accepts the same keywords as ``attention``."""
-    return plan(q, k, v, **kwargs)
+    out = _Attention.apply(q, k, v, p, call)
+    return out if rewrap is None else rewrap(out)

@@ -32,14 +32,31 @@ GPU_SHAPE = dict(batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128)
 
 
 # ---- arguments -------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (and exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("problem (defaults depend on the device)")
-    g.add_argument("--batch", type=int)
-    g.add_argument("--heads", type=int, help="query heads")
-    g.add_argument("--kv-heads", type=int, help="key/value heads (fewer than --heads: GQA)")
-    g.add_argument("--seq", type=int, help="query length (and key length unless --kv-seq)")
-    g.add_argument("--kv-seq", type=int, help="key/value length")
-    g.add_argument("--head-dim", type=int)
+    g.add_argument("--batch", type=_positive)
+    g.add_argument("--heads", type=_positive, help="query heads")
+    g.add_argument("--kv-heads", type=_positive, help="key/value heads (fewer than --heads: GQA)")
+    g.add_argument("--seq", type=_positive, help="query length (and key length unless --kv-seq)")
+    g.add_argument("--kv-seq", type=_positive, help="key/value length")
+    g.add_argument("--head-dim", type=_positive)
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     g.add_argument("--layout", choices=["bhse", "bshe"], default="bshe")
     g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -48,7 +65,7 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m sdpa_fusion",
         description="Scaled-dot-product attention as nvFuser fusions, over device meshes.",
     )
@@ -57,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(demo)
     demo.add_argument("--kernels", help="comma-separated kernels to run (default: nvfuser,auto "
                                         "on a GPU, reference on a CPU)")
-    demo.add_argument("--iters", type=int, default=20, help="timed iterations on a GPU")
+    demo.add_argument("--iters", type=_positive, default=20, help="timed iterations on a GPU")
     explain = sub.add_parser("explain", help="print the plan attention() would run for a shape")
     _add_problem_args(explain)
     explain.add_argument("--kernel", default="auto",
@@ -73,24 +90,26 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA GPU here")
+        raise ValueError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
     return torch.device(name)
 
 
 def spec_from_args(args: argparse.Namespace, device: torch.device) -> AttentionSpec:
-    """The AttentionSpec the flags describe, defaults filled in for ``device``."""
+    """The AttentionSpec the flags describe, defaults filled in for ``device`` (a ValueError
+    naming the flag's problem when they describe no valid problem)."""
     d = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-    heads = args.heads or d["heads"]
-    kv_heads = args.kv_heads or (d["kv_heads"] if args.heads is None else heads)
-    seq = args.seq or d["seq"]
-    try:
-        return AttentionSpec(
-            batch=args.batch or d["batch"], heads=heads, kv_heads=kv_heads, q_len=seq,
-            kv_len=args.kv_seq or seq, head_dim=args.head_dim or d["head_dim"],
-            dtype=DTYPES[args.dtype], causal=args.causal, scale=args.scale, layout=args.layout,
-        ).validate()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+
+    def given(value, default):
+        return default if value is None else value
+
+    heads = given(args.heads, d["heads"])
+    seq = given(args.seq, d["seq"])
+    return AttentionSpec(
+        batch=given(args.batch, d["batch"]), heads=heads,
+        kv_heads=given(args.kv_heads, d["kv_heads"] if args.heads is None else heads),
+        q_len=seq, kv_len=given(args.kv_seq, seq), head_dim=given(args.head_dim, d["head_dim"]),
+        dtype=DTYPES[args.dtype], causal=args.causal, scale=args.scale, layout=args.layout,
+    ).validate()
 
 
 def make_inputs(spec: AttentionSpec, device, *, generator=None, empty=False):
@@ -201,7 +220,7 @@ def demo(args: argparse.Namespace) -> int:
         kernels = tuple(name.strip() for name in args.kernels.split(",") if name.strip())
         unknown = [name for name in kernels if name not in names()]
         if unknown:
-            raise SystemExit(f"error: --kernels {','.join(unknown)}: not known; choose among {names()}")
+            raise ValueError(f"--kernels {','.join(unknown)}: not known; choose among {names()}")
     print(f"sdpa-fusion demo on {device}: {_short(spec)}")
     print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
     print_definitions(spec)
@@ -260,21 +279,22 @@ def explain(args: argparse.Namespace) -> int:
     if args.schedule:
         import schedules
 
+        if args.schedule not in schedules.names():
+            raise ValueError(f"--schedule {args.schedule!r} is not known; choose one of "
+                             f"{schedules.names()}")
         dim = "heads" if args.schedule == "head_parallel" else "seq"
         mesh = sdpa_fusion.init_mesh((-1,), (dim,))
-        schedule = schedules.get(args.schedule, mesh)
-        q, k, v = (schedule.shard(t, layout=spec.layout) for t in (q, k, v))
     try:
+        if args.schedule:
+            schedule = schedules.get(args.schedule, mesh)
+            q, k, v = (schedule.shard(t, layout=spec.layout) for t in (q, k, v))
         plan = sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale,
                                    layout=spec.layout, kernel=args.kernel, schedule=schedule)
         print(plan)
         print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
         return 0
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     finally:
-        if schedule is not None:
+        if args.schedule:
             sdpa_fusion.close_mesh()
 
 
@@ -301,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    rc = {"demo": demo, "explain": explain}[args.command](args)
+    try:
+        rc = {"demo": demo, "explain": explain}[args.command](args)
+    except ValueError as e:  # a user's mistake: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.command == "demo":
         print(f"({time.perf_counter() - start:.1f} s)")
     return rc

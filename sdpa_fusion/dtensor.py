@@ -1,14 +1,24 @@
-"""DTensor in, DTensor out: unwrap q, k, v sharded as the schedule shards them."""
+"""DTensor in, DTensor out: unwrap q, k, v whose placements describe the schedule's shards.
+
+A DTensor's placement says which part of the full tensor each rank holds; it is accepted only
+when it is exactly what ``schedule.shard`` gives this rank: ``Shard(1)`` (contiguous heads)
+for ``head_parallel``, ``Shard(2)`` for the sequence schedules built with
+``partition='contiguous'``, ``Replicate()`` for ``replicated``. Nothing is redistributed: a
+``Shard(2)`` DTensor is contiguous chunks of the sequence, not the load-balanced partition,
+so a schedule holding another partition refuses it (a ValueError that says how to fix it)
+rather than misread it. Checks are local; ``attention`` agrees on them across ranks.
+"""
 
 from __future__ import annotations
 
 
 def unwrap_dtensors(tensors, schedule):
-    """(local tensors, rewrap) where rewrap turns a local result back into a DTensor."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    """(local tensors, rewrap) where rewrap turns a local result back into a DTensor; rewrap
+    is None for plain tensors."""
+    from torch.distributed.tensor import DTensor
 
     if not any(isinstance(t, DTensor) for t in tensors):
-        return tensors, lambda t: t
+        return tensors, None
     if not all(isinstance(t, DTensor) for t in tensors):
         raise ValueError("q, k, v must be all DTensors or all plain tensors, not a mix")
     if schedule is None or schedule.mesh is None:
@@ -19,24 +29,35 @@ def unwrap_dtensors(tensors, schedule):
             f"(schedule.shard(...)) instead"
         )
     mesh = schedule.mesh
-    dim = schedule.sharded_dim
-    expected = [Replicate()] * len(mesh.names)
-    if dim is not None:
-        expected[mesh.names.index(schedule.dim)] = Shard(dim)
     for name, t in zip("qkv", tensors):
         if t.device_mesh.mesh.tolist() != mesh.torch_mesh.mesh.tolist():
             raise ValueError(
                 f"{name} lives on DeviceMesh {t.device_mesh.mesh.tolist()} but schedule "
                 f"{schedule.name!r} runs on {mesh.torch_mesh.mesh.tolist()}; use the schedule's mesh"
             )
-        if list(t.placements) != expected:
-            raise ValueError(
-                f"{name} has placements {list(t.placements)} but schedule {schedule.name!r} needs "
-                f"{expected}; redistribute it first"
-            )
+        _check_placements(name, t, schedule)
     device_mesh, placements = tensors[0].device_mesh, tensors[0].placements
 
     def rewrap(t):
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(t, device_mesh, placements, run_check=False)
 
     return tuple(t.to_local() for t in tensors), rewrap
+
+
+def _check_placements(name: str, t, schedule) -> None:
+    dim = schedule.sharded_dim
+    if dim is not None and t.dim() > dim and t.shape[dim] % schedule.size:
+        what = {1: "heads", 2: "sequence length"}.get(dim, f"dim {dim}")
+        raise ValueError(
+            f"{name} is a DTensor with {what} {t.shape[dim]}, which its {schedule.size} ranks "
+            f"cannot hold in equal shards; pad it to a multiple of {schedule.size}"
+        )
+    length = t.shape[dim] if dim is not None and t.dim() > dim else 1
+    expected = schedule.placements(length)
+    if list(t.placements) != expected:
+        raise ValueError(
+            f"{name} has placements {list(t.placements)} but schedule {schedule.name!r} needs "
+            f"{expected}; redistribute it first ({name}.redistribute(placements={expected}))"
+        )

@@ -6,11 +6,17 @@ says how that shape is laid out in memory:
 - ``bhse``: a contiguous [B, H, S, E] buffer.
 - ``bshe``: a contiguous [B, S, H, E] buffer viewed as [B, H, S, E] (``t.transpose(1, 2)``).
 - ``thd``: a packed [T, H, E] buffer of several sequences, delimited by ``cu_seqlens``.
+
+``"auto"`` (``tensor_layout``) reads each tensor's own layout from its dims and strides; an
+explicit layout that a tensor's shape or strides contradict is a ValueError. A natural
+[B, S, H, E] tensor is passed as its logical view ``t.transpose(1, 2)`` (BSHE).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
+import weakref
 
 import torch
 
@@ -29,7 +35,8 @@ class Layout(enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             known = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"layout={value!r} is not a known layout; use one of {known}") from None
+            raise ValueError(f"layout={value!r} is not a known layout; use one of {known} (or "
+                             f"'auto': read from the tensors)") from None
 
     def __str__(self) -> str:
         return self.value
@@ -75,6 +82,12 @@ class Layout(enum.Enum):
 
     def to(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of logical tensor ``t`` in this layout (``t`` itself when it already is)."""
+        if t.dim() != self.ndim:
+            raise ValueError(
+                f"a tensor of {t.dim()} dims (shape {list(t.shape)}) has no layout "
+                f"{self.value!r}, which takes {'[T, H, E]' if self is Layout.THD else '[B, H, S, E]'}"
+                f" tensors; a model's [B, S, ...] batch tensors go through schedules.batch"
+            )
         if has_layout(t, self):
             return t
         out = self.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -101,6 +114,54 @@ def has_layout(t: torch.Tensor, layout: Layout) -> bool:
     return True
 
 
+AUTO = "auto"
+
+
+def layout_of(t: torch.Tensor) -> Layout:
+    """The layout ``t``'s memory order gives a logical [B, H, S, E] tensor: BSHE when its heads
+    are inner to its tokens in memory, else BHSE."""
+    return Layout.BSHE if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else Layout.BHSE
+
+
+def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
+    """The layout of tensor ``t`` (called ``name`` in errors): ``layout`` itself, checked
+    against t's shape and strides (a ValueError when they contradict it), or for ``"auto"``
+    read from t: THD for a 3-D tensor, else BHSE or BSHE by memory order (``layout_of``)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(layout, str) and layout.lower() == AUTO:
+        if t.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} has {t.dim()} dims (shape {list(t.shape)}); attention tensors are "
+                f"logical [B, H, S, E] (layout 'bhse' or 'bshe') or packed [T, H, E] (layout "
+                f"'thd'). Shard a model's [B, S, ...] batch tensors with schedules.batch"
+            )
+        return Layout.THD if t.dim() == 3 else layout_of(t)
+    layout = Layout.of(layout)
+    check_layout(name, t, layout)
+    return layout
+
+
+def shard_layout(t: torch.Tensor, layout: "Layout | str") -> Layout:
+    """The layout in which ``schedule.shard``/``unshard`` read ``t``: ``tensor_layout`` for
+    dense layouts and "auto"; 'thd' takes packed [T, ...] tensors of any trailing dims."""
+    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
+        if Layout.of(layout) is Layout.THD:
+            return Layout.THD
+    return tensor_layout("t", t, layout)
+
+
+def unshard_layout(t, layout: "Layout | str") -> Layout:
+    """The layout in which ``schedule.unshard`` returns the full tensor: ``layout``, or for
+    "auto" the local part's (BHSE for what is no attention tensor: the agreed gather that
+    follows reports it on every rank)."""
+    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
+        return Layout.of(layout)
+    if isinstance(t, torch.Tensor) and t.dim() in (3, 4):
+        return Layout.THD if t.dim() == 3 else layout_of(t)
+    return Layout.BHSE
+
+
 def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
     """Raise a ValueError naming ``name`` unless ``t`` really has ``layout``."""
     if t.dim() != layout.ndim:
@@ -113,8 +174,8 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
         hint = {
             Layout.BHSE: "pass t.contiguous(), or layout='bshe' if it is a [B,S,H,E] buffer "
             "viewed as [B,H,S,E]",
-            Layout.BSHE: "pass t.transpose(1, 2).contiguous().transpose(1, 2), or layout='bhse' "
-            "for a contiguous [B,H,S,E] tensor",
+            Layout.BSHE: "a [B,S,H,E] tensor is passed as t.transpose(1, 2) (its logical "
+            "[B,H,S,E] view); pass layout='bhse' for a contiguous [B,H,S,E] tensor, or 'auto'",
             Layout.THD: "pass t.contiguous()",
         }[layout]
         raise ValueError(
@@ -123,21 +184,66 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
         )
 
 
-def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total_tokens: int, *,
+def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
                      exact: bool = True) -> list[int]:
     """Validate cumulative sequence lengths of a packed tensor; return them as a list.
 
+    ``cu_seqlens`` is an int32/int64 tensor on ``device`` (the tensors' device) or a Python
+    list/tuple of ints (a host copy: no device sync). A tensor's values are read once and
+    remembered while the same tensor, unmodified, comes back (one sync per new tensor).
     ``exact``: the last entry must equal ``total_tokens`` (else it may be smaller, as the
     real ``cu_seqlens`` of sequences padded by ``cu_seqlens_padded`` are)."""
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+            raise ValueError(f"{name}={_show(list(cu_seqlens))} must hold Python ints")
+        values = list(cu_seqlens)
+    elif isinstance(cu_seqlens, torch.Tensor):
+        values = _tensor_values(name, cu_seqlens, device)
+    else:
+        raise ValueError(
+            f"{name} must be an int32/int64 tensor or a list of ints, got {type(cu_seqlens).__name__}"
+        )
+    check_offsets(name, values, total_tokens, exact=exact)
+    return values
+
+
+def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
+    if t.dim() != 1 or t.numel() < 2:
         raise ValueError(
             f"{name} must be a 1-D integer tensor [0, l0, l0+l1, ...] of at least 2 entries, "
-            f"got shape {list(cu_seqlens.shape)} dtype {cu_seqlens.dtype}"
+            f"got shape {list(t.shape)}"
         )
-    values = [int(x) for x in cu_seqlens.tolist()]
-    check_offsets(name, values, total_tokens, exact=exact)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{name} must hold int32 or int64 offsets, got dtype {t.dtype}; pass "
+            f"torch.tensor([0, l0, l0+l1, ...], dtype=torch.int32)"
+        )
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(
+            f"{name} is on {t.device} but q, k, v are on {device}; pass {name}.to(q.device) "
+            f"(or a Python list of ints, which needs no device sync)"
+        )
+    return _host_copy(t)
+
+
+_HOST_COPIES: collections.OrderedDict = collections.OrderedDict()
+
+
+def _host_copy(t: torch.Tensor) -> list[int]:
+    """``t.tolist()``, remembered for the same tensor object until it is modified in place (a
+    training step passes one cu_seqlens tensor to every layer: one device sync, not one per
+    layer)."""
+    key = id(t)
+    entry = _HOST_COPIES.get(key)
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        _HOST_COPIES.move_to_end(key)
+        return entry[2]
+    values = [int(x) for x in t.tolist()]
+    _HOST_COPIES[key] = (weakref.ref(t), t._version, values)
+    while len(_HOST_COPIES) > 64:
+        _HOST_COPIES.popitem(last=False)
     return values
 
 
@@ -146,8 +252,18 @@ def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: boo
     [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``)."""
     if len(values) < 2:
         raise ValueError(f"{name}={values} needs at least 2 entries [0, l0, l0+l1, ...]")
-    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name}={values} must start at 0 and never decrease")
+    if values[0] != 0:
+        raise ValueError(
+            f"{name}={_show(values)} must start at 0 (the first sequence starts at token 0); "
+            f"prepend 0"
+        )
+    for i, (a, b) in enumerate(zip(values, values[1:]), start=1):
+        if b < a:
+            raise ValueError(
+                f"{name}={_show(values)} must never decrease, but entry {i} ({b}) is below "
+                f"entry {i - 1} ({a}); give the running sum of the sequence lengths with a "
+                f"leading 0"
+            )
     if values[-1] != total_tokens and (exact or values[-1] > total_tokens):
         raise ValueError(
             f"{name} ends at {values[-1]} but the packed tensor has {total_tokens} tokens; "
@@ -164,11 +280,21 @@ def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:
             f"cu_seqlens has {len(cu_seqlens)}; give one entry per sequence plus one"
         )
     real, room = seqlens_of(cu_seqlens), seqlens_of(cu_seqlens_padded)
-    if any(r > p for r, p in zip(real, room)):
+    short = [i for i, (r, p) in enumerate(zip(real, room)) if r > p]
+    if short:
+        i = short[0]
         raise ValueError(
-            f"cu_seqlens_padded={cu_seqlens_padded} leaves less room than the sequence lengths "
-            f"{real} need; each padded length must be >= its sequence length"
+            f"cu_seqlens_padded leaves sequence {i} room for {room[i]} tokens but cu_seqlens "
+            f"gives it {real[i]}; each padded length (cu_seqlens_padded[i+1] - "
+            f"cu_seqlens_padded[i]) must be >= the sequence's length"
         )
+
+
+def _show(values: list, most: int = 12) -> str:
+    """A list as text, its middle elided when long."""
+    if len(values) <= most:
+        return str(values)
+    return f"[{', '.join(map(str, values[:6]))}, ..., {', '.join(map(str, values[-3:]))}]"
 
 
 def seqlens_of(cu_seqlens: list[int]) -> list[int]:

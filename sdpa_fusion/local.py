@@ -1,31 +1,50 @@
-"""Attention on one device: a kernel applied to dense tensors, or sequence by sequence to
+"""Attention on one device: a kernel applied to dense tensors, or one varlen call of it to
 packed (THD) tensors."""
 
 from __future__ import annotations
 
-import torch
+import functools
 
-from .kernels import Dropout, Kernel
-from .layout import sequence_view
+from .kernels import Dropout, Kernel, Seqlens
 from .spec import AttentionSpec
+
+
+@functools.lru_cache(maxsize=256)
+def packed_seqlens(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ...] | None = None
+                   ) -> Seqlens:
+    """The ``Seqlens`` of a self-attention pack: sequence i is ``cu_seqlens[i]:cu_seqlens[i+1]``
+    for queries and keys alike. With ``cu_seqlens_padded`` sequence i starts at
+    ``cu_seqlens_padded[i]`` and the padding after it becomes two sequences of its own, one of
+    padding queries without keys and one of padding keys without queries, so padding tokens
+    get output 0 and gradient 0 and no real query attends them."""
+    if cu_seqlens_padded is None:
+        return Seqlens(tuple(cu_seqlens), tuple(cu_seqlens))
+    cu_q, cu_k = [0], [0]
+    for start, stop, n in zip(cu_seqlens_padded, cu_seqlens_padded[1:],
+                              (b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))):
+        pad = stop - start - n
+        cu_q.append(start + n)
+        cu_k.append(start + n)
+        if pad:
+            cu_q += [stop, stop]
+            cu_k += [start + n, stop]
+    return Seqlens(tuple(cu_q), tuple(cu_k))
+
+
+def spec_seqlens(spec: AttentionSpec) -> Seqlens:
+    """The ``Seqlens`` of packed ``spec``."""
+    return packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded)
 
 
 def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None):
     """(out, lse) of the whole local problem; lse is fp32 [B, H, S] ([1, H, T] for THD)."""
     scale = spec.softmax_scale
     if not spec.layout.is_varlen:
-        return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout)
-    out = torch.zeros_like(q)
-    lse = torch.full((1, spec.heads, spec.q_len), float("-inf"), dtype=torch.float32, device=q.device)
-    for start, n in spec.sequences():
-        if n == 0:
-            continue
-        o, l = kernel.forward(
-            *(sequence_view(t, start, start + n) for t in (q, k, v)), causal=spec.causal, scale=scale
-        )
-        sequence_view(out, start, start + n).copy_(o)
-        lse[:, :, start:start + n] = l
-    return out, lse
+        return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout,
+                              window=spec.window)
+    out, lse = kernel.varlen_forward(q, k, v, spec_seqlens(spec), causal=spec.causal,
+                                     scale=scale, window=spec.window)
+    return out, lse.unsqueeze(0)
 
 
 def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
@@ -33,15 +52,7 @@ def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
     """(dq, dk, dv) of the whole local problem, given its out and lse."""
     scale = spec.softmax_scale
     if not spec.layout.is_varlen:
-        return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale, dropout=dropout)
-    grads = [torch.zeros_like(t) for t in (q, k, v)]
-    for start, n in spec.sequences():
-        if n == 0:
-            continue
-        views = [sequence_view(t, start, start + n) for t in (dout, q, k, v, out)]
-        block = kernel.backward(
-            *views, lse[:, :, start:start + n].contiguous(), causal=spec.causal, scale=scale
-        )
-        for grad, g in zip(grads, block):
-            sequence_view(grad, start, start + n).copy_(g)
-    return tuple(grads)
+        return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
+                               dropout=dropout, window=spec.window)
+    return kernel.varlen_backward(dout, q, k, v, out, lse[0], spec_seqlens(spec),
+                                  causal=spec.causal, scale=scale, window=spec.window)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 @dataclasses.dataclass(frozen=True)
 class Window:
@@ -51,3 +53,27 @@ class Window:
 def band(causal: bool, window: "Window | None") -> tuple[int | None, int | None]:
     """(left, right) of the mask that ``causal`` and ``window`` make together (None: unbounded)."""
     return (window or Window()).band(causal)
+
+
+def visible(n_q: int, n_k: int, band_: tuple[int | None, int | None], device=None):
+    """Bool [n_q, n_k]: True where query i sees key j under the top-left ``band_`` (left, right)."""
+    left, right = band_
+    i = torch.arange(n_q, device=device).unsqueeze(1)
+    j = torch.arange(n_k, device=device).unsqueeze(0)
+    seen = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left is not None:
+        seen &= j >= i - left
+    if right is not None:
+        seen &= j <= i + right
+    return seen
+
+
+def visible_pairs(n_q: int, n_k: int, band_: tuple[int | None, int | None]) -> int:
+    """How many (query, key) pairs of an n_q x n_k block the top-left ``band_`` lets through."""
+    left, right = band_
+    if n_q == 0 or n_k == 0:
+        return 0
+    i = torch.arange(n_q, dtype=torch.int64)
+    low = (i - left).clamp_min(0) if left is not None else torch.zeros_like(i)
+    high = (i + right).clamp_max(n_k - 1) if right is not None else torch.full_like(i, n_k - 1)
+    return int((high - low + 1).clamp_min(0).sum())

@@ -4,9 +4,10 @@
     mesh = init_mesh((2, 2), ("heads", "seq"))   # 2-D: heads across rows, sequence across columns
 
 Communication goes through torch.distributed (NCCL with GPUs, gloo without); the nvFuser
-``DeviceMesh`` of each named dim annotates fusions. A small gloo group carries control
-messages (``agree``) so that every rank can check every other rank's input before any data
-moves, and raise the same error everywhere.
+``DeviceMesh`` of each named dim annotates fusions. Small gloo *control groups* (one per line
+of each dim, one for the whole mesh) carry the agreement of ``sdpa_fusion.agreement``, so that
+every rank checks every other rank's call before any data moves. The mesh's ``timeout`` bounds
+every wait: its process groups, control groups and the copy-engine barriers of the ring.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SDPA_FUSION_TIMEOUT_S", 300)))
+from .agreement import ControlGroup
+
+TIMEOUT_ENV = "SDPA_FUSION_TIMEOUT_S"  # the default timeout in seconds, read by init_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +53,16 @@ def launch_env(environ=os.environ) -> LaunchEnv | None:
 class Mesh:
     """A named N-D mesh of ranks. Build it with ``init_mesh``."""
 
-    def __init__(self, torch_mesh, names: tuple[str, ...], device: torch.device, control_group):
+    def __init__(self, torch_mesh, names: tuple[str, ...], device: torch.device,
+                 controls: dict[str | None, ControlGroup], timeout: datetime.timedelta):
         self.torch_mesh = torch_mesh
         self.names = names
         self.shape = tuple(torch_mesh.mesh.shape)
         self.device = device
+        self.timeout = timeout
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._control = control_group
+        self._controls = controls
         self._nvfuser_meshes = {}
 
     def _dim(self, name: str) -> int:
@@ -84,6 +89,13 @@ class Mesh:
         index[self._dim(name)] = slice(None)
         return [int(r) for r in self.torch_mesh.mesh[tuple(index)].tolist()]
 
+    def control_group(self, name: str | None = None) -> ControlGroup:
+        """The gloo control group of this rank's line along dim ``name`` (the whole mesh when
+        None), over which its ranks agree on each call."""
+        if name is not None:
+            self._dim(name)
+        return self._controls[name]
+
     def nvfuser_mesh(self, name: str):
         """The nvFuser DeviceMesh of this rank's line along dim ``name``."""
         if name not in self._nvfuser_meshes:
@@ -94,9 +106,12 @@ class Mesh:
 
     def agree(self, value):
         """Every rank's ``value`` (any picklable object), gathered on every rank, in rank order."""
-        values = [None] * self.world_size
-        dist.all_gather_object(values, value, group=self._control)
-        return values
+        return self.control_group().gather(value, "Mesh.agree")
+
+    def configuration(self) -> dict:
+        """What is the same on every rank of the mesh (its dims, ranks and device type)."""
+        return {"names": self.names, "ranks": self.torch_mesh.mesh.tolist(),
+                "device": self.device.type}
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
@@ -131,13 +146,16 @@ def init_mesh(
     names: tuple[str, ...] = ("seq",),
     *,
     backend: str | None = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta | float | None = None,
 ) -> Mesh:
     """Join (or start) torch.distributed from the launcher's environment and build a mesh.
 
     ``shape`` may hold one -1 (the rest of the world). The backend is NCCL when CUDA is
-    available, else gloo. With no launcher, a one-rank mesh runs in this process.
+    available, else gloo. With no launcher, a one-rank mesh runs in this process. ``timeout``
+    (a timedelta or seconds; default $SDPA_FUSION_TIMEOUT_S, else 300 s) bounds every wait of
+    the mesh's collectives; a rank that does not arrive in time raises ``MeshTimeout``.
     """
+    timeout = _timeout(timeout)
     shape, names = tuple(int(s) for s in shape), tuple(names)
     if len(shape) != len(names):
         raise ValueError(f"mesh shape {shape} and names {names} must have the same length")
@@ -162,13 +180,58 @@ def init_mesh(
         local = env.local_rank if env else 0
         torch.cuda.set_device(local % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
+    # the world's own group has this timeout when it starts here; other groups are given it
+    override = len(names) > 1 or dist.is_initialized()
     if not dist.is_initialized():
         _init_process_group(env, backend, device, timeout)
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return Mesh(torch_mesh, names, device, control)
+    torch_mesh = init_device_mesh(
+        device.type, shape, mesh_dim_names=names,
+        backend_override={name: (backend, _group_options(backend, timeout)) for name in names}
+        if override else None,
+    )
+    return Mesh(torch_mesh, names, device, _control_groups(torch_mesh, names, timeout), timeout)
+
+
+def _timeout(timeout) -> datetime.timedelta:
+    if timeout is None:
+        timeout = float(os.environ.get(TIMEOUT_ENV, 300))
+    if not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta or seconds")
+        timeout = datetime.timedelta(seconds=timeout)
+    if not timeout.total_seconds() > 0:
+        raise ValueError(f"timeout={timeout} must be positive")
+    return timeout
+
+
+def _group_options(backend: str, timeout: datetime.timedelta):
+    """Options that give a mesh dim's process group the mesh's timeout."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
+def _control_groups(torch_mesh, names, timeout) -> dict[str | None, ControlGroup]:
+    """A gloo control group for this rank's line of every dim, and one for the whole mesh
+    (every rank creates every group, in the same order)."""
+    ranks = torch_mesh.mesh
+    controls = {}
+    for d, name in enumerate(names):
+        lines = ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist()
+        if len(names) == 1:
+            group = dist.new_group(lines[0], backend="gloo", timeout=timeout)
+        else:
+            group, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout, backend="gloo")
+        line = next(line for line in lines if dist.get_rank() in line)
+        controls[name] = ControlGroup(group, line, timeout, f"mesh dim {name!r}")
+    if len(names) == 1:
+        controls[None] = controls[names[0]]
+    else:
+        whole = dist.new_group(backend="gloo", timeout=timeout)
+        controls[None] = ControlGroup(whole, ranks.flatten().tolist(), timeout, "the mesh")
+    return controls
 
 
 def _resolve_shape(shape: tuple[int, ...], world: int) -> tuple[int, ...]:

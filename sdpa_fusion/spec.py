@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
 import torch
 
-from .layout import (Layout, check_cu_seqlens, check_layout, check_offsets, check_padding,
-                     seqlens_of)
-from .mask import Window
+from .layout import (Layout, check_cu_seqlens, check_offsets, check_padding, seqlens_of,
+                     tensor_layout)
+from .mask import Window, band, visible_pairs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -19,11 +20,13 @@ class AttentionSpec:
     """Shape, dtype and options of scaled-dot-product attention.
 
     Shapes are logical [B, H, S, E]. ``kv_heads < heads`` is grouped-query attention (GQA).
-    ``causal`` masks key j for query i when j > i (top-left aligned). ``scale`` defaults to
-    1/sqrt(head_dim). For the packed ``thd`` layout, ``batch`` is 1, ``q_len``/``kv_len`` are
-    the packed token counts and ``cu_seqlens`` (and ``cu_seqlens_padded``) delimit sequences;
-    under a schedule that splits tokens they are this rank's, and ``packing`` is the rank's
-    part of the global packing (``schedules.packing.LocalPacking``).
+    ``causal`` masks key j for query i when j > i (top-left aligned); ``window`` (a
+    ``Window`` or (left, right) pair, None for unbounded) keeps ``i - left <= j <= i + right``.
+    ``scale`` defaults to 1/sqrt(head_dim). For the packed ``thd`` layout, ``batch`` is 1,
+    ``q_len``/``kv_len`` are the packed token counts and ``cu_seqlens`` (and
+    ``cu_seqlens_padded``) delimit sequences; under a schedule that splits tokens they are
+    this rank's, and ``packing`` is the rank's part of the global packing
+    (``schedules.packing.LocalPacking``).
     """
 
     batch: int
@@ -81,8 +84,14 @@ class AttentionSpec:
             )
         if not 0.0 <= self.dropout_p < 1.0:
             raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
-        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            raise ValueError(f"scale={self.scale!r} must be a positive number or None")
+        if self.scale is not None and not (
+            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+            and math.isfinite(self.scale) and self.scale > 0
+        ):
+            raise ValueError(
+                f"scale={self.scale!r} must be a positive number or None: finite and > 0 "
+                f"(None means 1/sqrt(head_dim))"
+            )
         if self.layout.is_varlen:
             self._validate_varlen()
         return self
@@ -114,12 +123,19 @@ class AttentionSpec:
         return [(s, n) for s, n in zip(starts, seqlens_of(list(self.cu_seqlens)))]
 
     def flops(self, *, backward: bool = False) -> float:
-        """Matmul FLOPs: 4*b*h*s_q*s_kv*e (halved when causal), 3.5x for forward+backward."""
+        """Matmul FLOPs: 4*b*h*s_q*s_kv*e (halved when causal; the pairs the band lets
+        through with a window), 3.5x for forward+backward."""
         if self.layout.is_varlen:
-            pairs = sum(n * n for _, n in self.sequences())
+            lengths = [(n, n) for _, n in self.sequences()]
         else:
-            pairs = self.batch * self.q_len * self.kv_len
-        f = 4.0 * self.heads * pairs * self.head_dim * (0.5 if self.causal else 1.0)
+            lengths = [(self.q_len, self.kv_len)] * self.batch
+        if self.window is None:
+            pairs = sum(n_q * n_k for n_q, n_k in lengths) * (0.5 if self.causal else 1.0)
+        else:
+            mask = band(self.causal, self.window)
+            counts = collections.Counter(lengths)
+            pairs = sum(c * visible_pairs(n_q, n_k, mask) for (n_q, n_k), c in counts.items())
+        f = 4.0 * self.heads * pairs * self.head_dim
         return f * 3.5 if backward else f
 
     @classmethod
@@ -129,19 +145,19 @@ class AttentionSpec:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        layout: Layout | str = Layout.BHSE,
+        layout: Layout | str = "auto",
         causal: bool = False,
         scale: float | None = None,
         dropout_p: float = 0.0,
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_padded: torch.Tensor | None = None,
+        window=None,
     ) -> "AttentionSpec":
-        """Build and validate the spec of q, k, v, checking that each has ``layout``."""
-        layout = Layout.of(layout)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            check_layout(name, t, layout)
+        """Build and validate the spec of q, k, v, checking that each has ``layout``; with
+        ``"auto"`` each tensor's own layout is read and the spec takes the query's (the caller
+        brings k and v to it: ``spec.layout.to(t)``)."""
+        layout = _common_layout(
+            [tensor_layout(name, t, layout) for name, t in (("q", q), ("k", k), ("v", v))])
         if k.shape != v.shape:
             raise ValueError(
                 f"k {list(k.shape)} and v {list(v.shape)} must have the same shape"
@@ -158,9 +174,11 @@ class AttentionSpec:
             b = 1
             padded = None
             if cu_seqlens_padded is not None:
-                padded = tuple(check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, t_q))
+                padded = tuple(check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, t_q,
+                                                device=q.device))
             # With padding the real sequences end before T; cu_seqlens_padded ends at T.
-            cu = tuple(check_cu_seqlens("cu_seqlens", cu_seqlens, t_q, exact=padded is None))
+            cu = tuple(check_cu_seqlens("cu_seqlens", cu_seqlens, t_q, device=q.device,
+                                        exact=padded is None))
         else:
             (b, h, t_q, e), (b_k, h_kv, t_k, e_k) = q.shape, k.shape
             if b_k != b:
@@ -173,5 +191,16 @@ class AttentionSpec:
         return cls(
             batch=b, heads=h, kv_heads=h_kv, q_len=t_q, kv_len=t_k, head_dim=e,
             dtype=q.dtype, causal=bool(causal), scale=scale, dropout_p=float(dropout_p),
-            layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded,
+            layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded, window=window,
         ).validate()
+
+
+def _common_layout(layouts: list[Layout]) -> Layout:
+    """The query's layout, once q, k and v are all packed or all dense."""
+    if len({layout.is_varlen for layout in layouts}) > 1:
+        shown = ", ".join(f"{n} {layout.value}" for n, layout in zip("qkv", layouts))
+        raise ValueError(
+            f"q, k, v must be all packed [T, H, E] (layout 'thd') or all logical [B, H, S, E], "
+            f"got {shown}"
+        )
+    return layouts[0]

@@ -108,19 +108,23 @@ def test_fa4_has_no_dropout(monkeypatch):
     monkeypatch.setattr(fa4, "import_error", lambda: None)
     assert get("fa4").unavailable_reason(spec(), torch.device("cuda")) is None
     reason = get("fa4").unavailable_reason(spec(dropout_p=0.1), torch.device("cuda"))
-    assert reason == "kernel 'fa4' has no dropout; use kernel='nvfuser' for dropout_p > 0"
+    assert reason == ("kernel 'fa4' has no dropout; use kernel='nvfuser' or 'flash' (or "
+                      "'reference') for dropout_p > 0")
 
 
-@pytest.mark.parametrize("causal,window,cu_k,native", [
-    (False, None, (0, 3, 3, 10), True),           # no mask: lengths may differ
-    (True, None, (0, 4, 6, 10), True),            # masked, q and k lengths equal
-    (False, Window(2, 2), (0, 4, 6, 10), True),
-    (True, None, (0, 3, 3, 10), False),           # masked, lengths differ: one call per sequence
-    (False, Window(None, 0), (0, 3, 3, 10), False),
+@pytest.mark.parametrize("causal,window,cu_k,shift", [
+    (False, None, (0, 3, 3, 10), 0),           # no mask: lengths may differ
+    (True, None, (0, 4, 6, 10), 0),            # masked, q and k lengths equal
+    (False, Window(2, 2), (0, 4, 6, 10), 0),
+    (False, Window(2, 2), (0, 5, 8, 13), 1),   # masked, one more key in every sequence
+    (True, None, (0, 5, 8, 13), None),         # ... causal: FA4's right side would be -1
+    (True, None, (0, 3, 3, 10), None),         # masked, shifts -1 and 3: one call per sequence
+    (False, Window(None, 0), (0, 3, 3, 10), None),
+    (True, Window(3, 0), (0, 3, 3, 6), -1),    # a sequence without keys takes any shift
 ])
-def test_which_packed_calls_run_in_one_fa4_call(causal, window, cu_k, native):
+def test_which_packed_calls_run_in_one_fa4_call(causal, window, cu_k, shift):
     seqlens = Seqlens(cu_q=(0, 4, 6, 10), cu_k=cu_k)
-    assert fa4._native_varlen(seqlens, causal, window) is native
+    assert fa4.varlen_shift(seqlens, causal, window) == shift
 
 
 def test_backward_into_given_buffers_copies_by_default(rng, assert_close):

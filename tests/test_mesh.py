@@ -55,3 +55,9 @@ def test_mesh_size_must_match_the_world(monkeypatch):
 def test_bad_mesh_arguments(no_launcher, shape, names, match):
     with pytest.raises(ValueError, match=match):
         sdpa_fusion.init_mesh(shape, names)
+
+
+@pytest.mark.parametrize("timeout", [0, -5, "60", True])
+def test_bad_timeout(no_launcher, timeout):
+    with pytest.raises(ValueError, match=r"^timeout=.* must be"):
+        sdpa_fusion.init_mesh((1,), ("seq",), timeout=timeout)

@@ -98,7 +98,7 @@ def test_bhse_tensor_claimed_as_bshe():
 def test_non_dense_tensor_is_not_bhse():
     sliced = bhse(e=32)[..., :16]
     with pytest.raises(ValueError, match=r"^q .*strides.* does not have the layout 'bhse'"):
-        spec_of(sliced, bhse())
+        spec_of(sliced, bhse(), layout="bhse")
 
 
 def test_unknown_layout():
@@ -186,11 +186,18 @@ def test_thd_with_dropout():
         spec_of(thd(), layout="thd", cu_seqlens=cu(0, 20), dropout_p=0.1)
 
 
-def test_thd_cu_seqlens_not_1d_integer():
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be a 1-D integer tensor"):
-        spec_of(thd(), layout="thd", cu_seqlens=torch.tensor([0.0, 20.0]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8], ids=str)
+def test_thd_cu_seqlens_not_int32_or_int64(dtype):
+    with pytest.raises(ValueError, match=rf"^cu_seqlens must hold int32 or int64 offsets, got dtype "
+                                         rf"{dtype}; pass torch.tensor\(.*dtype=torch.int32\)"):
+        spec_of(thd(), layout="thd", cu_seqlens=torch.tensor([0, 20], dtype=dtype))
+
+
+def test_thd_cu_seqlens_not_1d():
     with pytest.raises(ValueError, match=r"^cu_seqlens must be a 1-D integer tensor"):
         spec_of(thd(), layout="thd", cu_seqlens=cu(20))
+    with pytest.raises(ValueError, match=r"^cu_seqlens must be a 1-D integer tensor"):
+        spec_of(thd(), layout="thd", cu_seqlens=torch.tensor([[0, 20]], dtype=torch.int32))
 
 
 def test_thd_cu_seqlens_not_starting_at_zero():
@@ -199,7 +206,8 @@ def test_thd_cu_seqlens_not_starting_at_zero():
 
 
 def test_thd_cu_seqlens_decreasing():
-    with pytest.raises(ValueError, match=r"^cu_seqlens=\[0, 12, 8, 20\] must start at 0 and never decrease"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens=\[0, 12, 8, 20\] must never decrease, but entry 2 "
+                                         r"\(8\) is below entry 1 \(12\); give the running sum"):
         spec_of(thd(), layout="thd", cu_seqlens=cu(0, 12, 8, 20))
 
 
@@ -225,8 +233,8 @@ def test_thd_real_sequences_beyond_t_even_when_padded():
 
 
 def test_thd_cu_seqlens_padded_too_small():
-    with pytest.raises(ValueError, match=r"^cu_seqlens_padded=\[0, 4, 20\] leaves less room than the "
-                                         r"sequence lengths \[5, 7\]"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens_padded leaves sequence 0 room for 4 tokens but "
+                                         r"cu_seqlens gives it 5; each padded length .* must be >="):
         spec_of(thd(t=20), layout="thd", cu_seqlens=cu(0, 5, 12), cu_seqlens_padded=cu(0, 4, 20))
 
 
@@ -245,7 +253,7 @@ def test_thd_spec_built_by_hand_is_checked_too():
     base = dict(batch=1, heads=2, kv_heads=2, q_len=20, kv_len=20, head_dim=16, layout="thd")
     with pytest.raises(ValueError, match=r"^layout='thd' packs sequences along T; batch must be 1"):
         AttentionSpec(**{**base, "batch": 2}, cu_seqlens=(0, 20)).validate()
-    with pytest.raises(ValueError, match=r"^cu_seqlens=\[0, 25, 20\] must start at 0 and never decrease"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens=\[0, 25, 20\] must never decrease"):
         AttentionSpec(**base, cu_seqlens=(0, 25, 20)).validate()
     with pytest.raises(ValueError, match=r"^cu_seqlens ends at 18 but the packed tensor has 20"):
         AttentionSpec(**base, cu_seqlens=(0, 18)).validate()

@@ -9,7 +9,9 @@ import torch
 
 from ..spec import AttentionSpec
 from . import aten, fa4, nvfuser, ranking, reference  # noqa: F401  (register the kernels)
-from .base import Dropout, Kernel, KernelUnavailable, get, names, register
+from .base import Dropout, Kernel, KernelUnavailable, Seqlens, get, names, register
+from .choice import choose
+from .packed import Padded, PerSequence, Split, Varlen
 
 
 class Choice(NamedTuple):
@@ -27,7 +29,8 @@ def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None) -> Ch
     A named kernel that cannot run the spec raises KernelUnavailable with the reason.
     ``auto`` on a GPU tries the kernels in the order of ``ranking.rank`` (fastest measured
     on this device first, by ``table``, default the committed ``ranking.TABLE``) and takes
-    the first that can run the spec; on CPU it takes ``reference``.
+    the first that can run the spec; for packed sequences it takes the fastest way to run
+    them by the cost model (``choice.choose``); on CPU it takes ``reference``.
     """
     device = torch.device(device)
     if table is None and isinstance(name, str):
@@ -47,6 +50,9 @@ def _select(name, spec: AttentionSpec, device: torch.device, table) -> Choice:
         kernel = get(name)
         kernel.check(spec, device)
         return Choice(kernel, [])
+    if spec.layout.is_varlen and device.type == "cuda":
+        way, notes = choose(spec, device)
+        return Choice(way, notes[1:], notes[0])
     if device.type != "cuda":
         reason = get("reference").unavailable_reason(spec, device)
         if reason is not None:
@@ -62,4 +68,5 @@ def _select(name, spec: AttentionSpec, device: torch.device, table) -> Choice:
     return Choice(get(chosen), skipped, why)
 
 
-__all__ = ["Choice", "Dropout", "Kernel", "KernelUnavailable", "get", "names", "register", "select"]
+__all__ = ["Choice", "Dropout", "Kernel", "KernelUnavailable", "Padded", "PerSequence", "Seqlens",
+           "Split", "Varlen", "get", "names", "register", "select"]

@@ -22,7 +22,7 @@ can be applied block by block (ring attention).
 A kernel without a native varlen path runs packed sequences one by one through its dense
 methods (``varlen_forward``/``varlen_backward`` of the base class).
 
-    backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, window=None)
+    backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None)
         -> grads
 
 writes (dq, dk, dv) into ``grads``, preallocated tensors shaped, typed and laid out like
@@ -33,12 +33,14 @@ kernel that can write into given buffers does so (``fa4``); the default copies.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
+import hashlib
 
 import torch
 
-from ..layout import Layout
+from ..layout import Layout, layout_of  # noqa: F401  (layout_of: used by the kernels)
 from ..mask import Window, band  # noqa: F401  (part of the kernel contract)
 from ..spec import AttentionSpec
 
@@ -82,13 +84,54 @@ def _cu_tensors(cu_q, cu_k, device):
             torch.tensor(cu_k, dtype=torch.int32, device=device))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Dropout:
-    """Dropout probability plus the RNG state the forward used, for the backward to replay."""
+    """Dropout probability and the random stream of one kernel call.
+
+    ``seed`` picks the stream: the reference kernel draws its keep mask from a
+    ``torch.Generator`` seeded with it, in forward and again in backward; GPU kernels run their
+    forward under the CUDA generator seeded with it (``on_cuda``) and leave in ``state`` what
+    their backward replays (flash's philox seed and offset). ``stream(*key)`` is the stream of
+    one part of a call (a rank's heads, a ring block), the same object in forward and
+    backward, so a schedule gives every rank and block its own reproducible stream.
+    """
 
     p: float
-    seed: torch.Tensor | None = None
-    offset: torch.Tensor | None = None
+    seed: int = 0
+    state: tuple = ()
+
+    @classmethod
+    def draw(cls, p: float) -> "Dropout":
+        """A stream for one attention call, seeded from torch's default generator (so ranks
+        seeded alike start alike; schedules then give each rank its own ``stream``)."""
+        return cls(p, int(torch.randint(0, 2**62, ()).item()))
+
+    def stream(self, *key) -> "Dropout":
+        """The stream of part ``key`` of this call (made once, kept for the backward)."""
+        streams = self.__dict__.setdefault("_streams", {})
+        if key not in streams:
+            digest = hashlib.blake2b(repr((self.seed, key)).encode(), digest_size=8).digest()
+            streams[key] = Dropout(self.p, int.from_bytes(digest, "little") >> 2)
+        return streams[key]
+
+    def generator(self, device) -> torch.Generator:
+        """A generator on ``device`` at the start of this stream."""
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+    @contextlib.contextmanager
+    def on_cuda(self, device):
+        """Run the block with ``device``'s default CUDA generator at this stream, then restore
+        it (kernels that draw from the default generator)."""
+        with torch.random.fork_rng(devices=[device]):
+            torch.cuda.default_generators[torch.device(device).index or 0].manual_seed(self.seed)
+            yield
+
+
+def on_cuda(dropout: Dropout | None, device):
+    """``dropout.on_cuda(device)``, or nothing without dropout."""
+    if dropout is None or dropout.p == 0:
+        return contextlib.nullcontext()
+    return dropout.on_cuda(device)
 
 
 class Kernel(abc.ABC):
@@ -114,9 +157,10 @@ class Kernel(abc.ABC):
             if spec.dtype not in (torch.float16, torch.bfloat16):
                 return f"kernel {self.name!r} takes float16 or bfloat16, not {spec.dtype}"
         if spec.dropout_p > 0 and not self.supports_dropout:
-            return f"kernel {self.name!r} has no dropout; use kernel='nvfuser' for dropout_p > 0"
+            return (f"kernel {self.name!r} has no dropout; use kernel='nvfuser' or 'flash' (or "
+                    f"'reference') for dropout_p > 0")
         if spec.window is not None and not self.supports_window:
-            return f"kernel {self.name!r} has no sliding window; use kernel='flash' or 'reference'"
+            return f"kernel {self.name!r} has no sliding window; use kernel={_window_kernels()}"
         return self._unavailable_reason(spec, device)
 
     def _unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
@@ -144,11 +188,12 @@ class Kernel(abc.ABC):
         ...
 
     def backward_into(self, grads, dout, q, k, v, out, lse, *, causal: bool, scale: float,
-                      window: Window | None = None):
+                      dropout: Dropout | None = None, window: Window | None = None):
         """``backward`` writing (dq, dk, dv) into ``grads``; returns ``grads``. This default
         copies the kernel's own results there."""
         for buffer, grad in zip(grads, self.backward(dout, q, k, v, out, lse, causal=causal,
-                                                     scale=scale, window=window)):
+                                                     scale=scale, dropout=dropout,
+                                                     window=window)):
             buffer.copy_(grad)
         return grads
 
@@ -159,30 +204,17 @@ class Kernel(abc.ABC):
         out = torch.zeros_like(q)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
                          device=q.device)
-        for (qa, qb), (ka, kb) in _sequences(seqlens):
-            if qb == qa or kb == ka:
-                continue
-            o, l = self.forward(_as_dense(q, qa, qb), _as_dense(k, ka, kb), _as_dense(v, ka, kb),
-                                causal=causal, scale=scale, window=window)
-            _as_dense(out, qa, qb).copy_(o)
-            lse[:, qa:qb] = l[0]
+        forward_each(self, q, k, v, _sequences(seqlens), out, lse, causal=causal, scale=scale,
+                     window=window)
         return out, lse
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal: bool,
                         scale: float, window: Window | None = None):
         """(dq, dk, dv) of packed sequences; this default runs them one by one."""
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for (qa, qb), (ka, kb) in _sequences(seqlens):
-            if qb == qa or kb == ka:
-                continue
-            qs, ks = (qa, qb), (ka, kb)
-            block = self.backward(
-                *(_as_dense(t, *r) for t, r in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
-                lse[:, qa:qb].unsqueeze(0).contiguous(), causal=causal, scale=scale, window=window,
-            )
-            for grad, g, r in zip(grads, block, (qs, ks, ks)):
-                _as_dense(grad, *r).copy_(g)
-        return tuple(grads)
+        grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        backward_each(self, dout, q, k, v, out, lse, _sequences(seqlens), grads, causal=causal,
+                      scale=scale, window=window)
+        return grads
 
     def __repr__(self) -> str:
         return f"<kernel {self.name}>"
@@ -191,6 +223,33 @@ class Kernel(abc.ABC):
 def _sequences(seqlens: Seqlens):
     """((query start, stop), (key start, stop)) of every packed sequence."""
     return zip(zip(seqlens.cu_q, seqlens.cu_q[1:]), zip(seqlens.cu_k, seqlens.cu_k[1:]))
+
+
+def forward_each(kernel: Kernel, q, k, v, spans, out, lse, *, causal, scale, window=None) -> None:
+    """``kernel.forward`` on each ((query start, stop), (key start, stop)) of ``spans`` that has
+    queries and keys, written into those rows of packed ``out`` and ``lse`` [H, T_q]."""
+    for (qa, qb), (ka, kb) in spans:
+        if qb == qa or kb == ka:
+            continue
+        o, l = kernel.forward(_as_dense(q, qa, qb), _as_dense(k, ka, kb), _as_dense(v, ka, kb),
+                              causal=causal, scale=scale, window=window)
+        _as_dense(out, qa, qb).copy_(o)
+        lse[:, qa:qb] = l[0]
+
+
+def backward_each(kernel: Kernel, dout, q, k, v, out, lse, spans, grads, *, causal, scale,
+                  window=None) -> None:
+    """``kernel.backward`` on each span of ``spans`` (as ``forward_each``), written into those
+    rows of the packed ``grads`` (dq, dk, dv)."""
+    for (qa, qb), (ka, kb) in spans:
+        if qb == qa or kb == ka:
+            continue
+        qs, ks = (qa, qb), (ka, kb)
+        kernel.backward_into(
+            tuple(_as_dense(grad, *r) for grad, r in zip(grads, (qs, ks, ks))),
+            *(_as_dense(t, *r) for t, r in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
+            lse[:, qa:qb].unsqueeze(0).contiguous(), causal=causal, scale=scale, window=window,
+        )
 
 
 def _as_dense(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -216,11 +275,6 @@ def reduce_kv_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return like_layout(reduced, grad)
 
 
-def layout_of(t: torch.Tensor) -> Layout:
-    """BSHE when heads are inner to tokens in memory, else BHSE."""
-    return Layout.BSHE if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else Layout.BHSE
-
-
 def like_layout(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     """``t`` with the memory order (BHSE or BSHE) of ``model``."""
     return layout_of(model).to(t)
@@ -233,6 +287,12 @@ def register(kernel: Kernel) -> Kernel:
     """Make ``kernel`` available by its name to ``get`` and ``attention(kernel=...)``."""
     _REGISTRY[kernel.name] = kernel
     return kernel
+
+
+def _window_kernels() -> str:
+    """The registered kernels with sliding windows, as a phrase: 'fa4', 'flash' or 'reference'."""
+    quoted = [repr(name) for name, k in sorted(_REGISTRY.items()) if k.supports_window]
+    return " or ".join(filter(None, [", ".join(quoted[:-1]), quoted[-1]]))
 
 
 def names() -> list[str]:

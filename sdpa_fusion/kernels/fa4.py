@@ -15,9 +15,9 @@ How the contract maps onto FA4:
 - Masks: FA4 aligns causal and window masks bottom-right: query i sees key j when
   ``i + d - left <= j <= i + d + right`` with ``d = s_k - s_q``. Our top-left band
   (left, right) is that window shifted by d (``fa4_window``), so causal with s_q != s_k and
-  every sliding window run natively. Packed sequences need one shift per sequence: under a
-  mask, packed calls whose sequences have different query and key lengths run sequence by
-  sequence (the base class's varlen path); all others run in one varlen call.
+  every sliding window run natively. Packed sequences need one shift for the call: under a
+  mask, packed calls whose sequences differ in keys minus queries run sequence by sequence
+  (the base class's varlen path); all others run in one varlen call.
 - Rows that see no key: FA4 writes out 0 and lse -inf, as the contract asks, and its
   backward reads lse -inf as a row without probability mass.
 - Limits: float16/bfloat16, no dropout; forward and backward on sm90 (head dim up to 256)
@@ -100,9 +100,19 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _native_varlen(seqlens: Seqlens, causal: bool, window: Window | None) -> bool:
-    """Whether one FA4 varlen call gives our top-left mask for every packed sequence."""
-    return band(causal, window) == (None, None) or seqlens.lengths_q == seqlens.lengths_k
+def varlen_shift(seqlens: Seqlens, causal: bool, window: Window | None) -> int | None:
+    """The keys minus queries that one FA4 varlen call aligns every packed sequence's mask by
+    (0 without a mask), or None when no one call gives our top-left mask: masked sequences
+    differ in it, or FA4's window would need a negative side. Sequences without queries or
+    keys take any shift."""
+    if band(causal, window) == (None, None):
+        return 0
+    shifts = {k - q for q, k in zip(seqlens.lengths_q, seqlens.lengths_k) if q and k}
+    shift = shifts.pop() if len(shifts) == 1 else (None if shifts else 0)
+    if shift is None or any(side is not None and side < 0
+                            for side in fa4_window(causal, window, 0, shift)):
+        return None
+    return shift
 
 
 def _clear_rows_without_keys(out, lse, seqlens: Seqlens) -> None:
@@ -145,7 +155,8 @@ class FlashAttention4Kernel(Kernel):
         return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale,
                                   window=window)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, window=None):
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
+                      window=None):
         left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
         dq, dk, dv = grads
         with torch.cuda.device(q.device):
@@ -157,10 +168,11 @@ class FlashAttention4Kernel(Kernel):
         return grads
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window=None):
-        if not _native_varlen(seqlens, causal, window):
+        shift = varlen_shift(seqlens, causal, window)
+        if shift is None:
             return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
                                           window=window)
-        left, right = band(causal, window)
+        left, right = fa4_window(causal, window, 0, shift)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         with torch.cuda.device(q.device):
             _, lse, *_ = interface()._flash_attn_fwd(
@@ -172,10 +184,11 @@ class FlashAttention4Kernel(Kernel):
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
                         window=None):
-        if not _native_varlen(seqlens, causal, window):
+        shift = varlen_shift(seqlens, causal, window)
+        if shift is None:
             return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
                                            scale=scale, window=window)
-        left, right = band(causal, window)
+        left, right = fa4_window(causal, window, 0, shift)
         with torch.cuda.device(q.device):
             return interface()._flash_attn_bwd(
                 q, k, v, out, dout, lse, **self._packed(seqlens, q.device), softmax_scale=scale,

@@ -3,8 +3,9 @@
 Every call takes the shared fusion for its problem (``Definition.cached``); batch and sequence
 lengths are symbolic there, so one compiled fusion serves all lengths. ``split_heads`` gives a
 kernel whose fusions carry nvFuser's DID head split; it is called with this rank's head shards,
-as nvFuser's multidevice SDPA tests do. With dropout, the forward stores the philox seed and
-offset in the ``Dropout`` it is given and the backward replays them.
+as nvFuser's multidevice SDPA tests do. With dropout, the forward runs under the CUDA generator
+at the ``Dropout``'s stream, stores the philox seed and offset it returns in ``dropout.state``
+and the backward replays them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import functools
 import torch
 
 from ..spec import AttentionSpec
-from .base import Dropout, Kernel, expand_kv_heads, layout_of, reduce_kv_heads, register
+from .base import (Dropout, Kernel, expand_kv_heads, layout_of, on_cuda, reduce_kv_heads,
+                   register)
 
 INSTALL_HINT = "pip install nvfuser-cu128-torch210 (or nvfuser-cu130-torch210)"
 
@@ -68,11 +70,12 @@ class NvFuserKernel(Kernel):
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
         k, v, _ = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
-        outs = self._fusion("SdpaForward", spec).execute(
-            self._dense(spec, q, k, v), **self._scalars(spec)
-        )
+        with on_cuda(dropout, q.device):
+            outs = self._fusion("SdpaForward", spec).execute(
+                self._dense(spec, q, k, v), **self._scalars(spec)
+            )
         if spec.dropout_p > 0:
-            dropout.seed, dropout.offset = outs[2], outs[3]
+            dropout.state = (outs[2], outs[3])
         return outs[0], outs[1]
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
@@ -88,11 +91,12 @@ class NvFuserKernel(Kernel):
         """(out, lse, dq, dk, dv) from one fusion of forward and backward."""
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
-        outs = self._fusion("SdpaForwardBackward", spec).execute(
-            self._dense(spec, q, k, v, dout), **self._scalars(spec)
-        )
+        with on_cuda(dropout, q.device):
+            outs = self._fusion("SdpaForwardBackward", spec).execute(
+                self._dense(spec, q, k, v, dout), **self._scalars(spec)
+            )
         if spec.dropout_p > 0:
-            dropout.seed, dropout.offset = outs[5], outs[6]
+            dropout.state = (outs[5], outs[6])
         out, lse, dq, dk, dv = outs[:5]
         return out, lse, dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
@@ -128,12 +132,13 @@ def _rng_state(spec: AttentionSpec, dropout: Dropout | None, device) -> list:
     """The philox seed and offset a dropout backward replays (zeros, unused, without dropout)."""
     if spec.dropout_p == 0:
         return list(_zero_rng_state(torch.device(device)))
-    if dropout.seed is None or dropout.offset is None:
+    if len(dropout.state) != 2:
         raise ValueError(
             f"dropout (p={dropout.p}) has no philox seed/offset; pass the Dropout object that "
             f"the forward filled in, so the backward replays its mask"
         )
-    return [dropout.seed, dropout.offset]
+    return list(dropout.state)
+
 
 
 @functools.cache

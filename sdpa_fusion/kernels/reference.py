@@ -1,19 +1,26 @@
 """The reference kernel: attention written out in fp32 on any device, forward and backward.
 
-It is the oracle of the test suite and the kernel of CPU ranks. The backward is the explicit
-softmax-attention gradient (no autograd), given the global out and lse of each query row:
+It is the oracle of the test suite and the kernel of CPU ranks. Masks (causal, sliding window)
+are the top-left band of ``sdpa_fusion.mask``. Packed sequences run one by one (the base
+class's ``varlen_forward``/``varlen_backward``). The backward is the explicit softmax-attention
+gradient (no autograd), given the global out and lse of each query row:
 
     P  = exp(scale * Q K^T - lse)          (masked entries 0)
     dV = P^T dO
     dS = P * (dO V^T - rowsum(dO * O))
     dQ = scale * dS K,   dK = scale * dS^T Q
+
+With dropout the kept probabilities D = P * M / (1 - p) replace P in the products with V
+(out = D V, dV = D^T dO, dS = P * (M / (1 - p) * dO V^T - rowsum(dO * O))); the keep mask M is
+drawn from a ``torch.Generator`` seeded with the call's ``Dropout.seed``, in forward and again
+in backward. lse is that of P (dropout is applied after the softmax).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layout import Layout
+from ..mask import band, visible
 from .base import Dropout, Kernel, layout_of, like_layout, register
 
 
@@ -22,27 +29,33 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
 
 
-def _probabilities(q, k, lse, *, causal, scale):
+def _probabilities(q, k, lse, *, causal, scale, window):
     """P [B, H_kv, G, S_q, S_kv] in fp32 from the given lse; masked entries are 0."""
     kv_heads = k.shape[1]
     scores = torch.einsum("bhgqe,bhke->bhgqk", _grouped(q, kv_heads), k.float()) * scale
-    if causal:
-        scores = scores.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    mask = band(causal, window)
+    if mask != (None, None):
+        seen = visible(q.shape[2], k.shape[2], mask, q.device)
+        scores = scores.masked_fill(~seen, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
+        # a row with a +inf score has no softmax (inf / inf): NaN for the whole row, as torch's
+        lse = torch.where(torch.isposinf(lse), torch.nan, lse)
     else:
         lse = lse.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
-    finite = torch.isfinite(lse)
-    p = torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1))
-    p = torch.where(finite.unsqueeze(-1), p, 0.0)
+    empty = torch.isneginf(lse)  # rows that see no key; NaN and +inf rows stay NaN
+    p = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    p = torch.where(empty.unsqueeze(-1), 0.0, p)
     return p, lse
 
 
-def _causal_mask(s_q: int, s_kv: int, device) -> torch.Tensor:
-    """True where key j is hidden from query i (j > i, aligned top-left)."""
-    i = torch.arange(s_q, device=device).unsqueeze(1)
-    j = torch.arange(s_kv, device=device).unsqueeze(0)
-    return j > i
+def _kept(p: torch.Tensor, dropout: Dropout | None) -> torch.Tensor:
+    """M / (1 - p) of the call's dropout stream, shaped like the probabilities ``p`` (1 without
+    dropout)."""
+    if dropout is None or dropout.p == 0:
+        return torch.ones((), device=p.device)
+    draw = torch.rand(p.shape, generator=dropout.generator(p.device), device=p.device)
+    return (draw >= dropout.p).float() / (1.0 - dropout.p)
 
 
 def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
@@ -53,20 +66,23 @@ def _out(t: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
 class ReferenceKernel(Kernel):
     name = "reference"
     gpu_only = False
+    supports_window = True
+    supports_dropout = True
 
     def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
-        p, lse = _probabilities(q, k, None, causal=causal, scale=scale)
-        out = torch.einsum("bhgqk,bhke->bhgqe", p, v.float())
+        p, lse = _probabilities(q, k, None, causal=causal, scale=scale, window=window)
+        out = torch.einsum("bhgqk,bhke->bhgqe", p * _kept(p, dropout), v.float())
         return _out(out, q), lse.flatten(1, 2).contiguous()
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
                  window=None):
         kv_heads = k.shape[1]
-        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale)
+        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale, window=window)
         do = _grouped(dout, kv_heads)
         delta = (do * _grouped(out, kv_heads)).sum(-1, keepdim=True)
-        dv = torch.einsum("bhgqk,bhgqe->bhke", p, do)
-        dp = torch.einsum("bhgqe,bhke->bhgqk", do, v.float())
+        kept = _kept(p, dropout)
+        dv = torch.einsum("bhgqk,bhgqe->bhke", p * kept, do)
+        dp = torch.einsum("bhgqe,bhke->bhgqk", do, v.float()) * kept
         ds = p * (dp - delta)
         dq = torch.einsum("bhgqk,bhke->bhgqe", ds, k.float()) * scale
         dk = torch.einsum("bhgqk,bhgqe->bhke", ds, _grouped(q, kv_heads)) * scale

@@ -37,12 +37,13 @@ class Problem:
     layout: Layout
     causal: bool
     scale: float | None
+    window: tuple | None = None
 
 
 def make_problem(b=2, h=4, h_kv=None, s=32, e=16, *, s_kv=None, layout="bhse", causal=False,
-                 scale=None, dtype=torch.float32, device="cpu", seed=0) -> Problem:
+                 scale=None, dtype=torch.float32, device="cpu", seed=0, window=None) -> Problem:
     """Random inputs (same on every rank) and the single-process fp32 reference results;
-    ``s_kv`` keys per sequence (``s`` by default)."""
+    ``s_kv`` keys per sequence (``s`` by default); ``window`` a sliding window (left, right)."""
     layout = Layout.of(layout)
     h_kv = h_kv or h
     g = torch.Generator().manual_seed(seed)
@@ -53,11 +54,13 @@ def make_problem(b=2, h=4, h_kv=None, s=32, e=16, *, s_kv=None, layout="bhse", c
 
     q, dout = rand(h, s), rand(h, s)
     k, v = rand(h_kv, s_kv or s), rand(h_kv, s_kv or s)
-    spec = AttentionSpec.from_tensors(q, k, v, layout=layout, causal=causal, scale=scale)
+    spec = AttentionSpec.from_tensors(q, k, v, layout=layout, causal=causal, scale=scale,
+                                      window=window)
     ref = ReferenceKernel()
-    out, lse = ref.forward(q, k, v, causal=causal, scale=spec.softmax_scale)
-    dq, dk, dv = ref.backward(dout, q, k, v, out, lse, causal=causal, scale=spec.softmax_scale)
-    return Problem(q, k, v, dout, out, dq, dk, dv, layout, causal, scale)
+    masks = dict(causal=causal, scale=spec.softmax_scale, window=spec.window)
+    out, lse = ref.forward(q, k, v, **masks)
+    dq, dk, dv = ref.backward(dout, q, k, v, out, lse, **masks)
+    return Problem(q, k, v, dout, out, dq, dk, dv, layout, causal, scale, window)
 
 
 def tolerance(dtype):
@@ -100,7 +103,7 @@ def run_schedule(schedule, problem: Problem, *, kernel="reference", shard_kwargs
     q, k, v = (schedule.shard(t, layout=layout).requires_grad_() for t in (problem.q, problem.k, problem.v))
     dout = schedule.shard(problem.dout, layout=layout)
     out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale, layout=layout,
-                                kernel=kernel, schedule=schedule)
+                                kernel=kernel, schedule=schedule, window=problem.window)
     out.backward(dout)
     for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert has_layout(t, layout), f"local {name} lost the layout {layout.value}"

@@ -13,6 +13,7 @@ import torch
 
 import sdpa_fusion
 from sdpa_fusion.kernels.reference import ReferenceKernel
+from sdpa_fusion.mask import Window
 
 
 @dataclasses.dataclass
@@ -27,6 +28,7 @@ class PackedProblem:
     cu_seqlens_padded: torch.Tensor | None
     causal: bool
     scale: float | None
+    window: tuple | None = None
     out: torch.Tensor = None
     dq: torch.Tensor = None
     dk: torch.Tensor = None
@@ -39,9 +41,10 @@ def _cumulative(lengths) -> torch.Tensor:
 
 
 def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale=None,
-                dtype=torch.float32, device="cpu", seed=0) -> PackedProblem:
+                dtype=torch.float32, device="cpu", seed=0, window=None) -> PackedProblem:
     """Sequences of ``lengths`` tokens; ``slack[i]`` extra padding slots after sequence i
-    (given as ``cu_seqlens_padded``) when ``slack`` is not None."""
+    (given as ``cu_seqlens_padded``) when ``slack`` is not None; ``window`` a sliding window
+    (left, right) of every sequence."""
     g = torch.Generator().manual_seed(seed)
     cu = _cumulative(lengths)
     padded = None if slack is None else _cumulative([n + x for n, x in zip(lengths, slack)])
@@ -51,7 +54,8 @@ def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale
         return torch.randn(total, heads, e, generator=g).to(dtype=dtype, device=device)
 
     problem = PackedProblem(rand(h), rand(h_kv or h), rand(h_kv or h), rand(h), cu.to(device),
-                            None if padded is None else padded.to(device), causal, scale)
+                            None if padded is None else padded.to(device), causal, scale,
+                            window)
     _reference(problem)
     return problem
 
@@ -68,14 +72,15 @@ def _reference(p: PackedProblem) -> None:
     """Out and gradients of the reference kernel, sequence by sequence (zero in padding)."""
     ref = ReferenceKernel()
     scale = p.scale if p.scale is not None else p.q.shape[-1] ** -0.5
+    masks = dict(causal=p.causal, scale=scale, window=Window.of(p.window))
     p.out, p.dq, p.dk, p.dv = (torch.zeros_like(t) for t in (p.q, p.q, p.k, p.v))
     for start, n in sequences(p):
         if n == 0:
             continue
         view = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (p.q, p.k, p.v, p.dout)]
         q, k, v, dout = view
-        out, lse = ref.forward(q, k, v, causal=p.causal, scale=scale)
-        grads = ref.backward(dout, q, k, v, out, lse, causal=p.causal, scale=scale)
+        out, lse = ref.forward(q, k, v, **masks)
+        grads = ref.backward(dout, q, k, v, out, lse, **masks)
         for full, got in zip((p.out, p.dq, p.dk, p.dv), (out, *grads)):
             full[start:start + n] = got[0].transpose(0, 1)
 
@@ -93,7 +98,7 @@ def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=Fa
     if local and packing is not None:
         args = dict(cu_seqlens=packing)
     out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale, layout="thd",
-                                kernel=kernel, schedule=schedule, **args)
+                                kernel=kernel, schedule=schedule, window=problem.window, **args)
     out.backward(dout)
     results = (out, q.grad, k.grad, v.grad)
     if packing is not None:

@@ -62,13 +62,16 @@ def test_ring_head_groups_give_the_numbers_of_one_group(mesh):
 
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
 def test_ring_sums_in_input_dtype_when_they_round_nothing(mesh, layout):
-    """grad_dtype='auto' (bf16 sums at P = 2, fp32 above) gives the numbers of fp32 sums."""
+    """grad_dtype='auto' (bf16 sums at P = 2 without a window, fp32 otherwise: a windowed
+    step may add several calls into one block's sums) gives the numbers of fp32 sums."""
     p = mesh.size()
     problem = make_problem(b=1, h=4, h_kv=2, s=8 * p, e=16, layout=layout, causal=True,
                            dtype=torch.bfloat16)
     auto = schedules.get("ring", mesh, grad_dtype="auto")
     wide = schedules.get("ring", mesh, grad_dtype="fp32")
-    assert auto.sums_dtype(torch.bfloat16) == (torch.bfloat16 if p == 2 else torch.float32)
+    spec = sdpa_fusion.AttentionSpec(1, 4, 2, 8 * p, 8 * p, 16, torch.bfloat16, causal=True)
+    assert auto.sums_dtype(spec) == (torch.bfloat16 if p == 2 else torch.float32)
+    assert auto.sums_dtype(spec.replace(window=(3, 0))) == torch.float32
     for a, b in zip(run_schedule(auto, problem), run_schedule(wide, problem)):
         assert torch.equal(a, b)
 
@@ -102,6 +105,49 @@ def test_ring_traffic_with_groups_and_bf16_sums(mesh):
     assert stats.bytes_sent == promised.bytes_sent + promised.backward_bytes_sent
     assert promised.backward_bytes_sent == (p - 1) * 2 * kv_bytes  # K/V and bf16 sums
     assert stats.transfers == 2 * 2 * (p - 1) + 2 * (p - 1)  # per group: K/V twice, sums
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "thd"])
+def test_head_groups_under_a_window_match_reference(mesh, name, packed):
+    """Every group takes the window's calls (the ring: only the steps some rank needs,
+    several hops at once; allgather: the calls of every rank's block in rank order)."""
+    p, groups = mesh.size(), 2
+    h = heads_for(name, p, groups)
+    sched = schedules.get(name, mesh, head_groups=groups)
+    if packed:
+        problem = make_packed([6 * p + 1, 0, 1, 4 * p], h=h, causal=True, scale=0.4,
+                              window=(3, 1))
+        assert_packed_matches(problem, run_packed(sched, problem))
+        return
+    problem = make_problem(b=2, h=h, h_kv=h if name == "ulysses" else h // 2, s=16 * p, e=8,
+                           layout="bshe", causal=True, scale=0.5, window=(3, 0))
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+def test_windowed_ring_traffic_with_groups(mesh):
+    """Under a causal window of 3 over chunks of 8 every group shifts K/V (and sums) to the
+    steps some rank needs only (load_balanced: 1 and P - 1): twice the transfers of one
+    group, each half the bytes, as describe() says."""
+    p = mesh.size()
+    problem = make_problem(b=1, h=4, s=16 * p, e=8, causal=True, window=(3, 0))
+    seen = {}
+    for groups in (1, 2):
+        sched = schedules.get("ring", mesh, head_groups=groups)
+        q, k, v = (sched.shard(t).requires_grad_() for t in (problem.q, problem.k, problem.v))
+        promised = sched.describe(sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
+            q, k, v, causal=True, window=(3, 0))))
+        sched.comm.stats.reset()
+        out = sdpa_fusion.attention(q, k, v, causal=True, window=(3, 0), kernel="reference",
+                                    schedule=sched)
+        out.backward(sched.shard(problem.dout))
+        stats = sched.comm.stats
+        assert stats.bytes_sent == promised.bytes_sent + promised.backward_bytes_sent
+        seen[groups] = stats.transfers, stats.bytes_sent, promised.steps
+        assert_matches(problem, [sched.unshard(t) for t in (out, q.grad, k.grad, v.grad)])
+    (transfers, sent, steps), grouped = seen[1], seen[2]
+    assert grouped == (2 * transfers, sent, 2 * steps)
+    assert steps == min(p, 3) and transfers == 3 * (steps - 1)  # K/V twice, sums once
 
 
 @pytest.mark.parametrize("options, match", [

@@ -52,12 +52,66 @@ def test_heads_not_divisible_raise_before_any_collective(mesh):
         sched.shard(t)
 
 
-@pytest.mark.usefixtures("several_ranks")
-def test_kv_heads_not_divisible(mesh):
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_fewer_kv_heads_than_ranks_are_copied(mesh, kv_heads):
+    """Each rank gets a copy of the K/V head its query heads use; the copies' gradients are
+    the ranks' shares, and their sum is the reference dK/dV."""
+    p = mesh.size()
+    if p % kv_heads:
+        pytest.skip(f"{kv_heads} K/V heads do not divide {p} ranks")
+    problem = make_problem(b=1, h=2 * p, h_kv=kv_heads, s=12, causal=True, scale=0.3)
     sched = schedules.get("head_parallel", mesh)
-    k = torch.randn(1, 1, 8, 16)
-    with pytest.raises(ValueError, match="heads 1 must be divisible"):
+    q, k, v = (sched.shard(t).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    assert k.shape[1] == max(kv_heads // p, 1)
+    out = sdpa_fusion.attention(q, k, v, causal=True, scale=0.3, schedule=sched, kernel="reference")
+    out.backward(sched.shard(problem.dout))
+    torch.testing.assert_close(sched.unshard(out), problem.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sched.unshard(k, heads=kv_heads, copies="first"), problem.k)
+    for got, want in ((k.grad, problem.dk), (v.grad, problem.dv)):
+        torch.testing.assert_close(sched.unshard(got, heads=kv_heads, copies="sum"), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_kv_heads_neither_multiple_nor_divisor_of_ranks(mesh):
+    p = mesh.size()
+    sched = schedules.get("head_parallel", mesh)
+    k = torch.randn(1, p + 1, 8, 16)
+    with pytest.raises(ValueError, match=rf"heads {p + 1} must be divisible by the {p} ranks of "
+                                         rf"schedule 'head_parallel' .*\(or divide {p}"):
         sched.shard(k)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_replicated_inputs_get_the_whole_gradient(mesh, kv_heads):
+    """Inside a replicated model: q, k, v computed alike on every rank (here from replicated
+    weights), their heads split with replicated=True and the output's heads gathered; the
+    weights' gradients equal the one-process ones on every rank."""
+    p = mesh.size()
+    if p % kv_heads and kv_heads % p:
+        pytest.skip(f"{kv_heads} K/V heads do not divide {p} ranks")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 10, 16, generator=g)
+    weights = [torch.randn(16, h * 8, generator=g) / 4 for h in (2 * p, kv_heads, kv_heads)]
+    dout = torch.randn(2, 2 * p, 10, 8, generator=g)
+
+    def step(split):
+        w = [t.clone().requires_grad_() for t in weights]
+        q, k, v = ((x @ wi).unflatten(-1, (-1, 8)).transpose(1, 2) for wi in w)  # BSHE views
+        if split is None:
+            out = sdpa_fusion.attention(q, k, v, causal=True, kernel="reference")
+        else:
+            local = [split.shard(t, replicated=True) for t in (q, k, v)]
+            out = split.unshard(sdpa_fusion.attention(*local, causal=True, kernel="reference",
+                                                      schedule=split))
+        (out * dout).sum().backward()
+        return out, [wi.grad for wi in w]
+
+    out, grads = step(schedules.get("head_parallel", mesh))
+    want_out, want_grads = step(None)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"w_{name}: {m}")
 
 
 @pytest.mark.usefixtures("several_ranks")
@@ -66,7 +120,7 @@ def test_mismatched_local_shapes_raise_on_every_rank(mesh):
     sched = schedules.get("head_parallel", mesh)
     s = 16 if mesh.rank == 0 else 8
     q = k = v = torch.randn(1, 2, s, 16)
-    with pytest.raises(ValueError, match="same local problem on every rank"):
+    with pytest.raises(ValueError, match=r"needs the same call on every rank .* differ in q_len"):
         sdpa_fusion.attention(q, k, v, schedule=sched, kernel="reference")
 
 
@@ -78,15 +132,8 @@ def test_bad_input_on_one_rank_raises_on_every_rank(mesh):
     if mesh.rank == 0:
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match=r"rank 0: q .* does not have the layout 'bhse'"):
-        sdpa_fusion.attention(q, q.contiguous(), q.contiguous(), schedule=sched, kernel="reference")
-
-
-@pytest.mark.usefixtures("several_ranks")
-def test_dropout_under_multidevice_schedule_is_refused(mesh):
-    sched = schedules.get("head_parallel", mesh)
-    q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported under the multidevice"):
-        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference", dropout_p=0.1)
+        sdpa_fusion.attention(q, q.contiguous(), q.contiguous(), schedule=sched, kernel="reference",
+                              layout="bhse")
 
 
 def test_dtensor_in_dtensor_out(mesh):

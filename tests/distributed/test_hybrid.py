@@ -16,6 +16,7 @@ import torch
 
 import schedules
 import sdpa_fusion
+from schedules.hybrid import Hybrid
 from sdpa_fusion.kernels.reference import ReferenceKernel
 from sdpa_fusion.layout import has_layout
 from sdpa_fusion.mesh import launch_env
@@ -243,7 +244,7 @@ def test_bad_dim_on_one_rank_then_a_correct_call(meshes, mesh):
     m = meshes(shape)
     problem = problem_for(shape, layout="bshe", causal=True)
     good = schedules.get("hybrid", m)
-    bad = schedules.get("hybrid", m, inner_dim="nope") if mesh.rank == 0 else good
+    bad = Hybrid(m, inner_dim="nope") if mesh.rank == 0 else good  # built alone: no agreement
     q, k, v = (good.shard(t, layout="bshe") for t in (problem.q, problem.k, problem.v))
     with pytest.raises(ValueError, match=r"rank 0: inner_dim='nope' is not a dim of the mesh"):
         sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference", schedule=bad)
@@ -296,7 +297,7 @@ def test_sequence_not_divisible(meshes):
             ulysses.shard(torch.randn(1, 2 * pi, s, 8))
 
 
-def test_thd_dropout_and_dtensors_are_refused(meshes):
+def test_thd_and_dtensors_are_refused(meshes):
     m = meshes(SHAPES[0])
     sched = schedules.get("hybrid", m)
     packed = torch.randn(16, 4, 8)
@@ -305,8 +306,6 @@ def test_thd_dropout_and_dtensors_are_refused(meshes):
         sdpa_fusion.attention(packed, packed, packed, layout="thd", cu_seqlens=cu, schedule=sched,
                               kernel="reference")
     q = torch.randn(1, 4, 8, 8)
-    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported under schedule 'hybrid'"):
-        sdpa_fusion.attention(q, q, q, dropout_p=0.1, schedule=sched, kernel="reference")
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     d = distribute_tensor(q, m.torch_mesh, [Replicate(), Replicate()])
@@ -403,3 +402,14 @@ def test_describe_matches_the_communicators(meshes, shape, inner, outer):
     for c, cost in zip(comms, d.dims):
         assert (c.stats.bytes_sent, c.stats.bytes_received) == (
             cost.description.backward_bytes_sent, cost.description.backward_bytes_received), cost.dim
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+def test_sliding_window(meshes, shape, inner, outer):
+    """The outer schedule masks the window over its partition of the sequence."""
+    causal, window = (True, (3, 0)) if outer == "ring" else (False, (2, 5))
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    problem = problem_for(shape, causal=causal, window=window)
+    assert_matches(problem, run_schedule(sched, problem))

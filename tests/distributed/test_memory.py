@@ -78,6 +78,7 @@ class LikeGpuKernels(Kernel):
 
     name = "like_gpu_kernels"
     gpu_only = False
+    supports_window = True
 
     def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
         return _empty_like(q).zero_(), torch.zeros(q.shape[:3])
@@ -86,7 +87,8 @@ class LikeGpuKernels(Kernel):
         grads = tuple(_empty_like(t) for t in (q, k, v))
         return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, window=None):
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
+                      window=None):
         workspace = _workspace(q, k, v)
         for g in grads:
             g.zero_()
@@ -167,6 +169,39 @@ def test_dense(mesh, name, groups, causal):
                      causal=causal)
 
 
+WINDOW_CASES = [("ring", 1), ("ring", 2), ("allgather", 1), ("allgather", 2)]
+
+
+@pytest.mark.parametrize("name, groups", WINDOW_CASES,
+                         ids=[f"{n}-g{g}" for n, g in WINDOW_CASES])
+def test_window(mesh, name, groups):
+    """A causal window: blocks split into several calls (the ring's steps only those some rank
+    needs, shifts of several hops; allgather's calls of every rank's block in rank order)."""
+    p = mesh.size()
+    h, s, e = 2 * p * groups, 32, 64
+    sched = schedules.get(name, mesh, head_groups=groups)
+    q, k, v, dout = (torch.randn(1, h, s, e) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True,
+                                                                    window=(5, 0)))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, _merge_scratch(q),
+                     causal=True, window=(5, 0))
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_window_bf16_sums(mesh, name):
+    """Backward under a window in bf16: more than two calls, so dQ sums in fp32 (and the
+    ring's dK/dV sums travel in fp32 at any P)."""
+    sched = schedules.get(name, mesh, head_groups=2)
+    q, dout = (torch.randn(1, 8, 32, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 4, 32, 64, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True,
+                                                                    window=(9, 0)))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, phases=("backward",),
+                     causal=True, window=(9, 0))
+
+
 def test_ring_bf16_sums(mesh):
     """Backward with dK/dV sums in bf16 (auto at P = 2, fp32 above), GQA, BSHE. (The torch
     merge of bf16 outputs on CPU takes fp32 temporaries, so the forward is not checked.)"""
@@ -180,20 +215,26 @@ def test_ring_bf16_sums(mesh):
                      causal=True, layout="bshe")
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
-def test_packed(mesh, name):
+PACKED_CASES = [("ring", None), ("allgather", None), ("ulysses", None), ("ring", (3, 0)),
+                ("allgather", (3, 0))]
+
+
+@pytest.mark.parametrize("name, window", PACKED_CASES,
+                         ids=[f"{n}-{'window' if w else 'causal'}" for n, w in PACKED_CASES])
+def test_packed(mesh, name, window):
     p = mesh.size()
-    problem = make_packed([8 * p, 4 * p, 12 * p], h=2 * p, e=64, causal=True)
+    problem = make_packed([8 * p, 4 * p, 12 * p], h=2 * p, e=64, causal=True, window=window)
     sched = schedules.get(name, mesh, head_groups=2)
     local = sched.pack(problem.cu_seqlens)
     q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
                                                         problem.dout))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
-        q, k, v, causal=True, layout="thd", cu_seqlens=local.cu_seqlens).replace(packing=local))
+        q, k, v, causal=True, layout="thd", cu_seqlens=local.cu_seqlens,
+        window=window).replace(packing=local))
     assert_described(sched, q, k, v, dout, sched.describe(spec).memory,
                      _merge_scratch(q.transpose(0, 1).unsqueeze(0)), causal=True, layout="thd",
-                     cu_seqlens=local)
+                     cu_seqlens=local, window=window)
 
 
 def test_memory_shrinks_with_groups(mesh):

@@ -204,8 +204,7 @@ def identity_run(seed, layout=Layout.BHSE):
     q = randn((B, H, S, S), torch.bfloat16, layout, scale=0.0)
     k = randn((B, H, S, S), torch.bfloat16, layout)
     v = layout.to(torch.eye(S, device="cuda", dtype=torch.bfloat16).expand(B, H, S, S))
-    torch.manual_seed(seed)
-    out, _ = kernel.forward(q, k, v, causal=False, scale=1.0, dropout=Dropout(P))
+    out, _ = kernel.forward(q, k, v, causal=False, scale=1.0, dropout=Dropout(P, seed))
     return out.float() * S * (1 - P)
 
 
@@ -237,10 +236,9 @@ def test_dropout_backward_replays_the_forward_mask(layout):
     and the gradients are those of that expression."""
     mask = keep_mask(1234)
     q, k, v, dout = (randn((B, H, S, S), torch.bfloat16, layout) for _ in range(4))
-    dropout = Dropout(P)
-    torch.manual_seed(1234)
+    dropout = Dropout(P, 1234)
     out, lse = kernel.forward(q, k, v, causal=False, scale=S ** -0.5, dropout=dropout)
-    assert dropout.seed is not None and dropout.offset is not None
+    assert len(dropout.state) == 2  # philox seed and offset
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=False, scale=S ** -0.5, dropout=dropout)
 
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -258,14 +256,13 @@ def test_dropout_forward_backward_fusion_replays_its_mask():
     k = randn((B, H, S, S), torch.bfloat16, Layout.BHSE)
     v = torch.randn(B, H, S, S, device="cuda").bfloat16()
     dout = torch.randn(B, H, S, S, device="cuda").bfloat16()
-    torch.manual_seed(99)
-    dropout = Dropout(P)
+    dropout = Dropout(P, 99)
     out, _, _, _, dv = kernel.forward_backward(q, k, v, dout, causal=False, scale=1.0, dropout=dropout)
     attention = mask / (S * (1 - P))  # q = 0: uniform 1/S, dropped and rescaled
     torch.testing.assert_close(out.float(), attention @ v.float(), atol=1e-2, rtol=2e-2)
     want_dv = attention.transpose(-1, -2) @ dout.float()
     torch.testing.assert_close(dv.float(), want_dv, atol=1e-2, rtol=2e-2)
-    assert dropout.seed is not None
+    assert len(dropout.state) == 2
 
 
 def test_backward_without_the_forward_rng_state_raises():

@@ -23,3 +23,13 @@ def mesh():
     m = sdpa_fusion.init_mesh((-1,), ("seq",))
     yield m
     sdpa_fusion.close_mesh()
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure the moment it happens: a rank whose test failed before a collective
+    leaves the other ranks waiting, and the report at the end of the run may never come."""
+    if report.failed:
+        import sys
+
+        print(f"\nFAILED NOW {report.nodeid} ({report.when}):\n{report.longreprtext[-4000:]}",
+              file=sys.stderr, flush=True)

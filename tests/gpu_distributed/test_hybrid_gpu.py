@@ -31,9 +31,23 @@ def check(sched, layout, causal, kernel, *, h_kv=4, s=2048):
     kv = dict(heads=h_kv, copies="sum")
     got = [sched.unshard(out_l, layout=layout), sched.unshard(q_l.grad, layout=layout),
            sched.unshard(k_l.grad, layout=layout, **kv), sched.unshard(v_l.grad, layout=layout, **kv)]
-    for name, g, want in zip(("out", "dq", "dk", "dv"), got, expected):
+    bf16 = _torch_bf16(q, k, v, dout, causal)
+    for name, g, want, torch_bf16 in zip(("out", "dq", "dk", "dv"), got, expected, bf16):
+        error = (g.float() - want).abs().max().item()
+        yardstick = (torch_bf16.float() - want).abs().max().item()
+        if error <= 2 * yardstick:  # within 2x of torch's own bf16 error (sums over many heads)
+            continue
         torch.testing.assert_close(g.float(), want, rtol=2e-2, atol=2e-2,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m: f"{name}: {m}; torch's bf16 error {yardstick:.3g}")
+
+
+def _torch_bf16(q, k, v, dout, causal):
+    """(out, dq, dk, dv) of torch SDPA on the bf16 inputs (its own kernel choice)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                           enable_gqa=True)
+    out.backward(dout)
+    return out, q.grad, k.grad, v.grad
 
 
 @shapes

@@ -68,11 +68,12 @@ def test_packed_schedule_matches_torch_sdpa(request, mesh, schedule, kernel, cau
     q_l, k_l, v_l = (sched.shard(t, **kw).requires_grad_() for t in (q, k, v))
     out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, kernel=kernel, schedule=sched, **kw)
     out_l.backward(sched.shard(dout, **kw))
+    local = (out_l, q_l.grad, k_l.grad, v_l.grad)
+    got = [sched.unshard(t, **kw) for t in local]  # every rank's collectives before any assert
     if hasattr(sched, "pack"):
         padding = sched.pack(cu, cu_padded).token_index < 0
-        for name, t in zip(("out", "dq", "dk", "dv"), (out_l, q_l.grad, k_l.grad, v_l.grad)):
+        for name, t in zip(("out", "dq", "dk", "dv"), local):
             assert not t[padding].any(), f"{name} is not zero on padding tokens"
-    got = [sched.unshard(t, **kw) for t in (out_l, q_l.grad, k_l.grad, v_l.grad)]
     for name, g, want in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g.float(), want, rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"{name}: {m}")

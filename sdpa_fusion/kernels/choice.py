@@ -1,0 +1,71 @@
+"""How ``kernel="auto"`` runs packed sequences on a GPU: every way of every available kernel
+in ``PACKED_KERNELS`` (``packed``), estimated by the cost model (``cost``), the fastest taken.
+A kernel registered later under a name listed here (``fa4``) enters the choice by itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..spec import AttentionSpec
+from .base import Kernel, KernelUnavailable, get, names
+from .cost import sequence_work, speed
+from .packed import Padded, PerSequence, Split, Varlen, has_varlen
+
+PACKED_KERNELS = ("cudnn", "flash", "fa4")
+
+
+def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -> Split | None:
+    """The ``Split`` of packed ``spec`` with the fastest ``min_long`` by the cost model, or
+    None when no split leaves both sides non-empty."""
+    kernel, short = get(kernel), get(short)
+    work = sorted(sequence_work(spec))
+    lengths = sorted({n for n, _ in work})
+    if len(lengths) < 2:
+        return None
+    dense, varlen = speed(kernel, "dense"), speed(short, "varlen")
+    long_s = [max(dense.host_s, dense.seconds(f, n)) for n, f in work]
+    short_s = [varlen.seconds(f, n) for n, f in work]
+    suffix = [0.0] * (len(work) + 1)
+    for i in range(len(work) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + long_s[i]
+    best, prefix, i = None, 0.0, 0
+    for min_long in lengths[1:]:
+        while work[i][0] < min_long:
+            prefix += short_s[i]
+            i += 1
+        seconds = varlen.host_s + prefix + suffix[i]
+        if best is None or seconds < best[0]:
+            best = (seconds, min_long)
+    return Split(kernel, short, best[1])
+
+
+def choose(spec: AttentionSpec, device) -> tuple[Kernel, list[str]]:
+    """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, and notes:
+    why it won, then every other way's estimate (what ``explain`` shows)."""
+    device = torch.device(device)
+    notes, kernels = [], []
+    for name in PACKED_KERNELS:
+        if name in names():
+            reason = get(name).unavailable_reason(spec, device)
+            kernels += [get(name)] if reason is None else []
+            notes += [] if reason is None else [reason]
+    ways = [w for kernel in kernels for w in
+            ([Varlen(kernel)] if has_varlen(kernel) else []) + [PerSequence(kernel), Padded(kernel)]]
+    ways += [w for long in kernels for short in kernels if has_varlen(short)
+             for w in [best_split(spec, long, short)] if w is not None]
+    if not ways:
+        raise KernelUnavailable("kernel='auto' found no kernel for these packed sequences: "
+                                + "; ".join(notes))
+    timed = sorted(((way.estimate(spec), i, way) for i, way in enumerate(ways)))
+    best_time, _, best = timed[0]
+    notes.insert(0, f"auto chose {best.name} for these packed sequences: {_ms(best_time)} "
+                    f"forward+backward by the cost model (sdpa_fusion.kernels.cost), the least of")
+    notes += [f"{way.name}: estimated {_ms(t)}" for t, _, way in timed[1:]]
+    return best, notes
+
+
+def _ms(seconds: float) -> str:
+    return "unfit" if math.isinf(seconds) else f"{seconds * 1e3:.3g} ms"

@@ -1,0 +1,73 @@
+"""The cost model of packed sequences: how long a kernel takes on them, by a few numbers.
+
+A sequence of ``length`` tokens costs ``flops / rate`` seconds on the device, with
+``rate(length) = peak * length / (length + half)`` (short sequences fill the GPU less), and
+every kernel call ``host_s`` seconds on the host. ``SPEEDS`` holds (peak, half, host_s) per
+kernel and way ("dense": one call per problem, "varlen": one call for a pack), measured on an
+H200 (bf16, 32 heads, head dim 128, causal forward+backward through ATen; benchmarks/thd.py);
+a kernel without an entry gets ``DEFAULT_SPEED``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..mask import band, visible_pairs
+from ..spec import AttentionSpec
+from .base import Kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """How fast a kernel runs causal forward+backward: ``peak`` FLOP/s on long sequences,
+    half of it at ``half`` tokens, and ``host_s`` seconds of host time per call."""
+
+    peak: float
+    half: int
+    host_s: float
+
+    def seconds(self, flops: float, length: int) -> float:
+        return flops * (length + self.half) / (self.peak * length)
+
+
+SPEEDS = {
+    ("cudnn", "dense"): Speed(556e12, 636, 350e-6),
+    ("flash", "dense"): Speed(340e12, 530, 350e-6),
+    ("flash", "varlen"): Speed(340e12, 530, 150e-6),
+    # Estimates until measured: FlashAttention-4 ran 9-14% faster than cuDNN (dense, hd 128).
+    ("fa4", "dense"): Speed(610e12, 636, 500e-6),
+    ("fa4", "varlen"): Speed(600e12, 636, 300e-6),
+}
+DEFAULT_SPEED = Speed(300e12, 600, 300e-6)
+COPY_BYTES_PER_S = 2.5e12
+
+
+def speed(kernel: Kernel, way: str) -> Speed:
+    """The ``Speed`` of ``kernel`` run one ``way`` ("dense" or "varlen")."""
+    return SPEEDS.get((kernel.name, way), DEFAULT_SPEED)
+
+
+def sequence_work(spec: AttentionSpec) -> list[tuple[int, float]]:
+    """(length, forward+backward FLOPs) of every non-empty packed sequence of ``spec``."""
+    mask = band(spec.causal, spec.window)
+    per_pair = 4.0 * spec.heads * spec.head_dim * 3.5
+    work = []
+    for _, n in spec.sequences():
+        if n:
+            pairs = n * n * (0.5 if spec.causal else 1.0) if spec.window is None else \
+                visible_pairs(n, n, mask)
+            work.append((n, per_pair * pairs))
+    return work
+
+
+def per_sequence_seconds(kernel: Kernel, work) -> float:
+    """Seconds of one dense call per sequence of ``work`` ((length, flops) pairs): host and
+    device overlap, so each call costs the longer of the two."""
+    s = speed(kernel, "dense")
+    return sum(max(s.host_s, s.seconds(f, n)) for n, f in work)
+
+
+def varlen_seconds(kernel: Kernel, work) -> float:
+    """Seconds of one varlen call over the sequences of ``work``."""
+    s = speed(kernel, "varlen")
+    return s.host_s + sum(s.seconds(f, n) for n, f in work)

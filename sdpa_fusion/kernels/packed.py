@@ -1,0 +1,310 @@
+"""Ways to run packed (THD) sequences through a kernel (each a ``Kernel``; pass one as
+``attention(..., kernel=...)``, or let ``auto`` pick one: ``choice``):
+
+- ``Varlen(kernel)``: the kernel's own varlen call, one launch for all sequences (``flash``;
+  ``fa4`` when a kernel of that name is registered);
+- ``PerSequence(kernel)``: one dense call per sequence (the base class's loop): the fastest
+  dense kernel at full speed on long sequences, but every call costs host time;
+- ``Padded(kernel)``: one dense call on the sequences padded to the longest (free when they
+  have one length and fill the pack, a copy in and out otherwise). Padding keys sit after
+  each sequence, so this needs sequences of one shape (queries x keys, any mask), or as many
+  queries as keys and a mask that hides later keys (causal, or a window whose right side is
+  0). A call it cannot pad exactly (a schedule's block of other shapes) goes through the
+  kernel's own varlen call;
+- ``Split(kernel, short, min_long)``: sequences of ``min_long`` tokens or more one by one
+  through ``kernel``, the others in one varlen call of ``short``: long documents at the
+  dense kernel's full speed, short ones without a host call each.
+
+``estimate(spec)`` gives each way's forward+backward seconds by the cost model (``cost``):
+Varlen ``host_s`` plus every sequence's device time; PerSequence the longer of host and
+device time per sequence; Padded one call on N sequences of the longest length plus the
+copies; Split PerSequence of the long sequences plus Varlen of the short ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from ..mask import band
+from ..spec import AttentionSpec
+from .base import Kernel, Seqlens, backward_each, forward_each, get
+from .cost import COPY_BYTES_PER_S, per_sequence_seconds, sequence_work, speed, varlen_seconds
+
+
+def has_varlen(kernel: Kernel) -> bool:
+    """Whether ``kernel`` runs packed sequences in one call (overrides the base-class loop)."""
+    return type(kernel).varlen_forward is not Kernel.varlen_forward
+
+
+class Way(Kernel):
+    """A way of running packed sequences through ``kernel`` (dense calls go straight to it)."""
+
+    way = ""
+
+    def __init__(self, kernel: Kernel | str):
+        self.kernel = get(kernel)
+        self.name = f"{self.kernel.name} {self.way}"
+        self.gpu_only = self.kernel.gpu_only
+        self.supports_window = self.kernel.supports_window
+
+    def unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
+        return self.kernel.unavailable_reason(spec, device)
+
+    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
+        return self.kernel.forward(q, k, v, causal=causal, scale=scale, dropout=dropout,
+                                   window=window)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
+        return self.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                    dropout=dropout, window=window)
+
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
+                      window=None):
+        return self.kernel.backward_into(grads, dout, q, k, v, out, lse, causal=causal,
+                                         scale=scale, dropout=dropout, window=window)
+
+    def estimate(self, spec: AttentionSpec) -> float:
+        """Estimated seconds of a forward+backward of packed ``spec`` (the module's model)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.name}>"
+
+
+class Varlen(Way):
+    """The kernel's own varlen call."""
+
+    way = "varlen"
+
+    def estimate(self, spec):
+        return varlen_seconds(self.kernel, sequence_work(spec))
+
+    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+        return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                          window=window)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+        return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                           scale=scale, window=window)
+
+
+class PerSequence(Way):
+    """One dense call of the kernel per sequence (the base class's varlen loop)."""
+
+    way = "per-sequence"
+
+    def estimate(self, spec):
+        return per_sequence_seconds(self.kernel, sequence_work(spec))
+
+
+class Split(Way):
+    """Sequences of at least ``min_long`` tokens one by one through ``kernel`` (dense), the
+    others in one varlen call of ``short``."""
+
+    way = "per-sequence"
+
+    def __init__(self, kernel: Kernel | str, short: Kernel | str, min_long: int):
+        super().__init__(kernel)
+        self.short, self.min_long = get(short), min_long
+        self.name = f"{self.kernel.name} per-sequence from {min_long} tokens + {self.short.name} varlen"
+
+    def unavailable_reason(self, spec, device):
+        return super().unavailable_reason(spec, device) or self.short.unavailable_reason(spec, device)
+
+    def estimate(self, spec):
+        work = sequence_work(spec)
+        return (per_sequence_seconds(self.kernel, [w for w in work if w[0] >= self.min_long])
+                + varlen_seconds(self.short, [w for w in work if w[0] < self.min_long]))
+
+    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+        short, long = split_sequences(seqlens, self.min_long)
+        out, lse = self.short.varlen_forward(q, k, v, short, causal=causal, scale=scale,
+                                             window=window)
+        forward_each(self.kernel, q, k, v, long, out, lse, causal=causal, scale=scale,
+                     window=window)
+        return out, lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+        short, long = split_sequences(seqlens, self.min_long)
+        grads = self.short.varlen_backward(dout, q, k, v, out, lse, short, causal=causal,
+                                           scale=scale, window=window)
+        backward_each(self.kernel, dout, q, k, v, out, lse, long, grads, causal=causal,
+                      scale=scale, window=window)
+        return grads
+
+
+@functools.lru_cache(maxsize=64)
+def split_sequences(seqlens: Seqlens, min_long: int):
+    """(the ``Seqlens`` of the short sequences, with the tokens of the long ones as sequences
+    without keys or without queries, in pieces no longer than the longest short sequence so
+    that they do not widen the varlen launch; ((query start, stop), (key start, stop)) of the
+    long ones)."""
+    pairs = list(zip(seqlens.cu_q, seqlens.cu_k, seqlens.lengths_q, seqlens.lengths_k))
+    is_long = [bool(n_q and n_k and max(n_q, n_k) >= min_long) for *_, n_q, n_k in pairs]
+    piece = max([max(n_q, n_k) for (*_, n_q, n_k), lng in zip(pairs, is_long) if not lng] + [1])
+    cu_q, cu_k, long = [seqlens.cu_q[0]], [seqlens.cu_k[0]], []
+
+    def add(n_q, n_k):
+        cu_q.append(cu_q[-1] + n_q)
+        cu_k.append(cu_k[-1] + n_k)
+
+    for (qa, ka, n_q, n_k), lng in zip(pairs, is_long):
+        if not lng:
+            add(n_q, n_k)
+            continue
+        long.append(((qa, qa + n_q), (ka, ka + n_k)))
+        for n, side in ((n_q, 0), (n_k, 1)):
+            for start in range(0, n, piece):
+                size = min(piece, n - start)
+                add(*((size, 0) if side == 0 else (0, size)))
+    return Seqlens(tuple(cu_q), tuple(cu_k)), tuple(long)
+
+
+class Padded(Way):
+    """One dense call of the kernel on the sequences padded to the longest."""
+
+    way = "padded"
+
+    def unfit_reason(self, spec: AttentionSpec) -> str | None:
+        """Why padding cannot run packed ``spec`` exactly, or None."""
+        return _unfit([(n, n) for _, n in spec.sequences()], band(spec.causal, spec.window))
+
+    def unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
+        reason = super().unavailable_reason(spec, device)
+        return reason or (self.unfit_reason(spec) if spec.layout.is_varlen else None)
+
+    def estimate(self, spec):
+        if self.unfit_reason(spec) is not None:
+            return math.inf
+        work = sequence_work(spec)
+        if not work:
+            return 0.0
+        s = speed(self.kernel, "dense")
+        longest, flops = max(work)
+        padded_tokens = len(work) * longest
+        copies = 0.0
+        if padded_tokens != spec.q_len or spec.cu_seqlens_padded is not None:
+            token_bytes = spec.heads * spec.head_dim * spec.dtype.itemsize
+            copies = 12 * padded_tokens * token_bytes / COPY_BYTES_PER_S
+        return s.host_s + len(work) * s.seconds(flops, longest) + copies
+
+    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+        pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
+        if pad is None:
+            return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                              window=window)
+        if pad.count == 0:
+            return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                          window=window)
+        out_d, lse_d = self.kernel.forward(pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
+                                           causal=causal, scale=scale, window=window)
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+        pad.unpad_lse(lse_d, lse)
+        return pad.packed(out_d, q, "q"), lse
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+        pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
+        if pad is None:
+            return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                               scale=scale, window=window)
+        if pad.count == 0:
+            return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                           scale=scale, window=window)
+        grads = self.kernel.backward(
+            pad.dense(dout, "q"), pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
+            pad.dense(out, "q"), pad.pad_lse(lse), causal=causal, scale=scale, window=window,
+        )
+        return tuple(pad.packed(g, t, side) for g, t, side in zip(grads, (q, k, v), "qkk"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """Where the tokens of packed sequences sit in a dense [N, H, m, E] batch, m =
+    ``length[side]`` ("q" or "k"): ``tokens[side]`` are the packed rows of the real tokens,
+    ``slots[side]`` their rows in the flat [N*m] batch (both None when the pack is that batch
+    already: N sequences of m tokens)."""
+
+    count: int
+    length: dict
+    tokens: dict
+    slots: dict
+
+    def dense(self, t: torch.Tensor, side: str) -> torch.Tensor:
+        """Packed [T, H, E] -> dense BSHE [N, H, m, E], zeros in the padding."""
+        shape = (self.count, self.length[side], *t.shape[1:])
+        if self.slots[side] is None:
+            return t.reshape(shape).transpose(1, 2)
+        flat = t.new_zeros(self.count * self.length[side], *t.shape[1:])
+        flat[self.slots[side]] = t[self.tokens[side]]
+        return flat.view(shape).transpose(1, 2)
+
+    def packed(self, dense: torch.Tensor, model: torch.Tensor, side: str) -> torch.Tensor:
+        """Dense [N, H, m, E] -> packed like ``model``, zeros on tokens outside the sequences."""
+        flat = dense.transpose(1, 2).reshape(self.count * self.length[side], *model.shape[1:])
+        if self.slots[side] is None:
+            return flat
+        out = torch.zeros_like(model)
+        out[self.tokens[side]] = flat[self.slots[side]]
+        return out
+
+    def unpad_lse(self, lse_d: torch.Tensor, lse: torch.Tensor) -> None:
+        """Dense lse [N, H, m] into packed lse [H, T] (the real rows)."""
+        flat = lse_d.transpose(0, 1).reshape(lse.shape[0], -1)
+        if self.slots["q"] is None:
+            lse.copy_(flat)
+        else:
+            lse[:, self.tokens["q"]] = flat[:, self.slots["q"]]
+
+    def pad_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """Packed lse [H, T] -> dense [N, H, m]; 0 on padding rows (zero q, out and dout
+        there give them zero gradients)."""
+        if self.slots["q"] is None:
+            flat = lse
+        else:
+            flat = lse.new_zeros(lse.shape[0], self.count * self.length["q"])
+            flat[:, self.slots["q"]] = lse[:, self.tokens["q"]]
+        return flat.view(lse.shape[0], self.count, self.length["q"]).transpose(0, 1).contiguous()
+
+
+def _unfit(lengths: list[tuple[int, int]], mask) -> str | None:
+    """Why sequences of (queries, keys) ``lengths`` cannot be padded to one dense batch."""
+    real = [(n, m) for n, m in lengths if n and m]
+    if len(set(real)) <= 1:  # one shape: no padding at all
+        return None
+    if any(n != m for n, m in real):
+        return "padded: sequences of several shapes need as many queries as keys"
+    if mask[1] != 0 and len({n for n, _ in real}) > 1:
+        return ("padded: sequences of several lengths need a mask whose right side is 0 "
+                "(causal), else padding keys would be attended")
+    return None
+
+
+def _rows(spans) -> torch.Tensor:
+    """The rows [a, a + n) of every (a, n) of ``spans``, concatenated."""
+    parts = [torch.arange(a, a + n) for a, n in spans]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=32)
+def padding(seqlens: Seqlens, t_q: int, t_k: int, mask, device) -> Padding | None:
+    """The ``Padding`` of ``seqlens``; None when padding cannot run them exactly (``_unfit``)."""
+    if _unfit(list(zip(seqlens.lengths_q, seqlens.lengths_k)), mask) is not None:
+        return None
+    spans = [(a, b, n, m) for a, b, n, m in zip(seqlens.cu_q, seqlens.cu_k, seqlens.lengths_q,
+                                                 seqlens.lengths_k) if n and m]
+    count = len(spans)
+    length = {"q": max((n for *_, n, _ in spans), default=0),
+              "k": max((m for *_, m in spans), default=0)}
+    if (t_q, t_k) == (count * length["q"], count * length["k"]) and all(
+            (a, b) == (i * length["q"], i * length["k"]) for i, (a, b, *_) in enumerate(spans)):
+        return Padding(count, length, {"q": None, "k": None}, {"q": None, "k": None})
+    slots = {"q": _rows((i * length["q"], n) for i, (_, _, n, _) in enumerate(spans)),
+             "k": _rows((i * length["k"], m) for i, (*_, m) in enumerate(spans))}
+    tokens = {"q": _rows((a, n) for a, _, n, _ in spans),
+              "k": _rows((b, m) for _, b, _, m in spans)}
+    return Padding(count, length, {side: t.to(device) for side, t in tokens.items()},
+                   {side: t.to(device) for side, t in slots.items()})

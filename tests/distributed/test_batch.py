@@ -1,0 +1,204 @@
+"""A model's batch over the ranks (schedules.batch), layouts read or checked per tensor.
+
+    mpirun -np 2 python -m pytest tests/distributed/test_batch.py
+    mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_batch.py
+
+Batches are [B, S] of 2 x 16 tokens: dense, padded (left and right) or packed (documents
+restarting inside a row); attention through the batch is checked against torch SDPA on every
+sequence of the full batch, forward and backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import schedules
+import sdpa_fusion
+from schedules.batch import split
+
+B, S, H, H_KV, E = 2, 16, 4, 2, 8
+SCHEDULES = ["ring", "allgather", "ulysses", "head_parallel"]
+KINDS = ["dense", "padded", "packed"]
+
+
+def usable(name: str, mesh) -> None:
+    if name in ("ulysses", "head_parallel") and mesh.size() > H:
+        pytest.skip(f"{H} heads over {mesh.size()} ranks")
+
+
+def batch_inputs(kind: str) -> dict:
+    if kind == "padded":  # row 0 left-padded by 3, row 1 right-padded by 5
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, :3] = mask[1, 11:] = 0
+        return {"attention_mask": mask}
+    if kind == "packed":  # documents of 5 + 11 and 7 + 9 tokens
+        return {"position_ids": torch.tensor([[*range(5), *range(11)], [*range(7), *range(9)]])}
+    return {}
+
+
+def sequences(kind: str) -> list[tuple[int, int, int]]:
+    """(row, start, stop) of every sequence of the batch."""
+    return {"dense": [(0, 0, S), (1, 0, S)], "padded": [(0, 3, S), (1, 0, 11)],
+            "packed": [(0, 0, 5), (0, 5, S), (1, 0, 7), (1, 7, S)]}[kind]
+
+
+def reference(q, k, v, dout, kind):
+    """out and gradients of causal attention on every sequence (torch SDPA, fp64); padding 0."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = torch.zeros_like(q)
+    for row, a, b in sequences(kind):
+        out[row, :, a:b] = F.scaled_dot_product_attention(
+            q[row:row + 1, :, a:b], k[row:row + 1, :, a:b], v[row:row + 1, :, a:b],
+            is_causal=True, enable_gqa=True)[0]
+    out.backward(dout.double())
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_attention_through_the_batch(mesh, name, kind):
+    """Shard [B, S, H, E] tensors, attend through the batch, unshard: torch SDPA per sequence,
+    forward and backward (head_parallel: the model's replicated tensors, split inside)."""
+    usable(name, mesh)
+    g = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(B, H, S, E, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, H_KV, S, E, generator=g) for _ in range(2))
+    batch = split(schedules.get(name, mesh), (B, S), **batch_inputs(kind))
+    assert batch.packed == (kind != "dense")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    local = [batch.shard(t.transpose(1, 2)).transpose(1, 2) for t in leaves]  # BSHE views
+    out_l = batch.attention(*local, causal=True, kernel="reference")
+    out = batch.unshard(out_l.transpose(1, 2)).transpose(1, 2)
+    (out * dout).sum().backward()
+    grads = [t.grad.clone() for t in leaves]
+    if batch.schedule.token_splits:  # each rank's leaves hold its tokens' gradients: add them
+        for grad in grads:
+            torch.distributed.all_reduce(grad)
+    want = reference(q, k, v, dout, kind)
+    for what, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_shard_positions_and_unshard(mesh, name, kind):
+    """Local tokens are the rows ``tokens`` names, with the positions one process gives them;
+    ``unshard`` restores the batch (padding 0) and sends each rank its tokens' gradient."""
+    usable(name, mesh)
+    sched = schedules.get(name, mesh)
+    inputs = batch_inputs(kind)
+    batch = split(sched, (B, S), **inputs)
+    full = torch.arange(B * S * 3, dtype=torch.float32).view(B, S, 3).requires_grad_()
+    local = batch.shard(full)
+    real = batch.real
+    assert torch.equal(local[real], full.flatten(0, 1)[batch.tokens[real]])
+    assert bool((local[~real] == 0).all())
+    positions = inputs.get("position_ids", torch.arange(S).expand(B, S))
+    assert torch.equal(batch.position_ids[real], positions.flatten()[batch.tokens[real]])
+    assert bool((batch.shard(full.long(), fill=-100)[~real] == -100).all())
+    mask = inputs.get("attention_mask", torch.ones(B, S)).bool()
+    restored = batch.unshard(local * 2)
+    assert torch.equal(restored[mask], 2 * full[mask]) and bool((restored[~mask] == 0).all())
+    restored.sum().backward()
+    grad = full.grad.clone()
+    if sched.token_splits:
+        torch.distributed.all_reduce(grad)
+    assert torch.equal(grad, 2 * mask[..., None].float().expand_as(grad))
+
+
+def test_total_and_sum_gradients_add_over_token_ranks(mesh):
+    ring, heads = (split(schedules.get(n, mesh), (B, S)) for n in ("ring", "head_parallel"))
+    one = torch.ones(())
+    assert ring.total(one).item() == mesh.size() and heads.total(one).item() == 1
+    w = torch.nn.Parameter(torch.zeros(3))
+    w.grad = torch.full((3,), float(mesh.rank))
+    ring.sum_gradients([w])
+    assert torch.equal(w.grad, torch.full((3,), float(sum(range(mesh.size())))))
+
+
+# ---- layouts: auto, and explicit layouts checked ---------------------------------------------
+@pytest.mark.parametrize("name", ["ring", "head_parallel"])
+def test_auto_reads_each_tensors_layout(mesh, name):
+    """q a BSHE view, k and v contiguous BHSE (as transformers passes them with a KV cache):
+    layout="auto" (the default) runs them as torch SDPA does."""
+    sched = schedules.get(name, mesh)
+    g = torch.Generator().manual_seed(4)
+    h = 2 * mesh.size()
+    q = torch.randn(1, S, h, E, generator=g).transpose(1, 2)
+    k, v = (torch.randn(1, h, S, E, generator=g) for _ in range(2))
+    local = [sched.shard(t).requires_grad_() for t in (q, k, v)]
+    assert local[0].stride(1) < local[0].stride(2) and local[1].is_contiguous()  # kept
+    out = sched.unshard(sdpa_fusion.attention(*local, causal=True, schedule=sched,
+                                              kernel="reference"))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_shard_refuses_a_natural_bshe_tensor_claimed_as_bshe(mesh, name):
+    """A [B, S, H, E] tensor is not the logical [B, H, S, E] view 'bshe' names: shard raises
+    (no communication: rank 0 alone) instead of splitting its heads; a correct call follows."""
+    usable(name, mesh)
+    sched = schedules.get(name, mesh)
+    natural = torch.randn(1, S, H, E, generator=torch.Generator().manual_seed(5))
+    if mesh.rank == 0:
+        with pytest.raises(ValueError, match=r"t \(shape \[1, 16, 4, 8\].* does not have the "
+                                             r"layout 'bshe' it claims; a \[B,S,H,E\] tensor is "
+                                             r"passed as t.transpose\(1, 2\)"):
+            sched.shard(natural, layout="bshe")
+    q = sched.shard(natural.transpose(1, 2), layout="bshe")
+    out = sched.unshard(sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference"))
+    want = F.scaled_dot_product_attention(*(natural.transpose(1, 2),) * 3)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_contradicted_layout_on_one_rank_raises_on_every_rank(mesh, name):
+    """Rank 1 claims 'bshe' for contiguous BHSE tensors: every rank raises the same
+    ValueError, then a correct call runs."""
+    sched = schedules.get(name, mesh)
+    local = sched.shard(torch.randn(1, 2 * mesh.size(), S, E))
+    bad = "bshe" if mesh.rank == 1 else "bhse"
+    with pytest.raises(ValueError, match=r"rank 1: q .* does not have the layout 'bshe' it claims"):
+        sdpa_fusion.attention(local, local, local, layout=bad, schedule=sched, kernel="reference")
+    out = sdpa_fusion.attention(local, local, local, layout="bhse", schedule=sched,
+                                kernel="reference")
+    assert out.shape == local.shape
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_batch_tensors_go_through_the_batch(mesh, name):
+    """shard of a [B, S] tensor is a ValueError naming schedules.batch (not an IndexError)."""
+    usable(name, mesh)
+    with pytest.raises(ValueError, match=r"t has 2 dims .*Shard a model's \[B, S, \.\.\.\] batch "
+                                         r"tensors with schedules.batch"):
+        schedules.get(name, mesh).shard(torch.zeros(B, S, dtype=torch.long))
+
+
+def test_bad_batches(mesh):
+    sched = schedules.get("ring", mesh)
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D \[B, S\] tensor, got "
+                                         r"\[2, 1, 16, 16\]; a 4-D or additive mask"):
+        split(sched, attention_mask=torch.ones(B, 1, S, S))
+    with pytest.raises(ValueError, match=r"attention_mask must hold 1 for real tokens and 0"):
+        split(sched, attention_mask=torch.full((B, S), -1.0))
+    with pytest.raises(ValueError, match=r"position_ids \[2, 8\] must be \[B, S\] = \[2, 16\]"):
+        split(sched, (B, S), position_ids=torch.zeros(B, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="marks no real token"):
+        split(sched, attention_mask=torch.zeros(B, S))
+    batch = split(sched, (B, S))
+    with pytest.raises(ValueError, match=r"t \(\[2, 15\]\) must start with the dims \[2, 16\]"):
+        batch.shard(torch.zeros(B, S - 1))
+
+
+def test_hybrid_refuses_padded_batches(mesh):
+    if mesh.size() % 2:
+        pytest.skip("a 2-D mesh of two dims needs an even world")
+    sched = schedules.get("hybrid", sdpa_fusion.init_mesh((2, -1), ("heads", "seq")))
+    with pytest.raises(ValueError, match="schedule 'hybrid' does not take padded or packed "
+                                         "batches yet"):
+        split(sched, **batch_inputs("padded"))

@@ -1,0 +1,40 @@
+"""NaN and Inf in q, k or v propagate through every schedule as through torch SDPA: the
+gathered results obey the rule of tests/nonfinite.py (merges never turn them into numbers).
+
+    mpirun -np 2 python -m pytest tests/distributed/test_nonfinite.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import schedules
+import sdpa_fusion
+from tests.nonfinite import VALUES, mismatch, plant
+
+SCHEDULES = [("ring", "load_balanced"), ("ring", "contiguous"), ("allgather", "load_balanced"),
+             ("ulysses", "load_balanced"), ("head_parallel", None)]
+
+
+@pytest.mark.parametrize("value", sorted(VALUES))
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name,partition", SCHEDULES, ids=[f"{n}-{p}" for n, p in SCHEDULES])
+def test_schedule(mesh, name, partition, causal, where, value):
+    p = mesh.size()
+    sched = schedules.get(name, mesh, **({"partition": partition} if partition else {}))
+    seed = 7 * "qkv".index(where) + sorted(VALUES).index(value)
+    g = torch.Generator().manual_seed(seed)
+    h, s = 2 * p, 4 * p
+    q = torch.randn(1, h, s, 8, generator=g)
+    k, v = (torch.randn(1, p, s, 8, generator=g) for _ in range(2))
+    dout = torch.randn(q.shape, generator=g)
+    q, k, v = plant(q, k, v, where, value, seed)
+    shard = lambda t: sched.shard(t)  # noqa: E731
+    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, causal=causal, kernel="reference", schedule=sched)
+    out.backward(shard(dout))
+    got = [sched.unshard(t) for t in (out.detach(), *(t.grad for t in leaves))]
+    found = mismatch(got, q, k, v, dout, causal=causal)
+    assert mesh.agree(found) == [None] * mesh.world_size, found

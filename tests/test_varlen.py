@@ -1,0 +1,326 @@
+"""Packed (varlen) attention on CPU: every kernel and way that runs here against torch SDPA
+run sequence by sequence, and the pure pieces of the GPU paths (flash's mask conversion, the
+padding plan, the cost model).
+
+Run: pytest -q tests/test_varlen.py
+Oracle: ``sdpa_oracle`` (conftest.py; imported, as hypothesis tests take no function-scoped
+fixtures), torch SDPA with autograd in fp64 on each sequence;
+random lengths (hypothesis) include 0, 1 and queries != keys per sequence (top-left masks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import sdpa_fusion
+from sdpa_fusion import AttentionSpec
+from sdpa_fusion.kernels import KernelUnavailable, Padded, PerSequence, Seqlens, Split, Varlen, get
+from sdpa_fusion.kernels import choice, cost, packed
+from sdpa_fusion.kernels.aten import _dense_window
+from sdpa_fusion.kernels.flash_window import flash_call, flash_cut
+from sdpa_fusion.layout import sequence_view
+from sdpa_fusion.local import packed_seqlens
+from sdpa_fusion.mask import Window, band
+from tests.conftest import _assert_close as assert_close
+from tests.conftest import _sdpa_oracle as sdpa_oracle
+
+H, E, SCALE = 4, 16, 0.3
+length = st.one_of(st.integers(0, 2), st.integers(0, 20), st.just(41))
+side = st.one_of(st.none(), st.integers(0, 6))
+windows = st.one_of(st.none(), st.tuples(side, side))
+
+
+def cumulative(lengths) -> tuple[int, ...]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return tuple(cu)
+
+
+def packed_inputs(seqlens: Seqlens, kv_heads: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(seqlens.cu_q[-1], H, E, generator=g)
+    k, v = (torch.randn(seqlens.cu_k[-1], kv_heads, E, generator=g) for _ in range(2))
+    dout = torch.randn(q.shape, generator=g)
+    return q, k, v, dout
+
+
+def run_varlen(kernel, q, k, v, dout, seqlens, causal, window):
+    window = Window.of(window)
+    out, lse = kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=SCALE, window=window)
+    grads = kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal, scale=SCALE,
+                                   window=window)
+    return out, lse, *grads
+
+
+def check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close, oracle):
+    """Each sequence of the packed results against torch SDPA on that sequence alone."""
+    out, lse, dq, dk, dv = got
+    assert out.shape == q.shape and lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
+    for (qa, qb), (ka, kb) in zip(zip(seqlens.cu_q, seqlens.cu_q[1:]),
+                                  zip(seqlens.cu_k, seqlens.cu_k[1:])):
+        if qb == qa or kb == ka:  # no keys (or no queries): out 0, lse -inf, gradients 0
+            assert out[qa:qb].abs().sum() == 0 and dq[qa:qb].abs().sum() == 0
+            assert torch.all(lse[:, qa:qb] == -math.inf)
+            assert dk[ka:kb].abs().sum() == 0 and dv[ka:kb].abs().sum() == 0
+            continue
+        views = [sequence_view(t, a, b) for t, (a, b) in
+                 zip((q, k, v, dout), ((qa, qb), (ka, kb), (ka, kb), (qa, qb)))]
+        w_out, w_lse, w_dq, w_dk, w_dv = oracle(*views, causal=causal, scale=SCALE, window=window)
+        seen = torch.isfinite(w_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, qa:qb]), seen), "rows that see no key: lse -inf"
+        assert_close(lse[:, qa:qb][seen], w_lse[0][seen], msg=f"lse of sequence at {qa}")
+        for name, g, w, (a, b) in (("out", out, w_out, (qa, qb)), ("dq", dq, w_dq, (qa, qb)),
+                                   ("dk", dk, w_dk, (ka, kb)), ("dv", dv, w_dv, (ka, kb))):
+            assert_close(sequence_view(g, a, b), w, msg=f"{name} of sequence at {qa}")
+
+
+# ---- the reference kernel (and the per-sequence way) ------------------------------------------
+@settings(max_examples=25)
+@given(pairs=st.lists(st.tuples(length, length), min_size=1, max_size=5), causal=st.booleans(),
+       window=windows, kv_heads=st.sampled_from([4, 2, 1]), seed=st.integers(0, 99))
+def test_reference_varlen_matches_torch_per_sequence(pairs, causal, window, kv_heads, seed):
+    seqlens = Seqlens(cumulative(n for n, _ in pairs), cumulative(m for _, m in pairs))
+    q, k, v, dout = packed_inputs(seqlens, kv_heads, seed)
+    for kernel in (get("reference"), PerSequence("reference")):
+        got = run_varlen(kernel, q, k, v, dout, seqlens, causal, window)
+        check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close, sdpa_oracle)
+
+
+# ---- the padded way (one dense call), run here on the reference kernel -------------------------
+@settings(max_examples=25)
+@given(lengths=st.lists(length, min_size=1, max_size=5), left=side, kv_heads=st.sampled_from([4, 2]),
+       seed=st.integers(0, 99))
+def test_padded_way_matches_torch_per_sequence(lengths, left, kv_heads, seed):
+    """Causal (window right side 0): padding keys after each sequence stay hidden."""
+    window = None if left is None else (left, 0)
+    seqlens = packed_seqlens(cumulative(lengths))
+    q, k, v, dout = packed_inputs(seqlens, kv_heads, seed)
+    got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, True, window)
+    check_per_sequence(got, q, k, v, dout, seqlens, True, window, assert_close, sdpa_oracle)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_padded_way_without_copies_when_sequences_share_one_length(causal):
+    seqlens = packed_seqlens(cumulative([6, 6, 6]))
+    plan = packed.padding(seqlens, 18, 18, band(causal, None), torch.device("cpu"))
+    assert plan.slots["q"] is None and (plan.count, plan.length) == (3, {"q": 6, "k": 6})
+    q, k, v, dout = packed_inputs(seqlens, 2, 0)
+    got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, causal, None)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, None, assert_close, sdpa_oracle)
+
+
+def test_padded_way_refuses_what_padding_would_get_wrong():
+    seqlens = packed_seqlens(cumulative([3, 5]))
+    q, k, v, _ = packed_inputs(seqlens, 4, 0)
+    with pytest.raises(KernelUnavailable, match="padding keys would be attended"):
+        sdpa_fusion.attention(q, k, v, layout="thd", cu_seqlens=[0, 3, 8],
+                              kernel=Padded("reference"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cu_k", [(0, 5, 10, 15), (0, 5, 7, 12)], ids=["one-shape", "uneven"])
+def test_padded_way_runs_the_calls_of_a_schedule(causal, cu_k, assert_close, sdpa_oracle):
+    """Calls with other shapes than the problem's (a ring block: 3 queries, 5 keys each) pad
+    to one dense call when they share one shape, else go through the kernel's varlen call."""
+    seqlens = Seqlens((0, 3, 6, 9), cu_k)
+    q, k, v, dout = packed_inputs(seqlens, 2, 0)
+    one_shape = packed.padding(seqlens, 9, 15, band(causal, None), torch.device("cpu"))
+    assert (one_shape is not None) == (cu_k == (0, 5, 10, 15))
+    got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, causal, None)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, None, assert_close, sdpa_oracle)
+
+
+# ---- the split way: long sequences one by one, short ones in one varlen call --------------------
+@settings(max_examples=20)
+@given(pairs=st.lists(st.tuples(length, length), min_size=1, max_size=6), causal=st.booleans(),
+       window=windows, min_long=st.integers(1, 30), seed=st.integers(0, 99))
+def test_split_way_matches_torch_per_sequence(pairs, causal, window, min_long, seed):
+    seqlens = Seqlens(cumulative(n for n, _ in pairs), cumulative(m for _, m in pairs))
+    q, k, v, dout = packed_inputs(seqlens, 2, seed)
+    got = run_varlen(Split("reference", "reference", min_long), q, k, v, dout, seqlens, causal,
+                     window)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close, sdpa_oracle)
+
+
+def test_split_sequences_cuts_long_ones_into_pieces_of_the_longest_short_one():
+    short, long = packed.split_sequences(packed_seqlens((0, 10, 13, 15, 45)), 10)
+    assert long == (((0, 10), (0, 10)), ((15, 45), (15, 45)))
+    # the 10-token sequence: queries without keys, keys without queries, in pieces of 3
+    assert short.lengths_q == [3, 3, 3, 1, 0, 0, 0, 0, 3, 2] + [3] * 10 + [0] * 10
+    assert short.lengths_k == [0, 0, 0, 0, 3, 3, 3, 1, 3, 2] + [0] * 10 + [3] * 10
+    assert short.cu_q[-1] == short.cu_k[-1] == 45
+
+
+# ---- attention(layout="thd") end to end ----------------------------------------------------------
+@settings(max_examples=15)
+@given(lengths=st.lists(length, min_size=1, max_size=4), extra=st.lists(st.integers(0, 5), min_size=4,
+       max_size=4), causal=st.booleans(), window=windows, seed=st.integers(0, 99))
+def test_thd_with_padding_window_and_gqa(lengths, extra, causal, window, seed):
+    """Real tokens exact; padding tokens get output 0 and gradient 0 and are never attended."""
+    room = [n + p for n, p in zip(lengths, extra)]
+    starts = cumulative(room)
+    total = starts[-1]
+    assume(total > 0)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, H, E, generator=g, requires_grad=True)
+    k, v = (torch.randn(total, 2, E, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(total, H, E, generator=g)
+    out = sdpa_fusion.attention(q, k, v, layout="thd", causal=causal, scale=SCALE, window=window,
+                                cu_seqlens=list(cumulative(lengths)), cu_seqlens_padded=torch.tensor(starts))
+    out.backward(dout)
+    real = torch.zeros(total, dtype=torch.bool)
+    for start, n in zip(starts, lengths):
+        real[start:start + n] = True
+        if n == 0:
+            continue
+        views = [sequence_view(t.detach(), start, start + n) for t in (q, k, v, dout)]
+        want = sdpa_oracle(*views, causal=causal, scale=SCALE, window=window)
+        for name, t, w in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                              (want[0], *want[2:])):
+            assert_close(sequence_view(t.detach(), start, start + n), w, msg=f"{name} at {start}")
+    for name, t in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad)):
+        assert t[~real].abs().sum() == 0, f"{name} is 0 on padding tokens"
+
+
+def test_packed_seqlens_gives_padding_sequences_of_its_own():
+    seqlens = packed_seqlens((0, 5, 6, 20), (0, 8, 10, 24))
+    # sequence, padding queries (no keys), padding keys (no queries), for each padded slot
+    assert seqlens.lengths_q == [5, 3, 0, 1, 1, 0, 14]
+    assert seqlens.lengths_k == [5, 0, 3, 1, 0, 1, 14]
+    assert packed_seqlens((0, 4, 9)) == Seqlens((0, 4, 9), (0, 4, 9))
+
+
+# ---- flash: the top-left band as flash's bottom-right window (pure, checked exhaustively) ------
+def flash_sees(n_q, n_k, causal, left, right, max_k):
+    """What flash computes on one block: its argument handling (flash_api.cpp: causal sets the
+    right window to 0; a window >= the max key length becomes -1; an unbounded side next to a
+    bounded one becomes the max key length), then its bottom-right mask."""
+    if causal:
+        right = 0
+    left, right = (-1 if w >= max_k else w for w in (left, right))
+    if left < 0 <= right:
+        left = max_k
+    elif right < 0 <= left:
+        right = max_k
+    i = torch.arange(n_q)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k)[None, :]
+    seen = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
+BANDS = [(None, None), (None, 0), (2, 0), (0, 0), (3, 1), (None, 2), (1, None), (0, None),
+         (50, None)]
+
+
+@pytest.mark.parametrize("mask", BANDS, ids=str)
+def test_flash_dense_call_is_the_top_left_band_or_goes_through_varlen(mask):
+    for n_q in range(1, 9):
+        for n_k in range(1, 9):
+            q, k = torch.empty(1, 1, n_q, 8), torch.empty(1, 1, n_k, 8)
+            rows, keys, win = _dense_window(q, k, False, Window(*mask))
+            if win is None:  # the varlen call of the same block, checked below
+                assert rows > keys and flash_call(Seqlens((0, n_q), (0, n_k)), n_q, n_k, mask)
+                continue
+            got = torch.zeros(n_q, n_k, dtype=torch.bool)
+            if rows:
+                got[:rows, :keys] = flash_sees(rows, keys, win.causal, win.left, win.right, keys)
+            assert torch.equal(got, sdpa_fusion.mask.visible(n_q, n_k, mask)), (n_q, n_k)
+
+
+@settings(max_examples=60)
+@given(pairs=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=4),
+       mask=st.sampled_from(BANDS), lead=st.integers(0, 2), tail=st.integers(0, 2))
+def test_flash_call_covers_every_token_with_the_top_left_band(pairs, mask, lead, tail):
+    seqlens = Seqlens(tuple(lead + c for c in cumulative(n for n, _ in pairs)),
+                      tuple(lead + c for c in cumulative(m for _, m in pairs)))
+    t_q, t_k = seqlens.cu_q[-1] + tail, seqlens.cu_k[-1] + tail
+    call = flash_call(seqlens, t_q, t_k, mask)
+    want = torch.zeros(t_q, t_k, dtype=torch.bool)
+    for (qa, qb), (ka, kb) in zip(zip(seqlens.cu_q, seqlens.cu_q[1:]),
+                                  zip(seqlens.cu_k, seqlens.cu_k[1:])):
+        want[qa:qb, ka:kb] = sdpa_fusion.mask.visible(qb - qa, kb - ka, mask)
+    if call is None:  # only when masked sequences have different shifts
+        cuts = [flash_cut(n, m, mask) for n, m in pairs]
+        assert mask != (None, None) and len({k - r for r, k in cuts if r}) > 1
+        return
+    assert call.seqlens.cu_q[-1] == t_q and call.seqlens.cu_k[-1] == t_k
+    assert call.max_q >= 2 and call.max_k >= call.seqlens.max_k
+    got = torch.zeros(t_q, t_k, dtype=torch.bool)
+    cu, w = call.seqlens, call.window
+    for (qa, qb), (ka, kb) in zip(zip(cu.cu_q, cu.cu_q[1:]), zip(cu.cu_k, cu.cu_k[1:])):
+        got[qa:qb, ka:kb] = flash_sees(qb - qa, kb - ka, w.causal, w.left, w.right, call.max_k)
+    assert torch.equal(got, want)
+
+
+def test_flash_call_of_self_attention_is_one_call():
+    seqlens = packed_seqlens((0, 128, 300, 301))
+    call = flash_call(seqlens, 301, 301, (None, 0))
+    assert call.seqlens == seqlens and call.window.causal and call.max_k == 172
+    assert flash_call(seqlens, 301, 301, (64, 0)).window.left == 64
+
+
+# ---- the cost model ----------------------------------------------------------------------------
+def thd_spec(lengths, causal=True, window=None):
+    total = sum(lengths)
+    return AttentionSpec(batch=1, heads=32, kv_heads=32, q_len=total, kv_len=total, head_dim=128,
+                         causal=causal, layout="thd", cu_seqlens=cumulative(lengths), window=window)
+
+
+BATCH_A = [1024, 2048, 4096, 8192, 16384, 32768, 32768, 24576, 16384, 8192, 4096, 2048, 1024,
+           32768, 32768]
+
+
+MIX = [32768] * 2 + [8192] * 4 + [2048] * 8 + [128] * 1024
+
+
+@pytest.mark.parametrize("lengths, order", [
+    (BATCH_A, ["cudnn per-sequence", "flash varlen", "cudnn padded"]),
+    ([128] * 2048, ["cudnn padded", "flash varlen", "cudnn per-sequence"]),
+    (MIX, ["flash varlen", "cudnn per-sequence", "cudnn padded"]),
+], ids=["a-15-long", "b-2048x128", "mix"])
+def test_cost_model_orders_the_ways_as_measured(lengths, order):
+    """Measured on an H200 (benchmarks/thd.py): a 536/329/246, b 79/66/1.3, mix 245/148/oom
+    TFLOP/s for the three ways in ``order``."""
+    spec = thd_spec(lengths)
+    ways = {w.name: w for w in (Varlen("flash"), PerSequence("cudnn"), Padded("cudnn"))}
+    assert sorted(order, key=lambda name: ways[name].estimate(spec)) == order
+
+
+def test_cost_model_splits_a_mix_of_long_and_short_documents():
+    spec = thd_spec(MIX)
+    split = choice.best_split(spec, "cudnn", "flash")
+    assert split.name == "cudnn per-sequence from 2048 tokens + flash varlen"
+    assert split.estimate(spec) < 0.75 * min(w.estimate(spec) for w in (
+        Varlen("flash"), PerSequence("cudnn"), Padded("cudnn")))
+    assert choice.best_split(thd_spec([128] * 20), "cudnn", "flash") is None
+
+
+def test_cost_model_counts_host_time_per_call_and_flops_per_sequence():
+    spec = thd_spec([128] * 10)
+    one = cost.speed(get("cudnn"), "dense")
+    assert PerSequence("cudnn").estimate(spec) == pytest.approx(10 * one.host_s)
+    assert Padded("cudnn").estimate(thd_spec([8, 9], causal=False)) == math.inf
+
+
+def test_choose_explains_every_estimate(monkeypatch):
+    """On a GPU ``auto`` runs this; here the GPU kernels are declared available."""
+    for name in ("cudnn", "flash"):
+        monkeypatch.setattr(get(name), "unavailable_reason", lambda spec, device: None)
+    way, notes = choice.choose(thd_spec([128] * 2048), "cpu")
+    assert way.name == "cudnn padded" and isinstance(way, Padded)
+    assert notes[0].startswith("auto chose cudnn padded for these packed sequences: ")
+    assert any(n.startswith("flash varlen: estimated") for n in notes[1:])
+    # flash varlen, cudnn/flash per-sequence, flash padded; then why kernels were left out (fa4)
+    assert [n.split(":")[0] for n in notes[1:] if "estimated" in n] == [
+        "flash varlen", "flash padded", "cudnn per-sequence", "flash per-sequence"]
+    assert all(n.startswith("kernel 'fa4'") for n in notes[1:] if "estimated" not in n)
