@@ -34,7 +34,17 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def default_results_dir() -> Path:
+    """Where results go by default: ``benchmarks/results`` in a source checkout (beside the
+    committed ones), the current directory when the package is installed."""
+    checkout = (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file()
+    return COMMITTED_RESULTS if checkout else Path.cwd()
+
+
+RESULTS_DIR = default_results_dir()
 GIB = float(1 << 30)
 
 

@@ -101,11 +101,13 @@ def parse_args(argv=None):
 
 def impl_options(text: str) -> tuple[str, dict]:
     """'ring:kernel=fa4:head_groups=4' -> ("ring", {"kernel": "fa4", "head_groups": 4})."""
+    import schedules
+
     name, *items = text.split(":")
     options = {}
     for item in items:
         key, _, value = item.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
+        options[key] = schedules.option_value(value)
     return name, options
 
 

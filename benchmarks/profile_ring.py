@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--head-groups", default="auto", help="ring's head_groups: auto or a count")
     args = p.parse_args(argv)
-    groups = int(args.head_groups) if args.head_groups.isdigit() else args.head_groups
+    groups = schedules.option_value(args.head_groups)
     mesh = sdpa_fusion.init_mesh((-1,), ("seq",))
     transports = args.transports.split(",") if args.schedule == "ring" else [None]
     for transport, s in itertools.product(transports, args.seq_len):

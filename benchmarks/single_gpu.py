@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from benchmarks import common
 from benchmarks.kernel_table import write_kernel_table
+from benchmarks.progress import Progress
 from sdpa_fusion.kernels import ranking
 
 NAME = "single_gpu"
@@ -330,7 +331,13 @@ def dry_run(args) -> None:
           f"TFLOP/s and {iters} iterations about {total * iters / 500e12:.0f} s of compute")
 
 
-def measure_group(args, record, group, deadline, start) -> None:
+def case_count(args) -> int:
+    """Cases the sweep measures (one line of progress each)."""
+    return sum(1 for group in groups(args) for auto in (False, True) for case in group
+               if impls_for(args, case[3], auto=auto))
+
+
+def measure_group(args, record, group, deadline, progress) -> None:
     """The kernels of one (head dim, causal) group at every length, then the kernel table,
     then auto (which ranks the kernels by that table)."""
     for auto in (False, True):
@@ -340,14 +347,15 @@ def measure_group(args, record, group, deadline, start) -> None:
             if not impls:
                 continue
             if deadline.left() <= 0:
-                print(f"skipped (time budget): {label} {','.join(impls)}", flush=True)
+                print(progress.step(f"skipped (time budget): {label} {','.join(impls)}"),
+                      flush=True)
                 continue
             rows = run_case(args, impls, hd, heads, batch, s, causal)
             record["rows"] += rows
             cells = ", ".join(f"{r['impl']}:{r['mode']}="
                               + (common.number(r["tflops"]) if r["tflops"] is not None
                                  else r["status"]) for r in rows)
-            print(f"[{time.monotonic() - start:6.1f}s] {label}: {cells}", flush=True)
+            print(progress.step(f"{label}: {cells}"), flush=True)
         if not auto and args.kernel_table is not None:
             write_kernel_table(record, args.kernel_table)
 
@@ -385,8 +393,9 @@ def main(argv=None) -> int:
     }
     deadline = common.Deadline(args.max_seconds)
     start = time.monotonic()
+    progress = Progress(case_count(args))
     for group in groups(args):
-        measure_group(args, record, group, deadline, start)
+        measure_group(args, record, group, deadline, progress)
         common.save(name, record, results_dir=args.results_dir, plot=False)
     record["ratios"] = ratios(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)

@@ -2,6 +2,7 @@
 positions the schedule gives, forward and backward, checked against one-device attention.
 
     mpirun -np 4 python examples/packed_thd.py ring        # or allgather, ulysses, head_parallel
+    mpirun -np 4 python examples/packed_thd.py hybrid      # a 2 x 2 mesh: ulysses x ring
     torchrun --nproc-per-node 2 examples/packed_thd.py ulysses
 
 Every rank holds the same GLOBAL packing (cu_seqlens of the full [T, H, E] tensors). Sequence
@@ -17,6 +18,7 @@ import torch
 
 import schedules
 import sdpa_fusion
+from sdpa_fusion.mesh import launch_env
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -73,12 +75,23 @@ def run(mesh, schedule_name: str, *, lengths=(37, 1, 0, 200, 63), heads=8, kv_he
     return checked
 
 
+def mesh_for(schedule_name: str):
+    """A 1-D mesh over all ranks; for "hybrid" a 2-D one, ("heads", "seq") of 2 x P/2 ranks
+    (1 x P on an odd number)."""
+    if schedule_name != "hybrid":
+        return sdpa_fusion.init_mesh((-1,), ("seq",))
+    env = launch_env()
+    world = env.world_size if env else 1
+    return sdpa_fusion.init_mesh((2 if world % 2 == 0 else 1, -1), ("heads", "seq"))
+
+
 def main(argv) -> int:
     name = argv[1] if len(argv) > 1 else "ring"
-    mesh = sdpa_fusion.init_mesh((-1,), ("seq",))
+    mesh = mesh_for(name)
     checked = run(mesh, name)
     if mesh.rank == 0:
-        print(f"{name} over {mesh.size()} ranks on {mesh.device}, packed sequences (causal):")
+        shape = " x ".join(map(str, mesh.shape))
+        print(f"{name} over {shape} ranks on {mesh.device}, packed sequences (causal):")
         print(f"  max |out - one device| = {checked['out']:.2e}, max |dq - one device| = "
               f"{checked['dq']:.2e}")
         if "tokens" in checked:

@@ -48,7 +48,7 @@ class Description:
     backward_bytes_received: int = 0
     backward_flops: float = 0.0
     notes: str = ""
-    memory: Memory | None = None  # bytes the call allocates on each rank (sequence schedules)
+    memory: Memory | None = None  # bytes the call allocates on each rank (schedules.memory)
 
 
 class Schedule(abc.ABC):
@@ -121,14 +121,15 @@ class Schedule(abc.ABC):
         with self.comm.running(f"schedule {self.name!r} over {self.dim}={self.size}, {what}"):
             yield
 
-    def placements(self, length: int) -> list:
-        """The DTensor placements (one per mesh dim) of this rank's shards when the sharded dim
-        has ``length`` entries; a ValueError when no placement describes them."""
+    def placements(self, shape) -> list:
+        """The DTensor placements (one per mesh dim) of this rank's shards of a tensor of
+        global logical ``shape``; a ValueError when no placement describes them."""
         from torch.distributed.tensor import Replicate, Shard
 
         placements = [Replicate()] * len(self.mesh.names)
         if self.sharded_dim is None or self.size == 1:
             return placements
+        length = shape[self.sharded_dim] if len(shape) > self.sharded_dim else 1
         if length not in self._contiguous:
             probe = torch.arange(length).view([length if d == self.sharded_dim else 1 for d in range(4)])
             mine = self.shard(probe).flatten()

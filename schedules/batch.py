@@ -134,14 +134,7 @@ def _splits(schedule, seq_len: int) -> bool:
 def _packing(schedule, cu: torch.Tensor) -> LocalPacking:
     """This rank's part of the packing ``cu`` of the real tokens: split by the schedule, or
     all of it where the schedule keeps every token."""
-    splits = schedule.token_splits
-    if len(splits) > 1 or (splits and splits[0] is not schedule):
-        raise ValueError(
-            f"schedule {schedule.name!r} does not take padded or packed batches yet (it splits "
-            f"tokens over two mesh dims); give it rows of one length its partition splits, "
-            f"without padding, or use a 1-D schedule"
-        )
-    if splits:
+    if schedule.token_splits:
         return schedule.pack(cu)
     packing, _ = global_packing(cu)
     return Split(Contiguous(), 1, packing, None, cu.device).part(0)

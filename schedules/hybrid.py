@@ -29,61 +29,68 @@ inner rank i holds the i-th contiguous 1/Pi of them. S = 16, 2 x 2, load_balance
 K/V with fewer heads than inner ranks (GQA): ulysses replicates them inside its all-to-all;
 head_parallel gives every inner rank a copy of the K/V head its query heads use, whose
 gradient is that rank's share (``unshard(..., heads=, copies="sum")`` adds the shares).
+
+Packed sequences (THD): the outer schedule splits every sequence (``schedules.packing``) and
+takes its part [T_o, H/Pi, E] as it does on a 1-D mesh. With inner head_parallel each rank
+holds that part of its heads. With inner ulysses the part is split again, every sequence's
+slot there contiguously over the inner ranks (``NestedPacking``: the outer padding becomes
+padding of the slots); the all-to-all puts each rank's real tokens back in their rows of the
+outer part, whose padding rows are zeros, and the outer schedule runs on them:
+
+    outer part (rank o)   a0 a1 .  .  | b0 b1 b6 b7
+    (i=0, o)              a0 a1 | b0 b1        (i=1, o)   .  .  | b6 b7
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
 
 from sdpa_fusion.kernels import Kernel
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
+from sdpa_fusion.local import packed_seqlens
 
 from .allgather import AllGather
-from .base import Description, Schedule
+from .base import Schedule
+from .calls import PackedCall
+from .dim_costs import describe_dims
 from .head_parallel import HeadParallel, fold_copies, heads_of
+from .packing import LocalPacking, NestedPacking
 from .ring import Ring
-from .ulysses import Ulysses
+from .sequence import checked_packing, packing_of
+from .ulysses import Placement, Ulysses
 
-INNER = {"ulysses": Ulysses, "head_parallel": HeadParallel}
+
+class _LineUlysses(Ulysses):
+    """``ulysses`` over the inner dim of a hybrid. Packed, its tokens are a ``NestedPacking``:
+    the heads are attended in the rows of the outer part (padding rows zero), and the one
+    call hands that whole part to the outer schedule, the kernel here."""
+
+    def _packed_plan(self, spec):
+        split = spec.packing.split  # the outer part split again
+
+        def build():
+            parts = []
+            for j in range(split.parts):
+                rows = split.real[j].nonzero().flatten()
+                parts.append((rows.to(split.device), split.rows(j)[rows].to(split.device)))
+            seqlens = packed_seqlens(split.cu_seqlens, split.cu_seqlens_padded)
+            return (Placement(split.total_tokens, split.tokens, parts),
+                    PackedCall(None, None, seqlens, spec.causal))
+
+        return spec.packing.cached(("hybrid", spec.causal), build)
+
+
+INNER = {"ulysses": _LineUlysses, "head_parallel": HeadParallel}
 OUTER = {"ring": Ring, "allgather": AllGather}
-
-
-@dataclasses.dataclass(frozen=True)
-class DimCost:
-    """What one mesh dim of the hybrid costs each rank: its schedule's description for the
-    problem of one line of that dim."""
-
-    dim: str
-    description: Description
-
-    @property
-    def memory(self) -> int:
-        """Bytes the dim's schedule holds at the peak of its forward beyond its outputs, kept
-        buffers included (``Description.memory``; 0 for a schedule without buffers)."""
-        m = self.description.memory
-        return 0 if m is None else m.kept + m.forward
-
-    @property
-    def backward_memory(self) -> int:
-        """The same at the peak of its backward (its gradients included)."""
-        m = self.description.memory
-        return 0 if m is None else m.kept + m.backward
-
-
-@dataclasses.dataclass(frozen=True)
-class HybridDescription(Description):
-    """A ``Description`` of the whole step plus one ``DimCost`` per mesh dim (inner first)."""
-
-    dims: tuple[DimCost, ...] = ()
 
 
 class _OuterKernel(Kernel):
     """The outer schedule over this rank's outer line, as the local kernel of the inner one.
-    ``spec`` is the hybrid's local spec; each call's shapes come from its tensors."""
+    ``spec`` is the outer schedule's local spec; each call's shapes come from its tensors.
+    Packed calls take the outer part's [T_o, h, E] tensors (``spec.packing``) whole."""
 
     name = "outer"
 
@@ -107,6 +114,14 @@ class _OuterKernel(Kernel):
         return self.outer.backward(dout, q, k, v, out, lse, self._local(q, k), self.kernel,
                                    dropout)
 
+    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+        out, lse = self.outer.forward(q, k, v, self._local(q, k), self.kernel)
+        return out, lse[0]
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+        return self.outer.backward(dout, q, k, v, out, lse.unsqueeze(0), self._local(q, k),
+                                   self.kernel)
+
 
 class Hybrid(Schedule):
     """``inner`` ("ulysses" | "head_parallel") over ``inner_dim`` composed with ``outer``
@@ -115,7 +130,7 @@ class Hybrid(Schedule):
     ``shard``, ``unshard``, ``describe``), so ``attention`` raises it on every rank."""
 
     name = "hybrid"
-    takes_dtensors = False
+    supports_thd = True
 
     def __init__(self, mesh, *, inner: str = "ulysses", outer: str = "ring",
                  inner_dim: str | None = None, outer_dim: str | None = None,
@@ -177,15 +192,17 @@ class Hybrid(Schedule):
 
     # ---- the contract ----------------------------------------------------------------------
     def global_spec(self, spec):
-        return self.outer.global_spec(self.inner.global_spec(spec))
+        return self.outer.global_spec(self._line_spec(spec))
+
+    def _line_spec(self, spec):
+        """The problem of this rank's inner line (all heads), local to the outer schedule."""
+        line = self.inner.global_spec(spec)
+        if isinstance(spec.packing, NestedPacking):
+            line = line.replace(packing=spec.packing.outer)
+        return line
 
     def validate(self, spec):
         self._check_configuration()
-        if spec.layout.is_varlen:
-            raise ValueError(
-                "schedule 'hybrid' does not take layout='thd' yet; use 'bshe' (pad sequences "
-                "to one length) or run packed sequences under a 1-D schedule"
-            )
         for role, sched, local in (("inner", self.inner, spec),
                                    ("outer", self.outer, self._outer_spec(spec))):
             try:
@@ -199,15 +216,54 @@ class Hybrid(Schedule):
         if self.splits_heads:
             return spec
         p = self.inner.size
-        return spec.replace(heads=spec.heads // p, kv_heads=max(spec.kv_heads // p, 1),
-                            q_len=spec.q_len * p, kv_len=spec.kv_len * p)
+        return self._line_spec(spec).replace(heads=spec.heads // p,
+                                             kv_heads=max(spec.kv_heads // p, 1))
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        return self.inner.forward(q, k, v, spec, _OuterKernel(self.outer, kernel, spec), dropout)
+        return self.inner.forward(q, k, v, spec,
+                                  _OuterKernel(self.outer, kernel, self._outer_spec(spec)), dropout)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         return self.inner.backward(dout, q, k, v, out, lse, spec,
-                                   _OuterKernel(self.outer, kernel, spec), dropout)
+                                   _OuterKernel(self.outer, kernel, self._outer_spec(spec)),
+                                   dropout)
+
+    # ---- packed sequences ------------------------------------------------------------------
+    def pack(self, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+        """This rank's part of the GLOBAL packing ``cu_seqlens`` (and ``cu_seqlens_padded``),
+        the same on every rank: the outer schedule's part, split again over the inner dim with
+        inner ulysses (a ``NestedPacking``). ``position_ids`` index a RoPE table."""
+        outer = self.outer.pack(cu_seqlens, cu_seqlens_padded)
+        if self.splits_heads:
+            return outer
+        return outer.cached(("nested", self.inner.size, self.inner.index),
+                            lambda: self._nest(outer))
+
+    def _nest(self, outer: LocalPacking) -> NestedPacking:
+        split = self.inner.split(*outer.split.part_packing(outer.rank), outer.device)
+        return NestedPacking(split, self.inner.index, outer)
+
+    @property
+    def packing_owner(self) -> tuple:
+        """The ``owner`` of the packings this rank uses (see ``LocalPacking.owner``)."""
+        owner = self.outer.packing_owner
+        return owner if self.splits_heads else owner + self.inner.packing_owner
+
+    def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+        """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
+        global ``cu_seqlens`` or this rank's ``pack(...)``; checks q's token count."""
+        return checked_packing(self, q, cu_seqlens, cu_seqlens_padded)
+
+    def _line_packings(self, layout: Layout, cu_seqlens, cu_seqlens_padded):
+        """(inner, outer) ``cu_seqlens=`` keywords of unshard: none for dense tensors; packed,
+        the inner schedule's packing of this rank and the outer one's of the outer part."""
+        if not layout.is_varlen:
+            return {}, {}
+        packing = packing_of(self, cu_seqlens, cu_seqlens_padded)
+        if self.splits_heads:
+            return {}, {"cu_seqlens": packing}
+        return ({"cu_seqlens": packing.split.part(packing.rank)},
+                {"cu_seqlens": packing.outer})
 
     # ---- full tensors ----------------------------------------------------------------------
     def indices(self, seq_len: int) -> torch.Tensor:
@@ -217,6 +273,11 @@ class Hybrid(Schedule):
         if self.splits_heads:
             return tokens
         return tokens[self.inner.indices(len(tokens))]
+
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens of a ``seq_len``-token sequence (int64, on
+        ``device``): index a RoPE table with them. Packed sequences: ``pack(...).position_ids``."""
+        return self.indices(seq_len).to(device or "cpu")
 
     def _check_sequence(self, seq_len: int) -> None:
         outer, inner = self.outer, self.inner
@@ -231,15 +292,61 @@ class Hybrid(Schedule):
                 f"{multiple}"
             )
 
-    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto") -> torch.Tensor:
-        """This rank's tokens (and, with inner head_parallel, heads) of a full tensor. A
-        tensor with fewer heads than inner ranks (K/V of GQA) gives each rank a copy of the
-        head its query heads use."""
+    def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
+              cu_seqlens_padded=None) -> torch.Tensor:
+        """This rank's tokens (and, with inner head_parallel, heads) of a full tensor; packed
+        tensors take the global ``cu_seqlens`` (or this rank's ``pack(...)``). A tensor with
+        fewer heads than inner ranks (K/V of GQA) gives each rank a copy of the head its
+        query heads use."""
         layout = shard_layout(t, layout)
         if layout.is_varlen:
-            raise ValueError("schedule 'hybrid' does not shard layout='thd' yet; use 'bshe'")
+            local = packing_of(self, cu_seqlens, cu_seqlens_padded).shard(t)
+            return layout.to(self._heads_of(local)) if self.splits_heads else local
         local = t.index_select(2, self.indices(t.shape[2]).to(t.device))
         return layout.to(self._heads_of(local) if self.splits_heads else local)
+
+    def placements(self, shape) -> list:
+        """DTensor placements of this rank's shards of a [B, H, S, E] tensor of global ``shape``:
+        Shard(2) on the outer dim, and on the inner one Shard(1) (head_parallel) or Shard(2)
+        (ulysses); a ValueError when the shards are not what those mean."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        if len(shape) != 4:
+            raise ValueError(
+                f"schedule 'hybrid' takes DTensors of the logical shape [B, H, S, E], got "
+                f"{list(shape)}; pass packed tensors as this rank's part (schedule.shard(t, "
+                f"layout='thd', cu_seqlens=...))"
+            )
+        names = list(self.mesh.names)
+        placements = [Replicate()] * len(names)
+        seq_dims = sorted(names.index(s.dim) for s in (self.outer, self.inner)
+                          if s is self.outer or not self.splits_heads)
+        for d in seq_dims:
+            placements[d] = Shard(2)
+        if self.splits_heads:
+            if shape[1] % self.inner.size:
+                raise ValueError(
+                    f"heads {shape[1]} of a DTensor must be divisible by the {self.inner.size} "
+                    f"ranks of inner dim {self.inner.dim!r} (Shard(1)); pass K/V with fewer "
+                    f"heads as plain tensors from schedule.shard(...)"
+                )
+            placements[names.index(self.inner.dim)] = Shard(1)
+        if shape[2] not in self._contiguous:
+            chunk, chunks = 0, 1  # DTensor shards over the mesh dims in mesh order
+            for d in seq_dims:
+                chunk = chunk * self.mesh.size(names[d]) + self.mesh.coordinate(names[d])
+                chunks *= self.mesh.size(names[d])
+            mine = torch.arange(shape[2]).chunk(chunks)[chunk]
+            self._contiguous[shape[2]] = torch.equal(self.indices(shape[2]), mine)
+        if not self._contiguous[shape[2]]:
+            raise ValueError(
+                f"the tokens of this rank under schedule 'hybrid' are not the contiguous chunk "
+                f"that the DTensor placements {placements} give it; build the hybrid with "
+                f"partition='contiguous' (with inner='ulysses', also name the outer dim first "
+                f"in the mesh: init_mesh((Po, Pi), ('seq', 'heads'))), or pass plain tensors "
+                f"from schedule.shard(...)"
+            )
+        return placements
 
     def _heads_of(self, t: torch.Tensor) -> torch.Tensor:
         """This inner rank's heads of ``t`` (a copy of one head when ``t`` has fewer heads
@@ -258,46 +365,43 @@ class Hybrid(Schedule):
     def head_split(self):
         return self.inner if self.splits_heads else None
 
-    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto",
-                heads: int | None = None, copies: str | None = None) -> torch.Tensor:
+    def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
+                cu_seqlens_padded=None, heads: int | None = None,
+                copies: str | None = None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's part; differentiable.
+        Packed tensors take ``cu_seqlens`` as ``shard`` does.
 
         ``heads`` < inner ranks (K/V of GQA under inner head_parallel): ``t`` is a copy of
         one of ``heads`` heads; ``copies="sum"`` adds the copies (gradients: each is its
         ranks' share), ``copies="first"`` takes one (values: the copies are equal)."""
         layout = unshard_layout(t, layout)
-        line = self.inner.unshard(t, layout=layout)
+        inner, outer = self._line_packings(layout, cu_seqlens, cu_seqlens_padded)
+        line = self.inner.unshard(t, layout=layout, **inner)
         if heads is not None and heads != line.shape[1]:
             if not self.splits_heads:
                 raise ValueError(
                     f"heads={heads} does not match the {line.shape[1]} heads of the tensor; "
                     f"leave heads out (only K/V copies under inner='head_parallel' need it)")
             line = fold_copies(line, heads, copies, self._inner_where)
-        return self.outer.unshard(line, layout=layout)
+        return self.outer.unshard(line, layout=layout, **outer)
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
         """Steps, bytes and FLOPs per rank for the global ``spec``, with one ``DimCost`` per
         dim: the inner schedule for one inner line's problem (all heads, the S/Po tokens of
         an outer rank), the outer one for the heads of one inner rank (all tokens)."""
-        inner, outer = self.inner, self.outer
-        line = spec.replace(q_len=spec.q_len // outer.size, kv_len=spec.kv_len // outer.size)
-        heads = spec.replace(heads=spec.heads // inner.size,
-                             kv_heads=max(spec.kv_heads // inner.size, 1))
-        dims = tuple(DimCost(s.dim, s.describe(d)) for s, d in ((inner, line), (outer, heads)))
-        i, o = (d.description for d in dims)
-        return HybridDescription(
-            self.name, inner.size * outer.size, steps=o.steps,
-            bytes_sent=i.bytes_sent + o.bytes_sent,
-            bytes_received=i.bytes_received + o.bytes_received, flops=o.flops,
-            backward_steps=o.backward_steps,
-            backward_bytes_sent=i.backward_bytes_sent + o.backward_bytes_sent,
-            backward_bytes_received=i.backward_bytes_received + o.backward_bytes_received,
-            backward_flops=o.backward_flops, dims=dims,
-            notes=f"{inner.name} over {inner.dim}={inner.size} x {outer.name} over "
-                  f"{outer.dim}={outer.size}; steps and flops are the outer schedule's kernel "
-                  f"calls on H/{inner.size} heads; bytes add both dims",
-        )
+        return describe_dims(self.inner, self.outer, spec, self._global_line(spec))
+
+    def _global_line(self, spec):
+        """The global problem of this rank's inner line: all heads of its outer rank's tokens
+        (packed: of its part of every sequence, padding as sequences' slots)."""
+        outer = self.outer
+        if not spec.layout.is_varlen:
+            return spec.replace(q_len=spec.q_len // outer.size, kv_len=spec.kv_len // outer.size)
+        split = outer.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
+        cu, padded = split.part_packing(outer.index)
+        return spec.replace(q_len=split.tokens, kv_len=split.tokens, cu_seqlens=cu,
+                            cu_seqlens_padded=padded)
 
     def __repr__(self) -> str:
         if self._error is not None:

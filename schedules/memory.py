@@ -79,6 +79,29 @@ def kernel_workspace(sizes: Sizes, rows: int, keys: int) -> int:
     return sizes.q(rows, itemsize=4) + (2 * sizes.kv(keys, itemsize=4) if gqa else 0)
 
 
+def kernel_call(sizes: Sizes, keys: int, kv: int | None = None) -> Memory:
+    """What one GPU kernel call over a head group's query rows (``sizes.rows``) and ``keys``
+    key rows allocates: its out and lse (outputs); in backward dq, dk and dv (``kv``: bytes of
+    one of dk and dv where they are not the group's K/V heads over ``keys`` rows) and its
+    workspace."""
+    kv = sizes.kv(keys) if kv is None else kv
+    return Memory(outputs=sizes.q() + sizes.lse(), forward=0,
+                  backward=sizes.q() + 2 * kv + kernel_workspace(sizes, sizes.rows, keys))
+
+
+def local_memory(local: AttentionSpec) -> Memory:
+    """What one GPU kernel call on the whole local problem ``local`` allocates (the schedules
+    without communication)."""
+    return kernel_call(Sizes(local, local.q_len), local.kv_len)
+
+
+def input_bytes(local: AttentionSpec, backward: bool = True) -> int:
+    """Bytes of a rank's inputs of the local problem ``local``, which the caller holds: q, k
+    and v, and dout when ``backward``."""
+    sizes = Sizes(local, local.q_len)
+    return (2 if backward else 1) * sizes.q() + 2 * sizes.kv(local.kv_len)
+
+
 def forward_call(sizes: Sizes, call, keys: int, acc_itemsize: int) -> int:
     """Bytes a forward kernel call holds beside the schedule's buffers, for a head group
     (``keys``: rows of the key block): its out and lse; a packed call also the rows it

@@ -18,6 +18,10 @@ are zeros in ``shard``, never reach a kernel, get zero output and zero gradient,
 ``unshard`` drops them. ``position_ids`` is the position of every local token inside its
 sequence (what RoPE needs); padding tokens get position 0 (a valid index of any table; they
 reach no real token).
+
+A rank's part can be split again (``NestedPacking``: the ``hybrid`` schedule with inner
+ulysses splits each outer rank's part over its inner ranks); ``LocalPacking.owner`` names
+the splits that made a part, so a schedule takes only the parts it would make.
 """
 
 from __future__ import annotations
@@ -104,6 +108,16 @@ class Split:
         """Tokens of the global packed tensor."""
         return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
 
+    def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples: its real tokens of
+        every sequence, in slots of ``storage`` tokens (what splitting the part again takes)."""
+        real = torch.cumsum(self.counts[rank], 0)
+        return (0, *real.tolist()), tuple(self.offsets.tolist())
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """Row of each of ``rank``'s tokens in the packed tensor split here (-1: padding), host."""
+        return torch.where(self.real[rank], self.starts[self.seq] + self.positions[rank], -1)
+
     def part(self, rank: int) -> "LocalPacking":
         """Rank ``rank``'s view (made once)."""
         if rank not in self._parts:
@@ -189,20 +203,19 @@ class LocalPacking:
     @functools.cached_property
     def token_index(self) -> torch.Tensor:
         """Row of each local token in the global packed tensor, int64 [T_local] (-1: padding)."""
-        s = self.split
-        rows = s.starts[s.seq] + s.positions[self.rank]
-        return self._on_device(torch.where(s.real[self.rank], rows, -1))
+        return self._on_device(self.split.rows(self.rank))
 
     @property
     def coordinates(self) -> torch.Tensor:
         """Grid coordinates [T_local, 3] of the local tokens (partitions with a grid, such as
         ``VideoTiles``; padding tokens get those of position 0)."""
-        if not hasattr(self.partition, "coordinates"):
-            raise ValueError(
-                f"partition {self.partition.name!r} has no grid coordinates; use position_ids, "
-                f"or partition=VideoTiles(...) for video tokens"
-            )
-        return self.partition.coordinates(self.position_ids)
+        return _coordinates(self.partition, self.position_ids)
+
+    @property
+    def owner(self) -> tuple:
+        """(partition, parts, rank) of every split that made this part, outermost first: a
+        schedule uses a LocalPacking only when it would make one with this owner."""
+        return ((self.partition, self.parts, self.rank),)
 
     @functools.cached_property
     def _real_rows(self):
@@ -225,7 +238,7 @@ class LocalPacking:
         self._check_rows("t", t, self.tokens, "this rank's part")
         full = t if self.parts == 1 else self.split.gather(t)
         flat, tokens = self.split._unshard_index
-        whole = t.new_zeros((self.total_tokens, *t.shape[1:]))
+        whole = t.new_zeros((self.split.total_tokens, *t.shape[1:]))
         return whole.index_copy(0, tokens, full.index_select(0, flat))
 
     def _check_rows(self, name: str, t: torch.Tensor, want: int, what: str) -> None:
@@ -233,7 +246,7 @@ class LocalPacking:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
                 f"{name} ({shape}) must have {want} tokens along dim 0, the size of {what} "
-                f"(partition {self.partition.name} over {self.parts} ranks, rank {self.rank})"
+                f"({split_by(self.owner)})"
             )
         if t.device != self.device:
             raise ValueError(
@@ -250,7 +263,7 @@ class LocalPacking:
         return memo[key]
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, LocalPacking) and self.rank == other.rank
+        return self is other or (type(other) is type(self) and self.rank == other.rank
                                  and self.split.key == other.split.key)
 
     def __hash__(self) -> int:
@@ -260,3 +273,76 @@ class LocalPacking:
         return (f"LocalPacking(rank {self.rank} of {self.parts}, partition {self.partition.name}, "
                 f"{len(self.split.lengths)} sequences, {self.tokens} of {self.total_tokens} "
                 f"tokens)")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NestedPacking(LocalPacking):
+    """One rank's part of a global packing split twice: ``outer`` is its part under the first
+    split, and ``split``/``rank`` split that part again, its real tokens being the sequences
+    and each sequence's slot there (padding included) the room they are split in:
+
+        outer part (rank o)     a0 a1 .  .  | b0 b1 b6 b7        slots of 4 and 4
+        split again over 2      rank 0: a0 a1 | b0 b1    rank 1: .  .  | b6 b7
+
+    ``cu_seqlens``, ``tokens``, ``counts`` and ``cached`` are those of the second split (what
+    this rank holds; ``counts`` per rank of that split); ``position_ids``, ``token_index``, ``shard`` and ``unshard`` reach the global
+    packing through ``outer``. Made by ``schedules.get("hybrid", ...).pack(cu_seqlens)``.
+    """
+
+    outer: LocalPacking
+
+    @property
+    def total_tokens(self) -> int:
+        return self.outer.total_tokens
+
+    @functools.cached_property
+    def _outer_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(whether each local token is real, its row of the outer part, 0 for padding)."""
+        rows = self._on_device(self.split.rows(self.rank))
+        return rows >= 0, rows.clamp(min=0)
+
+    @functools.cached_property
+    def position_ids(self) -> torch.Tensor:
+        real, rows = self._outer_rows
+        return torch.where(real, self.outer.position_ids[rows], 0)
+
+    @functools.cached_property
+    def token_index(self) -> torch.Tensor:
+        real, rows = self._outer_rows
+        return torch.where(real, self.outer.token_index[rows], -1)
+
+    @property
+    def coordinates(self) -> torch.Tensor:
+        return _coordinates(self.outer.partition, self.position_ids)
+
+    @property
+    def owner(self) -> tuple:
+        return self.outer.owner + super().owner
+
+    def unshard(self, t: torch.Tensor) -> torch.Tensor:
+        return self.outer.unshard(super().unshard(t))
+
+    def __eq__(self, other) -> bool:
+        return super().__eq__(other) and self.outer == other.outer
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), hash(self.outer)))
+
+    def __repr__(self) -> str:
+        return (f"NestedPacking(rank {self.rank} of {self.parts}, partition "
+                f"{self.partition.name}, {self.tokens} tokens, of {self.outer!r})")
+
+
+def split_by(owner: tuple) -> str:
+    """``LocalPacking.owner`` in words."""
+    return "; then ".join(f"rank {rank} of {parts}, partition {partition.name}"
+                          for partition, parts, rank in owner)
+
+
+def _coordinates(partition: Partition, positions: torch.Tensor) -> torch.Tensor:
+    if not hasattr(partition, "coordinates"):
+        raise ValueError(
+            f"partition {partition.name!r} has no grid coordinates; use position_ids, "
+            f"or partition=VideoTiles(...) for video tokens"
+        )
+    return partition.coordinates(positions)

@@ -24,7 +24,7 @@ from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from . import heads
 from . import partition as partitions
 from .base import Schedule
-from .packing import LocalPacking, Split, global_packing
+from .packing import LocalPacking, Split, global_packing, split_by
 
 _KEPT_PACKINGS = 4  # global packings whose splits (and kernel calls) a schedule keeps
 
@@ -142,46 +142,12 @@ class SequenceSchedule(Schedule):
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
         """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
         global ``cu_seqlens`` or a ``LocalPacking`` of this rank; checks q's token count."""
-        if isinstance(cu_seqlens, LocalPacking):
-            if cu_seqlens_padded is not None:
-                raise ValueError(
-                    "cu_seqlens_padded goes with the global cu_seqlens tensor; a LocalPacking "
-                    "already holds the padding: leave cu_seqlens_padded out"
-                )
-            packing = self._own(cu_seqlens)
-        else:
-            packing = self.pack(cu_seqlens, cu_seqlens_padded)
-        if isinstance(q, torch.Tensor) and q.dim() == 3:
-            if q.device != packing.device:
-                raise ValueError(
-                    f"cu_seqlens is on {packing.device} but q on {q.device}; pass cu_seqlens on "
-                    f"the tensors' device"
-                )
-            if q.shape[0] != packing.tokens:
-                raise ValueError(
-                    f"q has {q.shape[0]} tokens but this rank's part of the packing has "
-                    f"{packing.tokens} (every sequence split by the {self.partition.name} "
-                    f"partition over {self.size} ranks, padded where needed). cu_seqlens is the "
-                    f"GLOBAL packing: shard q, k, v with schedule.shard(t, layout='thd', "
-                    f"cu_seqlens=cu_seqlens) or schedule.pack(cu_seqlens).shard(t)"
-                )
-        return packing
+        return checked_packing(self, q, cu_seqlens, cu_seqlens_padded)
 
-    def _own(self, packing: LocalPacking) -> LocalPacking:
-        """``packing`` when this rank can use it, else a ValueError saying whose it is."""
-        mine = (self.partition, self.size, self.index)
-        if (packing.partition, packing.parts, packing.rank) != mine:
-            raise ValueError(
-                f"cu_seqlens is {packing!r}, not this rank's part under schedule {self.name!r} "
-                f"(rank {self.index} of {self.size}, partition {self.partition.name}); pass "
-                f"schedule.pack(cu_seqlens) of this schedule, or the global cu_seqlens"
-            )
-        return packing
-
-    def _packing_of(self, cu_seqlens, cu_seqlens_padded) -> LocalPacking:
-        if isinstance(cu_seqlens, LocalPacking):
-            return self._own(cu_seqlens)
-        return self.pack(cu_seqlens, cu_seqlens_padded)
+    @property
+    def packing_owner(self) -> tuple:
+        """The ``owner`` of the packings this rank uses (see ``LocalPacking.owner``)."""
+        return ((self.partition, self.size, self.index),)
 
     def local_spec(self, spec):
         """This rank's part of the global ``spec`` (inverse of ``global_spec``; packed: with
@@ -202,7 +168,7 @@ class SequenceSchedule(Schedule):
               cu_seqlens_padded=None) -> torch.Tensor:
         layout = shard_layout(t, layout)
         if layout.is_varlen:
-            return self._packing_of(cu_seqlens, cu_seqlens_padded).shard(t)
+            return packing_of(self, cu_seqlens, cu_seqlens_padded).shard(t)
         index = self.indices(t.shape[2]).to(t.device)
         return layout.to(t.index_select(2, index))
 
@@ -210,7 +176,7 @@ class SequenceSchedule(Schedule):
                 cu_seqlens_padded=None) -> torch.Tensor:
         layout = unshard_layout(t, layout)
         if layout.is_varlen:
-            return self._packing_of(cu_seqlens, cu_seqlens_padded).unshard(t)
+            return packing_of(self, cu_seqlens, cu_seqlens_padded).unshard(t)
         return layout.to(self.gather_tokens(t, 2))
 
     @property
@@ -223,3 +189,44 @@ class SequenceSchedule(Schedule):
         full = self.gather(t, dim)
         inverse = self.partition.inverse(full.shape[dim], self.size).to(t.device)
         return full.index_select(dim, inverse)
+
+
+def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+    """The packing of ``schedule``'s rank: ``schedule.pack`` of the global ``cu_seqlens`` (and
+    ``cu_seqlens_padded``), or ``cu_seqlens`` itself, a LocalPacking, when it is that rank's
+    (``schedule.packing_owner``); else a ValueError saying whose it is."""
+    if not isinstance(cu_seqlens, LocalPacking):
+        return schedule.pack(cu_seqlens, cu_seqlens_padded)
+    if cu_seqlens_padded is not None:
+        raise ValueError(
+            "cu_seqlens_padded goes with the global cu_seqlens tensor; a LocalPacking "
+            "already holds the padding: leave cu_seqlens_padded out"
+        )
+    if cu_seqlens.owner != schedule.packing_owner:
+        raise ValueError(
+            f"cu_seqlens is {cu_seqlens!r}, not this rank's part under schedule "
+            f"{schedule.name!r} ({split_by(schedule.packing_owner)}); pass "
+            f"schedule.pack(cu_seqlens) of this schedule, or the global cu_seqlens"
+        )
+    return cu_seqlens
+
+
+def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+    """``packing_of`` for ``attention(q, ..., layout='thd')``, checking q's device and its
+    token count against the packing."""
+    packing = packing_of(schedule, cu_seqlens, cu_seqlens_padded)
+    if isinstance(q, torch.Tensor) and q.dim() == 3:
+        if q.device != packing.device:
+            raise ValueError(
+                f"cu_seqlens is on {packing.device} but q on {q.device}; pass cu_seqlens on "
+                f"the tensors' device"
+            )
+        if q.shape[0] != packing.tokens:
+            raise ValueError(
+                f"q has {q.shape[0]} tokens but this rank's part of the packing has "
+                f"{packing.tokens} ({split_by(packing.owner)}; every sequence padded where "
+                f"needed). cu_seqlens is the GLOBAL packing: shard q, k, v with "
+                f"schedule.shard(t, layout='thd', cu_seqlens=cu_seqlens) or "
+                f"schedule.pack(cu_seqlens).shard(t)"
+            )
+    return packing

@@ -34,7 +34,7 @@ from sdpa_fusion.layout import Layout
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
-from .memory import Memory, Sizes, kernel_workspace
+from .memory import Memory, Sizes, kernel_call
 from .sequence import SequenceSchedule
 
 
@@ -47,6 +47,11 @@ class Placement:
     length: int
     local: int
     parts: list
+
+    @property
+    def complete(self) -> bool:
+        """Whether the parts fill every row of the whole sequence (else the rest is zeros)."""
+        return sum(len(slots) for _, slots in self.parts) == self.length
 
 
 def packed_placement(split) -> Placement:
@@ -138,6 +143,8 @@ class Ulysses(SequenceSchedule):
             place = self._placement(spec, s, tensors[i].device)
             out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
+            if not place.complete:
+                out.zero_()
             for blocks, (rows, slots) in zip(received, place.parts):
                 out.index_copy_(2, slots, take(blocks[i], rows))
             outs.append(out)
@@ -265,22 +272,28 @@ class Ulysses(SequenceSchedule):
             memory=self.memory(spec),
         )
 
-    def memory(self, spec) -> Memory:
+    def memory(self, spec, call=None) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: the
         send and receive buffers of an all-to-all and what it places (the group's q, k, v in
-        forward; dout, q, k, v, out in backward), the kernel's results, and the all-to-all
-        of those back into the outputs."""
+        forward; dout, q, k, v, out in backward), the kernel call's allocations, and the
+        all-to-all of its results back into the outputs. ``call(heads, kv_heads)``: the
+        ``Memory`` of the kernel call on that many query and K/V heads of the whole sequence
+        when it is not a GPU kernel's (under ``hybrid``, the outer schedule's)."""
         rows = self.local_tokens(spec)
         groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
         q = size.q()
-        kv = size.kv() * self._heads_per_rank(spec.kv_heads // groups) * self.size \
+        kv_local = self._heads_per_rank(spec.kv_heads // groups)
+        kv = size.kv() * kv_local * self.size \
             // max(spec.kv_heads // groups, 1)  # K (or V) of a group as the ranks hold it
         replicated = size.kv(itemsize=4) if spec.kv_heads // groups < self.size else 0
         lse = size.lse()
-        forward = max(2 * (q + 2 * kv), q + 2 * kv + q + lse, 3 * q + lse)
+        kernel = kernel_call(size, rows, kv) if call is None else \
+            call(spec.heads // groups // self.size, kv_local)
+        forward = max(2 * (q + 2 * kv), q + 2 * kv + kernel.outputs + kernel.forward,
+                      2 * q + kernel.outputs)
         inputs, grads = 3 * q + 2 * kv, q + 2 * kv
         backward = whole.q() + 2 * whole.kv() + max(
-            2 * inputs, inputs + 2 * lse + grads + kernel_workspace(size, rows, rows),
-            3 * grads + replicated)
-        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)
+            2 * inputs, inputs + 2 * lse + kernel.backward, 3 * grads + replicated)
+        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
+                      kept=kernel.kept)

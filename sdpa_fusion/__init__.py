@@ -3,7 +3,7 @@
 from .api import Plan, attention, explain, plan
 from .kernels import KernelUnavailable
 from .layout import Layout
-from .mesh import Mesh, close_mesh, init_mesh
+from .mesh import Mesh, VirtualMesh, close_mesh, init_mesh
 from .spec import AttentionSpec
 from .waiting import MeshTimeout
 
@@ -12,7 +12,8 @@ _DEFINITIONS = ("LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward"
 __all__ = [
     "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "MeshTimeout", "Plan",
     "SdpaBackward",
-    "SdpaForward", "SdpaForwardBackward", "attention", "close_mesh", "explain", "init_mesh", "plan",
+    "SdpaForward", "SdpaForwardBackward", "VirtualMesh", "attention", "close_mesh", "explain",
+    "init_mesh", "plan",
 ]
 
 

@@ -54,8 +54,7 @@ def _check_placements(name: str, t, schedule) -> None:
             f"{name} is a DTensor with {what} {t.shape[dim]}, which its {schedule.size} ranks "
             f"cannot hold in equal shards; pad it to a multiple of {schedule.size}"
         )
-    length = t.shape[dim] if dim is not None and t.dim() > dim else 1
-    expected = schedule.placements(length)
+    expected = schedule.placements(t.shape)
     if list(t.placements) != expected:
         raise ValueError(
             f"{name} has placements {list(t.placements)} but schedule {schedule.name!r} needs "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import socket
 
@@ -118,6 +119,67 @@ class Mesh:
         return f"Mesh({dims}; rank {self.rank} of {self.world_size} on {self.device})"
 
 
+class VirtualMesh(Mesh):
+    """A mesh of ``shape`` seen from ``rank``, with no process group: schedules built on it
+    validate, shard and ``describe`` (pure), so a plan needs no launcher. It cannot
+    communicate: running attention on it raises a ValueError.
+
+        mesh = VirtualMesh((4,), ("seq",), rank=2)
+        schedules.get("ring", mesh).describe(spec)      # what rank 2 of 4 would do
+    """
+
+    def __init__(self, shape: tuple[int, ...], names: tuple[str, ...], *, rank: int = 0,
+                 device: torch.device | str = "cpu"):
+        shape, names = _check_dims(shape, names)
+        if not shape or any(s < 1 for s in shape):
+            raise ValueError(f"mesh shape {shape} must hold positive sizes (no -1: no launcher "
+                             f"says how many ranks there are)")
+        size = math.prod(shape)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"rank={rank!r} must be an int in [0, {size}) for mesh shape {shape}")
+        self.torch_mesh = None
+        self.layout = torch.arange(size).view(shape)
+        self.names, self.shape, self.device = names, shape, torch.device(device)
+        self.timeout = datetime.timedelta(0)
+        self.rank, self.world_size = rank, size
+        self._where = [int(i) for i in (self.layout == rank).nonzero()[0]]
+        self._controls, self._nvfuser_meshes = {}, {}
+
+    def coordinate(self, name: str) -> int:
+        return self._where[self._dim(name)]
+
+    def ranks(self, name: str) -> list[int]:
+        index: list = list(self._where)
+        index[self._dim(name)] = slice(None)
+        return self.layout[tuple(index)].tolist()
+
+    def group(self, name: str):
+        self._dim(name)
+        raise self._cannot_communicate()
+
+    def agree(self, value):
+        raise self._cannot_communicate()
+
+    def _cannot_communicate(self) -> ValueError:
+        return ValueError(
+            f"{self!r} plans, it does not communicate; build the mesh with "
+            f"sdpa_fusion.init_mesh under a launcher (mpirun, torchrun, srun) to run attention"
+        )
+
+    def control_group(self, name: str | None = None) -> None:
+        """None: no rank to agree with (a plan is made by one process)."""
+        if name is not None:
+            self._dim(name)
+        return None
+
+    def configuration(self) -> dict:
+        return {"names": self.names, "ranks": self.layout.tolist(), "device": self.device.type}
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+        return f"VirtualMesh({dims}; rank {self.rank} of {self.world_size}, no process group)"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,11 +218,7 @@ def init_mesh(
     the mesh's collectives; a rank that does not arrive in time raises ``MeshTimeout``.
     """
     timeout = _timeout(timeout)
-    shape, names = tuple(int(s) for s in shape), tuple(names)
-    if len(shape) != len(names):
-        raise ValueError(f"mesh shape {shape} and names {names} must have the same length")
-    if len(set(names)) != len(names):
-        raise ValueError(f"mesh dim names {names} must be distinct")
+    shape, names = _check_dims(shape, names)
     env = launch_env()
     world = env.world_size if env else (dist.get_world_size() if dist.is_initialized() else 1)
     shape = _resolve_shape(shape, world)
@@ -192,6 +250,16 @@ def init_mesh(
         if override else None,
     )
     return Mesh(torch_mesh, names, device, _control_groups(torch_mesh, names, timeout), timeout)
+
+
+def _check_dims(shape, names) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``shape`` and ``names`` as tuples, once they describe a mesh (sizes may hold one -1)."""
+    shape, names = tuple(int(s) for s in shape), tuple(names)
+    if len(shape) != len(names):
+        raise ValueError(f"mesh shape {shape} and names {names} must have the same length")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh dim names {names} must be distinct")
+    return shape, names
 
 
 def _timeout(timeout) -> datetime.timedelta:

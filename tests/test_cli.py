@@ -3,11 +3,16 @@ Run: pytest -q tests/test_cli.py"""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from sdpa_fusion.cli import main
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 SMALL = ["--device", "cpu", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--seq", "24",
          "--head-dim", "16"]
@@ -62,3 +67,89 @@ def test_demo_checks_the_reference_kernel(capsys):
     assert "demo: all checks passed" in out
     for name in ("out", "dq", "dk", "dv"):
         assert f"    {name}: max |error|" in out
+
+
+# ---- explain on a mesh, without a launcher -----------------------------------------------
+ISSUE_COMMAND = ["explain", "--schedule", "ring", "--mesh", "4", "--seq", "131072", "--heads",
+                 "32", "--head-dim", "128", "--causal"]
+
+
+def committed_row(file: str, impl: str, ranks: int, seq_len: int, panel: str) -> dict:
+    """A row of a committed benchmark result, read here without the code under test."""
+    record = json.loads((RESULTS / file).read_text())
+    (row,) = [r for r in record["rows"] if r["impl"] == impl and r.get("ranks") == ranks
+              and r["seq_len"] == seq_len and r["panel"] == panel]
+    return row
+
+
+def test_explain_plans_every_rank_of_a_mesh_without_a_process_group(capsys):
+    assert main(ISSUE_COMMAND) == 0
+    out = capsys.readouterr().out
+    assert not dist.is_initialized()
+    assert "planned on a virtual mesh (no process group, no data)" in out
+    assert "local problem of rank 0: b=1 h=32 h_kv=32 s_q=32768 s_kv=32768" in out
+    # 2 head groups (auto: 16 heads x 32K rows a call), 4 steps each way in each; K/V blocks
+    # of 1 x 16 x 32K x 128 bf16 = 0.25 GiB, 3 per group in forward (1.5 GiB); backward adds
+    # the fp32 dK/dV sums (3 x 1 GiB). Ranks alike but for memory: rank 0's remote calls take
+    # only its late queries, so their gradients and workspace are smaller than the others'
+    for ranks in ("0", "1-3"):
+        assert re.search(rf"\n +{ranks} +8/8 +1\.50/4\.50 +1\.50/4\.50 +35\.2/88 ", out), out
+    assert "predicted on NVIDIA H200 with kernel" in out
+    measured = committed_row("context_parallel.json", "ring", 4, 131072, "causal fwd+bwd")
+    assert f"last measurement, fwd+bwd: {measured['median_ms']:.1f} ms" in out
+
+
+def test_explain_json_per_rank_numbers(capsys):
+    assert main([*ISSUE_COMMAND, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    flops = 4 * 32 * 131072 ** 2 * 128 / 2  # causal forward of the whole problem
+    for row in report["ranks"]:
+        assert row["flops"] == flops / 4 and row["backward_flops"] == 2.5 * flops / 4
+        assert row["predicted_fwd_ms"] < row["predicted_fwd+bwd_ms"]
+
+
+def test_explain_one_device_compares_with_the_one_gpu_measurement(capsys):
+    assert main(["explain", "--device", "cpu", "--batch", "1", "--heads", "32", "--seq", "65536",
+                 "--head-dim", "128"]) == 0
+    out = capsys.readouterr().out
+    measured = committed_row("context_parallel_single.json", "1 GPU auto", 1, 65536,
+                             "causal fwd+bwd")
+    assert f"last measurement, fwd+bwd: {measured['median_ms']:.1f} ms" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "4"], r"^error: --mesh needs --schedule"),
+    (["--schedule", "ring", "--mesh", "4", "--option", "transport"],
+     r"^error: --option 'transport' must be KEY=VALUE"),
+    (["--schedule", "ring", "--mesh", "4", "--option", "hops=2"],
+     r"^error: schedule 'ring' takes the options \["),
+    (["--schedule", "ring", "--mesh", "4", "--seq", "1001"],
+     r"^error: sequence length 1001 must be divisible by 8"),
+    (["--schedule", "ring", "--mesh", "4", "--mesh-dims", "heads,seq"],
+     r"^error: --mesh-dims heads,seq names 2 dims but --mesh 4 has 1"),
+    (["--schedule", "hybrid", "--mesh", "4"], r"^error: schedule 'hybrid' needs a mesh of two"),
+    (["--schedule", "ring", "--mesh", "2", "--kernel", "bogus"], r"^error: --kernel 'bogus'"),
+], ids=["no-schedule", "option", "unknown-option", "seq", "dims", "hybrid-1d", "kernel"])
+def test_explain_on_a_mesh_reports_a_bad_argument_in_one_line(capsys, args, message):
+    assert main(["explain", *args]) == 2
+    err = capsys.readouterr().err
+    assert re.match(message, err) and err.count("\n") == 1, err
+    assert not dist.is_initialized()
+
+
+def test_explain_refuses_a_mesh_that_is_no_shape(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--schedule", "ring", "--mesh", "2x"])
+    assert exit_info.value.code == 2
+    assert "argument --mesh: '2x' is not a mesh shape" in capsys.readouterr().err
+
+
+def test_bench_names_the_benchmarks(capsys):
+    assert main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"single_gpu", "thd", "context_parallel"} <= set(listed) and "common" not in listed
+    assert main(["bench", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bench 'bogus' is not a benchmark; choose one of [")
+    assert err.count("\n") == 1

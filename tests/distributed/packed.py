@@ -68,6 +68,15 @@ def sequences(problem: PackedProblem):
     return list(zip(starts.tolist(), [b - a for a, b in zip(cu, cu[1:])]))
 
 
+def global_positions(problem: PackedProblem) -> torch.Tensor:
+    """Position of every global token in its sequence, computed from the packing alone (0 in
+    the padding slots)."""
+    positions = torch.zeros(problem.q.shape[0], dtype=torch.long)
+    for start, n in sequences(problem):
+        positions[start:start + n] = torch.arange(n)
+    return positions
+
+
 def _reference(p: PackedProblem) -> None:
     """Out and gradients of the reference kernel, sequence by sequence (zero in padding)."""
     ref = ReferenceKernel()
@@ -85,10 +94,13 @@ def _reference(p: PackedProblem) -> None:
             full[start:start + n] = got[0].transpose(0, 1)
 
 
-def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=False):
+def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=False,
+               kv_copies=False):
     """Shard, run forward and backward through ``attention`` (with the global cu_seqlens, or
     the LocalPacking when ``local``), unshard: (out, dq, dk, dv) full on every rank. Checks
-    that the padding rows of this rank's results are exactly zero."""
+    that the padding rows of this rank's results are exactly zero. ``kv_copies``: dK and dV
+    are unsharded as the sums of their copies (``hybrid`` with K/V heads fewer than its
+    inner head_parallel ranks)."""
     cu, padded = problem.cu_seqlens, problem.cu_seqlens_padded
     kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=padded)
     q, k, v = (schedule.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
@@ -105,7 +117,9 @@ def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=Fa
         padding = packing.token_index < 0
         for name, t in zip(("out", "dq", "dk", "dv"), results):
             assert not t[padding].any(), f"{name} is not zero on padding tokens"
-    return tuple(schedule.unshard(t, **kw) for t in results)
+    copies = dict(heads=problem.k.shape[1], copies="sum") if kv_copies else {}
+    return (*(schedule.unshard(t, **kw) for t in results[:2]),
+            *(schedule.unshard(t, **kw, **copies) for t in results[2:]))
 
 
 def assert_packed_matches(problem: PackedProblem, results, *, rtol=1e-5, atol=1e-5):

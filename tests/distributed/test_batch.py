@@ -20,12 +20,37 @@ from schedules.batch import split
 
 B, S, H, H_KV, E = 2, 16, 4, 2, 8
 SCHEDULES = ["ring", "allgather", "ulysses", "head_parallel"]
+BATCH_SCHEDULES = [*SCHEDULES, "hybrid ulysses", "hybrid head_parallel"]  # hybrids: 2 x P/2
 KINDS = ["dense", "padded", "packed"]
 
 
 def usable(name: str, mesh) -> None:
     if name in ("ulysses", "head_parallel") and mesh.size() > H:
         pytest.skip(f"{H} heads over {mesh.size()} ranks")
+    if name.startswith("hybrid") and mesh.size() % 2:
+        pytest.skip("a 2 x P/2 mesh needs an even number of ranks")
+
+
+@pytest.fixture(scope="module")
+def make(mesh):
+    """``make(name)``: schedule ``name`` over all ranks; "hybrid <inner>" over a 2 x P/2 mesh
+    ("heads", "seq"), made once."""
+    meshes = {}
+
+    def get(name: str):
+        if not name.startswith("hybrid"):
+            return schedules.get(name, mesh)
+        if "2d" not in meshes:
+            meshes["2d"] = sdpa_fusion.init_mesh((2, -1), ("heads", "seq"))
+        return schedules.get("hybrid", meshes["2d"], inner=name.split()[1])
+
+    return get
+
+
+def add_over_token_ranks(t: torch.Tensor, schedule) -> None:
+    """Sum ``t`` over the ranks that split the batch's tokens (each holds its tokens' part)."""
+    for s in schedule.token_splits:
+        torch.distributed.all_reduce(t, group=s.group)
 
 
 def batch_inputs(kind: str) -> dict:
@@ -57,15 +82,15 @@ def reference(q, k, v, dout, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_attention_through_the_batch(mesh, name, kind):
+@pytest.mark.parametrize("name", BATCH_SCHEDULES)
+def test_attention_through_the_batch(mesh, make, name, kind):
     """Shard [B, S, H, E] tensors, attend through the batch, unshard: torch SDPA per sequence,
     forward and backward (head_parallel: the model's replicated tensors, split inside)."""
     usable(name, mesh)
     g = torch.Generator().manual_seed(2)
     q, dout = (torch.randn(B, H, S, E, generator=g) for _ in range(2))
     k, v = (torch.randn(B, H_KV, S, E, generator=g) for _ in range(2))
-    batch = split(schedules.get(name, mesh), (B, S), **batch_inputs(kind))
+    batch = split(make(name), (B, S), **batch_inputs(kind))
     assert batch.packed == (kind != "dense")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     local = [batch.shard(t.transpose(1, 2)).transpose(1, 2) for t in leaves]  # BSHE views
@@ -73,9 +98,8 @@ def test_attention_through_the_batch(mesh, name, kind):
     out = batch.unshard(out_l.transpose(1, 2)).transpose(1, 2)
     (out * dout).sum().backward()
     grads = [t.grad.clone() for t in leaves]
-    if batch.schedule.token_splits:  # each rank's leaves hold its tokens' gradients: add them
-        for grad in grads:
-            torch.distributed.all_reduce(grad)
+    for grad in grads:  # each rank's leaves hold its tokens' gradients: add them
+        add_over_token_ranks(grad, batch.schedule)
     want = reference(q, k, v, dout, kind)
     for what, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5,
@@ -83,12 +107,12 @@ def test_attention_through_the_batch(mesh, name, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_shard_positions_and_unshard(mesh, name, kind):
+@pytest.mark.parametrize("name", BATCH_SCHEDULES)
+def test_shard_positions_and_unshard(mesh, make, name, kind):
     """Local tokens are the rows ``tokens`` names, with the positions one process gives them;
     ``unshard`` restores the batch (padding 0) and sends each rank its tokens' gradient."""
     usable(name, mesh)
-    sched = schedules.get(name, mesh)
+    sched = make(name)
     inputs = batch_inputs(kind)
     batch = split(sched, (B, S), **inputs)
     full = torch.arange(B * S * 3, dtype=torch.float32).view(B, S, 3).requires_grad_()
@@ -104,8 +128,7 @@ def test_shard_positions_and_unshard(mesh, name, kind):
     assert torch.equal(restored[mask], 2 * full[mask]) and bool((restored[~mask] == 0).all())
     restored.sum().backward()
     grad = full.grad.clone()
-    if sched.token_splits:
-        torch.distributed.all_reduce(grad)
+    add_over_token_ranks(grad, sched)
     assert torch.equal(grad, 2 * mask[..., None].float().expand_as(grad))
 
 
@@ -193,12 +216,3 @@ def test_bad_batches(mesh):
     batch = split(sched, (B, S))
     with pytest.raises(ValueError, match=r"t \(\[2, 15\]\) must start with the dims \[2, 16\]"):
         batch.shard(torch.zeros(B, S - 1))
-
-
-def test_hybrid_refuses_padded_batches(mesh):
-    if mesh.size() % 2:
-        pytest.skip("a 2-D mesh of two dims needs an even world")
-    sched = schedules.get("hybrid", sdpa_fusion.init_mesh((2, -1), ("heads", "seq")))
-    with pytest.raises(ValueError, match="schedule 'hybrid' does not take padded or packed "
-                                         "batches yet"):
-        split(sched, **batch_inputs("padded"))

@@ -22,6 +22,8 @@ from sdpa_fusion.layout import has_layout
 from sdpa_fusion.mesh import launch_env
 
 from .conftest import assert_matches, make_problem, run_schedule
+from .packed import (assert_packed_matches, global_positions, make_packed, run_packed,
+                     sequences)
 
 INNERS = ["ulysses", "head_parallel"]
 OUTERS = ["ring", "allgather"]
@@ -208,6 +210,74 @@ def test_head_split_reaches_the_local_kernel(meshes, shape):
     assert kernel.splits == (["heads", "heads"] if shape[0] > 1 else [])  # forward, backward
 
 
+# ---- packed sequences (THD) ---------------------------------------------------------------
+def packed_for(shape, *, kv="gqa", padded=False, causal=False):
+    """Sequences of 0 and 1 tokens, some not divisible by 2P (P all ranks), one of 4P; 2 query
+    heads per inner rank; ``kv``: "gqa" (2 query heads per K/V head) or "fewer" (one K/V
+    head); ``padded``: slots of user padding (cu_seqlens_padded)."""
+    pi, po = shape
+    p = pi * po
+    return make_packed([2 * p + 1, 0, 1, 4 * p, p + 3], h=2 * pi, h_kv={"gqa": pi, "fewer": 1}[kv],
+                       slack=[1, 2, 0, 3, 0] if padded else None, causal=causal, scale=0.4)
+
+
+PACKINGS = [("gqa", True), ("fewer", False)]
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("outer", OUTERS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv, padded", PACKINGS, ids=["gqa-cu_seqlens_padded", "fewer-cu_seqlens"])
+def test_packed_matches_reference(meshes, shape, inner, outer, causal, kv, padded):
+    """Forward and backward per sequence; padding outputs and gradients zero (``run_packed``).
+    With cu_seqlens_padded the call takes this rank's ``pack(...)``, else the global
+    cu_seqlens."""
+    problem = packed_for(shape, kv=kv, padded=padded, causal=causal)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    assert_packed_matches(problem, run_packed(sched, problem, local=padded, kv_copies=True))
+
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("partition", ["load_balanced", "striped"])
+def test_packed_positions_are_those_of_one_process(meshes, shape, inner, partition):
+    """position_ids of this rank's tokens are their positions in their sequences (0 for
+    padding); shard then unshard gives back every real token (zero in the padding slots).
+    Dense: position_ids are the positions of the tokens shard gives."""
+    problem = packed_for(shape, padded=True)
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, partition=partition)
+    local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+    real = local.token_index >= 0
+    assert torch.equal(local.position_ids[real], global_positions(problem)[local.token_index[real]])
+    assert not local.position_ids[~real].any()
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
+    in_a_sequence = torch.zeros(problem.q.shape[0], dtype=torch.bool)
+    for start, n in sequences(problem):
+        in_a_sequence[start:start + n] = True
+    back = sched.unshard(sched.shard(problem.q, **kw), **kw)
+    assert torch.equal(back, torch.where(in_a_sequence[:, None, None], problem.q, 0.0))
+    s = 8 * shape[0] * shape[1]  # dense: the positions of the tokens shard gives this rank
+    positions = torch.arange(s, dtype=torch.float32).view(1, 1, s, 1)
+    assert torch.equal(sched.position_ids(s), sched.shard(positions).flatten().long())
+
+
+@pytest.mark.parametrize("inner, outer, line", [
+    ("ulysses", "ring", "1xP"), ("ulysses", "allgather", "1xP"), ("head_parallel", "ring", "1xP"),
+    ("head_parallel", "allgather", "1xP"), ("ulysses", "ring", "Px1"), ("head_parallel", "ring", "Px1"),
+])
+def test_packed_lines_equal_the_1d_schedules(meshes, mesh, inner, outer, line):
+    """1xP equals the outer schedule over all ranks, Px1 the inner one."""
+    p = mesh.size()
+    shape = (1, p) if line == "1xP" else (p, 1)
+    problem = packed_for(shape, padded=True, causal=True)
+    hybrid = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    one_d = schedules.get(outer, mesh) if line == "1xP" else schedules.get(inner, mesh)
+    for got, want in zip(run_packed(hybrid, problem), run_packed(one_d, problem)):
+        assert torch.equal(got, want)
+
+
 # ---- errors -----------------------------------------------------------------------------
 def test_one_dim_mesh_is_refused(mesh):
     sched = schedules.get("hybrid", mesh)
@@ -297,20 +367,67 @@ def test_sequence_not_divisible(meshes):
             ulysses.shard(torch.randn(1, 2 * pi, s, 8))
 
 
-def test_thd_and_dtensors_are_refused(meshes):
-    m = meshes(SHAPES[0])
-    sched = schedules.get("hybrid", m)
-    packed = torch.randn(16, 4, 8)
-    cu = torch.tensor([0, 16], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"schedule 'hybrid' does not take layout='thd' yet"):
-        sdpa_fusion.attention(packed, packed, packed, layout="thd", cu_seqlens=cu, schedule=sched,
-                              kernel="reference")
-    q = torch.randn(1, 4, 8, 8)
-    from torch.distributed.tensor import Replicate, distribute_tensor
+@pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("inner", INNERS)
+def test_packed_bad_input_on_one_rank_then_a_correct_call(meshes, mesh, inner):
+    """Rank 0 passes the packing of another partition, then its full tensors."""
+    shape = SHAPES[0]
+    problem = packed_for(shape, causal=True)
+    m = meshes(shape)
+    sched = schedules.get("hybrid", m, inner=inner)
+    striped = schedules.get("hybrid", m, inner=inner, partition="striped")
+    cu = problem.cu_seqlens
+    q, k, v = (sched.shard(t, layout="thd", cu_seqlens=cu) for t in (problem.q, problem.k, problem.v))
+    mine = sched.pack(cu)
+    local = striped.pack(cu) if mesh.rank == 0 else mine
+    kw = dict(layout="thd", causal=True, kernel="reference", schedule=sched)
+    with pytest.raises(ValueError, match=r"rank 0: cu_seqlens is .*, not this rank's part under "
+                                         r"schedule 'hybrid' \(rank \d of \d+, partition "
+                                         r"load_balanced"):
+        sdpa_fusion.attention(q, k, v, cu_seqlens=local, **kw)
+    if mesh.rank == 0:
+        q, k, v = problem.q, problem.k, problem.v
+    with pytest.raises(ValueError, match=rf"rank 0: q has {problem.q.shape[0]} tokens but this "
+                                         rf"rank's part of the packing has {mine.tokens}"):
+        sdpa_fusion.attention(q, k, v, cu_seqlens=cu, **kw)
+    assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
 
-    d = distribute_tensor(q, m.torch_mesh, [Replicate(), Replicate()])
-    with pytest.raises(ValueError, match="schedule 'hybrid' does not take DTensors"):
-        sdpa_fusion.attention(d, d, d, schedule=sched, kernel="reference")
+
+@shapes
+@pytest.mark.parametrize("inner", INNERS)
+def test_dtensor_in_dtensor_out(meshes, shape, inner):
+    """Contiguous partition; with inner ulysses the outer dim comes first in the mesh (here
+    the one named "heads"), so that DTensor's Shard(2) over both dims (outer, then inner) is
+    what each rank holds."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if inner == "head_parallel":
+        m, inner_dim, placements = meshes(shape), "heads", [Shard(1), Shard(2)]
+    else:
+        m, inner_dim, placements = meshes(shape[::-1]), "seq", [Shard(2), Shard(2)]
+    sched = schedules.get("hybrid", m, inner=inner, inner_dim=inner_dim, partition="contiguous")
+    assert (sched.inner.size, sched.outer.size) == shape
+    problem = problem_for(shape, causal=True)
+    q, k, v = (distribute_tensor(t, m.torch_mesh, placements).requires_grad_()
+               for t in (problem.q, problem.k, problem.v))
+    out = sdpa_fusion.attention(q, k, v, causal=True, scale=problem.scale, schedule=sched,
+                                kernel="reference")
+    assert isinstance(out, DTensor) and list(out.placements) == placements
+    out.backward(distribute_tensor(problem.dout, m.torch_mesh, placements))
+    assert_matches(problem, [t.full_tensor() for t in (out, q.grad, k.grad, v.grad)])
+
+
+def test_dtensor_of_other_tokens_is_refused(meshes):
+    """The default load-balanced partition over several outer ranks is not DTensor's chunks."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    m = meshes(SHAPES[0])
+    problem = problem_for(SHAPES[0])
+    sched = schedules.get("hybrid", m)
+    q = distribute_tensor(problem.q, m.torch_mesh, [Shard(2), Shard(2)])
+    with pytest.raises(ValueError, match=r"the tokens of this rank under schedule 'hybrid' are not "
+                                         r"the contiguous chunk .* partition='contiguous'"):
+        sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
 
 
 def test_unshard_copies_needs_a_choice(meshes, mesh):
@@ -328,22 +445,32 @@ def test_unshard_copies_needs_a_choice(meshes, mesh):
 
 
 # ---- costs ------------------------------------------------------------------------------
-def expected_dims(spec, inner, outer, pi, po):
+def packed_rows(slots, pi: int, po: int) -> tuple[int, int]:
+    """(tokens each outer rank holds, tokens each rank holds) of packed sequences in ``slots``
+    tokens: each slot rounded up to 2·Po and load-balanced over Po, each outer rank's part
+    rounded up to Pi and split contiguously over Pi (with inner ulysses)."""
+    parts = [-(-n // (2 * po)) * 2 for n in slots]
+    return sum(parts), sum(-(-n // pi) for n in parts)
+
+
+def expected_dims(spec, inner, outer, pi, po, rows=None):
     """(forward bytes, backward bytes) of each dim per rank, from the definitions of the
-    schedules, for the global ``spec``."""
+    schedules, for the global ``spec``; ``rows`` (tokens per outer rank, per rank) of a packed
+    spec (dense: S/Po, S/(Po·Pi))."""
     b, e, size = spec.batch, spec.head_dim, spec.dtype.itemsize
-    h, h_kv, s = spec.heads, spec.kv_heads, spec.q_len
+    h, h_kv = spec.heads, spec.kv_heads
+    line, mine = rows or (spec.q_len // po, spec.q_len // po // pi)
     kv_heads = max(h_kv // pi, 1)  # K/V heads per inner rank
-    if inner == "ulysses":  # all-to-alls over the S/Po tokens of one outer rank
-        token_head = b * (s // po // pi) * e * size
+    if inner == "ulysses":  # all-to-alls over the tokens of one outer rank
+        token_head = b * mine * e * size
         qkv = (h // pi + 2 * kv_heads) * token_head
-        lse = b * (h // pi) * (s // po // pi) * 4
+        lse = b * (h // pi) * mine * 4
         fwd = (pi - 1) * (qkv + h // pi * token_head + lse)
         bwd = (pi - 1) * (qkv + 2 * h // pi * token_head + lse + qkv)
         inner_cost = (fwd, bwd)
     else:
         inner_cost = (0, 0)
-    block = 2 * b * kv_heads * (s // po) * e  # K and V of one outer rank, H_kv/Pi heads
+    block = 2 * b * kv_heads * line * e  # K and V of one outer rank, H_kv/Pi heads
     sums = size if (outer == "ring" and po == 2) else 4  # dK/dV sums travel in bf16 at P = 2
     outer_cost = ((po - 1) * block * size, (po - 1) * block * (size + sums))
     return inner_cost, outer_cost
@@ -353,13 +480,22 @@ def expected_dims(spec, inner, outer, pi, po):
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("outer", OUTERS)
 @pytest.mark.parametrize("kv_heads", [16, 1], ids=["mha", "mqa"])
-def test_describe_formulas(meshes, shape, inner, outer, kv_heads):
+@pytest.mark.parametrize("layout", ["bhse", "thd"])
+def test_describe_formulas(meshes, shape, inner, outer, kv_heads, layout):
+    """Packed: sequences of 300 and 5 tokens in slots of 301 and 37 tokens."""
     pi, po = shape
-    spec = sdpa_fusion.AttentionSpec(2, 16, kv_heads, 64 * pi * po, 64 * pi * po, 64, causal=True)
+    if layout == "thd":
+        spec = sdpa_fusion.AttentionSpec(1, 16, kv_heads, 338, 338, 64, causal=True, layout="thd",
+                                         cu_seqlens=(0, 300, 306), cu_seqlens_padded=(0, 301, 338))
+        rows = packed_rows([301, 37], pi, po)
+    else:
+        spec = sdpa_fusion.AttentionSpec(2, 16, kv_heads, 64 * pi * po, 64 * pi * po, 64,
+                                         causal=True)
+        rows = None
     sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
     d = sched.describe(spec)
     assert [c.dim for c in d.dims] == ["heads", "seq"]
-    for cost, (fwd, bwd) in zip(d.dims, expected_dims(spec, inner, outer, pi, po)):
+    for cost, (fwd, bwd) in zip(d.dims, expected_dims(spec, inner, outer, pi, po, rows)):
         got = cost.description
         assert (got.bytes_sent, got.bytes_received) == (fwd, fwd), cost.dim
         assert (got.backward_bytes_sent, got.backward_bytes_received) == (bwd, bwd), cost.dim
@@ -383,22 +519,29 @@ def test_describe_formulas(meshes, shape, inner, outer, kv_heads):
 @shapes
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("outer", OUTERS)
-def test_describe_matches_the_communicators(meshes, shape, inner, outer):
-    problem = problem_for(shape, b=2, layout="bshe", causal=True, dtype=torch.bfloat16, e=16)
+@pytest.mark.parametrize("layout", ["bshe", "thd"])
+def test_describe_matches_the_communicators(meshes, shape, inner, outer, layout):
+    """Packed: sequences of several lengths in user padding (fp32)."""
+    if layout == "thd":
+        problem = packed_for(shape, padded=True, causal=True)
+        kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+                  cu_seqlens_padded=problem.cu_seqlens_padded)
+    else:
+        problem = problem_for(shape, b=2, layout="bshe", causal=True, dtype=torch.bfloat16, e=16)
+        kw = dict(layout="bshe")
     sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
-    full = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, layout="bshe",
-                                                  causal=True)
+    full = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True, **kw)
     d = sched.describe(full)
     comms = (sched.inner.comm, sched.outer.comm)
-    q, k, v = (sched.shard(t, layout="bshe").requires_grad_() for t in (problem.q, problem.k, problem.v))
+    q, k, v = (sched.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
     for c in comms:
         c.stats.reset()
-    out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference", schedule=sched)
+    out = sdpa_fusion.attention(q, k, v, causal=True, kernel="reference", schedule=sched, **kw)
     for c, cost in zip(comms, d.dims):
         assert (c.stats.bytes_sent, c.stats.bytes_received) == (
             cost.description.bytes_sent, cost.description.bytes_received), cost.dim
         c.stats.reset()
-    out.backward(sched.shard(problem.dout, layout="bshe"))
+    out.backward(sched.shard(problem.dout, **kw))
     for c, cost in zip(comms, d.dims):
         assert (c.stats.bytes_sent, c.stats.bytes_received) == (
             cost.description.backward_bytes_sent, cost.description.backward_bytes_received), cost.dim
@@ -407,9 +550,16 @@ def test_describe_matches_the_communicators(meshes, shape, inner, outer):
 @shapes
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("outer", OUTERS)
-def test_sliding_window(meshes, shape, inner, outer):
-    """The outer schedule masks the window over its partition of the sequence."""
+@pytest.mark.parametrize("layout", ["bhse", "thd"])
+def test_sliding_window(meshes, shape, inner, outer, layout):
+    """The outer schedule masks the window over its partition of the sequence (packed: of
+    every sequence, user padding included)."""
     causal, window = (True, (3, 0)) if outer == "ring" else (False, (2, 5))
     sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+    if layout == "thd":
+        problem = make_packed([2 * shape[0] * shape[1] + 1, 0, 9], h=2 * shape[0], h_kv=shape[0],
+                              slack=[1, 2, 0], causal=causal, scale=0.4, window=window)
+        assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
+        return
     problem = problem_for(shape, causal=causal, window=window)
     assert_matches(problem, run_schedule(sched, problem))

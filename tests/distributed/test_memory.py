@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 import schedules
 import sdpa_fusion
+from schedules import heads
 from sdpa_fusion.kernels.base import Kernel, layout_of
 
 from .packed import make_packed
@@ -235,6 +236,75 @@ def test_packed(mesh, name, window):
     assert_described(sched, q, k, v, dout, sched.describe(spec).memory,
                      _merge_scratch(q.transpose(0, 1).unsqueeze(0)), causal=True, layout="thd",
                      cu_seqlens=local, window=window)
+
+
+@pytest.mark.parametrize("name", ["head_parallel", "replicated"])
+@pytest.mark.parametrize("kv", ["mha", "one"])
+def test_without_communication(mesh, name, kv):
+    """One kernel call on the local heads: its outputs, its gradients and workspace."""
+    p = mesh.size()
+    sched = schedules.get(name, mesh)
+    q, dout = (torch.randn(1, 2 * p, 32, 64) for _ in range(2))
+    k, v = (torch.randn(1, 2 * p if kv == "mha" else 1, 32, 64) for _ in range(2))
+    q, k, v, dout = (sched.shard(t).detach() for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, causal=True)
+
+
+def two_dim_shapes(p: int) -> list[tuple[int, int]]:
+    """(inner, outer) meshes over ``p`` ranks: 1 x P, and 2 x P/2 for even P."""
+    return [(1, p)] + ([(2, p // 2)] if p % 2 == 0 else [])
+
+
+@pytest.fixture(scope="module")
+def meshes(mesh):
+    """``meshes(shape)``: a ("heads", "seq") mesh over all ranks, made once per shape."""
+    made = {}
+
+    def get(shape):
+        if shape not in made:
+            made[shape] = sdpa_fusion.init_mesh(shape, ("heads", "seq"))
+        return made[shape]
+
+    return get
+
+
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+@pytest.mark.parametrize("outer", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["bhse", "thd"])
+@pytest.mark.parametrize("groups", ["one", "most"])
+def test_hybrid(mesh, meshes, monkeypatch, inner, outer, layout, groups):
+    """The inner schedule's buffers around the outer schedule, its kernel call, for the
+    heads each call takes (GQA; packed: sequences in user padding). ``most``: auto head
+    groups take as many groups as fit, in both dims."""
+    if groups == "most":
+        monkeypatch.setattr(heads, "MIN_GROUP_WORK", 1)
+    p = mesh.size()
+    for shape in two_dim_shapes(p):
+        pi = shape[0]
+        sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+        h, h_kv = 4 * pi, 2 * pi
+        if layout == "thd":
+            problem = make_packed([8 * p + 3, 4 * p, 12 * p], h=h, h_kv=h_kv, e=64, causal=True,
+                                  slack=[5, 0, 2])
+            local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+            q, k, v, dout = (sched.shard(t, layout="thd", cu_seqlens=local).detach()
+                             for t in (problem.q, problem.k, problem.v, problem.dout))
+            spec = sdpa_fusion.AttentionSpec.from_tensors(
+                problem.q, problem.k, problem.v, causal=True, layout="thd",
+                cu_seqlens=problem.cu_seqlens, cu_seqlens_padded=problem.cu_seqlens_padded)
+            kw = dict(layout="thd", cu_seqlens=local)
+            scratch = _merge_scratch(q.transpose(0, 1).unsqueeze(0))
+        else:
+            full = [torch.randn(1, n, 8 * p, 64) for n in (h, h_kv, h_kv, h)]
+            spec = sdpa_fusion.AttentionSpec.from_tensors(*full[:3], causal=True)
+            q, k, v, dout = (sched.shard(t).detach() for t in full)
+            kw = {}
+            scratch = _merge_scratch(q)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        assert_described(sched, q, k, v, dout, sched.describe(spec).memory, scratch,
+                         causal=True, **kw)
 
 
 def test_memory_shrinks_with_groups(mesh):

@@ -14,7 +14,7 @@ import sdpa_fusion
 from schedules.partition import VideoTiles
 
 from .conftest import assert_matches, make_problem, run_schedule
-from .packed import assert_packed_matches, make_packed, run_packed, sequences
+from .packed import assert_packed_matches, global_positions, make_packed, run_packed, sequences
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -24,14 +24,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     cos, sin = (f(angles)[:, None, :].to(x.dtype) for f in (torch.cos, torch.sin))
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-
-
-def global_positions(problem) -> torch.Tensor:
-    """Position of every global token in its sequence, computed from the packing alone."""
-    positions = torch.zeros(problem.q.shape[0], dtype=torch.long)
-    for start, n in sequences(problem):
-        positions[start:start + n] = torch.arange(n)
-    return positions
 
 
 @pytest.mark.parametrize("partition", ["load_balanced", "contiguous", "striped"])

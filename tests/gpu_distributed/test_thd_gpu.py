@@ -9,6 +9,7 @@ the GQA cases also give cu_seqlens_padded with padding slots holding random valu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -40,19 +41,28 @@ def _problem(causal: bool, kv_heads: int, padded: bool, h=8, e=128):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(room[-1], heads, e, device="cuda", generator=g,
                                  dtype=torch.bfloat16) for heads in (h, kv_heads, kv_heads, h))
-    expected = [torch.zeros(t.shape, device="cuda") for t in (q, q, k, v)]
     starts = (cu_padded if padded else cu)[:-1].tolist()
-    for start, n in zip(starts, LENGTHS):
+    expected = torch_sdpa_per_sequence(q, k, v, dout, starts, LENGTHS, causal)
+    return (q, k, v, dout, cu, cu_padded), expected
+
+
+def torch_sdpa_per_sequence(q, k, v, dout, starts, lengths, causal, *, fp32=True):
+    """(out, dq, dk, dv) of torch SDPA run sequence by sequence on packed [T, H, E] tensors
+    (zero outside the sequences): fp32 math on the upcast inputs, or with ``fp32=False`` torch's
+    own kernel choice on the inputs' dtype."""
+    dtype = torch.float32 if fp32 else q.dtype
+    expected = [torch.zeros(t.shape, device=t.device, dtype=dtype) for t in (q, q, k, v)]
+    for start, n in zip(starts, lengths):
         if n == 0:
             continue
         rows = slice(start, start + n)
-        leaves = [t[rows].float().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
-        with sdpa_kernel(SDPBackend.MATH):
+        leaves = [t[rows].to(dtype).transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.MATH) if fp32 else contextlib.nullcontext():
             out = scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
-        out.backward(dout[rows].float().transpose(0, 1).unsqueeze(0))
+        out.backward(dout[rows].to(dtype).transpose(0, 1).unsqueeze(0))
         for full, got in zip(expected, (out, *(t.grad for t in leaves))):
             full[rows] = got[0].transpose(0, 1)
-    return (q, k, v, dout, cu, cu_padded), expected
+    return expected
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -1,0 +1,127 @@
+"""What every rank of a mesh would do for one attention problem, without the ranks.
+
+    for r in plan_ranks("ring", spec, (4,)):        # spec: the global AttentionSpec
+        print(r.rank, r.local, r.description, r.memory)
+
+Each rank's schedule is built on a ``VirtualMesh`` (no process group) and sees data-less
+(meta) shards of the full q, k, v, so its local problem, its ``validate`` and its
+``describe`` are exactly those of a run on real ranks. Nothing communicates or allocates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from sdpa_fusion.mesh import VirtualMesh
+from sdpa_fusion.spec import AttentionSpec
+
+from .base import Description
+from .memory import Memory, input_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds for a step: its inputs q, k, v (and in backward dout), which the
+    caller holds, and what the schedule's call allocates (``Description.memory``: outputs,
+    buffers, accumulators, kernel workspace, kept buffers; None when the schedule does not
+    say, and then so do the peaks)."""
+
+    inputs: int
+    dout: int
+    schedule: Memory | None
+
+    @property
+    def forward(self) -> int | None:
+        """The peak of a forward."""
+        m = self.schedule
+        return None if m is None else self.inputs + m.kept + m.outputs + m.forward
+
+    @property
+    def forward_backward(self) -> int | None:
+        """The peak of a forward and backward step."""
+        m = self.schedule
+        return None if m is None else self.inputs + self.dout + m.step
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """One rank's part: its coordinates on the mesh, its local problem, what the schedule
+    says it costs (``describe`` of the global problem) and the memory it holds."""
+
+    rank: int
+    coordinates: dict[str, int]
+    local: AttentionSpec
+    description: Description
+    memory: RankMemory
+
+
+def mesh_names(name: str, dims: int) -> tuple[str, ...]:
+    """Default dim names: ("heads", "seq") on 2-D meshes; on 1-D, the dim the schedule splits."""
+    if dims == 2:
+        return ("heads", "seq")
+    from . import _class
+
+    return ("heads",) if _class(name).sharded_dim == 1 else ("seq",)
+
+
+def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
+               names: tuple[str, ...] | None = None, **options) -> list[RankPlan]:
+    """Every rank's ``RankPlan`` under schedule ``name`` (with ``options``) on a mesh of
+    ``shape`` for the global dense ``spec``; a ValueError naming the fix when the schedule
+    cannot run it there."""
+    from . import get
+
+    if spec.layout.is_varlen:
+        raise ValueError("plan_ranks takes a dense spec (layout 'bhse' or 'bshe'); plan packed "
+                         "batches with schedule.describe(spec) on a VirtualMesh")
+    names = names or mesh_names(name, len(shape))
+    plans = []
+    with _one_thread():
+        for rank in range(_size(shape)):
+            mesh = VirtualMesh(shape, names, rank=rank)
+            schedule = get(name, mesh, **options)
+            local = _local_spec(schedule, spec)
+            schedule.validate(local)
+            description = schedule.describe(spec)
+            plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
+                                  description, _memory(local, description)))
+    return plans
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread: planning is index arithmetic over up to S tokens per rank, small
+    work that torch's thread pool only slows down (tenfold and more on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _size(shape) -> int:
+    size = 1
+    for s in shape:
+        size *= int(s)
+    return size
+
+
+def _local_spec(schedule, spec: AttentionSpec) -> AttentionSpec:
+    """The spec of this rank's shards of data-less full tensors of ``spec``."""
+    def full(heads, length):
+        t = torch.empty(spec.batch, heads, length, spec.head_dim, dtype=spec.dtype, device="meta")
+        return schedule.shard(spec.layout.to(t), layout=spec.layout)
+
+    q = full(spec.heads, spec.q_len)
+    k = v = full(spec.kv_heads, spec.kv_len)
+    return AttentionSpec.from_tensors(q, k, v, layout=spec.layout, causal=spec.causal,
+                                      scale=spec.scale, window=spec.window)
+
+
+def _memory(local: AttentionSpec, description: Description) -> RankMemory:
+    inputs = input_bytes(local, backward=False)
+    return RankMemory(inputs, input_bytes(local) - inputs, description.memory)

@@ -1,0 +1,185 @@
+"""The plan of a schedule on a mesh, per rank, with predicted times: what ``explain --mesh``
+prints. Built by ``schedules.plan.plan_ranks`` on virtual meshes (no process group) and
+``benchmarks.predict`` (a cost model on the committed benchmark results)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .spec import AttentionSpec
+
+GIB = float(1 << 30)
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshReport:
+    """Every rank's plan and predicted times (None when the model has no figures)."""
+
+    schedule: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    options: dict
+    spec: AttentionSpec
+    plans: list
+    kernel: str | None  # the kernel the prediction is for
+    predicted: list[dict[str, object]] | None  # per rank: mode -> StepTime
+    why_not: str = ""  # why there is no prediction
+
+    def rows(self) -> list[dict]:
+        """One dict of numbers per rank (what ``--json`` prints)."""
+        rows = []
+        for i, p in enumerate(self.plans):
+            d, m = p.description, p.memory
+            local = {k: getattr(p.local, k) for k in ("batch", "heads", "kv_heads", "q_len", "kv_len")}
+            row = {"rank": p.rank, "coordinates": p.coordinates, "local": local, "steps": d.steps,
+                   "backward_steps": d.backward_steps, "bytes_sent": d.bytes_sent,
+                   "bytes_received": d.bytes_received, "backward_bytes_sent": d.backward_bytes_sent,
+                   "backward_bytes_received": d.backward_bytes_received, "flops": d.flops,
+                   "backward_flops": d.backward_flops, "memory_bytes": m.forward,
+                   "backward_memory_bytes": m.forward_backward}
+            if self.predicted is not None:
+                row.update({f"predicted_{mode}_ms": self.predicted[i][mode].seconds * 1e3
+                            for mode in MODES})
+            rows.append(row)
+        return rows
+
+
+def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
+                names: tuple[str, ...] | None = None, options: dict | None = None,
+                kernel: str = "auto") -> MeshReport:
+    """Plan schedule ``name`` on a mesh of ``shape`` for global ``spec`` and predict each
+    rank's step (a ValueError when the schedule cannot run it there)."""
+    from schedules.plan import mesh_names, plan_ranks
+
+    options = dict(options or {})
+    names = tuple(names or mesh_names(name, len(shape)))
+    plans = plan_ranks(name, spec, tuple(shape), names, **options)
+    try:
+        from benchmarks import predict
+
+        chosen = predict.auto_kernel(spec.head_dim, spec.causal) if kernel == "auto" else kernel
+        transport = options.get("transport", "auto")
+        predicted = [{mode: predict.step_time(p, spec, mode=mode, kernel=chosen,
+                                              transport=transport) for mode in MODES}
+                     for p in plans]
+    except (ImportError, ValueError) as e:
+        return MeshReport(name, tuple(shape), names, options, spec, plans, None, None, str(e))
+    return MeshReport(name, tuple(shape), names, options, spec, plans, chosen, predicted)
+
+
+def spec_text(spec: AttentionSpec) -> str:
+    """A spec in one short line: b=2 h=16 h_kv=4 s_q=4096 s_kv=4096 e=128 bfloat16 bshe causal."""
+    s = (f"b={spec.batch} h={spec.heads} h_kv={spec.kv_heads} s_q={spec.q_len} "
+         f"s_kv={spec.kv_len} e={spec.head_dim} {str(spec.dtype).replace('torch.', '')} "
+         f"{spec.layout}")
+    return s + (" causal" if spec.causal else "")
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}" \
+        if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+
+
+def _cells(report: MeshReport, row: dict) -> list[str]:
+    cells = [f"{row['steps']}/{row['backward_steps']}",
+             f"{_gib(row['bytes_sent'])}/{_gib(row['backward_bytes_sent'])}",
+             f"{_gib(row['bytes_received'])}/{_gib(row['backward_bytes_received'])}",
+             f"{row['flops'] / 1e12:.3g}/{row['backward_flops'] / 1e12:.3g}",
+             f"{_gib(row['memory_bytes'])}/{_gib(row['backward_memory_bytes'])}"]
+    if report.predicted is not None:
+        cells.append(f"{row['predicted_fwd_ms']:.3g}/{row['predicted_fwd+bwd_ms']:.3g}")
+    return cells
+
+
+def table(report: MeshReport) -> list[str]:
+    """The per-rank table, ranks with the same numbers on one line."""
+    header = ["ranks", "steps", "GiB sent", "GiB received", "TFLOP", "memory GiB"]
+    if report.predicted is not None:
+        header.append("predicted ms")
+    groups: dict[tuple, list[int]] = {}
+    for row in report.rows():
+        groups.setdefault(tuple(_cells(report, row)), []).append(row["rank"])
+    body = [[_ranks(ranks), *cells] for cells, ranks in groups.items()]
+    widths = [max(len(x) for x in column) for column in zip(header, *body)]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(header, widths))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in body]
+    return ["  " + line for line in lines]
+
+
+def text(report: MeshReport) -> str:
+    """The report as ``explain`` prints it."""
+    spec, p0 = report.spec, report.plans[0]
+    dims = " x ".join(f"{n}={s}" for n, s in zip(report.names, report.shape))
+    options = "".join(f", {k}={v!r}" for k, v in report.options.items())
+    lines = [f"schedule {report.schedule}{options} on a mesh {dims}: planned on a virtual mesh "
+             f"(no process group, no data)",
+             f"problem: {spec_text(spec)}",
+             f"FLOPs of the whole problem: forward {spec.flops():.3e}, forward+backward "
+             f"{spec.flops(backward=True):.3e}",
+             f"local problem of rank 0: {spec_text(p0.local)}",
+             "per rank (steps, GiB, TFLOP: forward/backward; memory GiB and predicted ms: "
+             "forward/forward+backward):"]
+    lines += table(report)
+    if len(report.shape) > 1:
+        lines.append(f"  rank = {report.names[0]} x {report.shape[1]} + {report.names[1]}")
+    if p0.description.notes:
+        lines.append(f"notes: {p0.description.notes}")
+    lines.append("memory: this rank's q, k, v (and dout) and what describe().memory says the "
+                 "call allocates at its peak (outputs, gradients, buffers, accumulators, kernel "
+                 "workspace)")
+    lines += prediction_text(report)
+    return "\n".join(lines)
+
+
+def prediction_text(report: MeshReport) -> list[str]:
+    """The predicted times and the last measurements of the configuration, as lines."""
+    if report.predicted is None:
+        return [f"no predicted time: {report.why_not}"]
+    from benchmarks import predict
+
+    spec, first = report.spec, report.predicted[0]
+    slowest = {mode: max(p[mode].seconds for p in report.predicted) for mode in MODES}
+    per_gpu = spec.flops(backward=True) / len(report.plans) / slowest["fwd+bwd"] / 1e12
+    step = first["fwd+bwd"]
+    lines = [f"predicted on {predict.measured_device()} with kernel {report.kernel} (bf16 "
+             f"measurements): forward {slowest['fwd'] * 1e3:.3g} ms, forward+backward "
+             f"{slowest['fwd+bwd'] * 1e3:.3g} ms ({per_gpu:.0f} TFLOP/s per GPU)",
+             f"  compute {step.compute_s * 1e3:.3g} ms: {step.rate.source}"]
+    if step.bandwidth is not None:
+        lines.append(f"  transfers {step.transfer_s * 1e3:.3g} ms not hidden: "
+                     f"{step.bandwidth.source}")
+    return lines + _last_measurements(report)
+
+
+def _last_measurements(report: MeshReport) -> list[str]:
+    from benchmarks import predict
+
+    lines = []
+    for mode in MODES:
+        found = predict.measurements(report.schedule, report.shape, report.spec, mode,
+                                     report.options)
+        if not found:
+            continue
+        m = found[-1]
+        kernel, transport = m.kernel, m.options.get("transport", "auto")
+        plan = report.plans[0]
+        seconds = max(predict.step_time(p, report.spec, mode=mode, kernel=kernel,
+                                        transport=transport).seconds for p in report.plans)
+        off = seconds * 1e3 / m.median_ms - 1
+        via = f" and transport {transport}" if "transport" in m.options else ""
+        memory = plan.memory.forward if mode == "fwd" else plan.memory.forward_backward
+        peak = "" if m.peak_gib is None or memory is None else \
+            f"; peak memory {m.peak_gib:.1f} GiB per GPU, predicted {memory / GIB:.1f}"
+        lines.append(f"last measurement, {mode}: {m.median_ms:.1f} ms ({m.tflops:.0f} TFLOP/s "
+                     f"per GPU) with {kernel}{via} on {m.device} ({m.file}, "
+                     f"{predict.age(m.date)}); predicted for it {seconds * 1e3:.1f} ms, "
+                     f"{off:+.1%}{peak}")
+    if not lines:
+        lines.append("last measurement: none of this configuration in benchmarks/results "
+                     "(b, heads, head dim, sequence length, causal, ranks)")
+    return lines

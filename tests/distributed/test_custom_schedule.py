@@ -1,0 +1,53 @@
+"""The worked example of docs/custom_schedule.md: a user's schedule, registered without
+editing the package, runs forward and backward like the built-in ones and refuses what it
+cannot do on every rank.
+
+    mpirun -np 4 python -m pytest tests/distributed/test_custom_schedule.py
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import schedules
+import sdpa_fusion
+from tests.distributed.conftest import assert_matches, make_problem, run_schedule
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example():
+    """The example module, imported (so registering its schedule) into a copy of the
+    registry that is dropped after these tests: the other tests see the built-in names."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(schedules, "_REGISTRY", dict(schedules._REGISTRY))
+        module = importlib.import_module("examples.custom_schedule")
+        yield importlib.reload(module)
+
+
+def test_the_example_registers_its_schedule():
+    assert "gather_kv" in schedules.names() and schedules.options("gather_kv") == ["dim"]
+
+
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_gather_kv_matches_the_reference(mesh, example, layout):
+    p = mesh.size()
+    problem = make_problem(b=2, h=4, h_kv=2, s=4 * p, e=16, layout=layout, scale=0.5)
+    sched = schedules.get("gather_kv", mesh)
+    assert isinstance(sched, example.GatherKV)
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+def test_the_example_script_checks_what_it_prints(mesh, example):
+    errors = example.run(mesh)
+    assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-5
+
+
+def test_gather_kv_refuses_causal_on_every_rank_then_runs(mesh):
+    problem = make_problem(b=1, h=2, s=2 * mesh.size(), e=8)
+    sched = schedules.get("gather_kv", mesh)
+    q, k, v = (sched.shard(t) for t in (problem.q, problem.k, problem.v))
+    with pytest.raises(ValueError, match="schedule 'gather_kv' attends every query to every key"):
+        sdpa_fusion.attention(q, k, v, causal=True, schedule=sched)
+    assert_matches(problem, run_schedule(sched, problem))

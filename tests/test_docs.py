@@ -1,0 +1,65 @@
+"""The docs stay true to the code: schedules.md's diagrams are what docs/draw_schedules.py
+computes from the schedules now, its pictures can be drawn, every link resolves, and every
+code block of custom_schedule.md is a piece of the example the tests run.
+Run: pytest -q tests/test_docs.py"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def draw_schedules():
+    spec = importlib.util.spec_from_file_location("draw_schedules", DOCS / "draw_schedules.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_schedule_diagrams_are_current(draw_schedules):
+    markdown = (DOCS / "schedules.md").read_text()
+    drawn = draw_schedules.MARK.findall(markdown)
+    assert {name for _, name, _, _ in drawn} == set(draw_schedules.TEXTS)
+    assert draw_schedules.fill(markdown) == markdown, "run python docs/draw_schedules.py"
+
+
+def test_the_ring_diagram_matches_the_load_balanced_picture_of_the_partition(draw_schedules):
+    # rank 0 holds chunks 0 and 7 of 8: tokens 0-1 and 14-15; at step 1 it holds rank 3's
+    # block (tokens 6-9), all of them after its early chunk: only its late queries attend
+    source, case, pairs = draw_schedules.ring_step("load_balanced", 1, 0)
+    assert (source, case.name) == (3, "LATE_QUERIES")
+    assert sorted(map(tuple, pairs.nonzero().tolist())) == [
+        (q, k) for q in (14, 15) for k in (6, 7, 8, 9)]
+
+
+def test_the_pictures_are_drawn(draw_schedules, tmp_path):
+    paths = draw_schedules.draw(tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == sorted(p.name for p in (DOCS / "images").glob("*.png"))
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_every_link_of_the_docs_and_readme_resolves():
+    files = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *DOCS.glob("*.md")]
+    for md in files:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text()):
+            if not target.startswith("http"):
+                assert (md.parent / target).exists(), f"{md.name}: {target}"
+    readme = (ROOT / "README.md").read_text()
+    for doc in DOCS.glob("*.md"):
+        assert f"(docs/{doc.name})" in readme, f"README does not link docs/{doc.name}"
+
+
+def test_custom_schedule_doc_shows_the_tested_example():
+    example = (ROOT / "examples" / "custom_schedule.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "custom_schedule.md").read_text(), re.S)
+    assert len(blocks) >= 6
+    for block in blocks:
+        assert block in example, block[:80]
