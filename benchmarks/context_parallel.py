@@ -4,29 +4,41 @@
     mpirun -np 4 python -m benchmarks.context_parallel     # the schedules, ~4-5 min on 4 H200s
     mpirun -np 4 --oversubscribe python -m benchmarks.context_parallel --tiny   # CPU ranks
 
+The goals of context parallelism on 2 GPUs (ring on FA4 and on cuDNN, Ulysses, allgather,
+torch's context_parallel; one GPU on cuDNN and on FA4), in one run of about 8 minutes:
+
+    python -m benchmarks.context_parallel --preset goals --single-gpu --tag _goals
+    mpirun -np 2 python -m benchmarks.context_parallel --preset goals --tag _goals
+
 The problem: b=1, 32 heads of 128, bf16, s = 32K..256K, causal and not, forward and
 forward+backward. Implementations:
   ring, allgather, ulysses     sdpa_fusion.attention(..., schedule=schedules.get(name, mesh,
-                               partition="load_balanced" if causal else "contiguous"),
-                               kernel="auto"); a name missing from schedules.names() is
-                               recorded as unavailable, a schedule that takes no partition
-                               option runs without it. Ring runs once per --ring-transports
-                               entry ("ring copy_engine", "ring p2p"); the symmetric memory
-                               of the copy-engine transport is added to its memory
+                               partition="load_balanced" if causal else "contiguous",
+                               **options), kernel=--kernel); ``--schedules`` entries take
+                               options as ``name:option=value:...`` (``kernel=`` picks the
+                               local kernel of that entry: "ring:kernel=fa4",
+                               "ring:transport=p2p", "ring:head_groups=4"); the row is named
+                               by the entry ("ring fa4"). A name missing from
+                               schedules.names() is recorded as unavailable; a schedule that
+                               takes no partition option runs without it. The symmetric
+                               memory of the copy-engine transport is added to its memory
   torch-cp allgather|alltoall  torch.distributed.tensor.experimental.context_parallel with
                                set_rotate_method(...), under sdpa_kernel(CUDNN_ATTENTION); its
                                head-tail load balancer when causal
-  1 GPU auto                   the whole problem on one GPU (``--single-gpu``, a separate run
-                               without mpirun, so no rank idles inside a collective); the
-                               distributed run merges its JSON when present
+  1 GPU <kernel>               the whole problem on one GPU, once per ``--kernels`` entry
+                               (``--single-gpu``, a separate run without mpirun, so no rank
+                               idles inside a collective); the distributed run merges its JSON
+                               when present
 Per-GPU TFLOP/s = AttentionSpec.flops of the whole problem / ranks / the slowest rank's median
 time. Timed iterations run back to back after a barrier (a training loop's steady state);
 ``--sync-each`` puts a barrier before every iteration instead. Memory: ``peak_gib`` is the largest
 ``max_memory_allocated`` of any rank over the timed iterations, ``step_gib`` that peak minus
-what was allocated before them (the step's own working memory). PyTorch's context_parallel
-shards its buffers in place with ``resize_``, which keeps each buffer's full storage, so
-compare ``step_gib`` there. Outputs up to ``--check-max-seq`` are compared with the one-device
-result (``rel_err``).
+what was allocated before them (the step's own memory; kept symmetric memory added). PyTorch's
+context_parallel shards its buffers in place with ``resize_``, which keeps each buffer's full
+storage, so compare ``step_gib`` there. Up to ``--check-max-seq`` every implementation's out,
+dq, dk, dv are compared with the fp32 attention of the whole problem, next to torch's own bf16
+error (``errors``, ``err_ratio``: worst error over torch's; ``benchmarks.precision``). The
+goals (``benchmarks.cp_goals``) are evaluated on the rows and printed.
 """
 
 from __future__ import annotations
@@ -42,31 +54,61 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks import common
+from benchmarks import common, cp_goals, precision
 
 NAME = "context_parallel"
 SCHEDULES = ("ring", "allgather", "ulysses")
 TORCH_ROTATES = ("allgather", "alltoall")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRESETS = {
+    "goals": {
+        "doc": "the comparison the goals of context parallelism ask for: s = 16K..256K, "
+               "causal forward+backward; ring on fa4 and on cudnn, ulysses, allgather "
+               "(kernel auto), torch's context_parallel (all-to-all rotation); one GPU on "
+               "cudnn and fa4 (--single-gpu); precision checked up to 32K",
+        "seq_lens": common.int_list("16k,32k,64k,128k,256k"), "causal": "yes",
+        "modes": "fwd+bwd", "schedules": "ring:kernel=fa4,ring:kernel=cudnn,ulysses,allgather",
+        "torch_cp": "alltoall", "kernels": "cudnn,fa4", "check_max_seq": [32768],
+    },
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_problem_args(p, causal="both", modes="fwd,fwd+bwd")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--ring-transports", default="copy_engine,p2p",
-                   help="transports to run ring with, each a row 'ring <transport>'")
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="our schedules to run, each 'name[:option=value...]'")
     p.add_argument("--torch-cp", default=",".join(TORCH_ROTATES),
                    help="rotate methods of torch's context_parallel to run ('' for none)")
+    p.add_argument("--kernels", default=None,
+                   help="--single-gpu: the kernels of the one-GPU rows (default: --kernel)")
     p.add_argument("--single-gpu", action="store_true",
                    help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
-    args = finish_problem_args(p.parse_args(argv))
-    args.schedules = [s for s in args.schedules.split(",") if s]
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="goals: " + PRESETS["goals"]["doc"])
+    args = p.parse_args(argv)
+    for key, value in PRESETS.get(args.preset, {}).items():
+        if key != "doc":
+            setattr(args, key, value)
+    args = finish_problem_args(args)
+    args.schedules = [impl_options(s) for s in args.schedules.split(",") if s]
     args.torch_cp = [s for s in args.torch_cp.split(",") if s]
-    args.ring_transports = [s for s in args.ring_transports.split(",") if s]
+    args.kernels = [k for k in (args.kernels or args.kernel).split(",") if k]
     args.name = (NAME + ("_single" if args.single_gpu else "") + args.tag
                  + ("_tiny" if args.tiny else ""))
     return args
+
+
+def impl_options(text: str) -> tuple[str, dict]:
+    """'ring:kernel=fa4:head_groups=4' -> ("ring", {"kernel": "fa4", "head_groups": 4})."""
+    import schedules
+
+    name, *items = text.split(":")
+    options = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        options[key] = schedules.option_value(value)
+    return name, options
 
 
 def add_problem_args(p, *, causal: str, modes: str) -> None:
@@ -143,28 +185,27 @@ def panel(causal: bool, mode: str) -> str:
 
 
 def reference_output(args, s, causal, device):
-    """The one-device output of the whole problem, for the correctness check; None above
-    ``--check-max-seq``."""
+    """fp32 results of the whole problem and torch's own errors (``precision.Reference``),
+    the same on every rank; None above ``--check-max-seq``."""
     if s > args.check_max_seq[0]:
         return None
-    import sdpa_fusion
-
-    kernel = "reference" if device.type == "cpu" else args.kernel
-    with torch.no_grad():
-        return sdpa_fusion.attention(*full_inputs(args, s, device)[:3], causal=causal,
-                                     kernel=kernel)
+    return precision.Reference.of(*full_inputs(args, s, device), causal)
 
 
-def checked(fn, inputs, unshard, ref) -> float | None:
-    """rel_err of ``unshard(fn(q, k, v))`` against ``ref``; None when unchecked or failed."""
+def checked(fn, inputs, unshard, ref) -> dict:
+    """``errors`` (precision.Reference.errors of the unsharded out and gradients of one
+    forward+backward of ``fn``) and ``rel_err`` (of out), or {} when unchecked or failed."""
     if ref is None:
-        return None
+        return {}
     try:
-        with torch.no_grad():
-            return common.relative_error(unshard(fn(*inputs[:3])), ref)
+        q, k, v, dout = inputs
+        out = fn(q, k, v)
+        got = [unshard(t) for t in (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))]
+        errors = ref.errors(got)
+        return {"errors": errors, "err_ratio": errors["ratio"], "rel_err": errors["out"]}
     except Exception as e:  # noqa: BLE001 -- the timed run records the failure
         print(f"check failed: {type(e).__name__}: {e}", flush=True)
-        return None
+        return {}
 
 
 # ---- one GPU ------------------------------------------------------------------------------
@@ -172,8 +213,9 @@ def single_gpu(args) -> int:
     import sdpa_fusion
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kernel = "reference" if device.type == "cpu" else args.kernel
-    record = new_record(args, f"one device, {kernel} kernel", "benchmarks.context_parallel")
+    kernels = ["reference"] if device.type == "cpu" else args.kernels
+    record = new_record(args, f"one device, kernels {', '.join(kernels)}",
+                        "benchmarks.context_parallel")
     deadline, start = common.Deadline(args.max_seconds), time.monotonic()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     each = dict(before_each=sync) if args.sync_each else dict(before_timing=sync)
@@ -182,28 +224,41 @@ def single_gpu(args) -> int:
         for causal in args.causals:
             if deadline.left() <= 0:
                 continue
-            spec = global_spec(args, s, causal)
-
-            def fn(q, k, v, c=causal):
-                return sdpa_fusion.attention(q, k, v, causal=c, kernel=kernel)
-
-            try:
-                inputs = [leaves(full_inputs(args, s, device))]
-            except Exception as e:  # noqa: BLE001 -- does not fit: recorded
-                inputs, error = None, common.failure(e)
-            for mode in args.modes:
-                m = (common.measure(by_mode(fn)[mode], inputs, warmup=warmup, iters=iters,
-                                    **each) if inputs else error)
-                record["rows"].append(common.make_row(
-                    panel(causal, mode), f"1 GPU {args.kernel}", s, m,
-                    spec.flops(backward=mode == "fwd+bwd"), mode=mode, ranks=1, kernel=kernel,
-                    **fields(args)))
-            del inputs
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            progress(start, s, causal, record["rows"][-len(args.modes):])
+            spec, ref = global_spec(args, s, causal), reference_output(args, s, causal, device)
+            for name, kernel in zip(args.kernels, kernels):
+                rows = one_gpu_rows(args, s, causal, name, kernel, ref, each, spec, device)
+                record["rows"] += rows
+                progress(start, s, causal, rows)
+            del ref
             common.save(args.name, record, results_dir=args.results_dir, plot=False)
     return finish_record(args, record, start)
+
+
+def one_gpu_rows(args, s, causal, name, kernel, ref, each, spec, device) -> list[dict]:
+    """Rows "1 GPU <name>" of the whole problem on one device with ``kernel``."""
+    import sdpa_fusion
+
+    warmup, iters = iterations(args, s)
+
+    def fn(q, k, v):
+        return sdpa_fusion.attention(q, k, v, causal=causal, kernel=kernel)
+
+    try:
+        inputs = [leaves(full_inputs(args, s, device))]
+        checks = checked(fn, inputs[0], lambda t: t, ref)
+    except Exception as e:  # noqa: BLE001 -- does not fit: recorded
+        inputs, error, checks = None, common.failure(e), {}
+    rows = []
+    for mode in args.modes:
+        m = (common.measure(by_mode(fn)[mode], inputs, warmup=warmup, iters=iters, **each)
+             if inputs else error)
+        rows.append(common.make_row(panel(causal, mode), f"1 GPU {name}", s, m,
+                                    spec.flops(backward=mode == "fwd+bwd"), mode=mode, ranks=1,
+                                    kernel=kernel, **checks, **fields(args)))
+    del inputs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 # ---- several GPUs -------------------------------------------------------------------------
@@ -213,6 +268,8 @@ def schedule_rows(args, mesh, name, s, causal, ref, **options) -> list[dict]:
     import sdpa_fusion
 
     impl = " ".join([name, *map(str, options.values())])
+    kernel = options.pop("kernel", args.kernel)
+    kernel = kernel if mesh.device.type == "cuda" else "auto"  # CPU ranks: the reference
     if name not in schedules.names():
         m = common.Measurement(status="unavailable", error=f"schedule {name!r} is not registered "
                                f"(schedules.names() = {schedules.names()})")
@@ -226,14 +283,25 @@ def schedule_rows(args, mesh, name, s, causal, ref, **options) -> list[dict]:
         return [row(args, mesh, impl, s, causal, mode, common.failure(e)) for mode in args.modes]
 
     def fn(q, k, v):
-        return sdpa_fusion.attention(q, k, v, causal=causal, kernel=args.kernel, schedule=sched)
+        return sdpa_fusion.attention(q, k, v, causal=causal, kernel=kernel, schedule=sched)
 
-    rel_err = checked(fn, inputs[0], lambda out: sched.unshard(out, layout="bhse"), ref)
-    rows = [timed_row(args, mesh, impl, s, causal, mode, step, inputs, rel_err=rel_err,
-                      options=options, kernel=args.kernel, extra_gib=symmetric_gib(sched))
+    checks = checked(fn, inputs[0], lambda t: sched.unshard(t, layout="bhse"), ref)
+    described = described_memory(sched, args, s, causal)
+    rows = [timed_row(args, mesh, impl, s, causal, mode, step, inputs, **checks,
+                      options=options, kernel=kernel, extra_gib=symmetric_gib(sched),
+                      **described)
             for mode, step in by_mode(fn).items() if mode in args.modes]
     del inputs
     return rows
+
+
+def described_memory(sched, args, s, causal) -> dict:
+    """What ``describe()`` says the schedule's step takes per rank (GiB), when it says."""
+    try:
+        memory = sched.describe(global_spec(args, s, causal)).memory
+    except Exception:  # noqa: BLE001 -- a schedule without an answer
+        memory = None
+    return {} if memory is None else {"described_step_gib": memory.step / common.GIB}
 
 
 def symmetric_gib(sched):
@@ -307,12 +375,12 @@ def torch_cp_rows(args, mesh, rotate, s, causal, ref) -> list[dict]:
             def fn(q, k, v):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            rel_err = checked(fn, inputs[0],
-                              lambda out: unshard(mesh.torch_mesh, [out], [2])[0], ref)
+            checks = checked(fn, inputs[0],
+                             lambda t: unshard(mesh.torch_mesh, [t], [2])[0], ref)
             for mode, step in by_mode(fn).items():
                 if mode in args.modes:
                     rows.append(timed_row(args, mesh, impl, s, causal, mode, step, inputs,
-                                          rel_err=rel_err, kernel=f"torch {backend.name}"))
+                                          **checks, kernel=f"torch {backend.name}"))
             del inputs
     except Exception as e:  # noqa: BLE001 -- recorded; every rank fails alike
         done = {r["mode"] for r in rows}
@@ -357,13 +425,8 @@ def distributed(args) -> int:
 
         def case_rows(s, causal, ref):
             rows = []
-            for name in args.schedules:
-                if name == "ring" and args.ring_transports:
-                    for transport in args.ring_transports:
-                        rows += schedule_rows(args, mesh, name, s, causal, ref,
-                                              transport=transport)
-                else:
-                    rows += schedule_rows(args, mesh, name, s, causal, ref)
+            for name, options in args.schedules:
+                rows += schedule_rows(args, mesh, name, s, causal, ref, **options)
             for rotate in args.torch_cp:
                 rows += torch_cp_rows(args, mesh, rotate, s, causal, ref)
             return rows
@@ -402,8 +465,10 @@ def run_cases(args, mesh, record, case_rows) -> float:
 def new_record(args, title, module, **settings) -> dict:
     """A record of this benchmark's settings (``settings``: a caller's own, by default the
     schedules of ``parse_args``)."""
-    settings = settings or {"schedules": args.schedules, "ring_transports": args.ring_transports,
-                            "torch_cp": args.torch_cp}
+    settings = settings or {"schedules": [":".join([n, *(f"{k}={v}" for k, v in o.items())])
+                                          for n, o in args.schedules],
+                            "torch_cp": args.torch_cp, "one_gpu_kernels": args.kernels,
+                            "preset": args.preset}
     return {
         "title": title,
         "environment": common.environment(module),
@@ -426,7 +491,7 @@ def new_record(args, title, module, **settings) -> dict:
 
 def merge_baseline(args, record) -> None:
     """Add the one-GPU rows of ``--single-gpu``'s JSON, when it ran on the same problem."""
-    path = args.results_dir / f"{NAME}_single{'_tiny' if args.tiny else ''}.json"
+    path = args.results_dir / f"{NAME}_single{args.tag}{'_tiny' if args.tiny else ''}.json"
     if not path.exists():
         record["baseline"] = f"{path.name} not found; run with --single-gpu first"
         return
@@ -440,11 +505,24 @@ def merge_baseline(args, record) -> None:
 
 
 def ratios(rows) -> list[dict]:
-    """Per-GPU TFLOP/s of each implementation over the one-GPU TFLOP/s at the same size."""
+    """Per-GPU TFLOP/s of each implementation over the first one-GPU baseline's (the first
+    ``--kernels`` entry) at the same size."""
     t = {(r["panel"], r["seq_len"], r["impl"]): r["tflops"] for r in rows if r["tflops"]}
-    base = {(p, s): v for (p, s, impl), v in t.items() if impl.startswith("1 GPU")}
-    return [{"panel": p, "seq_len": s, "impl": impl, "ratio": v / base[(p, s)], "status": "ok"}
+    first = next((r["impl"] for r in rows if r["impl"].startswith("1 GPU")), None)
+    base = {(p, s): v for (p, s, impl), v in t.items() if impl == first}
+    return [{"panel": p, "seq_len": s, "impl": impl, "ratio": v / base[(p, s)], "status": "ok",
+             "baseline": first}
             for (p, s, impl), v in t.items() if (p, s) in base and not impl.startswith("1 GPU")]
+
+
+def memory_lines(rows, ranks: int) -> list[dict]:
+    """Rows for the memory plot: each one-GPU step, and 1/P of it (what P GPUs should take)."""
+    lines = []
+    for r in rows:
+        if r["impl"].startswith("1 GPU") and r.get("step_gib") is not None:
+            lines.append(dict(r, impl=f"{r['impl']} / {ranks}", tflops=None,
+                              step_gib=r["step_gib"] / ranks, derived=True))
+    return lines
 
 
 def progress(start, s, causal, rows) -> None:
@@ -455,15 +533,23 @@ def progress(start, s, causal, rows) -> None:
 
 
 def finish_record(args, record, start) -> int:
-    record["ratios"] = ratios(record["rows"])
-    record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        metrics=("tflops", "step_gib"))
     rows = record["rows"]
+    record["ratios"] = ratios(rows)
+    record["goals"] = cp_goals.evaluate(rows)
+    record["elapsed_s"] = round(time.monotonic() - start, 1)
+    paths = common.save(args.name, record, results_dir=args.results_dir, plot=False)
+    ranks = max((r.get("ranks") or 1 for r in rows), default=1)
+    drawn = dict(record, rows=rows + (memory_lines(rows, ranks) if ranks > 1 else []))
+    try:
+        paths.append(common.plot_record(drawn, args.results_dir / f"{args.name}.png",
+                                        metrics=("tflops", "step_gib")))
+    except Exception as e:  # noqa: BLE001 -- the JSON matters more than the picture
+        print(f"warning: could not draw {args.name}.png: {type(e).__name__}: {e}")
+    common.copy_files(paths, args.copy_to)
     print("\nTFLOP/s per GPU")
     print(common.format_table(rows, row_keys=("panel", "seq_len")))
-    print("\npeak memory per GPU, GiB (step's own in step_gib)")
-    print(common.format_table(rows, row_keys=("panel", "seq_len"), value="peak_gib", fmt="{:.1f}"))
+    print("\nstep memory per GPU, GiB (kept symmetric memory included; peak_gib in the JSON)")
+    print(common.format_table(rows, row_keys=("panel", "seq_len"), value="step_gib", fmt="{:.2f}"))
     if record["ratios"]:
         print("\nper-GPU TFLOP/s / one GPU")
         print(common.format_table(record["ratios"], row_keys=("panel", "seq_len"), value="ratio",
@@ -471,6 +557,9 @@ def finish_record(args, record, start) -> int:
     bad = [r for r in rows if r.get("rel_err") is not None and not r["rel_err"] < 2e-2]
     for r in bad:
         print(f"SUSPECT: {r['impl']} {r['panel']} s={r['seq_len']}: rel_err={r['rel_err']:.3g}")
+    if record["goals"]:
+        print("\ngoals (causal fwd+bwd)")
+        print(cp_goals.table(record["goals"]))
     common.print_failures(rows)
     print(f"\nwrote {', '.join(str(p) for p in paths)} in {record['elapsed_s']} s")
     return 0

@@ -15,7 +15,7 @@ settings of ``benchmarks.context_parallel``, whose timing and checks this reuses
                              every --inners entry; I ranks split heads, O ranks the sequence
 Per-GPU TFLOP/s = AttentionSpec.flops of the whole problem / ranks / the slowest rank's
 median. Hybrid rows also carry what ``describe()`` promises per mesh dim (bytes moved per
-rank, buffer memory per rank), next to the measured memory (``peak_gib``, ``step_gib``).
+rank, memory per rank), next to the measured memory (``peak_gib``, ``step_gib``).
 """
 
 from __future__ import annotations

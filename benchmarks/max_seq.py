@@ -8,9 +8,14 @@ The problem: b=1, 32 heads of 128, bf16, causal forward+backward (a training ste
 attention). Bisecting near a million tokens would take minutes per step, so the limit is
 predicted instead: one step at a few probe lengths gives each implementation's memory per GPU
 (inputs, the step's own memory and any memory kept outside torch's allocator, such as the
-ring's symmetric buffers), a straight line through them gives the memory per token, and the
-prediction is the length where that line meets the GPU's free memory. One step at 95% of the
-prediction then confirms it (``--confirm``), and its time and memory are recorded.
+ring's symmetric buffers). For our schedules the prediction follows what ``describe()`` says
+a step takes at each length (head groups change with the length, so memory is not a straight
+line in it), scaled by the largest ratio of measured to described bytes of the probes; for
+one GPU and PyTorch's context_parallel a straight line through the probes gives the memory
+per token. The prediction is the longest length whose memory fits the GPU's free memory. One
+step at 95% of the prediction then confirms it (``--confirm``) when the probes' times, grown
+with the square of the length, say it takes at most ``--confirm-budget-s``; its time and
+memory are recorded.
 
 Inputs are made directly as each rank's shard (never the full tensors), except for PyTorch's
 context_parallel, whose buffers are full tensors sharded in place, as its users give them.
@@ -29,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import common
-from benchmarks.context_parallel import torch_cp_api
+from benchmarks.context_parallel import impl_options, torch_cp_api
 
 NAME = "max_seq"
 SCHEDULES = ("ring", "ulysses", "allgather")
@@ -49,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--confirm", default="all",
                    help="implementations to confirm with one step at 95%% of the prediction "
                         "('all', 'none' or a list)")
+    p.add_argument("--confirm-budget-s", type=float, default=150,
+                   help="confirm only when the step is predicted to take at most this long")
     p.add_argument("--single-gpu", action="store_true", help="one GPU (no mpirun)")
     p.add_argument("--tag", default="", help="appended to the result name")
     common.add_distributed_args(p)
@@ -112,7 +119,21 @@ def ours(args, mesh, name: str, options: dict):
         finally:
             del q, k, v, dout
 
+    run.described = None if sched is None else lambda s: described_bytes(args, sched, s)
     return run
+
+
+def described_bytes(args, sched, s: int) -> int | None:
+    """Bytes per GPU of a step at global length ``s``: the local inputs (q, k, v, dout) and
+    what ``describe()`` says the step takes; None when the schedule does not say."""
+    from sdpa_fusion import AttentionSpec
+
+    spec = AttentionSpec(1, args.heads, args.heads, s, s, args.head_dim, causal=True,
+                         dtype=torch.bfloat16)
+    memory = sched.describe(spec).memory
+    if memory is None:
+        return None
+    return 4 * args.heads * (s // sched.size) * args.head_dim * 2 + memory.step
 
 
 def torch_cp(args, mesh):
@@ -142,6 +163,7 @@ def torch_cp(args, mesh):
         finally:
             del buffers
 
+    run.described = None
     return run
 
 
@@ -156,12 +178,35 @@ def fit(points) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def predict(points, free: float, multiple: int) -> int:
-    """The longest length, a multiple of ``multiple``, whose predicted memory fits ``free``."""
+def predict(points, free: float, multiple: int, described=None) -> int:
+    """The longest length, a multiple of ``multiple``, whose predicted memory fits ``free``:
+    ``described(s)`` (bytes) scaled by the largest measured/described ratio of the probe
+    ``points`` when given, else the straight line through the points."""
+    budget = free * HEADROOM
+    if described is not None and described(points[0][0]) is not None:
+        scale = max(measured / described(s) for s, measured in points)
+        if scale <= 0:  # nothing measured (CPU ranks)
+            return 0
+        low, high = 0, multiple
+        while scale * described(high) <= budget:
+            high *= 2
+        while high - low > multiple:  # the described memory grows with the length
+            mid = (low + high) // 2 // multiple * multiple
+            low, high = (mid, high) if scale * described(mid) <= budget else (low, mid)
+        return low
     intercept, slope = fit(points)
     if slope <= 0:
         return 0
-    return int((free * HEADROOM - intercept) / slope) // multiple * multiple
+    return int((budget - intercept) / slope) // multiple * multiple
+
+
+def predicted_seconds(rows, s: int) -> float | None:
+    """A step's time at length ``s`` from the longest probe, grown with the square of s."""
+    probes = [r for r in rows if r["phase"] == "probe" and r["status"] == "ok"]
+    if not probes:
+        return None
+    longest = max(probes, key=lambda r: r["seq_len"])
+    return longest["seconds"] * (s / longest["seq_len"]) ** 2
 
 
 def free_bytes(mesh) -> float:
@@ -188,13 +233,20 @@ def measure_impl(args, mesh, impl: str, run, multiple: int) -> list[dict]:
         return rows + [dict(impl=impl, phase="predict", status="error", seq_len=0,
                             error="fewer than two probe steps ran")]
     intercept, slope = fit(points)
-    predicted = predict(points, free, multiple)
+    described = getattr(run, "described", None)
+    predicted = predict(points, free, multiple, described)
     rows.append(dict(impl=impl, phase="predict", status="ok", seq_len=predicted,
                      bytes_per_token=slope, intercept_bytes=intercept, free_bytes=free,
-                     ranks=ranks))
+                     ranks=ranks, by="describe()" if described else "a line through the probes"))
     if wanted(args, impl) and predicted:
         target = int(predicted * CONFIRM_FRACTION) // multiple * multiple
-        rows.append(attempt(mesh, impl, "confirm", target, run, ranks, predicted=predicted))
+        seconds = predicted_seconds(rows, target)
+        if seconds is not None and seconds > args.confirm_budget_s:
+            rows.append(dict(impl=impl, phase="confirm", status="skipped", seq_len=target,
+                             ranks=ranks, error=f"predicted step {seconds:.0f} s > "
+                                                f"--confirm-budget-s {args.confirm_budget_s:.0f}"))
+        else:
+            rows.append(attempt(mesh, impl, "confirm", target, run, ranks, predicted=predicted))
     return rows
 
 
@@ -229,8 +281,7 @@ def implementations(args, mesh):
         if impl == "torch-cp":
             yield impl, torch_cp(args, mesh), 2 * mesh.world_size * 1024
             continue
-        name, *opts = impl.split(":")
-        options = dict(o.split("=", 1) for o in opts)
+        name, options = impl_options(impl)
         yield impl, ours(args, mesh, name, options), 2 * mesh.world_size * 1024
 
 

@@ -83,10 +83,9 @@ def main(argv=None) -> int:
                                        timed(lambda _: attention())))
             for transport in args.transports:
                 try:
-                    (ring,) = mover(comm, transport, mesh.device).ring_buffers(
+                    (ring,) = mover(comm, transport, mesh.device).rings(
                         [RingData((tuple(k.shape), tuple(v.shape)), k.dtype, Layout.BHSE)],
                         mesh.device)
-                    ring.load(0, (k, v))
                 except Exception as e:  # noqa: BLE001 -- the same on every rank: recorded
                     failed = common.failure(e)
                     record["rows"] += [_row(p, transport, s, block, failed)
@@ -94,12 +93,12 @@ def main(argv=None) -> int:
                     continue
 
                 def overlapped(_):
-                    pending = ring.shift(0, 1)
+                    pending = ring.shift((k, v))  # the own K/V, as the ring's first shift
                     attention()
                     pending.wait()
 
                 record["rows"].append(_row("alone", transport, s, block,
-                                           timed(lambda _: ring.shift(0, 1).wait())))
+                                           timed(lambda _: ring.shift((k, v)).wait())))
                 record["rows"].append(_row("during attention", transport, s, block,
                                            timed(overlapped)))
                 del ring

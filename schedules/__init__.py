@@ -46,6 +46,12 @@ def options(name: str) -> list[str]:
     return sorted(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def option_value(text: str) -> int | str:
+    """An option's value given as text (a command line's): an int where it is one
+    (``head_groups=4``), else the text."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:
     """The schedule registered as ``name`` over ``mesh`` (its options as keywords).
 

@@ -15,9 +15,13 @@ load_balanced, P = 2, S = 16 in chunks of 4; rank 0 holds chunks 0 and 3 (tokens
     rows 4-7  (tokens 12-15)  others[:8]: tokens 4-11 of rank 1
 
 Without causal, all local rows attend to all of ``others`` in one call. Every block is
-folded into fp32 accumulators by ``fold``. Backward gathers K/V again (the forward
-keeps nothing), runs the same calls with the global out and lse, accumulates dQ and the
-dK/dV of every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+folded into the result in place (``Merged``). Backward gathers K/V again (the forward
+keeps nothing), runs the same calls with the global out and lse, sums dQ and the dK/dV of
+every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+
+Head groups (``head_groups``, see ``schedules.heads``): the gathers, calls and
+reduce-scatters run one group of K/V heads at a time, the next group's gather in flight
+while the current one is attended.
 
 Packed sequences: the same calls, each one varlen call over every sequence. The own call is
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
@@ -36,14 +40,16 @@ import functools
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish
+from sdpa_fusion.merge import Merged
 
+from . import heads
 from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
                     window_band)
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import (DenseCall, as_block, as_packed, backward_calls, fold_calls, packed_call,
-                    part_call)
+from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
+                    fold_calls, keys_of, packed_call, part_call)
+from .memory import Memory, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
@@ -176,12 +182,19 @@ class AllGather(SequenceSchedule):
         calls = gathered_calls(self.indices(q_len), kv_len, spec.kv_len, spec.causal)
         return own, [DenseCall(rows, slice(0, n), False) for rows, n in calls], False
 
-    def _streams(self, dropout, part: str):
-        """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls,
-        one per call (``streams(i)``); None without dropout."""
+    @staticmethod
+    def _blocks(own, calls, rank_order: bool) -> int:
+        """The most calls that any query row gets: the own one and one over the gathered keys
+        (their rows are runs, apart) without a window; under one (``rank_order``) every
+        call may reach a row."""
+        return len(own) + len(calls) if rank_order else 2
+
+    def _streams(self, dropout, part: str, group):
+        """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls
+        of head group ``group``, one per call (``streams(i)``); None without dropout."""
         if dropout is None:
             return None
-        return lambda call: dropout.stream("allgather", self.index, part, call)
+        return lambda call: dropout.stream("allgather", self.index, part, group.index, call)
 
     def _other_positions(self, kv_len: int, device, rank_order: bool):
         """(rank, where its tokens go in ``others``) for every other rank."""
@@ -196,8 +209,39 @@ class AllGather(SequenceSchedule):
         slot = kept.cumsum(0) - 1
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
+    def _gathers(self, spec, k, v, groups, rank_order: bool):
+        """(group, its K and V as the calls take them, where the other ranks' tokens are in
+        them) for every head group; each group's gather is started while the group before
+        is attended."""
+        layout = layout_of(k)
+        positions = None if spec.packing else self._other_positions(
+            k.shape[2] * self.size, k.device, rank_order)
+
+        def start(g):
+            if spec.packing is not None:
+                return [self.comm.all_gather(as_packed(g.of_kv(t))) for t in (k, v)]
+            return [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
+
+        pending = start(groups[0])
+
+        def keys(index: int):
+            nonlocal pending
+            gathered, pending = [p.wait() for p in pending], None
+            if spec.packing is not None:
+                built = [as_block(t.flatten(0, 1)) for t in gathered]
+            else:
+                built = [self._others(t, positions, layout) for t in gathered]
+            del gathered
+            if index + 1 < len(groups):
+                pending = start(groups[index + 1])
+            return built
+
+        for index, g in enumerate(groups):
+            yield g, keys(index), positions  # not kept here: the caller frees the keys
+
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
-        """The other ranks' tokens of a gathered [P, *buffer] tensor, in global token order."""
+        """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
+        ``positions`` (global token order, or rank order under a window)."""
         b, h, s_local, e = from_buffer(gathered[0], layout).shape
         others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
                               device=gathered.device)
@@ -205,78 +249,92 @@ class AllGather(SequenceSchedule):
             others.index_copy_(2, slots, from_buffer(gathered[j], layout))
         return others
 
-    def _start_gather(self, k, v, layout, rank_order: bool):
-        """Start gathering K and V; also return where the other ranks' tokens go in ``others``."""
-        pending = [self.comm.all_gather(to_buffer(t, layout)) for t in (k, v)]
-        return pending, self._other_positions(k.shape[2] * self.size, k.device, rank_order)
-
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        if spec.packing is not None:
-            return self._packed_forward(q, k, v, spec, kernel)
-        layout, scale = spec.layout, spec.softmax_scale
+        packed = spec.packing is not None
+        if packed:
+            q, k, v = (as_block(t) for t in (q, k, v))
         own, calls, rank_order = self._plan(spec)
-        pending, positions = self._start_gather(k, v, layout, rank_order)
-        out_acc, lse_acc = fold_calls(own, kernel, q, k, v, scale, *accumulators(q, layout),
-                                      self._streams(dropout, "own"))
-        k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        out_acc, lse_acc = fold_calls(calls, kernel, q, k_o, v_o, scale, out_acc, lse_acc,
-                                      self._streams(dropout, "gathered"))
-        return finish(out_acc, q.dtype, layout), lse_acc
+        out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        groups, scale = self.groups_of(q, k), spec.softmax_scale
+        blocks = self._blocks(own, calls, rank_order)
+        for g, gathered, _ in self._gathers(spec, k, v, groups, rank_order):
+            merged = Merged(g.of_q(out), g.of_q(lse), blocks)
+            fold_calls(own, kernel, merged, g.of_q(q), g.of_kv(k), g.of_kv(v), scale,
+                       self._streams(dropout, "own", g))
+            fold_calls(calls, kernel, merged, g.of_q(q), *gathered, scale,
+                       self._streams(dropout, "gathered", g))
+            merged.finish()
+            del gathered
+        return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        if spec.packing is not None:
-            return self._packed_backward(dout, q, k, v, out, lse, spec, kernel)
-        layout, scale = spec.layout, spec.softmax_scale
+        packed = spec.packing is not None
+        if packed:
+            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         own, calls, rank_order = self._plan(spec)
-        pending, positions = self._start_gather(k, v, layout, rank_order)
-        dq, *mine = (accumulators(t, layout)[0] for t in (q, k, v))
-        backward_calls(own, kernel, dout, q, k, v, out, lse, scale, dq, mine,
-                       self._streams(dropout, "own"))
-        k_o, v_o = (self._others(p.wait(), positions, layout) for p in pending)
-        others = [torch.zeros_like(t, dtype=torch.float32) for t in (k_o, v_o)]
-        backward_calls(calls, kernel, dout, q, k_o, v_o, out, lse, scale, dq, others,
-                       self._streams(dropout, "gathered"))
-        dk, dv = self._reduce_scatter(mine, others, positions, layout)
-        return finish(dq, q.dtype, layout), finish(dk, k.dtype, layout), finish(dv, v.dtype, layout)
+        dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+                      for t in (q, k, v))
+        groups, scale = self.groups_of(q, k), spec.softmax_scale
+        blocks = self._blocks(own, calls, rank_order)
+        for g, keys, positions in self._gathers(spec, k, v, groups, rank_order):
+            dq_sum = Sum(g.of_q(dq), blocks)
+            dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
+            mine = self._own_grads(own, kernel, dq_sum, (dout_g, q_g, g.of_kv(k), g.of_kv(v),
+                                                         out_g, lse_g, scale),
+                                   self._streams(dropout, "own", g))
+            sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
+            backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
+                           sums, self._streams(dropout, "gathered", g))
+            del keys
+            dq_sum.finish()
+            for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
+                if packed:
+                    summed = self._packed_scatter(mine.pop(0), sums.pop(0))
+                else:
+                    summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
+                target.copy_(summed)
+                del summed
+        if packed:
+            dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
+        return dq, dk, dv
 
-    def _reduce_scatter(self, own, others, positions, layout):
-        """dK, dV (fp32) of this rank's tokens: every rank's gradients of them, summed."""
-        shape = buffer_shape(own[0].shape, layout)
-        send = torch.empty((self.size, len(own), *shape), dtype=torch.float32, device=own[0].device)
-        for i, (g_own, g_others) in enumerate(zip(own, others)):
-            from_buffer(send[self.index, i], layout).copy_(g_own)
-            for j, slots in positions:
-                torch.index_select(g_others, 2, slots, out=from_buffer(send[j, i], layout))
-        mine = self.comm.reduce_scatter(send)
-        return [from_buffer(g, layout) for g in mine]
+    @staticmethod
+    def _own_grads(own, kernel, dq_sum: Sum, args, streams):
+        """[dK parts, dV parts] of the own calls on ``args`` (as ``calls.call_grads``), each
+        part (key rows, gradient); their dQ goes into ``dq_sum``."""
+        parts = [[], []]
+        for i, call in enumerate(own):
+            grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
+            for part, grad in zip(parts, grads):
+                part.append((call.keys, grad))
+        return parts
 
-    def _packed_forward(self, q, k, v, spec, kernel):
-        own, calls, _ = self._plan(spec)
-        pending = [self.comm.all_gather(t) for t in (k, v)]
-        q, k, v = (as_block(t) for t in (q, k, v))
-        scale = spec.softmax_scale
-        out_acc, lse_acc = fold_calls(own, kernel, q, k, v, scale, *accumulators(q))
-        k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
-        out_acc, lse_acc = fold_calls(calls, kernel, q, k_all, v_all, scale, out_acc, lse_acc)
-        return as_packed(finish(out_acc, q.dtype, layout_of(q))), lse_acc
+    def _scatter(self, own, others, positions, like):
+        """This rank's tokens' dK (or dV), fp32, of a head group: every rank's gradients of
+        them, summed (``own``: this rank's own, as (key rows, gradient) parts; ``others``: its
+        fp32 sums of the other ranks' tokens, in ``_others`` order); ``like``: the local
+        tensor's layout."""
+        layout = layout_of(like)
+        send = torch.empty((self.size, *buffer_shape(like.shape, layout)), dtype=torch.float32,
+                           device=like.device)
+        for j, slots in positions:
+            torch.index_select(others, 2, slots, out=from_buffer(send[j], layout))
+        del others
+        mine = Sum(from_buffer(send[self.index], layout), len(own))
+        for rows, grad in own:
+            mine.add(rows, grad)
+        mine.finish()
+        return from_buffer(self.comm.reduce_scatter(send), layout)
 
-    def _packed_backward(self, dout, q, k, v, out, lse, spec, kernel):
-        own, calls, _ = self._plan(spec)
-        pending = [self.comm.all_gather(t) for t in (k, v)]
-        tokens, scale = k.shape[0], spec.softmax_scale
-        dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        dq = accumulators(q)[0]
-        # fp32 dK/dV of every gathered token: [dK | dV] x [rank 0 | rank 1 | ...]
-        sums = torch.zeros((2, self.size * tokens, *k.shape[1::2]), dtype=torch.float32,
-                           device=k.device)
-        mine = [as_block(acc[self.index * tokens:(self.index + 1) * tokens]) for acc in sums]
-        backward_calls(own, kernel, dout, q, k, v, out, lse, scale, dq, mine)
-        k_all, v_all = (as_block(p.wait().flatten(0, 1)) for p in pending)
-        backward_calls(calls, kernel, dout, q, k_all, v_all, out, lse, scale, dq,
-                       [as_block(acc) for acc in sums])
-        dk, dv = self.comm.reduce_scatter(sums.unflatten(1, (self.size, tokens)).transpose(0, 1))
-        return (as_packed(finish(dq, q.dtype, layout_of(q))),
-                dk.to(k.dtype), dv.to(v.dtype))
+    def _packed_scatter(self, own, summed):
+        """This rank's tokens' dK (or dV) of a head group: the fp32 sums of every rank's
+        tokens (rank order), with this rank's own gradients (``own``: (key rows, gradient)
+        parts) added, reduce-scattered."""
+        tokens = summed.shape[2] // self.size
+        for rows, grad in own:
+            add_rows(summed[:, :, self.index * tokens:(self.index + 1) * tokens], rows, grad)
+        return as_block(self.comm.reduce_scatter(as_packed(summed).unflatten(0, (self.size, tokens))))
 
     def describe(self, spec):
         p, itemsize = self.size, spec.dtype.itemsize
@@ -289,8 +347,51 @@ class AllGather(SequenceSchedule):
             flops=flops, backward_steps=steps, backward_bytes_sent=gather + scatter,
             backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
-                  f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered",
+                  f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered; "
+                  f"{self.groups_for(spec)} head group(s)",
+            memory=self.memory(spec),
         )
+
+    def memory(self, spec) -> Memory:
+        """What this rank allocates for a call on the global ``spec``, per head group: every
+        rank's K/V as gathered and the other ranks' in the calls' order (the next group's
+        gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
+        keys' dK/dV and, per tensor, the fp32 input and output of the reduce-scatter; fp32
+        sums of out and dQ where a row may get more than two calls."""
+        p, rows = self.size, self.local_tokens(spec)
+        packed = spec.layout.is_varlen
+        groups = self.groups_for(spec)
+        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
+        kv, kv32 = size.kv(), size.kv(itemsize=4)
+        copies = 0 if heads.contiguous(spec, groups) else 2 * kv  # what a gather sends
+        gathered = 2 * p * kv + copies
+        # packed calls read the gathered K/V itself; dense ones the others in the calls' order
+        keys = 2 * p * kv if packed else 2 * (p - 1) * kv
+        building = gathered if packed else gathered + keys
+        ahead = gathered if groups > 1 else 0  # the next group's gather
+        key_rows = (p if packed else p - 1) * rows
+        own, calls, rank_order = self._plan(self.local_spec(spec))
+        fp32_sum = size.q(itemsize=4) if self._blocks(own, calls, rank_order) > 2 \
+            and spec.dtype.itemsize < 4 else 0
+        during = keys + ahead + fp32_sum  # beside every kernel call of a group
+        item = 4 if fp32_sum else spec.dtype.itemsize
+        forward = max(building, during + max(
+            (forward_call(size, c, n, item)
+             for c, n in [*((c, rows) for c in own), *((c, key_rows) for c in calls)]),
+            default=0))
+        own_grads = [2 * size.kv(keys_of(c, rows)) for c in own]
+        own_steps = [sum(own_grads[:i]) + backward_call(
+            size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
+            for i, c in enumerate(own)]
+        sums = 2 * (key_rows // rows) * kv32
+        calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
+                          for c in calls), default=0)
+        scatter = kv32 if packed else p * kv32  # the reduce-scatter's input beside the sums
+        backward = whole.q() + 2 * whole.kv() + max(
+            building, during + max(own_steps, default=0),
+            during + sum(own_grads) + sums + calls_step,
+            ahead + sum(own_grads) + sums + scatter)
+        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""

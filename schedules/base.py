@@ -29,6 +29,7 @@ from sdpa_fusion.spec import AttentionSpec
 from sdpa_fusion.waiting import MeshTimeout
 
 from .comm import Communicator
+from .memory import Memory
 from .packing import LocalPacking
 
 
@@ -47,6 +48,7 @@ class Description:
     backward_bytes_received: int = 0
     backward_flops: float = 0.0
     notes: str = ""
+    memory: Memory | None = None  # bytes the call allocates on each rank (schedules.memory)
 
 
 class Schedule(abc.ABC):

@@ -21,9 +21,9 @@ import dataclasses
 
 import torch
 
-from sdpa_fusion.kernels.base import Seqlens
+from sdpa_fusion.kernels.base import Seqlens, layout_of
 from sdpa_fusion.mask import Window, band, visible_pairs
-from sdpa_fusion.merge import fold, take_rows
+from sdpa_fusion.merge import Merged, take_rows
 
 
 def as_block(t: torch.Tensor) -> torch.Tensor:
@@ -54,10 +54,22 @@ class DenseCall:
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
+        return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale,
+                                  dropout)
+
+    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
+        """``backward`` writing each gradient into its call's rows of the given target (a
+        tensor shaped, typed and laid out like q, k or v; other rows untouched), or into a
+        new tensor where the target is None; returns the three gradients (views of targets)."""
         r, c = self.rows, self.keys
-        return kernel.backward(dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
-                               lse[:, :, r].contiguous(), causal=self.causal, scale=scale,
-                               window=self.window, dropout=dropout)
+        args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
+                lse[:, :, r].contiguous())
+        mask = dict(causal=self.causal, scale=scale, window=self.window, dropout=dropout)
+        if all(t is None for t in targets):
+            return kernel.backward(*args, **mask)
+        grads = [_empty_like(like[:, :, span]) if t is None else t[:, :, span]
+                 for t, like, span in zip(targets, (q, k, v), (r, c, c))]
+        return kernel.backward_into(grads, *args, **mask)
 
     def pairs(self, s_q: int, s_kv: int) -> float:
         """Query-key pairs the call computes on blocks of ``s_q`` queries and ``s_kv`` keys
@@ -98,12 +110,50 @@ class PackedCall:
         )
         return tuple(as_block(g) for g in grads)
 
+    def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
+        """``backward``, each gradient also written into its rows of a target that is not None."""
+        grads = self.backward(kernel, dout, q, k, v, out, lse, scale, dropout)
+        for t, span, g in zip(targets, (self.rows, self.keys, self.keys), grads):
+            if t is not None:
+                put_rows(t, span, g)
+        return grads
+
     @property
     def pairs(self) -> int:
         """Query-key pairs the call computes (for ``describe``)."""
         mask = band(self.causal, self.window)
         return sum(visible_pairs(n_q, n_k, mask)
                    for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k))
+
+
+def rows_of(call, rows: int) -> int:
+    """Query rows a call computes, of ``rows`` local rows."""
+    return _count(call.rows, rows)
+
+
+def keys_of(call, keys: int) -> int:
+    """Key rows a call reads, of ``keys`` rows."""
+    return _count(call.keys, keys)
+
+
+def gathered(call, rows: int, keys: int) -> tuple[int, int]:
+    """(query rows, key rows) a call copies out of its blocks for the kernel: the index rows
+    of a packed call (none for slices or all rows)."""
+    if not isinstance(call, PackedCall):
+        return 0, 0
+    return (0 if call.rows is None else _count(call.rows, rows),
+            0 if call.keys is None else _count(call.keys, keys))
+
+
+def _count(span, n: int) -> int:
+    if span is None:
+        return n
+    return len(span) if isinstance(span, torch.Tensor) else len(range(n)[span])
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
+    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -144,27 +194,34 @@ def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | None:
     return rows.to(device)
 
 
-def fold_calls(calls, kernel, q, k, v, scale, out_acc, lse_acc, streams=None):
-    """Fold every call's (out, lse) on the blocks q, k, v into the fp32 accumulators; returns
-    them (``merge.fold``). ``streams(i)``: the dropout stream of call i (None: no dropout)."""
+def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> None:
+    """Fold every call's (out, lse) on the blocks q, k, v into ``merged``. ``streams(i)``: the
+    dropout stream of call i (None: no dropout)."""
     for i, call in enumerate(calls):
         o, lse = call.forward(kernel, q, k, v, scale, streams and streams(i))
-        out_acc, lse_acc = fold(out_acc, lse_acc, o, lse, rows=call.rows)
+        merged.add(o, lse, rows=call.rows)
         del o, lse  # free the call's output before the next kernel call
-    return out_acc, lse_acc
 
 
-def backward_calls(calls, kernel, dout, q, k, v, out, lse, scale, dq, sums,
-                   streams=None) -> None:
-    """Every call's backward (global ``out`` and ``lse``): dQ added into the fp32 ``dq``, dK
-    and dV into the fp32 ``sums`` of the key blocks k, v (``streams`` as ``fold_calls``)."""
+def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, None)):
+    """(dK, dV) of ``call`` on ``args`` = (dout, q, k, v, out, lse, scale), the global out and
+    lse, written into ``targets`` where not None; its dQ goes into ``dq_sum`` (straight from
+    the kernel where it may)."""
+    dq = dq_sum.into(call.rows)
+    dq_b, *grads = call.backward_into(kernel, (dq, *targets), *args, dropout)
+    if dq is None:
+        dq_sum.add(call.rows, dq_b)
+    return grads
+
+
+def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None:
+    """Every call's backward on ``args`` (as ``call_grads``): dQ into ``dq_sum``, dK and dV
+    added into the fp32 ``sums`` of the key blocks (``streams`` as ``fold_calls``)."""
     for i, call in enumerate(calls):
-        dq_b, *grads = call.backward(kernel, dout, q, k, v, out, lse, scale,
-                                     streams and streams(i))
-        add_rows(dq, call.rows, dq_b)
+        grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
         for acc, g in zip(sums, grads):
             add_rows(acc, call.keys, g)
-        del dq_b, grads  # free the call's gradients before the next kernel call
+        del grads  # free the call's gradients before the next kernel call
 
 
 def take(t: torch.Tensor, rows) -> torch.Tensor:
@@ -188,6 +245,58 @@ def put_rows(acc: torch.Tensor, rows, g: torch.Tensor) -> None:
         acc.index_copy_(2, rows, g.to(acc.dtype))
     else:
         take(acc, rows).copy_(g)
+
+
+def zero_outside(t: torch.Tensor, rows) -> None:
+    """Zero the sequence rows of ``t`` outside ``rows`` (a slice, an index tensor: all
+    zeroed, or None: none)."""
+    if isinstance(rows, torch.Tensor):
+        t.zero_()
+        return
+    if rows is None or rows == slice(None):
+        return
+    start, stop, _ = rows.indices(t.shape[2])
+    t[:, :, :start].zero_()
+    t[:, :, stop:].zero_()
+
+
+class Sum:
+    """Contributions of calls to one gradient (dQ of a head group) summed into ``target``:
+    straight into it when at most two come (the first written as is, the second added once:
+    no rounding an fp32 sum would not make), else into an fp32 sum cast at the end."""
+
+    def __init__(self, target: torch.Tensor, contributions: int):
+        self.target = target
+        direct = contributions <= 2 or target.dtype == torch.float32
+        self.acc = target if direct else layout_of(target).empty(
+            target.shape, dtype=torch.float32, device=target.device)
+        self._empty = True
+
+    def into(self, rows) -> torch.Tensor | None:
+        """Where the next call may write its gradient of ``rows`` itself (the target, for the
+        first contribution), or None: ``add`` it."""
+        if not (self._empty and self.acc is self.target):
+            return None
+        zero_outside(self.target, rows)
+        self._empty = False
+        return self.target
+
+    def add(self, rows, g: torch.Tensor) -> None:
+        """Add a call's gradient of ``rows``."""
+        if self._empty:
+            zero_outside(self.acc, rows)
+            put_rows(self.acc, rows, g)
+            self._empty = False
+        else:
+            add_rows(self.acc, rows, g)
+
+    def finish(self) -> None:
+        """Write the sum into the target (zeros when nothing came)."""
+        if self._empty:
+            self.target.zero_()
+        elif self.acc is not self.target:
+            self.target.copy_(self.acc)
+        self.acc = None
 
 
 def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:

@@ -19,34 +19,31 @@ from sdpa_fusion.mesh import VirtualMesh
 from sdpa_fusion.spec import AttentionSpec
 
 from .base import Description
-from .dim_costs import buffer_bytes
-
-# schedules that fold partial outputs and gradients into fp32 accumulators (out in forward;
-# dQ, dK, dV in backward), and those whose communication buffers ``buffer_bytes`` knows
-_ACCUMULATES = ("ring", "allgather", "hybrid")
-_BUFFERED = ("ring", "allgather", "ulysses")
+from .memory import Memory, input_bytes
 
 
 @dataclasses.dataclass(frozen=True)
-class Memory:
-    """Bytes one rank holds for a step: its q, k, v, out (and lse) and, in backward, dout
-    and the gradients; fp32 accumulators; the buffers of its communication at their peak.
-    Kernel workspace is not counted."""
+class RankMemory:
+    """Bytes one rank holds for a step: its inputs q, k, v (and in backward dout), which the
+    caller holds, and what the schedule's call allocates (``Description.memory``: outputs,
+    buffers, accumulators, kernel workspace, kept buffers; None when the schedule does not
+    say, and then so do the peaks)."""
 
-    tensors: int
-    accumulators: int
-    buffers: int
-    backward_tensors: int
-    backward_accumulators: int
-    backward_buffers: int
+    inputs: int
+    dout: int
+    schedule: Memory | None
 
     @property
-    def forward(self) -> int:
-        return self.tensors + self.accumulators + self.buffers
+    def forward(self) -> int | None:
+        """The peak of a forward."""
+        m = self.schedule
+        return None if m is None else self.inputs + m.kept + m.outputs + m.forward
 
     @property
-    def forward_backward(self) -> int:
-        return self.backward_tensors + self.backward_accumulators + self.backward_buffers
+    def forward_backward(self) -> int | None:
+        """The peak of a forward and backward step."""
+        m = self.schedule
+        return None if m is None else self.inputs + self.dout + m.step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +55,7 @@ class RankPlan:
     coordinates: dict[str, int]
     local: AttentionSpec
     description: Description
-    memory: Memory
+    memory: RankMemory
 
 
 def mesh_names(name: str, dims: int) -> tuple[str, ...]:
@@ -90,7 +87,7 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
-                                  description, _memory(schedule, spec, local, description)))
+                                  description, _memory(local, description)))
     return plans
 
 
@@ -125,24 +122,6 @@ def _local_spec(schedule, spec: AttentionSpec) -> AttentionSpec:
                                       scale=spec.scale, window=spec.window)
 
 
-def _memory(schedule, spec: AttentionSpec, local: AttentionSpec,
-            description: Description) -> Memory:
-    size = local.dtype.itemsize
-    q = local.batch * local.heads * local.q_len * local.head_dim
-    kv = local.batch * local.kv_heads * local.kv_len * local.head_dim
-    lse = local.batch * local.heads * local.q_len * 4
-    accumulates = schedule.name in _ACCUMULATES and description.ranks > 1
-    if schedule.name == "hybrid":
-        dims = description.dims
-        buffers = (sum(d.memory for d in dims), sum(d.backward_memory for d in dims))
-    elif schedule.name in _BUFFERED:
-        buffers = buffer_bytes(schedule, spec)
-    else:
-        buffers = (0, 0)
-    return Memory(
-        tensors=(2 * q + 2 * kv) * size + lse, accumulators=4 * q + lse if accumulates else 0,
-        buffers=buffers[0],
-        backward_tensors=(4 * q + 4 * kv) * size + lse,
-        backward_accumulators=4 * (q + 2 * kv) if accumulates else 0,
-        backward_buffers=buffers[1],
-    )
+def _memory(local: AttentionSpec, description: Description) -> RankMemory:
+    inputs = input_bytes(local, backward=False)
+    return RankMemory(inputs, input_bytes(local) - inputs, description.memory)

@@ -2,8 +2,8 @@
 
 At step i rank r holds the K/V block of rank (r - i) mod P. While it attends its queries to
 that block, the block travels on to rank r + 1 and the next one arrives from rank r - 1
-(async point-to-point, double-buffered). Each step's (out, lse) is folded into fp32
-accumulators by ``fold``.
+(async, two receive slots). Each step's (out, lse) is folded into the result in place
+(``Merged``).
 
 Causal masks per step come from ``block_case`` (no communication). With the load-balanced
 partition every rank holds an early chunk and a late chunk of the sequence, and every step
@@ -13,13 +13,32 @@ after the first costs half a block:
     block of a rank < r  all local queries vs the block's first (early) chunk
     block of a rank > r  the local late chunk vs the whole block
 
-Backward: dQ accumulates locally; the fp32 dK/dV sums of a block start on the rank after its
-owner, travel the ring with the block and end on the owner, P - 1 hops in all. The owner
-works on its own block last, while its sums make their last hop, and adds its own dK/dV to
-them. Every step uses the global out and lse of the forward.
+Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its owner,
+travel the ring with the block and end on the owner, P - 1 hops in all (fewer shifts under a
+window, see below). The owner works on its own block last, while its sums make their last
+hop, writes its own dK/dV straight into its gradients and adds the sums. Every step uses the
+global out and lse of the forward.
 
-The blocks and sums travel in the slots of ``transport`` (NCCL/gloo send-receive, or copy
-engines pulling from symmetric memory on GPUs).
+Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
+heads one after another, each group's blocks 1/G of the whole; the first block of the next
+group travels during the last step of the current one, so only the very first transfer of a
+call waits. What each rank holds at the peak (G groups, P ranks, blocks of one group):
+
+    forward   out, lse; two K/V slots (one when only one block travels); the block's output;
+              an fp32 accumulator of the group's out only when a row gets more than two
+              blocks (P > 2: with two, the first is written into out as is and the second
+              merged into it, rounding once)
+    backward  saved out, lse; dq, dk, dv; two K/V slots; the received dK/dV sums (one slot
+              at P = 2, two above) and the sums sent on; a dQ temporary and the kernel's
+              workspace; an fp32 dQ sum only when more than two blocks add to it
+
+dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2 without a window,
+where the sums that travel are one kernel result each (nothing is rounded that fp32 sums
+would not round), and fp32 otherwise; "input" always travels in the input dtype (half the
+bytes of fp32, one more rounding per hop), "fp32" always in fp32.
+
+The blocks and sums travel through ``transport`` (NCCL/gloo send-receive, or copy engines
+writing into the next rank's symmetric slots on GPUs): the own K/V goes out without a copy.
 
 Packed sequences: each step is one varlen kernel call over every sequence, the step's case
 applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
@@ -29,7 +48,14 @@ block has one size.
 Sliding windows: each step's calls come from ``bands`` (every call a window in its own rows
 and keys; none for a block the window does not reach), and the ring takes only the steps at
 which some rank's queries see a key of the block. A shift then sends the block, and in
-backward its dK/dV sums, straight to the rank of its next step: several hops at once.
+backward its dK/dV sums, straight to the rank of its next step: several hops at once. With
+head groups every group takes those steps, and the next group's own block goes straight to
+the rank of its first step. A row may then get more blocks than steps (a block split into
+calls), so out and dQ of 16-bit inputs are summed in fp32 whenever a rank makes more than
+two calls.
+
+Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
+head group and the call's place in its step, the same in forward and backward.
 """
 
 from __future__ import annotations
@@ -39,15 +65,19 @@ import enum
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import accumulators, finish
+from sdpa_fusion.merge import Merged
 
+from . import heads
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import (DenseCall, PackedCall, add_rows, as_block, as_packed, fold_calls, part_call,
-                    put_rows)
+from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
+                    fold_calls, part_call, put_rows, zero_outside)
+from .memory import Memory, Sizes, backward_call, forward_call
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
-from .transport import Mover, RingData, check_transport, mover
+from .transport import Mover, RingData, aligned, check_transport, mover
+
+GRAD_DTYPES = ("auto", "fp32", "input")
 
 
 class Block(enum.Enum):
@@ -111,56 +141,25 @@ def packed_call(case: Block, packing, source: int) -> PackedCall | None:
     return part_call(packing, source, rows, keys, causal)
 
 
-def _all(rows) -> bool:
-    return rows is None or (isinstance(rows, slice) and rows == slice(None))
-
-
-def _start_sums(acc, grads, keys) -> None:
-    """Set the fp32 sums ``acc`` to a block's first gradients (zero where they are None or
-    outside ``keys``)."""
-    for a, g in zip(acc, grads or (None,) * len(acc)):
-        if g is None or not _all(keys):
-            a.zero_()
-        if g is not None:
-            put_rows(a, keys, g)
-
-
-def _add_rows(acc, grads, keys) -> None:
-    """Add gradients of the key rows ``keys`` into the fp32 sums ``acc`` (nothing for None)."""
-    for a, g in zip(acc, grads or ()):
-        add_rows(a, keys, g)
-
-
-def _sum_calls(calls, grads_of, arrive, *, start: bool = False):
-    """Add the dK/dV of every call (``grads_of(i, call)``) into the fp32 sums that ``arrive()``
-    returns, called once the first call's gradients exist (so that a transfer bringing the
-    sums overlaps that call); with ``start`` the sums begin here (``_start_sums``). Returns
-    the sums."""
-    acc = None
-    for n, call in enumerate(calls):
-        grads = grads_of(n, call)
-        if n == 0:
-            acc = arrive()
-        if n == 0 and start:
-            _start_sums(acc, grads, call.keys)
-        else:
-            _add_rows(acc, grads, call.keys)
-        del grads  # free the call's dK/dV before the next kernel call
-    if acc is None:
-        acc = arrive()
-        if start:
-            _start_sums(acc, None, None)
-    return acc
-
+def check_grad_dtype(grad_dtype: str) -> str:
+    """``grad_dtype`` if it is one of GRAD_DTYPES, else a ValueError naming them."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype={grad_dtype!r} is not known; choose one of {GRAD_DTYPES} "
+                         f"(the dtype the dK/dV sums travel in)")
+    return grad_dtype
 
 class Ring(SequenceSchedule):
-    """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``)."""
+    """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``),
+    ``head_groups`` how many K/V head groups run in turn (see ``schedules.heads``),
+    ``grad_dtype`` the dtype dK/dV sums travel in."""
 
     name = "ring"
 
-    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto"):
-        super().__init__(mesh, dim=dim, partition=partition)
+    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
+                 head_groups="auto", grad_dtype="auto"):
+        super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
         self.transport = check_transport(transport)
+        self.grad_dtype = check_grad_dtype(grad_dtype)
         self._movers: dict[torch.device, Mover] = {}
 
     def validate(self, spec):
@@ -186,6 +185,13 @@ class Ring(SequenceSchedule):
         """Bytes of ring buffers kept between calls (the copy-engine transport's symmetric
         memory, which torch.cuda.memory_allocated does not count)."""
         return sum(m.kept_bytes for m in self._movers.values())
+
+    def sums_dtype(self, spec) -> torch.dtype:
+        """The dtype dK/dV sums of a call on ``spec`` (global or local) travel in."""
+        if self.grad_dtype == "input" or (self.grad_dtype == "auto" and self.size == 2
+                                          and window_band(spec) is None):
+            return spec.dtype
+        return torch.float32
 
     def _steps(self, spec, s_q: int, s_kv: int) -> list[tuple[int, list]]:
         """(step, kernel calls) of every ring step this rank takes, in order: at step i the
@@ -218,98 +224,251 @@ class Ring(SequenceSchedule):
         local = self.local_spec(spec)
         return len(self._steps(local, local.q_len, local.kv_len))
 
-    def _ring_buffers(self, k, v, *dtypes):
-        """A double-buffered ring buffer of blocks shaped like k and v, one per dtype."""
-        layout = layout_of(k)
-        datas = [RingData((tuple(k.shape), tuple(v.shape)), dtype, layout) for dtype in dtypes]
-        return self.mover(k.device).ring_buffers(datas, k.device)
-
-    def _streams(self, dropout, step: int):
-        """The dropout streams of this rank's queries against the block of ring step ``step``,
-        one per kernel call of the step (``streams(i)``); None without dropout."""
+    def _streams(self, dropout, step: int, group: heads.HeadGroup):
+        """The dropout streams of this rank's queries of head group ``group`` against the
+        block of ring step ``step``, one per kernel call of the step (``streams(i)``); None
+        without dropout."""
         if dropout is None:
             return None
         source = (self.index - step) % self.size
-        return lambda call: dropout.stream("ring", self.index, source, call)
+        return lambda call: dropout.stream("ring", self.index, source, group.index, call)
+
+    def _kv_steps(self, k, v, groups, order, remote, kv):
+        """(group, step, K block, V block) for every group and every step of ``order``: the
+        block of rank r - step (step 0: this rank's own), K/V coming through the ring ``kv``
+        (None when no block travels). ``remote``: the steps other than 0, in order; a block
+        goes from the rank of one to that of the next, several hops at once. One shift is in
+        flight at a time: a block travels on (or the next group's own block leaves) while
+        the current one is used."""
+        own = [(g.of_kv(k), g.of_kv(v)) for g in groups]
+        following = dict(zip(remote, remote[1:]))
+        if kv is not None:
+            pending = kv.shift(own[0], hops=remote[0])
+        for index, g in enumerate(groups):
+            for step in order:
+                if step == 0:
+                    yield g, 0, *own[index]
+                    continue
+                block = tuple(pending.wait())
+                if step in following:
+                    pending = kv.shift(block, hops=following[step] - step)
+                elif index + 1 < len(groups):
+                    pending = kv.shift(own[index + 1], hops=remote[0])
+                yield g, step, *block
+
+    def _rings(self, k, groups, remote, *dtypes_and_slots):
+        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors, all
+        in this call's buffer of the transport; Nones when no block travels."""
+        if not remote:
+            return [None] * len(dtypes_and_slots)
+        shape = tuple(groups[0].of_kv(k).shape)
+        datas = [RingData((shape, shape), dtype, layout_of(k), slots)
+                 for dtype, slots in dtypes_and_slots]
+        return self.mover(k.device).rings(datas, k.device)
+
+    @staticmethod
+    def _kv_slots(groups: int, remote: int) -> int:
+        """Receive slots of the K/V ring for ``remote`` steps per group: two, or one when
+        only one block travels."""
+        return min(2, groups * remote)
+
+    @staticmethod
+    def _sums_slots(remote: int) -> int:
+        """Receive slots of the dK/dV sums ring: with one remote step per group (P = 2, or a
+        window that needs one) the sums a rank receives are used up (added to its own)
+        before it sends the next group's, so one; else two."""
+        return 1 if remote == 1 else 2
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
-        scale = spec.softmax_scale
-        out_acc, lse_acc = accumulators(q)
         steps = self._steps(spec, q.shape[2], k.shape[2])
-        current, pending = (k, v), None
-        if len(steps) > 1:
-            (blocks,) = self._ring_buffers(k, v, k.dtype)
-            blocks.load(0, (k, v))
-        for i, (step, calls) in enumerate(steps):
-            if i + 1 < len(steps):  # the next step's block, straight from the rank holding it
-                pending = blocks.shift(i % 2, (i + 1) % 2, hops=steps[i + 1][0] - step)
-            out_acc, lse_acc = fold_calls(calls, kernel, q, *current, scale, out_acc, lse_acc,
-                                          self._streams(dropout, step))
-            if pending is not None:
-                current, pending = tuple(pending.wait()), None
-        out = finish(out_acc, q.dtype, layout_of(q))
-        return (as_packed(out) if packed else out), lse_acc
+        calls, order = dict(steps), [step for step, _ in steps]
+        remote = order[1:]
+        groups = self.groups_of(q, k)
+        out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        blocks = sum(len(c) for c in calls.values())
+        (kv,) = self._rings(k, groups, remote, (k.dtype, self._kv_slots(len(groups), len(remote))))
+        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv):
+            if step == 0:
+                merged = Merged(g.of_q(out), g.of_q(lse), blocks)
+            fold_calls(calls[step], kernel, merged, g.of_q(q), kb, vb, spec.softmax_scale,
+                       self._streams(dropout, step, g))
+            if step == order[-1]:
+                merged.finish()
+        return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         packed = spec.layout.is_varlen
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        dq = accumulators(q)[0]
-        (_, own), *remote = self._steps(spec, q.shape[2], k.shape[2])
-
-        def grads_of(kb, vb, step):
-            streams = self._streams(dropout, step)
-
-            def grads(i, call):
-                """(dK, dV) of the key rows of the step's call i; its dQ goes into dq."""
-                dq_b, *g = call.backward(kernel, dout, q, kb, vb, out, lse, spec.softmax_scale,
-                                         streams and streams(i))
-                add_rows(dq, call.rows, dq_b)
-                return g
-            return grads
-
-        if remote:
-            blocks, sums = self._ring_buffers(k, v, k.dtype, torch.float32)
-            blocks.load(0, (k, v))
-            pending_kv, pending_sums = blocks.shift(0, 1, hops=remote[0][0]), None
-        for i, (step, calls) in enumerate(remote, start=1):
-            current = pending_kv.wait()
-            # to the rank of the next step with this block, or home after the last one
-            hops = (remote[i][0] if i < len(remote) else self.size) - step
-            if i < len(remote):
-                pending_kv = blocks.shift(i % 2, (i + 1) % 2, hops=hops)
-            if pending_sums is None:  # the block's sums start here
-                slot = sums.tensors(i % 2)
-                _sum_calls(calls, grads_of(*current, step), lambda: slot, start=True)
-            else:  # the slot holds the block's sums from the earlier ranks once they arrive
-                _sum_calls(calls, grads_of(*current, step), pending_sums.wait)
-            pending_sums = sums.shift(i % 2, (i + 1) % 2, hops=hops)
-        # the own block last: its backward runs while the own sums make their last hop home
-        home = _sum_calls(own, grads_of(k, v, 0), pending_sums.wait if remote else
-                          lambda: [accumulators(t)[0] for t in (k, v)])
-        dq = finish(dq, q.dtype, layout_of(q))
-        kv_layout = layout_of(k)
-        dk, dv = (finish(g, t.dtype, kv_layout) for g, t in zip(home, (k, v)))
+        steps = self._steps(spec, q.shape[2], k.shape[2])
+        calls, remote = dict(steps), [step for step, _ in steps[1:]]
+        order = [*remote, 0]  # the own block last
+        home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
+        groups = self.groups_of(q, k)
+        dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+                      for t in (q, k, v))
+        contributions = sum(len(c) for c in calls.values())
+        kv, sums = self._rings(k, groups, remote,
+                               (k.dtype, self._kv_slots(len(groups), len(remote))),
+                               (self.sums_dtype(spec), self._sums_slots(len(remote))))
+        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv):
+            if step == order[0]:
+                dq_sum = Sum(g.of_q(dq), contributions)
+            run = _Step(calls[step], kernel, dq_sum, (g.of_q(dout), g.of_q(q), kb, vb,
+                        g.of_q(out), g.of_q(lse), spec.softmax_scale),
+                        self._streams(dropout, step, g))
+            if step == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
+                targets = (g.of_kv(dk), g.of_kv(dv))
+                run.write(targets)
+                if sums is not None:
+                    for target, summed in zip(targets, sent.wait()):
+                        target.add_(summed)
+                dq_sum.finish()
+            elif step == remote[0]:  # this rank starts the block's sums
+                outgoing = sums.data.empty(k.device)
+                run.write(outgoing)
+                sent = sums.shift(outgoing, hops=home[step] - step)
+                del outgoing  # the transport holds it until it has left
+            else:  # add to the sums of the ranks before, which arrive meanwhile
+                sent = sums.shift(run.add_into(sent), hops=home[step] - step)
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
 
+    # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        p = self.size
-        steps = self._step_count(spec)
+        p, steps = self.size, self._step_count(spec)
         kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
+        sums_bytes = kv_block * self.sums_dtype(spec).itemsize
         forward = spec.flops() / p
-        shifts = steps - 1
+        groups, shifts = self.groups_for(spec), steps - 1
         return Description(
-            self.name, p, steps=steps, bytes_sent=shifts * kv_bytes,
-            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps,
-            backward_bytes_sent=shifts * (kv_bytes + kv_block * 4),
-            backward_bytes_received=shifts * (kv_bytes + kv_block * 4),
+            self.name, p, steps=steps * groups, bytes_sent=shifts * kv_bytes,
+            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * groups,
+            backward_bytes_sent=shifts * (kv_bytes + sums_bytes),
+            backward_bytes_received=shifts * (kv_bytes + sums_bytes),
             backward_flops=spec.flops(backward=True) / p - forward,
-            notes=f"partition {self.partition.name}; transport {self.transport}; K/V blocks of "
-                  f"{kv_bytes} bytes, fp32 dK/dV blocks of {kv_block * 4} bytes",
+            notes=f"partition {self.partition.name}; transport {self.transport}; "
+                  f"{groups} head group(s); K/V blocks of {kv_bytes // groups} bytes, dK/dV "
+                  f"sums of {sums_bytes // groups} bytes ({self.sums_dtype(spec)})",
+            memory=self.memory(spec),
         )
+
+    def memory(self, spec) -> Memory:
+        """What this rank allocates for a call on the global ``spec`` (the buffers of the
+        module docstring, each counted at the kernel call where most of them are alive)."""
+        rows, groups = self.local_tokens(spec), self.groups_for(spec)
+        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
+        steps = self._steps(self.local_spec(spec), rows, rows)
+        remote = [step for step, _ in steps[1:]]
+        sums_item = self.sums_dtype(spec).itemsize
+        kv_slots = sums_slots = 0
+        if remote:
+            kv_slots = self._kv_slots(groups, len(remote)) * aligned(2 * size.kv())
+            sums_slots = self._sums_slots(len(remote)) * aligned(2 * size.kv(itemsize=sums_item))
+        kept = kv_slots + sums_slots if self._keeps_slots() else 0
+        fresh = not kept  # p2p allocates its slots for each call
+        # p2p sends a group's own K/V from a contiguous copy when the group is strided: in
+        # flight during the own step, and during the last remote one when a group follows
+        copy = 0 if kept or not remote or heads.contiguous(spec, groups) else 2 * size.kv()
+
+        def sent(step: int, backward: bool) -> int:
+            if not copy:
+                return 0
+            return copy if (step == 0 and not (backward and groups == 1)) or (
+                step == remote[-1] and groups > 1) else 0
+
+        n_calls = sum(len(c) for _, c in steps)
+        fp32_sum = size.q(itemsize=4) if n_calls > 2 and spec.dtype.itemsize < 4 else 0
+        acc_item = 4 if fp32_sum else spec.dtype.itemsize
+        forward = fresh * kv_slots + fp32_sum + max(
+            (forward_call(size, c, rows, acc_item) + sent(step, False)
+             for step, calls in steps for c in calls), default=0)
+        outgoing = 2 * size.kv(itemsize=sums_item)
+        peaks = [held + sent(step, True) + backward_call(
+            size, c, rows, dq_temp=dq_temp or fp32_sum > 0, kv_temps=kv_temps)
+            for step, c, held, dq_temp, kv_temps in self._backward_calls(
+                steps, remote, outgoing, converts=sums_item != spec.dtype.itemsize)]
+        backward = (whole.q() + 2 * whole.kv() + fresh * (kv_slots + sums_slots) + fp32_sum
+                    + max(peaks, default=0))
+        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
+                      kept=kept)
+
+    @staticmethod
+    def _backward_calls(steps, remote, outgoing: int, *, converts: bool):
+        """(step, call, bytes of sums held, dQ in a temporary, dK/dV in temporaries) of every
+        backward kernel call, in order: the own block last; the first call's dQ goes
+        straight into dq, the first call of a step that starts sums or ends at the own
+        gradients writes its dK/dV there (unless the sums' dtype ``converts``); the sums a
+        rank starts (``outgoing`` bytes) are held until the next step's first call is done,
+        or through the own step when that is the next."""
+        calls = dict(steps)
+        first = True
+        for step in [*remote, 0]:
+            for i, c in enumerate(calls[step]):
+                held = bool(remote) and (step == remote[0] or (step == 0 and len(remote) == 1)
+                                         or (len(remote) > 1 and step == remote[1] and i == 0))
+                direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
+                yield step, c, outgoing if held else 0, not first, not direct
+                first = False
+
+    def _keeps_slots(self) -> bool:
+        """Whether the slots are kept between calls (the copy-engine transport)."""
+        movers = list(self._movers.values())
+        if movers:
+            return movers[0].name == "copy_engine"
+        on_gpus = self.mesh is not None and self.mesh.device.type == "cuda"
+        return self.transport == "copy_engine" or (self.transport == "auto" and on_gpus)
+
+
+class _Step:
+    """One backward step: the kernel calls (maybe none) of a head group's tensors on one K/V
+    block, ``args`` = (dout, q, K block, V block, out, lse, scale); their dQ goes into
+    ``dq_sum``, call i draws dropout stream ``streams(i)``."""
+
+    def __init__(self, calls, kernel, dq_sum: Sum, args, streams):
+        self.calls, self.kernel, self.dq_sum = calls, kernel, dq_sum
+        self.args, self.streams = args, streams
+
+    def add_into(self, pending):
+        """Add the calls' dK/dV to the sums ``pending`` brings (they arrive while the first
+        call runs); returns the sums."""
+        grads = self._grads(0) if self.calls else ()
+        summed = pending.wait()
+        for acc, grad in zip(summed, grads):
+            add_rows(acc, self.calls[0].keys, grad)
+        del grads
+        self._add_rest(summed)
+        return summed
+
+    def write(self, targets) -> None:
+        """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
+        keys); the first call's straight from the kernel when they have the kernel's dtype."""
+        if not self.calls:
+            for t in targets:
+                t.zero_()
+            return
+        keys = self.calls[0].keys
+        for t in targets:
+            zero_outside(t, keys)
+        if targets[0].dtype == self.args[2].dtype:
+            self._grads(0, targets)
+        else:
+            for t, grad in zip(targets, self._grads(0)):  # fp32 sums of bf16 gradients
+                put_rows(t, keys, grad)
+        self._add_rest(targets)
+
+    def _add_rest(self, sums) -> None:
+        """Add the dK/dV of every call but the first into ``sums``."""
+        for i in range(1, len(self.calls)):
+            for acc, grad in zip(sums, self._grads(i)):
+                add_rows(acc, self.calls[i].keys, grad)
+
+    def _grads(self, i: int, targets=(None, None)):
+        return call_grads(self.calls[i], self.kernel, self.dq_sum, self.args,
+                          self.streams and self.streams(i), targets)

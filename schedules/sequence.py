@@ -5,6 +5,8 @@ of out and the gradients). ``shard`` picks them out of a full tensor; ``unshard`
 every rank's tokens and restores the original order on every rank. ``position_ids`` says
 which global positions a rank's tokens have (what RoPE needs).
 
+``head_groups`` runs the schedule over a few K/V heads at a time (``schedules.heads``).
+
 Packed sequences (``layout="thd"``): every sequence is split on its own, padded for the
 caller where the partition needs it (``schedules.packing``); ``pack(cu_seqlens)`` gives this
 rank's ``LocalPacking`` (local tokens, lengths and positions), and ``attention`` takes either
@@ -19,6 +21,7 @@ import torch
 
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
+from . import heads
 from . import partition as partitions
 from .base import Schedule
 from .packing import LocalPacking, Split, global_packing, split_by
@@ -34,9 +37,11 @@ class SequenceSchedule(Schedule):
     # Attends each rank's tokens in the partition's order: causal needs increasing tokens.
     needs_ordered_tokens = True
 
-    def __init__(self, mesh, *, dim: str | None = None, partition="load_balanced"):
+    def __init__(self, mesh, *, dim: str | None = None, partition="load_balanced",
+                 head_groups="auto"):
         super().__init__(mesh, dim=dim)
         self.partition = partitions.get(partition)
+        self.head_groups = heads.check_option(head_groups)
         self._positions: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
         self._splits: collections.OrderedDict[tuple, Split] = collections.OrderedDict()
 
@@ -59,12 +64,38 @@ class SequenceSchedule(Schedule):
                 f"causal context parallelism needs q and k/v of one length per rank, got "
                 f"q_len={spec.q_len} and kv_len={spec.kv_len}; shard q, k, v of one sequence alike"
             )
+        if self.head_groups != "auto":
+            heads.check_divides(self.head_groups, spec.kv_heads, self.name)
+            self.check_groups(self.head_groups, spec)
         if spec.causal and self.needs_ordered_tokens and not self.partition.increasing:
             raise ValueError(
                 f"causal attention needs each rank's tokens in increasing order; the "
                 f"{self.partition.name} partition reorders them. Use partition='load_balanced', "
                 f"or schedule 'ulysses' (which attends the whole sequence in order)"
             )
+
+    # ---- head groups (schedules.heads) ----------------------------------------------------
+    def check_groups(self, groups: int, spec) -> None:
+        """A ValueError when this schedule cannot run ``groups`` head groups of the local
+        ``spec`` (any count that divides the K/V heads works here)."""
+
+    def group_count(self, heads_q: int, kv_heads: int, rows: int) -> int:
+        """Head groups of a local problem of ``rows`` query rows per rank."""
+        return heads.choose(self.head_groups, heads=heads_q, kv_heads=kv_heads, rows=rows,
+                            fits=lambda g: self.groups_fit(g, heads_q, kv_heads))
+
+    def groups_fit(self, groups: int, heads_q: int, kv_heads: int) -> bool:
+        """Whether ``auto`` may take ``groups`` head groups."""
+        return True
+
+    def groups_for(self, spec) -> int:
+        """Head groups of a call on the global ``spec``."""
+        return self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
+
+    def groups_of(self, q, k) -> list[heads.HeadGroup]:
+        """The head groups of local [B, H, S, E] q and k."""
+        count = self.group_count(q.shape[1], k.shape[1], q.shape[2])
+        return heads.groups_of(count, q.shape[1], k.shape[1])
 
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
         """Global positions of the tokens ``rank`` (this rank by default) holds."""
@@ -119,8 +150,8 @@ class SequenceSchedule(Schedule):
         return ((self.partition, self.size, self.index),)
 
     def local_spec(self, spec):
-        """This rank's part of the global ``spec`` (packed: with its packing, made on the host;
-        what ``describe`` plans with)."""
+        """This rank's part of the global ``spec`` (inverse of ``global_spec``; packed: with
+        its packing, made on the host; what ``describe`` plans with)."""
         if spec.layout.is_varlen:
             split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
             return spec.replace(packing=split.part(self.index))

@@ -1,25 +1,32 @@
-"""How data travels around the ring: slots, and the transports that shift them.
+"""How data travels around the ring: each rank sends to the next and receives into its slots.
 
-A ring schedule keeps what travels (K/V blocks, fp32 dK/dV sums) in *slots*: equal pieces of
-one flat byte buffer per rank. ``shift(src, dst)`` fills this rank's slot ``dst`` with the
-previous rank's slot ``src`` while this rank's slot ``src`` goes to the next rank
-(``hops=h``: the rank h before, the rank h after; a ring that skips steps). Every rank makes
-the same shifts in the same order.
+A ring schedule sends what travels (K/V blocks, dK/dV sums) to the next rank and receives the
+previous rank's into *slots*, buffers of this call sized for what they carry. The ring asks
+only "send this, give me the next":
 
-    blocks, sums = mover(comm, "auto", device).ring_buffers(
-        [RingData((k.shape, v.shape), k.dtype, layout), ...], device)
-    blocks.load(0, (k, v))
-    pending = blocks.shift(0, 1)         # async; pending.wait() -> blocks.tensors(1)
+    kv, sums = mover(comm, "auto", device).rings(
+        [RingData((k.shape, v.shape), k.dtype, layout, slots=2), ...], device)
+    pending = kv.shift((k, v))     # async: k, v (any memory) go to the next rank
+    k_prev, v_prev = pending.wait()   # the previous rank's, in this rank's next slot
+
+``shift(tensors, hops=h)`` sends to the rank h after this one and receives from the rank h
+before (a ring that skips steps). Slots are used in turn. A ring that receives the next
+block while it still reads the last needs two; one whose every received block is used up
+before the next shift starts needs one. Every rank makes the same shifts in the same order.
 
 Two transports move the bytes:
 
-    p2p          torch.distributed batched isend/irecv: NCCL on GPUs, gloo on CPUs. NCCL's
-                 send/receive kernels run on SMs beside the attention kernels.
-    copy_engine  the buffer is symmetric memory (torch.distributed._symmetric_memory) that the
-                 neighbour maps; each rank pulls its neighbour's slot with one device-to-device
-                 copy on a side stream, after a device-side barrier of the ring. The GPU's copy
-                 engines move the data over NVLink and attention keeps every SM. The buffer is
-                 kept for the next call (it grows, collectively, when a call needs more).
+    p2p          torch.distributed batched isend/irecv (NCCL on GPUs, gloo on CPUs) into slots
+                 allocated for the call. NCCL's send/receive kernels run on SMs beside the
+                 attention kernels.
+    copy_engine  the slots live in symmetric memory (torch.distributed._symmetric_memory),
+                 which the previous rank maps: on a side stream, after a device-side barrier
+                 of the ring, each rank copies what it sends straight into the next rank's
+                 slot (from any memory: only the receiving slot is symmetric), then a second
+                 barrier says every slot is filled. Contiguous tensors go by one
+                 device-to-device copy, which the GPU's copy engines move over NVLink, so
+                 attention keeps every SM. The symmetric buffer is kept for the next call (it
+                 grows, collectively, when a call needs more).
 
 ``auto`` is copy_engine for CUDA tensors on an NCCL group of one host when symmetric memory is
 available, else p2p.
@@ -35,7 +42,7 @@ import torch.distributed as dist
 
 from sdpa_fusion.layout import Layout
 
-from .buffers import views
+from .buffers import to_buffer, views
 from .comm import Pending
 
 TRANSPORTS = ("auto", "p2p", "copy_engine")
@@ -51,11 +58,13 @@ def check_transport(transport: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RingData:
-    """What one slot holds: logical tensors of ``shapes`` in ``dtype`` and ``layout``."""
+    """What a ring carries: logical tensors of ``shapes`` in ``dtype`` and ``layout``,
+    received into ``slots`` slots."""
 
     shapes: tuple
     dtype: torch.dtype
     layout: Layout
+    slots: int = 2
 
     @property
     def used(self) -> int:
@@ -64,8 +73,18 @@ class RingData:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of a slot (``used``, aligned)."""
-        return _aligned(self.used)
+        """Bytes of one slot (``used``, aligned)."""
+        return aligned(self.used)
+
+    def empty(self, device) -> list[torch.Tensor]:
+        """New tensors of these shapes (one allocation), such as what a rank sends."""
+        numel = sum(torch.Size(s).numel() for s in self.shapes)
+        return views(torch.empty(numel, dtype=self.dtype, device=device), self.shapes, self.layout)
+
+
+def slot_bytes(datas) -> int:
+    """Bytes of the slots of ``datas`` (RingData) together: what ``Mover.rings`` allocates."""
+    return sum(d.slots * d.nbytes for d in datas)
 
 
 class _StreamEvent:
@@ -78,12 +97,13 @@ class _StreamEvent:
         torch.cuda.current_stream().wait_event(self.event)
 
 
-class RingBuffer:
-    """Two slots of ``data`` at ``offset`` in the flat byte buffer ``flat`` of this rank."""
+class Ring:
+    """The slots of one ``RingData`` at ``offset`` in this call's flat byte buffer."""
 
-    def __init__(self, data: RingData, flat: torch.Tensor, offset: int, mover):
+    def __init__(self, data: RingData, flat: torch.Tensor, offset: int, mover: "Mover"):
         self.data, self._flat, self._mover = data, flat, mover
-        self._offsets = [offset, offset + data.nbytes]
+        self._offsets = [offset + i * data.nbytes for i in range(data.slots)]
+        self._shifts = 0
 
     def tensors(self, slot: int) -> list[torch.Tensor]:
         """The logical tensors slot ``slot`` holds (views into the buffer)."""
@@ -91,24 +111,24 @@ class RingBuffer:
         elements = self._flat[start:start + self.data.nbytes].view(self.data.dtype)
         return views(elements, self.data.shapes, self.data.layout)
 
-    def load(self, slot: int, tensors) -> None:
-        """Copy ``tensors`` (logical, of this buffer's shapes) into slot ``slot``."""
-        for target, t in zip(self.tensors(slot), tensors):
-            target.copy_(t)
-
-    def shift(self, src: int, dst: int, hops: int = 1) -> Pending:
-        """Start filling slot ``dst`` with slot ``src`` of the rank ``hops`` before this one
-        (this rank's slot ``src`` goes to the rank ``hops`` after it); ``wait()`` returns
-        ``tensors(dst)``."""
-        works = self._mover.shift(self._flat, self._offsets[src], self._offsets[dst],
-                                  self.data.used, hops)
+    def shift(self, tensors, hops: int = 1) -> Pending:
+        """Start sending ``tensors`` (logical, of this ring's shapes; any memory) to the rank
+        ``hops`` after this one and receiving those of the rank ``hops`` before into the next
+        slot; ``wait()`` returns them."""
+        slot = self._shifts % self.data.slots
+        self._shifts += 1
+        works = self._mover.push(list(tensors), self, slot, hops)
         comm = self._mover.comm
-        return comm.pending(works, self.tensors(dst), f"ring shift: send to rank "
+        return comm.pending(works, self.tensors(slot), f"ring shift: send to rank "
                             f"{comm.peer(hops)}, receive from rank {comm.peer(-hops)}")
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of slot ``slot`` in the flat buffer (the same on every rank)."""
+        return self._offsets[slot]
 
 
 class Mover:
-    """Moves slots between the ranks of ``comm`` (one line of the mesh)."""
+    """Moves what rings send between the ranks of ``comm`` (one line of the mesh)."""
 
     name = ""
 
@@ -120,22 +140,23 @@ class Mover:
         """Bytes of buffer kept between calls, outside torch's caching allocator."""
         return 0
 
-    def ring_buffers(self, datas, device) -> list[RingBuffer]:
-        """One double-buffered ``RingBuffer`` for each ``RingData``, all in one flat buffer."""
-        flat = self.buffer(sum(2 * d.nbytes for d in datas), device)
-        buffers, offset = [], 0
+    def rings(self, datas, device) -> list[Ring]:
+        """One ``Ring`` for each ``RingData``, all slots in one flat buffer."""
+        flat = self.buffer(slot_bytes(datas), device)
+        rings, offset = [], 0
         for d in datas:
-            buffers.append(RingBuffer(d, flat, offset, self))
-            offset += 2 * d.nbytes
-        return buffers
+            rings.append(Ring(d, flat, offset, self))
+            offset += d.slots * d.nbytes
+        return rings
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         """A flat byte buffer of at least ``nbytes`` for this call's slots."""
         raise NotImplementedError
 
-    def shift(self, flat: torch.Tensor, src: int, dst: int, nbytes: int, hops: int = 1) -> list:
-        """Start moving ``flat[src:src+nbytes]`` to the rank ``hops`` after this one and that
-        of the rank ``hops`` before into ``flat[dst:dst+nbytes]``; the works to wait for."""
+    def push(self, tensors, ring: Ring, slot: int, hops: int = 1) -> list:
+        """Start sending ``tensors`` into slot ``slot`` of ``ring`` on the rank ``hops`` after
+        this one and receiving those of the rank ``hops`` before into this rank's; the works
+        to wait for."""
         raise NotImplementedError
 
 
@@ -147,25 +168,37 @@ class P2PMover(Mover):
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def shift(self, flat, src, dst, nbytes, hops=1):
-        comm = self.comm
-        send, recv = flat[src:src + nbytes], flat[dst:dst + nbytes]
-        ops = [dist.P2POp(dist.isend, send, comm.peer(hops), comm.group),
-               dist.P2POp(dist.irecv, recv, comm.peer(-hops), comm.group)]
-        comm.count(nbytes, nbytes)
-        return dist.batch_isend_irecv(ops)
+    def push(self, tensors, ring, slot, hops=1):
+        comm, layout = self.comm, ring.data.layout
+        sends = [to_buffer(t, layout) for t in tensors]  # a copy only for tensors out of layout
+        receives = [to_buffer(t, layout) for t in ring.tensors(slot)]
+        ops = [dist.P2POp(dist.isend, s, comm.peer(hops), comm.group) for s in sends]
+        ops += [dist.P2POp(dist.irecv, r, comm.peer(-hops), comm.group) for r in receives]
+        comm.count(ring.data.used, ring.data.used)
+        return [_Keep(work, sends) for work in dist.batch_isend_irecv(ops)]
+
+
+class _Keep:
+    """A work that reads ``tensors``: they stay alive until it has been waited for."""
+
+    def __init__(self, work, tensors):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *timeout) -> None:
+        self.work.wait(*timeout)
+        self.tensors = None
 
 
 class CopyEngineMover(Mover):
-    """Slots in one symmetric-memory buffer kept across calls; shifts pull the previous
-    rank's slot with a device-to-device copy on a side stream after a ring barrier."""
+    """Slots in one symmetric-memory buffer kept across calls; each shift copies what a rank
+    sends into the next rank's slot on a side stream, between two barriers of the ring."""
 
     name = "copy_engine"
 
     def __init__(self, comm):
         super().__init__(comm)
         self._flat = self._handle = None
-        self._peers: dict[int, torch.Tensor] = {}  # hops -> the buffer of the rank hops before
+        self._peers: dict[int, torch.Tensor] = {}  # hops -> the buffer of the rank hops after
         self._stream = None
         self._timeout_ms = int(comm.timeout.total_seconds() * 1000)  # the mesh's timeout
 
@@ -183,29 +216,32 @@ class CopyEngineMover(Mover):
             self._handle = symm_mem.rendezvous(flat, self.comm.group)
             self._flat, self._peers = flat, {}
             self._stream = torch.cuda.Stream(device=device)
-        # no neighbour still reads this buffer for an earlier call
-        self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
         return self._flat
 
     def _peer(self, hops: int) -> torch.Tensor:
-        """The buffer of the rank ``hops`` before this one, mapped here (made once)."""
+        """The buffer of the rank ``hops`` after this one, mapped here (made once)."""
         if hops not in self._peers:
-            peer = dist.get_group_rank(self.comm.group, self.comm.peer(-hops))
+            peer = dist.get_group_rank(self.comm.group, self.comm.peer(hops))
             self._peers[hops] = self._handle.get_buffer(peer, (self._flat.numel(),), torch.uint8, 0)
         return self._peers[hops]
 
-    def shift(self, flat, src, dst, nbytes, hops=1):
-        stream = self._stream
+    def push(self, tensors, ring, slot, hops=1):
+        stream, data, start = self._stream, ring.data, ring.offset(slot)
         peer = self._peer(hops)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # after the barrier every rank has finished its work so far, so the source rank's
-            # slot src is ready and the rank that read our slot dst has read it
+            # after the barrier every rank has finished its work so far: what it sends is
+            # ready, and the slot the rank hops before writes into has been read
             self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
-            flat[dst:dst + nbytes].copy_(peer[src:src + nbytes])
+            target = peer[start:start + data.nbytes].view(data.dtype)
+            for piece, t in zip(views(target, data.shapes, data.layout), tensors):
+                piece.copy_(t)
+                t.record_stream(stream)  # its memory is not reused before the copy is done
+            # after the second barrier every rank's slot is filled
+            self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
             event = torch.cuda.Event()
             event.record(stream)
-        self.comm.count(nbytes, nbytes)
+        self.comm.count(data.used, data.used)
         return [_StreamEvent(event)]
 
 
@@ -238,5 +274,6 @@ def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
     return True, ""
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the alignment of a slot."""
     return -(-nbytes // _ALIGN) * _ALIGN

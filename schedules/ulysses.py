@@ -30,11 +30,11 @@ import dataclasses
 import torch
 
 from sdpa_fusion.layout import Layout
-from sdpa_fusion.merge import finish
 
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
+from .memory import Memory, Sizes, kernel_call
 from .sequence import SequenceSchedule
 
 
@@ -150,11 +150,10 @@ class Ulysses(SequenceSchedule):
             outs.append(out)
         return outs
 
-    def _to_sequence(self, tensors, layout: Layout, heads, spec,
-                     padding: float = 0.0) -> list[torch.Tensor]:
-        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all ``heads``
-        [B, h, S/P, E]; replicated K/V heads are summed; rows that did not travel (padding)
-        are ``padding``."""
+    def _to_sequence(self, tensors, layout: Layout, targets, spec, padding: float = 0.0) -> None:
+        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
+        into ``targets`` [B, h, S/P, E]; replicated K/V heads are summed; rows that did not
+        travel (padding) are ``padding``."""
         places = [self._placement(spec, t.shape[2] // self.size, t.device) for t in tensors]
         shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
                   for t, place in zip(tensors, places)]
@@ -169,28 +168,44 @@ class Ulysses(SequenceSchedule):
                     put_rows(block, rows, take(t, slots))
 
         received = self._all_to_all(fill, shapes, layout, tensors[0])
-        return [self._place_heads([blocks[i] for blocks in received], h, layout)
-                for i, h in enumerate(heads)]
+        for i, target in enumerate(targets):
+            self._place_heads([blocks[i] for blocks in received], target)
 
-    def _place_heads(self, blocks, heads: int, layout: Layout) -> torch.Tensor:
-        """[B, heads, S/P, E] from the head blocks of every rank, in rank order."""
-        b, width, s, e = blocks[0].shape
+    def _place_heads(self, blocks, target: torch.Tensor) -> None:
+        """``target`` [B, heads, S/P, E] from the head blocks of every rank, in rank order."""
+        heads, width = target.shape[1], blocks[0].shape[1]
         replicated = heads < self.size
-        dtype = torch.float32 if replicated else blocks[0].dtype
-        out = layout.empty((b, heads, s, e), dtype=dtype, device=blocks[0].device)
-        if replicated:
-            out.zero_()
+        acc = torch.zeros(target.shape, dtype=torch.float32, device=target.device) \
+            if replicated else target
         for j, block in enumerate(blocks):
-            target = out.narrow(1, self._first_head(j, heads), width)
+            part = acc.narrow(1, self._first_head(j, heads), width)
             if replicated:
-                target.add_(block)
+                part.add_(block)
             else:
-                target.copy_(block)
-        return finish(out, blocks[0].dtype, layout) if replicated else out
+                part.copy_(block)
+        if replicated:
+            target.copy_(acc)
 
-    def _stream(self, dropout):
-        """The dropout stream of this rank's heads over the whole sequence."""
-        return dropout.stream("ulysses", self.index) if dropout is not None else None
+    def groups_fit(self, groups, heads_q, kv_heads):
+        return (heads_q // groups) % self.size == 0 and self._kv_fit(kv_heads // groups)
+
+    def check_groups(self, groups, spec):
+        heads_q, kv = spec.heads // groups, spec.kv_heads // groups
+        if heads_q % self.size or not self._kv_fit(kv):
+            raise ValueError(
+                f"head_groups={groups} leaves {heads_q} query and {kv} K/V heads per group; "
+                f"schedule 'ulysses' over {self.size} ranks needs query heads per group "
+                f"divisible by {self.size} and K/V heads per group divisible by or dividing "
+                f"{self.size}; use 'auto' or fewer groups"
+            )
+
+    def _kv_fit(self, kv_heads: int) -> bool:
+        return kv_heads % self.size == 0 or self.size % kv_heads == 0
+
+    def _stream(self, dropout, group):
+        """The dropout stream of this rank's heads of head group ``group`` over the whole
+        sequence (None without dropout)."""
+        return dropout.stream("ulysses", self.index, group.index) if dropout is not None else None
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         packed = spec.packing is not None
@@ -198,17 +213,22 @@ class Ulysses(SequenceSchedule):
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
         call = self._call(spec)
-        q_h, k_h, v_h = self._to_heads([q, k, v], layout, spec)
-        if call is None:  # no real token anywhere
-            out_h = torch.zeros_like(q_h)
-            lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
-        else:
-            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
-                                        self._stream(dropout))
-        (out,) = self._to_sequence([out_h], layout, [spec.heads], spec)
-        (lse,) = self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [spec.heads], spec,
-                                   padding=float("-inf"))
-        return (as_packed(out) if packed else out), lse.squeeze(-1)
+        out = layout.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        for g in self.groups_of(q, k):
+            q_h, k_h, v_h = self._to_heads([g.of_q(q), g.of_kv(k), g.of_kv(v)], layout, spec)
+            if call is None:  # no real token anywhere
+                out_h = torch.zeros_like(q_h)
+                lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
+            else:
+                out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
+                                            self._stream(dropout, g))
+            del q_h, k_h, v_h
+            self._to_sequence([out_h], layout, [g.of_q(out)], spec)
+            self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [g.of_q(lse).unsqueeze(-1)],
+                              spec, padding=float("-inf"))
+            del out_h, lse_h
+        return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         packed = spec.packing is not None
@@ -216,16 +236,20 @@ class Ulysses(SequenceSchedule):
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         call = self._call(spec)
-        dout_h, q_h, k_h, v_h, out_h = self._to_heads([dout, q, k, v, out], layout, spec)
-        (lse_h,) = self._to_heads([lse.unsqueeze(-1)], Layout.BHSE, spec)
-        if call is None:
-            grads = [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
-        else:
-            grads = call.backward(kernel, dout_h, q_h, k_h, v_h, out_h, lse_h.squeeze(-1),
-                                  spec.softmax_scale, self._stream(dropout))
-        heads = [spec.heads, spec.kv_heads, spec.kv_heads]
-        grads = self._to_sequence(list(grads), layout, heads, spec)
-        return tuple(as_packed(g) for g in grads) if packed else tuple(grads)
+        dq, dk, dv = (layout.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        for g in self.groups_of(q, k):
+            inputs = self._to_heads([g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
+                                     g.of_q(out)], layout, spec)
+            (lse_h,) = self._to_heads([g.of_q(lse).unsqueeze(-1)], Layout.BHSE, spec)
+            if call is None:
+                grads = [torch.zeros_like(t) for t in inputs[1:4]]
+            else:
+                grads = call.backward(kernel, *inputs, lse_h.squeeze(-1), spec.softmax_scale,
+                                      self._stream(dropout, g))
+            del inputs, lse_h
+            self._to_sequence(list(grads), layout, [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)], spec)
+            del grads
+        return tuple(as_packed(t) for t in (dq, dk, dv)) if packed else (dq, dk, dv)
 
     def describe(self, spec):
         p, local = self.size, self.local_tokens(spec)
@@ -243,5 +267,33 @@ class Ulysses(SequenceSchedule):
             backward_steps=1, backward_bytes_sent=backward, backward_bytes_received=backward,
             backward_flops=spec.flops(backward=True) / p - flops,
             notes=f"partition {self.partition.name}; {h} of {spec.heads} heads and {h_kv} K/V "
-                  f"heads per rank over the whole sequence; all-to-alls repeated in backward",
+                  f"heads per rank over the whole sequence; all-to-alls repeated in backward; "
+                  f"{self.groups_for(spec)} head group(s)",
+            memory=self.memory(spec),
         )
+
+    def memory(self, spec, call=None) -> Memory:
+        """What this rank allocates for a call on the global ``spec``, per head group: the
+        send and receive buffers of an all-to-all and what it places (the group's q, k, v in
+        forward; dout, q, k, v, out in backward), the kernel call's allocations, and the
+        all-to-all of its results back into the outputs. ``call(heads, kv_heads)``: the
+        ``Memory`` of the kernel call on that many query and K/V heads of the whole sequence
+        when it is not a GPU kernel's (under ``hybrid``, the outer schedule's)."""
+        rows = self.local_tokens(spec)
+        groups = self.groups_for(spec)
+        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
+        q = size.q()
+        kv_local = self._heads_per_rank(spec.kv_heads // groups)
+        kv = size.kv() * kv_local * self.size \
+            // max(spec.kv_heads // groups, 1)  # K (or V) of a group as the ranks hold it
+        replicated = size.kv(itemsize=4) if spec.kv_heads // groups < self.size else 0
+        lse = size.lse()
+        kernel = kernel_call(size, rows, kv) if call is None else \
+            call(spec.heads // groups // self.size, kv_local)
+        forward = max(2 * (q + 2 * kv), q + 2 * kv + kernel.outputs + kernel.forward,
+                      2 * q + kernel.outputs)
+        inputs, grads = 3 * q + 2 * kv, q + 2 * kv
+        backward = whole.q() + 2 * whole.kv() + max(
+            2 * inputs, inputs + 2 * lse + kernel.backward, 3 * grads + replicated)
+        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
+                      kept=kernel.kept)

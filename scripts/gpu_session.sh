@@ -15,6 +15,8 @@
 #   bench-cp         bench-cp-single, then bench-cp-dist
 #   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
 #   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min)
+#   bench-cp-goals   the goals of context parallelism (NP=2): context_parallel --preset goals
+#                    --single-gpu, then under mpirun (--tag _goals; ~2 + ~5 min)
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
 #   bench-agree      mpirun -np $NP python -m benchmarks.agreement         (~1 min)
@@ -139,6 +141,13 @@ bench_cp_dist() {
         --tag "$CP_TAG" "${CP_ARGS[@]}"
 }
 
+bench_cp_goals() {
+    bench bench-cp-goals-single context_parallel_single_goals 200 40 \
+        "${ONE_GPU[@]}" "$PY" -m benchmarks.context_parallel --preset goals --single-gpu --tag _goals
+    bench bench-cp-goals context_parallel_goals 420 60 "${MPI[@]}" "$PY" -m benchmarks.context_parallel \
+        --preset goals --tag _goals
+}
+
 bench_hybrid() {
     bench bench-hybrid "hybrid$CP_TAG" 330 80 "${MPI[@]}" "$PY" -m benchmarks.hybrid --tag "$CP_TAG"
 }
@@ -218,6 +227,7 @@ for part in "${parts[@]}"; do
         bench-cp) bench_cp_single; bench_cp_dist ;;
         bench-cp-single) bench_cp_single ;;
         bench-cp-dist) bench_cp_dist ;;
+        bench-cp-goals) bench_cp_goals ;;
         profile-ring) profile_ring ;;
         bench-transport) bench_transport ;;
         bench-agree) bench_agree ;;

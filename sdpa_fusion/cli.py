@@ -82,11 +82,13 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(","))
 
 
-def _option(text: str) -> tuple[str, str]:
+def _option(text: str) -> tuple[str, int | str]:
+    from schedules import option_value
+
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ValueError(f"--option {text!r} must be KEY=VALUE, e.g. transport=p2p")
-    return key.strip(), value.strip()
+    return key.strip(), option_value(value.strip())
 
 
 def build_parser(prog: str = "python -m sdpa_fusion") -> argparse.ArgumentParser:

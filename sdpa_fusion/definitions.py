@@ -356,17 +356,18 @@ class LseMerge(Definition):
     Rows with both lse -inf give out 0 and lse -inf, never NaN. With ``dense=False`` the
     inputs may be views into a sub-range of the sequence (only the innermost dim dense);
     ``dense=True`` declares them dense in ``layout``, which lets nvFuser vectorize and
-    index them as flat buffers.
+    index them as flat buffers. With ``in_place=True`` the merged out, in ``acc_dtype``, is
+    written into ``out_a`` (an output aliased to that input, not returned): one kernel reads
+    both blocks and writes the accumulator, and only the new lse is returned.
     """
 
     input_names = ("out_a", "lse_a", "out_b", "lse_b")
-    output_names = ("out", "lse")
 
     def __init__(self, heads: int, head_dim: int, *, layout: Layout | str = Layout.BHSE,
                  acc_dtype: torch.dtype = torch.float32, block_dtype: torch.dtype = torch.bfloat16,
-                 dense: bool = False):
+                 dense: bool = False, in_place: bool = False):
         self.heads, self.head_dim, self.layout = heads, head_dim, Layout.of(layout)
-        self.dense = dense
+        self.dense, self.in_place = dense, in_place
         self.acc_dtype, self.block_dtype = acc_dtype, block_dtype
         if self.layout.is_varlen:
             raise ValueError("LseMerge takes layout 'bhse' or 'bshe'; view packed tensors as 'bshe'")
@@ -403,8 +404,15 @@ class LseMerge(Definition):
         out = ops.add(
             ops.mul(ops.cast(out_a, DataType.Float), w_a), ops.mul(ops.cast(out_b, DataType.Float), w_b)
         )
-        self.add_output(ops.stride_order(out, self.layout.stride_order))
+        if self.in_place:
+            self.add_output(ops.cast(out, torch_dtype_to_nvfuser_dtype(self.acc_dtype)), out_a)
+        else:
+            self.add_output(ops.stride_order(out, self.layout.stride_order))
         self.add_output(lse)
+
+    @property
+    def output_names(self):
+        return ("lse",) if self.in_place else ("out", "lse")
 
 
 __all__ = ["Definition", "LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward"]

@@ -6,26 +6,35 @@ A query row attended over key blocks K_1, K_2, ... separately has, per block, an
 
     L = log(sum_i exp(L_i)),    O = sum_i exp(L_i - L) O_i
 
-A ring loop keeps fp32 accumulators and folds in one block at a time:
+A schedule folds one block at a time into the rows it covers, in place:
 
-    out_acc, lse_acc = accumulators(q)                 # zeros, -inf
+    merged = Merged(out, lse, blocks=P)       # out, lse: the results (or head slices of them)
     for each step:
         block_out, block_lse = kernel.forward(q, k_blk, v_blk, ...)
-        out_acc, lse_acc = fold(out_acc, lse_acc, block_out, block_lse)  # all queries
-        out_acc, lse_acc = fold(out_acc, lse_acc, o2, l2, rows=slice(s // 2, None))
-    out = finish(out_acc, q.dtype, layout)
+        merged.add(block_out, block_lse)                       # all queries
+        merged.add(o2, l2, rows=slice(s // 2, None))          # the late half only
+    merged.finish()                                          # out, lse hold the result
 
-On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed, otherwise
-the same fp32 math in torch.
+The first block of a row is its result so far, as is; every later one is merged into it. With
+at most two blocks per row the merge writes straight into ``out`` (rounding once, as an fp32
+accumulator followed by a cast would); with more, into an fp32 accumulator cast at the end.
+
+On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed (in place:
+the accumulator is an aliased output), otherwise the same fp32 math in torch, in place.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from .kernels.base import layout_of
 from .kernels.nvfuser import import_error
 from .layout import Layout, has_layout
+
+log = logging.getLogger("sdpa_fusion")
+_UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (torch then merges)
 
 
 def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
@@ -38,6 +47,73 @@ def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
     return out, lse
 
 
+class Merged:
+    """The merged result of the query rows of ``out`` [B,H,S,E] and ``lse`` fp32 [B,H,S]
+    (views allowed), folded from the key blocks ``add``ed; ``blocks`` bounds how many blocks
+    any row gets. ``out`` and ``lse`` hold it after ``finish``."""
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, blocks: int):
+        self.out, self.lse = out, lse
+        direct = blocks <= 2 or out.dtype == torch.float32
+        self.acc = out if direct else layout_of(out).empty(out.shape, dtype=torch.float32,
+                                                           device=out.device)
+        self._empty = True
+
+    def add(self, block_out, block_lse, rows=None) -> None:
+        """Fold a block's (out, lse) of the query ``rows`` (a slice, an index tensor, or None
+        for all) into the result."""
+        if self._empty:
+            put(self.acc, self.lse, block_out, block_lse, rows)
+            self._empty = False
+        else:
+            fold(self.acc, self.lse, block_out, block_lse, rows)
+
+    def finish(self) -> None:
+        """Write the result into ``out`` (rows no block reached: 0, lse -inf)."""
+        if self._empty:
+            self.out.zero_()
+            self.lse.fill_(float("-inf"))
+        elif self.acc is not self.out:
+            self.out.copy_(self.acc)
+        self.acc = None
+
+
+def put(out_acc, lse_acc, block_out, block_lse, rows=None) -> None:
+    """Set the accumulators to a block's (out, lse) over ``rows``: 0 and -inf elsewhere."""
+    if _all(rows):
+        out_acc.copy_(block_out)
+        lse_acc.copy_(block_lse)
+        return
+    out_acc.zero_()
+    lse_acc.fill_(float("-inf"))
+    if isinstance(rows, torch.Tensor):
+        out_acc.index_copy_(2, rows, block_out.to(out_acc.dtype))
+        lse_acc.index_copy_(2, rows, block_lse)
+    else:
+        out_acc[:, :, rows].copy_(block_out)
+        lse_acc[:, :, rows].copy_(block_lse)
+
+
+def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
+         block_lse: torch.Tensor, rows: slice | torch.Tensor | None = None):
+    """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice of the
+    sequence dim, or an index tensor of its rows, e.g. the tokens of packed sequences; all
+    rows when None), in place; returns the accumulators."""
+    if isinstance(rows, torch.Tensor):
+        new_out, new_lse = merge_partial(take_rows(out_acc, rows), lse_acc.index_select(2, rows),
+                                         block_out, block_lse)
+        out_acc.index_copy_(2, rows, new_out.to(out_acc.dtype))
+        lse_acc.index_copy_(2, rows, new_lse)
+        return out_acc, lse_acc
+    out_view, lse_view = (out_acc, lse_acc) if _all(rows) else (out_acc[:, :, rows],
+                                                               lse_acc[:, :, rows])
+    _check_shapes(out_view, lse_view, block_out, block_lse)
+    if not (out_view.is_cuda and import_error() is None and _fold_fused(
+            out_view, lse_view, block_out, block_lse)):
+        _fold_torch(out_view, lse_view, block_out, block_lse)
+    return out_acc, lse_acc
+
+
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                   block_lse: torch.Tensor):
     """(out, lse) of two partial results together: out fp32 in ``out``'s layout, lse fp32.
@@ -48,27 +124,6 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     if out.is_cuda and import_error() is None:
         return _merge_fused(out, lse, block_out, block_lse)
     return _merge_torch(out, lse, block_out, block_lse)
-
-
-def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
-               block_lse: torch.Tensor, rows: slice | torch.Tensor | None = None):
-    """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice of the
-    sequence dim, or an index tensor of its rows, e.g. the tokens of packed sequences; all
-    rows when None) and return the accumulators: the merged tensors themselves when every
-    row is merged, else ``out_acc`` and ``lse_acc`` updated in place."""
-    if isinstance(rows, torch.Tensor):
-        new_out, new_lse = merge_partial(take_rows(out_acc, rows), lse_acc.index_select(2, rows),
-                                         block_out, block_lse)
-        out_acc.index_copy_(2, rows, new_out)
-        lse_acc.index_copy_(2, rows, new_lse)
-        return out_acc, lse_acc
-    if rows is None or rows == slice(None):
-        return merge_partial(out_acc, lse_acc, block_out, block_lse)
-    out_view, lse_view = out_acc[:, :, rows], lse_acc[:, :, rows]
-    new_out, new_lse = merge_partial(out_view, lse_view, block_out, block_lse)
-    out_view.copy_(new_out)
-    lse_view.copy_(new_lse)
-    return out_acc, lse_acc
 
 
 def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -85,6 +140,10 @@ def finish(out_acc: torch.Tensor, dtype: torch.dtype, layout: Layout | str) -> t
     return Layout.of(layout).to(out_acc.to(dtype))
 
 
+def _all(rows) -> bool:
+    return rows is None or (isinstance(rows, slice) and rows == slice(None))
+
+
 def _check_shapes(out, lse, block_out, block_lse) -> None:
     if out.shape != block_out.shape:
         raise ValueError(
@@ -96,26 +155,66 @@ def _check_shapes(out, lse, block_out, block_lse) -> None:
             raise ValueError(f"{name} {list(t.shape)} must be out's [B, H, S] = {list(out.shape[:3])}")
 
 
-def _merge_torch(out, lse, block_out, block_lse):
+def _weights(lse, block_lse):
+    """(weight of the accumulator, weight of the block, merged lse), fp32 [B, H, S]."""
     lse, block_lse = lse.float(), block_lse.float()
     m = torch.maximum(lse, block_lse)
     m = torch.where(torch.isneginf(m), 0.0, m)
     w, w_block = torch.exp(lse - m), torch.exp(block_lse - m)
     total = w + w_block
-    new_lse = m + torch.log(total)
     inv = 1.0 / torch.where(total == 0, 1.0, total)
-    new_out = out.float() * (w * inv).unsqueeze(-1) + block_out.float() * (w_block * inv).unsqueeze(-1)
-    return layout_of(out).to(new_out), new_lse
+    return w * inv, w_block * inv, m + torch.log(total)
+
+
+def _merge_torch(out, lse, block_out, block_lse):
+    w, w_block, new_lse = _weights(lse, block_lse)
+    new_out = layout_of(out).to(block_out.float() * w_block.unsqueeze(-1))
+    return new_out.addcmul_(out, w.unsqueeze(-1)), new_lse
+
+
+def _fold_torch(out, lse, block_out, block_lse) -> None:
+    """``_merge_torch`` into ``out`` and ``lse`` (no temporary of out's size when it is fp32)."""
+    w, w_block, new_lse = _weights(lse, block_lse)
+    if out.dtype == torch.float32:
+        out.mul_(w.unsqueeze(-1)).addcmul_(block_out, w_block.unsqueeze(-1))
+    else:  # merged in fp32, rounded once
+        out.copy_(out.float() * w.unsqueeze(-1) + block_out.float() * w_block.unsqueeze(-1))
+    lse.copy_(new_lse)
 
 
 def _merge_fused(out, lse, block_out, block_lse):
     from .definitions import LseMerge
 
+    fd, inputs = _fusion(LseMerge, out, lse, block_out, block_lse, in_place=False)
+    return tuple(fd.execute(inputs))
+
+
+def _fold_fused(out, lse, block_out, block_lse) -> bool:
+    """``LseMerge`` in place into ``out`` (its aliased output) and ``lse``; False when that
+    fusion cannot run here (the caller merges with torch)."""
+    from .definitions import LseMerge
+
+    fd, inputs = _fusion(LseMerge, out, lse, block_out, block_lse, in_place=True)
+    key = (out.dtype, block_out.dtype, layout_of(out), fd.dense)
+    if key in _UNFUSED:
+        return False
+    try:
+        (new_lse,) = fd.execute(inputs)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- an nvFuser without in-place outputs: torch merges
+        log.warning("LseMerge in place failed (%s: %s); merging with torch ops", type(e).__name__, e)
+        _UNFUSED.add(key)
+        return False
+    lse.copy_(new_lse)
+    return True
+
+
+def _fusion(cls, out, lse, block_out, block_lse, *, in_place: bool):
+    """(the cached LseMerge for these tensors, its inputs)."""
     layout = layout_of(out)
     block_out = layout.to(block_out)
     dense = has_layout(out, layout) and lse.is_contiguous() and block_lse.is_contiguous()
-    fd = LseMerge.cached(
-        out.shape[1], out.shape[3], layout=layout, acc_dtype=out.dtype,
-        block_dtype=block_out.dtype, dense=dense,
-    )
-    return tuple(fd.execute([out, lse.float(), block_out, block_lse.float()]))
+    fd = cls.cached(out.shape[1], out.shape[3], layout=layout, acc_dtype=out.dtype,
+                    block_dtype=block_out.dtype, dense=dense, in_place=in_place)
+    return fd, [out, lse.float(), block_out, block_lse.float()]

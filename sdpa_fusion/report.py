@@ -76,8 +76,8 @@ def spec_text(spec: AttentionSpec) -> str:
     return s + (" causal" if spec.causal else "")
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -129,8 +129,9 @@ def text(report: MeshReport) -> str:
         lines.append(f"  rank = {report.names[0]} x {report.shape[1]} + {report.names[1]}")
     if p0.description.notes:
         lines.append(f"notes: {p0.description.notes}")
-    lines.append("memory: q, k, v, out, lse (backward: and dout, dq, dk, dv), fp32 accumulators "
-                 "and communication buffers; kernel workspace not counted")
+    lines.append("memory: this rank's q, k, v (and dout) and what describe().memory says the "
+                 "call allocates at its peak (outputs, gradients, buffers, accumulators, kernel "
+                 "workspace)")
     lines += prediction_text(report)
     return "\n".join(lines)
 
@@ -172,7 +173,7 @@ def _last_measurements(report: MeshReport) -> list[str]:
         off = seconds * 1e3 / m.median_ms - 1
         via = f" and transport {transport}" if "transport" in m.options else ""
         memory = plan.memory.forward if mode == "fwd" else plan.memory.forward_backward
-        peak = "" if m.peak_gib is None else \
+        peak = "" if m.peak_gib is None or memory is None else \
             f"; peak memory {m.peak_gib:.1f} GiB per GPU, predicted {memory / GIB:.1f}"
         lines.append(f"last measurement, {mode}: {m.median_ms:.1f} ms ({m.tflops:.0f} TFLOP/s "
                      f"per GPU) with {kernel}{via} on {m.device} ({m.file}, "

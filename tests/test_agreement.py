@@ -76,16 +76,19 @@ def test_verdict_of_ranks_at_different_calls():
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("ring", ["dim", "partition", "transport"]), ("allgather", ["dim", "partition"]),
-    ("ulysses", ["dim", "partition"]), ("head_parallel", ["dim"]), ("replicated", ["dim"]),
+    ("ring", ["dim", "grad_dtype", "head_groups", "partition", "transport"]),
+    ("allgather", ["dim", "head_groups", "partition"]),
+    ("ulysses", ["dim", "head_groups", "partition"]), ("head_parallel", ["dim"]),
+    ("replicated", ["dim"]),
 ])
 def test_schedule_options(name, expected):
     assert schedules.options(name) == expected
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(partiton="contiguous"), r"^schedule 'ring' takes the options \['dim', 'partition', "
-                                  r"'transport'\]; 'partiton' is not among them$"),
+    (dict(partiton="contiguous"), r"^schedule 'ring' takes the options \['dim', 'grad_dtype', "
+                                  r"'head_groups', 'partition', 'transport'\]; 'partiton' is "
+                                  r"not among them$"),
     (dict(partition="zigzag"), r"^partition='zigzag' is not known"),
     (dict(partition=[[0.0, 1.0]]), r"^index_map must hold integer token positions"),
     (dict(transport="pigeon"), r"^transport='pigeon' is not known"),
@@ -105,4 +108,5 @@ def test_unknown_schedule_and_mesh_that_is_not_one():
 def test_configuration_fields_show_each_option():
     fields = schedules.get("ring", partition="contiguous").configuration_fields()
     assert fields == {"schedule": "'ring'", "schedule.mesh": "None", "schedule.dim": "None",
-                      "schedule.partition": "Contiguous{}", "schedule.transport": "'auto'"}
+                      "schedule.partition": "Contiguous{}", "schedule.head_groups": "'auto'",
+                      "schedule.transport": "'auto'", "schedule.grad_dtype": "'auto'"}

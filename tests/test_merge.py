@@ -8,7 +8,7 @@ import torch
 
 from sdpa_fusion.kernels import get
 from sdpa_fusion.layout import Layout, has_layout
-from sdpa_fusion.merge import accumulators, finish, fold, merge_partial
+from sdpa_fusion.merge import Merged, accumulators, finish, fold, merge_partial
 
 B, H, H_KV, S, E = 2, 4, 2, 64, 16
 SCALE = E ** -0.5
@@ -116,3 +116,68 @@ def test_shape_errors():
         merge_partial(out, lse, out[:, :, :8], lse[:, :, :8])
     with pytest.raises(ValueError, match=r"block_lse \[2, 4, 8\] must be out's \[B, H, S\]"):
         merge_partial(out, lse, out, lse[:, :, :8])
+
+
+# ---- Merged: blocks folded in place into the results ------------------------------------
+def thirds(t):
+    return t[:, :, : S // 4], t[:, :, S // 4: S // 2], t[:, :, S // 2:]
+
+
+@LAYOUTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_merged_over_blocks_matches_full_attention(layout, dtype):
+    """Three key blocks (one merged only into the late rows) give attention over all keys."""
+    q, k, v = (t.to(dtype) for t in qkv(layout))
+    out = layout.empty(q.shape, dtype=dtype, device=q.device)
+    lse = torch.empty(B, H, S)
+    merged = Merged(out, lse, blocks=3)
+    for i, (k_i, v_i) in enumerate(zip(thirds(k), thirds(v))):
+        if i < 2:
+            merged.add(*full(q, k_i, v_i))
+        else:
+            merged.add(*full(halves(q)[1], k_i, v_i), rows=slice(S // 2, None))
+    merged.finish()
+    want_out, _ = full(q, torch.cat(thirds(k)[:2], 2), torch.cat(thirds(v)[:2], 2))
+    late, _ = full(halves(q)[1], k, v)
+    want_out[:, :, S // 2:] = late
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), want_out.float(), **tol)
+    assert has_layout(out, layout)
+
+
+def test_two_blocks_merged_into_bf16_round_once():
+    """With at most two blocks per row the merge writes straight into a bf16 output: the
+    same numbers as an fp32 accumulator cast at the end."""
+    q, k, v = (t.bfloat16() for t in qkv(Layout.BHSE))
+    a, b = full(q, halves(k)[0], halves(v)[0]), full(q, halves(k)[1], halves(v)[1])
+    out, lse = torch.empty_like(q), torch.empty(B, H, S)
+    merged = Merged(out, lse, blocks=2)
+    assert merged.acc is out  # no fp32 accumulator
+    merged.add(*a)
+    merged.add(*b)
+    merged.finish()
+    out_acc, lse_acc = accumulators(q)
+    for block in (a, b):
+        fold(out_acc, lse_acc, *block)
+    assert torch.equal(out, finish(out_acc, torch.bfloat16, Layout.BHSE))
+    assert torch.equal(lse, lse_acc)
+
+
+def test_merged_rows_no_block_reaches():
+    """finish() without any block: out 0, lse -inf."""
+    q = torch.randn(B, H, S, E)
+    out, lse = torch.full_like(q, 7.0), torch.empty(B, H, S)
+    Merged(out, lse, blocks=2).finish()
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_fold_rows_by_index_matches_a_slice():
+    q, k, v = qkv(Layout.BSHE)
+    late = full(halves(q)[1], k, v)
+    by_slice, by_index = accumulators(q), accumulators(q)
+    fold(*by_slice, *full(q, k, v), rows=None)
+    fold(*by_index, *full(q, k, v), rows=None)
+    fold(*by_slice, *late, rows=slice(S // 2, None))
+    fold(*by_index, *late, rows=torch.arange(S // 2, S))
+    for a, b in zip(by_slice, by_index):
+        torch.testing.assert_close(a, b)

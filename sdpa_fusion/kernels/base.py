@@ -22,7 +22,7 @@ can be applied block by block (ring attention).
 A kernel without a native varlen path runs packed sequences one by one through its dense
 methods (``varlen_forward``/``varlen_backward`` of the base class).
 
-    backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, window=None)
+    backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None)
         -> grads
 
 writes (dq, dk, dv) into ``grads``, preallocated tensors shaped, typed and laid out like
@@ -188,11 +188,12 @@ class Kernel(abc.ABC):
         ...
 
     def backward_into(self, grads, dout, q, k, v, out, lse, *, causal: bool, scale: float,
-                      window: Window | None = None):
+                      dropout: Dropout | None = None, window: Window | None = None):
         """``backward`` writing (dq, dk, dv) into ``grads``; returns ``grads``. This default
         copies the kernel's own results there."""
         for buffer, grad in zip(grads, self.backward(dout, q, k, v, out, lse, causal=causal,
-                                                     scale=scale, window=window)):
+                                                     scale=scale, dropout=dropout,
+                                                     window=window)):
             buffer.copy_(grad)
         return grads
 

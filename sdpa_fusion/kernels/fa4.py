@@ -155,7 +155,8 @@ class FlashAttention4Kernel(Kernel):
         return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale,
                                   window=window)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, window=None):
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
+                      window=None):
         left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
         dq, dk, dv = grads
         with torch.cuda.device(q.device):

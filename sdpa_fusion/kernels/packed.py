@@ -62,9 +62,10 @@ class Way(Kernel):
         return self.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
                                     dropout=dropout, window=window)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, window=None):
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
+                      window=None):
         return self.kernel.backward_into(grads, dout, q, k, v, out, lse, causal=causal,
-                                         scale=scale, window=window)
+                                         scale=scale, dropout=dropout, window=window)
 
     def estimate(self, spec: AttentionSpec) -> float:
         """Estimated seconds of a forward+backward of packed ``spec`` (the module's model)."""

@@ -294,8 +294,8 @@ BUILDS = [
     Case("get_unknown_name", build("ring", lambda p: {}, bad_name="rnig"),
          r"schedule 'rnig' is not known; choose one of \['allgather', 'head_parallel'"),
     Case("get_option_typo", build("ring", lambda p: dict(partiton="contiguous")),
-         r"schedule 'ring' takes the options \['dim', 'partition', 'transport'\]; 'partiton' is not "
-         r"among them"),
+         r"schedule 'ring' takes the options \['dim', 'grad_dtype', 'head_groups', 'partition', "
+         r"'transport'\]; 'partiton' is not among them"),
     Case("get_option_not_applying", build("head_parallel", lambda p: dict(partition="contiguous")),
          r"schedule 'head_parallel' takes the options \['dim'\]; 'partition' is not among them",
          schedule="head_parallel"),

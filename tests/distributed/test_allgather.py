@@ -142,17 +142,22 @@ def test_describe_formula(mesh, partition, causal):
 
 
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
-def test_describe_matches_communicator(mesh, layout):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_describe_matches_communicator(mesh, layout, groups):
+    """Bytes as described; per head group two all-gathers (K, V) forward, and backward two
+    more and two reduce-scatters (dK, dV)."""
     p = mesh.size()
     problem = make_problem(b=1, h=4, h_kv=2, s=8 * p, e=8, layout=layout, causal=True,
                            dtype=torch.bfloat16)
-    sched = schedules.get("allgather", mesh, partition="load_balanced")
+    sched = schedules.get("allgather", mesh, partition="load_balanced", head_groups=groups)
     q, k, v = (sched.shard(t, layout=layout).requires_grad_() for t in (problem.q, problem.k, problem.v))
     d = sched.describe(sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, layout=layout)))
     sched.comm.stats.reset()
     out = sdpa_fusion.attention(q, k, v, causal=True, layout=layout, kernel="reference", schedule=sched)
     stats = sched.comm.stats
-    assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (d.bytes_sent, d.bytes_received, 2)
+    assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
+        d.bytes_sent, d.bytes_received, 2 * groups)
     out.backward(sched.shard(problem.dout, layout=layout))
     assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
-        d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received, 5)
+        d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received,
+        6 * groups)

@@ -6,7 +6,8 @@ stream, the forward's mask is the one the backward replays.
 
 With v the identity (head dim = sequence length), out is the dropped attention matrix itself:
 every entry must be 0 or P / (1 - p), P the softmax of the full problem (fp64 oracle), about
-a fraction p of them 0, and the masks of different ranks' blocks must differ. The gradients
+a fraction p of them 0, and the masks of different ranks' blocks (and head groups) must
+differ. The gradients
 are checked against the forward with the same seed: dV exactly (out is linear in v), dQ and
 dK by central differences.
 """
@@ -21,15 +22,17 @@ import sdpa_fusion
 
 P_DROP, B, S = 0.4, 2, 16
 NAMES = ["ring", "allgather", "ulysses", "head_parallel", "hybrid"]
+GROUPED = ["ring", "allgather", "ulysses"]  # the schedules with head groups
 
 
-def schedule(name: str, mesh):
+def schedule(name: str, mesh, **options):
     p = mesh.size()
     if name == "hybrid":
         if p % 2:
             pytest.skip("hybrid: a 2 x P/2 mesh needs an even world")
         return schedules.get("hybrid", sdpa_fusion.init_mesh((2, p // 2), ("heads", "seq")))
-    options = {"partition": "contiguous"} if name in ("ring", "allgather") else {}
+    if name in ("ring", "allgather"):
+        options["partition"] = "contiguous"
     return schedules.get(name, mesh, **options)
 
 
@@ -106,9 +109,29 @@ def assert_ranks_draw_their_own(sched, kept, p):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_gradients_replay_the_forward_mask(mesh, name):
+    assert_gradients_replay_the_forward_mask(schedule(name, mesh), mesh)
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_head_groups_draw_their_own_masks(mesh, name):
+    """With two head groups the dropped attention matrix is still right, the groups' masks
+    differ (one stream for both would repeat them) and the backward replays each."""
+    sched = schedule(name, mesh, head_groups=2)
+    q, k, v, _ = full(mesh, identity_v=True)
+    attention, _ = run(sched, q, k, v, seed=7)
+    probs = softmax_causal(q, k)
+    kept = attention.double().abs() > 0
+    assert not bool((kept & ~(probs > 0)).any()), "a masked (future) key got weight"
+    torch.testing.assert_close(attention.double()[kept], probs[kept] / (1 - P_DROP), rtol=1e-5,
+                               atol=1e-6)
+    half = kept.shape[1] // 2
+    assert not torch.equal(kept[:, :half], kept[:, half:]), "both head groups drew one mask"
+    assert_gradients_replay_the_forward_mask(sched, mesh)
+
+
+def assert_gradients_replay_the_forward_mask(sched, mesh):
     """f = <out, dout>, with the same seed: f(v + u) - f(v) = <dV, u> (out is linear in v),
     and (f(x + eps u) - f(x - eps u)) / 2 eps = <dX, u> for x = q, k."""
-    sched = schedule(name, mesh)
     q, k, v, dout = full(mesh, identity_v=False, seed=1)
     _, local = run(sched, q, k, v, seed=11, grad_of=dout)
     g = torch.Generator().manual_seed(2)

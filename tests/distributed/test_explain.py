@@ -33,20 +33,26 @@ def explained(capsys, name: str, shape: tuple[int, ...], spec: AttentionSpec,
     return json.loads(capsys.readouterr().out)
 
 
-def assert_same_numbers(row: dict, description, local: AttentionSpec) -> None:
+def assert_same_numbers(row: dict, description, shards) -> None:
+    """``row`` says what ``description`` says, for the local problem of ``shards`` (this
+    rank's real q, k, v), and the memory of those inputs and the described call."""
     for field in ("steps", "backward_steps", "bytes_sent", "bytes_received",
                   "backward_bytes_sent", "backward_bytes_received", "flops", "backward_flops"):
         assert row[field] == getattr(description, field), field
-    assert row["local"] == {k: getattr(local, k)
-                            for k in ("batch", "heads", "kv_heads", "q_len", "kv_len")}
+    q, k, _ = shards
+    assert row["local"] == {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1],
+                            "q_len": q.shape[2], "kv_len": k.shape[2]}
+    q, k, v = (t.numel() * t.element_size() for t in shards)
+    m = description.memory
+    assert row["memory_bytes"] == q + k + v + m.kept + m.outputs + m.forward
+    assert row["backward_memory_bytes"] == 2 * q + k + v + m.step  # dout beside q
 
 
-def real_local_spec(sched, spec: AttentionSpec) -> AttentionSpec:
-    """The spec of this rank's shards of real full tensors."""
+def real_shards(sched, spec: AttentionSpec):
+    """This rank's shards of real full q, k, v."""
     q = torch.zeros(spec.batch, spec.heads, spec.q_len, spec.head_dim)
     kv = torch.zeros(spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim)
-    return AttentionSpec.from_tensors(sched.shard(q), sched.shard(kv), sched.shard(kv),
-                                      causal=spec.causal)
+    return sched.shard(q), sched.shard(kv), sched.shard(kv)
 
 
 @pytest.mark.parametrize("name,options", CASES, ids=[f"{n}{''.join(o)}" for n, o in CASES])
@@ -59,7 +65,7 @@ def test_explain_numbers_are_what_each_rank_describes(mesh, capsys, name, option
     sched = schedules.get(name, mesh, **dict(o.split("=") for o in options))
     assert len(report["ranks"]) == p
     assert_same_numbers(report["ranks"][mesh.rank], sched.describe(spec),
-                        real_local_spec(sched, spec))
+                        real_shards(sched, spec))
 
 
 def test_explain_of_hybrid_matches_a_real_two_dim_mesh(mesh, capsys):
@@ -76,4 +82,4 @@ def test_explain_of_hybrid_matches_a_real_two_dim_mesh(mesh, capsys):
         row = report["ranks"][mesh.rank]
         assert row["coordinates"] == {"heads": mesh2.coordinate("heads"),
                                       "seq": mesh2.coordinate("seq")}
-        assert_same_numbers(row, sched.describe(spec), real_local_spec(sched, spec))
+        assert_same_numbers(row, sched.describe(spec), real_shards(sched, spec))

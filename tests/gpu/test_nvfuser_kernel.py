@@ -159,6 +159,31 @@ def test_lse_merge_fusion_into_a_slice(layout):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+@LAYOUTS
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [None, slice(64, 192)], ids=["all", "slice"])
+def test_lse_merge_fusion_in_place(layout, acc_dtype, rows):
+    """The fold runs LseMerge in place (its out aliased to the accumulator; no fallback to
+    torch) and gives torch's merge, rounded once into a bf16 accumulator."""
+    from sdpa_fusion import merge
+
+    out, lse, block, block_lse = partials(layout)
+    out = out.to(acc_dtype)
+    part = slice(None) if rows is None else rows
+    want_out, want_lse = out.clone(), lse.clone()
+    merged_out, merged_lse = _merge_torch(out[:, :, part], lse[:, :, part], block[:, :, part],
+                                          block_lse[:, :, part])
+    want_out[:, :, part], want_lse[:, :, part] = merged_out.to(acc_dtype), merged_lse
+    storage = out.data_ptr()
+    fold(out, lse, layout.to(block[:, :, part]), block_lse[:, :, part].contiguous(), rows=rows)
+    assert not merge._UNFUSED, "LseMerge in place fell back to torch"
+    assert out.data_ptr() == storage and out.dtype == acc_dtype and has_layout(out, layout)
+    tol = dict(atol=1e-5, rtol=1e-5) if acc_dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), want_out.float(), **tol)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(lse[:, :, 8:16]).all() and not out.isnan().any()
+
+
 def test_lse_merge_fusion_over_two_kv_blocks():
     q, k, v, _ = problem(torch.bfloat16, Layout.BSHE, kv_heads=2, s_q=256, s_kv=512)
     out_acc, lse_acc = accumulators(q)

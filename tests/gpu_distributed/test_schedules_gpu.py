@@ -46,10 +46,10 @@ def _torch_reference(q, k, v, dout, causal):
     return out, q.grad, k.grad, v.grad
 
 
-def _check_schedule(mesh, schedule, kernel, layout, causal, **problem):
+def _check_schedule(mesh, schedule, kernel, layout, causal, options=None, **problem):
     if schedule not in schedules.names():
         pytest.fail(f"schedule {schedule!r} is not registered")
-    sched = schedules.get(schedule, mesh)
+    sched = schedules.get(schedule, mesh, **(options or {}))
     q, k, v, dout = _full_problem(layout, **problem)
     expected = _torch_reference(q, k, v, dout, causal)
     q_l, k_l, v_l = (sched.shard(t, layout=layout).requires_grad_() for t in (q, k, v))

@@ -4,6 +4,8 @@ full problem, dense and packed (per sequence).
 
     mpirun -np 2 python -m pytest -q tests/gpu_distributed/test_window_gpu.py
 
+Head groups under a window run with flash (``test_dense_head_groups``).
+
 Dense: 2 x 4096 tokens, 8 query heads over 4 K/V heads, windows within a load-balanced chunk
 and past it. Packed: lengths 1000, 1, 0, 517, 2051, 64 (not multiples of 2 x ranks). fa4
 skips without FlashAttention-4 (fails with SDPA_FUSION_REQUIRE_FA4=1).
@@ -88,8 +90,19 @@ def kernel(request):
 @pytest.mark.parametrize("kernel", ["flash", "fa4"], indirect=True)
 @pytest.mark.parametrize("causal, window", CASES, ids=["causal-300", "full-200-1500"])
 def test_dense(mesh, name, kernel, causal, window):
+    _check_dense(schedules.get(name, mesh), kernel, causal, window)
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("causal, window", CASES, ids=["causal-300", "full-200-1500"])
+def test_dense_head_groups(mesh, name, causal, window):
+    """Two head groups under a window (the ring's transport: each group's blocks to the
+    steps some rank needs, several hops at once on 4 GPUs)."""
+    _check_dense(schedules.get(name, mesh, head_groups=2), "flash", causal, window)
+
+
+def _check_dense(sched, kernel, causal, window):
     (q, k, v, dout), expected = dense_problem(causal, window)
-    sched = schedules.get(name, mesh)
     shard = functools.partial(sched.shard, layout="bshe")
     q_l, k_l, v_l = (shard(t.transpose(1, 2)).requires_grad_() for t in (q, k, v))
     out = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, window=window, kernel=kernel,

@@ -1,0 +1,322 @@
+"""What describe() says each sequence schedule allocates vs what it allocates, on CPU ranks.
+
+    mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_memory.py
+
+``Allocations`` counts the storages that ops create while it is active (views, in-place ops
+and ``out=`` reuse their inputs' storage) and when each dies (a storage finalizer, on any
+thread), so its peak is the bytes the call holds at its busiest. The kernel allocates what
+the GPU kernels allocate (its results, and in backward an fp32 dQ workspace) and computes
+nothing: the count is the schedule's own, as ``Memory`` describes it. Collectives may release
+a buffer a moment late on gloo's threads, so each call is measured a few times and the least
+peak taken.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import schedules
+import sdpa_fusion
+from schedules import heads
+from sdpa_fusion.kernels.base import Kernel, layout_of
+
+from .packed import make_packed
+
+TRIES = 5
+
+
+@pytest.fixture(autouse=True)
+def at_most_four_ranks(mesh):
+    """The counts depend on the ring's steps, which two and four ranks show; eight CPU ranks
+    take long over them on a small machine."""
+    if mesh.size() > 4:
+        pytest.skip("runs at 2 and 4 ranks")
+
+
+class Allocations(TorchDispatchMode):
+    """Peak bytes of the storages ops allocate while active, and the bytes alive now."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._ptrs: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage(), inputs)
+        return out
+
+    def _count(self, storage, inputs) -> None:
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or ptr in inputs or ptr in self._ptrs:
+            return
+        with self._lock:
+            self._ptrs.add(ptr)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, ptr, nbytes)
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            self._ptrs.discard(ptr)
+            self.live -= nbytes
+
+
+class LikeGpuKernels(Kernel):
+    """Allocates what FlashAttention and cuDNN allocate per call (results; an fp32 dQ
+    workspace in backward) and computes nothing."""
+
+    name = "like_gpu_kernels"
+    gpu_only = False
+    supports_window = True
+
+    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
+        return _empty_like(q).zero_(), torch.zeros(q.shape[:3])
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
+        grads = tuple(_empty_like(t) for t in (q, k, v))
+        return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
+                      window=None):
+        workspace = _workspace(q, k, v)
+        for g in grads:
+            g.zero_()
+        del workspace
+        return grads
+
+    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+        grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        workspace = _workspace(q, k, v)
+        del workspace
+        return grads
+
+
+def _workspace(q, k, v) -> list[torch.Tensor]:
+    """FlashAttention-4's backward workspace: fp32 dQ, and with GQA fp32 dK and dV."""
+    spaces = [torch.empty(q.shape, dtype=torch.float32)]
+    if q.shape[-2 if q.dim() == 3 else 1] != k.shape[-2 if k.dim() == 3 else 1]:
+        spaces += [torch.empty(t.shape, dtype=torch.float32) for t in (k, v)]
+    return spaces
+
+
+def _empty_like(t):
+    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def peak(run, prepare=lambda: None) -> int:
+    """The peak of ``run(prepare())``, only ``run`` counted."""
+    arg = prepare()
+    with Allocations() as counted:
+        run(arg)
+    return counted.peak
+
+
+def assert_described(sched, q, k, v, dout, memory, slack: int = 0,
+                     phases=("forward", "backward"), **kwargs) -> None:
+    """A forward and a backward of ``sched`` allocate what ``memory`` says, to 2% plus
+    ``slack`` bytes: the forward its outputs and ``memory.forward``, the backward
+    ``memory.backward`` (its gradients among them). Each is measured until it matches, at
+    most ``TRIES`` times, the least peak counting."""
+    assert memory.kept == 0  # p2p on CPU ranks keeps nothing between calls
+    kernel = LikeGpuKernels()
+
+    def forward(_=None):
+        q.grad = k.grad = v.grad = None
+        return sdpa_fusion.attention(q, k, v, kernel=kernel, schedule=sched, **kwargs)
+
+    forward().backward(dout)  # the agreement and every plan made once
+    runs = {"forward": (forward, lambda: None, memory.outputs + memory.forward),
+            "backward": (lambda out: out.backward(dout), forward, memory.backward)}
+    for what in phases:
+        run, prepare, want = runs[what]
+        got = peak(run, prepare)
+        for _ in range(TRIES - 1):  # every rank measures again while any rank is off
+            if not sched.mesh.agree(abs(got - want) > 0.02 * want + slack).count(True):
+                break
+            got = min(got, peak(run, prepare))
+        assert abs(got - want) <= 0.02 * want + slack, f"{what}: measured {got}, described {want}"
+
+
+CASES = [("ring", 1, True), ("ring", 2, False), ("allgather", 1, False),
+         ("allgather", 2, True), ("ulysses", 1, True), ("ulysses", 2, False)]
+
+
+@pytest.mark.parametrize("name, groups, causal", CASES,
+                         ids=[f"{n}-g{g}-{'causal' if c else 'full'}" for n, g, c in CASES])
+def test_dense(mesh, name, groups, causal):
+    p = mesh.size()
+    h, s, e = 2 * p * groups, 32, 64
+    sched = schedules.get(name, mesh, head_groups=groups,
+                          partition="load_balanced" if causal else "contiguous")
+    q, k, v, dout = (torch.randn(1, h, s, e) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=causal))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, _merge_scratch(q),
+                     causal=causal)
+
+
+WINDOW_CASES = [("ring", 1), ("ring", 2), ("allgather", 1), ("allgather", 2)]
+
+
+@pytest.mark.parametrize("name, groups", WINDOW_CASES,
+                         ids=[f"{n}-g{g}" for n, g in WINDOW_CASES])
+def test_window(mesh, name, groups):
+    """A causal window: blocks split into several calls (the ring's steps only those some rank
+    needs, shifts of several hops; allgather's calls of every rank's block in rank order)."""
+    p = mesh.size()
+    h, s, e = 2 * p * groups, 32, 64
+    sched = schedules.get(name, mesh, head_groups=groups)
+    q, k, v, dout = (torch.randn(1, h, s, e) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True,
+                                                                    window=(5, 0)))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, _merge_scratch(q),
+                     causal=True, window=(5, 0))
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_window_bf16_sums(mesh, name):
+    """Backward under a window in bf16: more than two calls, so dQ sums in fp32 (and the
+    ring's dK/dV sums travel in fp32 at any P)."""
+    sched = schedules.get(name, mesh, head_groups=2)
+    q, dout = (torch.randn(1, 8, 32, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 4, 32, 64, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True,
+                                                                    window=(9, 0)))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, phases=("backward",),
+                     causal=True, window=(9, 0))
+
+
+def test_ring_bf16_sums(mesh):
+    """Backward with dK/dV sums in bf16 (auto at P = 2, fp32 above), GQA, BSHE. (The torch
+    merge of bf16 outputs on CPU takes fp32 temporaries, so the forward is not checked.)"""
+    sched = schedules.get("ring", mesh, head_groups=2)
+    q, dout = (torch.randn(1, 32, 8, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(1, 32, 4, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True,
+                                                                    layout="bshe"))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, phases=("backward",),
+                     causal=True, layout="bshe")
+
+
+PACKED_CASES = [("ring", None), ("allgather", None), ("ulysses", None), ("ring", (3, 0)),
+                ("allgather", (3, 0))]
+
+
+@pytest.mark.parametrize("name, window", PACKED_CASES,
+                         ids=[f"{n}-{'window' if w else 'causal'}" for n, w in PACKED_CASES])
+def test_packed(mesh, name, window):
+    p = mesh.size()
+    problem = make_packed([8 * p, 4 * p, 12 * p], h=2 * p, e=64, causal=True, window=window)
+    sched = schedules.get(name, mesh, head_groups=2)
+    local = sched.pack(problem.cu_seqlens)
+    q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
+                                                        problem.dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
+        q, k, v, causal=True, layout="thd", cu_seqlens=local.cu_seqlens,
+        window=window).replace(packing=local))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory,
+                     _merge_scratch(q.transpose(0, 1).unsqueeze(0)), causal=True, layout="thd",
+                     cu_seqlens=local, window=window)
+
+
+@pytest.mark.parametrize("name", ["head_parallel", "replicated"])
+@pytest.mark.parametrize("kv", ["mha", "one"])
+def test_without_communication(mesh, name, kv):
+    """One kernel call on the local heads: its outputs, its gradients and workspace."""
+    p = mesh.size()
+    sched = schedules.get(name, mesh)
+    q, dout = (torch.randn(1, 2 * p, 32, 64) for _ in range(2))
+    k, v = (torch.randn(1, 2 * p if kv == "mha" else 1, 32, 64) for _ in range(2))
+    q, k, v, dout = (sched.shard(t).detach() for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, causal=True)
+
+
+def two_dim_shapes(p: int) -> list[tuple[int, int]]:
+    """(inner, outer) meshes over ``p`` ranks: 1 x P, and 2 x P/2 for even P."""
+    return [(1, p)] + ([(2, p // 2)] if p % 2 == 0 else [])
+
+
+@pytest.fixture(scope="module")
+def meshes(mesh):
+    """``meshes(shape)``: a ("heads", "seq") mesh over all ranks, made once per shape."""
+    made = {}
+
+    def get(shape):
+        if shape not in made:
+            made[shape] = sdpa_fusion.init_mesh(shape, ("heads", "seq"))
+        return made[shape]
+
+    return get
+
+
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+@pytest.mark.parametrize("outer", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["bhse", "thd"])
+@pytest.mark.parametrize("groups", ["one", "most"])
+def test_hybrid(mesh, meshes, monkeypatch, inner, outer, layout, groups):
+    """The inner schedule's buffers around the outer schedule, its kernel call, for the
+    heads each call takes (GQA; packed: sequences in user padding). ``most``: auto head
+    groups take as many groups as fit, in both dims."""
+    if groups == "most":
+        monkeypatch.setattr(heads, "MIN_GROUP_WORK", 1)
+    p = mesh.size()
+    for shape in two_dim_shapes(p):
+        pi = shape[0]
+        sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer)
+        h, h_kv = 4 * pi, 2 * pi
+        if layout == "thd":
+            problem = make_packed([8 * p + 3, 4 * p, 12 * p], h=h, h_kv=h_kv, e=64, causal=True,
+                                  slack=[5, 0, 2])
+            local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+            q, k, v, dout = (sched.shard(t, layout="thd", cu_seqlens=local).detach()
+                             for t in (problem.q, problem.k, problem.v, problem.dout))
+            spec = sdpa_fusion.AttentionSpec.from_tensors(
+                problem.q, problem.k, problem.v, causal=True, layout="thd",
+                cu_seqlens=problem.cu_seqlens, cu_seqlens_padded=problem.cu_seqlens_padded)
+            kw = dict(layout="thd", cu_seqlens=local)
+            scratch = _merge_scratch(q.transpose(0, 1).unsqueeze(0))
+        else:
+            full = [torch.randn(1, n, 8 * p, 64) for n in (h, h_kv, h_kv, h)]
+            spec = sdpa_fusion.AttentionSpec.from_tensors(*full[:3], causal=True)
+            q, k, v, dout = (sched.shard(t).detach() for t in full)
+            kw = {}
+            scratch = _merge_scratch(q)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        assert_described(sched, q, k, v, dout, sched.describe(spec).memory, scratch,
+                         causal=True, **kw)
+
+
+def test_memory_shrinks_with_groups(mesh):
+    """Every transient buffer divides by the number of groups: 128K tokens, 32 heads of 128."""
+    spec = sdpa_fusion.AttentionSpec(1, 32, 32, 128 * 1024, 128 * 1024, 128, causal=True)
+    for name in ("ring", "allgather", "ulysses"):
+        steps = [schedules.get(name, mesh, head_groups=g).describe(spec).memory.step
+                 for g in (1, 2, 4)]
+        assert steps[0] > steps[1] > steps[2], name
+
+
+def _merge_scratch(q) -> int:
+    """Bytes of the small [B, H, S] temporaries the torch merge makes on CPU (the GPU's
+    in-place fusion makes one): a dozen lse-sized tensors."""
+    return 12 * q.shape[0] * q.shape[1] * q.shape[2] * 4
