@@ -19,8 +19,9 @@ The first block of a row is its result so far, as is; every later one is merged 
 at most two blocks per row the merge writes straight into ``out`` (rounding once, as an fp32
 accumulator followed by a cast would); with more, into an fp32 accumulator cast at the end.
 
-On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed (in place:
-the accumulator is an aliased output), otherwise the same fp32 math in torch, in place.
+On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed: in place
+into a dense BHSE accumulator (an aliased output), else out of place a few heads at a time,
+copied into the accumulator; without nvFuser the same fp32 math in torch, in place.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .layout import Layout, has_layout
 
 log = logging.getLogger("sdpa_fusion")
 _UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (torch then merges)
+HEAD_CHUNKS = 8  # a fold that cannot run in place merges its heads in this many parts
 
 
 def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
@@ -108,9 +110,11 @@ def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
     out_view, lse_view = (out_acc, lse_acc) if _all(rows) else (out_acc[:, :, rows],
                                                                lse_acc[:, :, rows])
     _check_shapes(out_view, lse_view, block_out, block_lse)
-    if not (out_view.is_cuda and import_error() is None and _fold_fused(
-            out_view, lse_view, block_out, block_lse)):
+    if not (out_view.is_cuda and import_error() is None):
         _fold_torch(out_view, lse_view, block_out, block_lse)
+    elif not (_is_dense_bhse(out_view, lse_view, block_lse)
+              and _fold_fused(out_view, lse_view, block_out, block_lse)):
+        _fold_by_heads(out_view, lse_view, block_out, block_lse)
     return out_acc, lse_acc
 
 
@@ -180,6 +184,25 @@ def _fold_torch(out, lse, block_out, block_lse) -> None:
     else:  # merged in fp32, rounded once
         out.copy_(out.float() * w.unsqueeze(-1) + block_out.float() * w_block.unsqueeze(-1))
     lse.copy_(new_lse)
+
+
+def _is_dense_bhse(out, lse, block_lse) -> bool:
+    """Whether the fold can run in place: nvFuser writes an aliased output correctly only into
+    a dense BHSE tensor (in BSHE, or into a view of some rows or heads, it writes elsewhere)."""
+    return has_layout(out, Layout.BHSE) and lse.is_contiguous() and block_lse.is_contiguous()
+
+
+def _fold_by_heads(out, lse, block_out, block_lse) -> None:
+    """``LseMerge`` out of place, then copied into ``out`` and ``lse``, a few heads at a time:
+    its temporary is at most 1/HEAD_CHUNKS of the rows' fp32 size."""
+    heads = out.shape[1]
+    step = max(1, heads // HEAD_CHUNKS)
+    for start in range(0, heads, step):
+        part = slice(start, start + step)
+        new_out, new_lse = _merge_fused(out[:, part], lse[:, part], block_out[:, part],
+                                        block_lse[:, part])
+        out[:, part].copy_(new_out)
+        lse[:, part].copy_(new_lse)
 
 
 def _merge_fused(out, lse, block_out, block_lse):

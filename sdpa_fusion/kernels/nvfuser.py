@@ -62,9 +62,12 @@ class NvFuserKernel(Kernel):
         """(k, v, groups) as the fusion takes them. nvFuser 0.2.36 cannot carry a DID head
         split through the in-fusion GQA expand, nor lay out the expand of a single K/V head
         (MQA) consistently, so in those cases the K/V heads are expanded here and their
-        gradients summed back with ``reduce_kv_heads``."""
+        gradients summed back with ``reduce_kv_heads``; also when a batch or sequence extent
+        is 1 (a one-token sequence of a packed batch), where nvFuser 0.2.36 concretizes the
+        expand's reshape as a squeeze it then rejects."""
         groups = q.shape[1] // k.shape[1]
-        if groups == 1 or (self.mesh is None and k.shape[1] > 1):
+        one_extent = 1 in (q.shape[0], q.shape[2], k.shape[2])
+        if groups == 1 or (self.mesh is None and k.shape[1] > 1 and not one_extent):
             return k, v, 1
         return expand_kv_heads(k, groups), expand_kv_heads(v, groups), groups
 

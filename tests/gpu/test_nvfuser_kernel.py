@@ -161,21 +161,23 @@ def test_lse_merge_fusion_into_a_slice(layout):
 
 @LAYOUTS
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [None, slice(64, 192)], ids=["all", "slice"])
-def test_lse_merge_fusion_in_place(layout, acc_dtype, rows):
-    """The fold runs LseMerge in place (its out aliased to the accumulator; no fallback to
-    torch) and gives torch's merge, rounded once into a bf16 accumulator."""
+@pytest.mark.parametrize("rows", [slice(None), slice(64, 192)], ids=["all", "slice"])
+@pytest.mark.parametrize("heads", [slice(None), slice(2, 6)], ids=["heads", "head-slice"])
+def test_lse_merge_fusion_folds_into_views(layout, acc_dtype, rows, heads):
+    """The fold into the accumulator, or into some rows or heads of it (a ring's late half,
+    a head group), gives torch's merge, rounded once into a bf16 accumulator, written into
+    the accumulator's own storage; never a fallback to torch."""
     from sdpa_fusion import merge
 
     out, lse, block, block_lse = partials(layout)
     out = out.to(acc_dtype)
-    part = slice(None) if rows is None else rows
     want_out, want_lse = out.clone(), lse.clone()
-    merged_out, merged_lse = _merge_torch(out[:, :, part], lse[:, :, part], block[:, :, part],
-                                          block_lse[:, :, part])
-    want_out[:, :, part], want_lse[:, :, part] = merged_out.to(acc_dtype), merged_lse
+    merged_out, merged_lse = _merge_torch(out[:, heads, rows], lse[:, heads, rows],
+                                          block[:, heads, rows], block_lse[:, heads, rows])
+    want_out[:, heads, rows], want_lse[:, heads, rows] = merged_out.to(acc_dtype), merged_lse
     storage = out.data_ptr()
-    fold(out, lse, layout.to(block[:, :, part]), block_lse[:, :, part].contiguous(), rows=rows)
+    fold(out[:, heads], lse[:, heads], layout.to(block[:, heads, rows]),
+         block_lse[:, heads, rows].contiguous(), rows=rows)
     assert not merge._UNFUSED, "LseMerge in place fell back to torch"
     assert out.data_ptr() == storage and out.dtype == acc_dtype and has_layout(out, layout)
     tol = dict(atol=1e-5, rtol=1e-5) if acc_dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)

@@ -28,7 +28,7 @@ GIB = float(1 << 30)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_groups_match_torch_sdpa(request, mesh, schedule, kernel, layout, causal):
     """Two head groups (strided head slices into the kernels, the transports and the
-    collectives), GQA 8:4, against torch SDPA in fp32; the merge ran in place."""
+    collectives), GQA 8:4, against torch SDPA in fp32; the merge ran fused (no torch fallback)."""
     if kernel == "fa4":
         request.getfixturevalue("fa4_kernel")
     _check_schedule(mesh, schedule, kernel, layout, causal, options=dict(head_groups=2), h_kv=4)
