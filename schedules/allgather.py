@@ -357,7 +357,8 @@ class AllGather(SequenceSchedule):
         rank's K/V as gathered and the other ranks' in the calls' order (the next group's
         gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
         keys' dK/dV and, per tensor, the fp32 input and output of the reduce-scatter; fp32
-        sums of out and dQ where a row may get more than two calls."""
+        sums of out and dQ where a row may get more than two calls. Beside all of it, dense
+        calls hold the int64 slots of the other ranks' tokens in ``others``."""
         p, rows = self.size, self.local_tokens(spec)
         packed = spec.layout.is_varlen
         groups = self.groups_for(spec)
@@ -370,12 +371,13 @@ class AllGather(SequenceSchedule):
         building = gathered if packed else gathered + keys
         ahead = gathered if groups > 1 else 0  # the next group's gather
         key_rows = (p if packed else p - 1) * rows
+        slots = 0 if packed else (p - 1) * rows * 8  # _other_positions, int64
         own, calls, rank_order = self._plan(self.local_spec(spec))
         fp32_sum = size.q(itemsize=4) if self._blocks(own, calls, rank_order) > 2 \
             and spec.dtype.itemsize < 4 else 0
         during = keys + ahead + fp32_sum  # beside every kernel call of a group
         item = 4 if fp32_sum else spec.dtype.itemsize
-        forward = max(building, during + max(
+        forward = slots + max(building, during + max(
             (forward_call(size, c, n, item)
              for c, n in [*((c, rows) for c in own), *((c, key_rows) for c in calls)]),
             default=0))
@@ -387,7 +389,7 @@ class AllGather(SequenceSchedule):
         calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
                           for c in calls), default=0)
         scatter = kv32 if packed else p * kv32  # the reduce-scatter's input beside the sums
-        backward = whole.q() + 2 * whole.kv() + max(
+        backward = whole.q() + 2 * whole.kv() + slots + max(
             building, during + max(own_steps, default=0),
             during + sum(own_grads) + sums + calls_step,
             ahead + sum(own_grads) + sums + scatter)

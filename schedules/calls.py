@@ -219,9 +219,8 @@ def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None
     added into the fp32 ``sums`` of the key blocks (``streams`` as ``fold_calls``)."""
     for i, call in enumerate(calls):
         grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
-        for acc, g in zip(sums, grads):
-            add_rows(acc, call.keys, g)
-        del grads  # free the call's gradients before the next kernel call
+        for acc in sums:  # no name keeps a gradient alive into the next kernel call
+            add_rows(acc, call.keys, grads.pop(0))
 
 
 def take(t: torch.Tensor, rows) -> torch.Tensor:
