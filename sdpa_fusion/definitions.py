@@ -379,16 +379,23 @@ class LseMerge(Definition):
     def split_extents(self) -> dict[str, int]:
         return {"heads": self.heads}
 
+    def _contiguity(self, memory_order) -> list:
+        """Contiguity of each dim in memory order (as nvFuser takes it): the innermost dense,
+        the others when ``dense``; None for the heads dim of a single head (a broadcast)."""
+        inner = memory_order[-1]
+        return [None if d == 1 and self.heads == 1 else (True if d == inner else self.dense)
+                for d in memory_order]
+
     def _out(self, dtype: torch.dtype):
         return self.define_tensor(
-            shape=[-1, self.heads, -1, self.head_dim], contiguity=[self.dense] * 3 + [True],
+            shape=[-1, self.heads, -1, self.head_dim],
+            contiguity=self._contiguity(self.layout.memory_order),
             dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order,
         )
 
     def _lse(self):
-        return self.define_tensor(
-            shape=[-1, self.heads, -1], contiguity=[self.dense] * 2 + [True], dtype=DataType.Float
-        )
+        return self.define_tensor(shape=[-1, self.heads, -1], contiguity=self._contiguity((0, 1, 2)),
+                                  dtype=DataType.Float)
 
     def definition(self) -> None:
         out_a, lse_a = self._out(self.acc_dtype), self._lse()

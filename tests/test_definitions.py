@@ -196,6 +196,19 @@ def test_lse_merge_io(layout):
     assert "fd.ops.isneginf(" in text
 
 
+@LAYOUTS
+@pytest.mark.parametrize("dense", [False, True], ids=["views", "dense"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
+def test_lse_merge_of_one_head(layout, dense, in_place):
+    """A single head (a fold a few heads at a time) is a broadcast dim, whose contiguity
+    nvFuser takes as None, in memory order."""
+    fd = LseMerge(1, E, layout=layout, acc_dtype=torch.bfloat16, dense=dense, in_place=in_place)
+    flag = str(dense)
+    want = {Layout.BHSE: f"[{flag}, None, {flag}, True]", Layout.BSHE: f"[{flag}, {flag}, None, True]"}
+    assert f"contiguity={want[layout]}" in repr(fd)
+    assert f"contiguity=[{flag}, None, True]" in repr(fd)
+
+
 # ---- repro scripts and DID annotations ----------------------------------------------------
 @LAYOUTS
 @CLASSES
