@@ -23,6 +23,8 @@
 #   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid --tag $CP_TAG  (~3 min on 2)
 #   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel --tag $CP_TAG
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
+#   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
+#                    mpirun (confirmation steps within CONFIRM_S each; default 120)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
@@ -157,6 +159,13 @@ bench_thd_cp() {
         -m benchmarks.thd_context_parallel --tag "$CP_TAG"
 }
 
+bench_max_seq() {
+    bench bench-max-seq-single max_seq_single 200 30 "${ONE_GPU[@]}" "$PY" -m benchmarks.max_seq \
+        --single-gpu --confirm-budget-s "${CONFIRM_S:-120}"
+    bench bench-max-seq max_seq 420 30 "${MPI[@]}" "$PY" -m benchmarks.max_seq \
+        --confirm-budget-s "${CONFIRM_S:-120}"
+}
+
 bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
 }
@@ -233,6 +242,7 @@ for part in "${parts[@]}"; do
         bench-agree) bench_agree ;;
         bench-hybrid) bench_hybrid ;;
         bench-thd-cp) bench_thd_cp ;;
+        bench-max-seq) bench_max_seq ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done
