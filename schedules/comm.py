@@ -5,7 +5,8 @@ be compared with what ``describe()`` promises (tests do). Collectives run asynch
 the caller can overlap them with compute: NCCL runs them on its own streams, and ``wait()``
 makes the current stream wait for the result. On CPU ranks (gloo) a transfer that does not
 complete within the group's timeout (the mesh's) raises ``MeshTimeout`` naming the schedule,
-the call, the transfer and the ranks that did not arrive; NCCL's watchdog reports its own.
+the call, the transfer and the ranks that did not arrive; NCCL transfers are watched from a
+thread (``StallWatch``) that logs the same words before NCCL's watchdog ends the process.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from sdpa_fusion.waiting import Arrivals, MeshTimeout
+from sdpa_fusion.waiting import Arrivals, MeshTimeout, StallWatch
 
 
 @dataclasses.dataclass
@@ -62,8 +63,10 @@ class Communicator:
         self._running = "a schedule"  # what the transfers belong to (see ``running``)
         self._started = 0  # transfers before that began
         self._transfers = 0  # transfers ever started (every rank counts alike)
-        self._arrivals = Arrivals(group.group_name, ranks, timeout) \
-            if dist.get_backend(group) == "gloo" else None
+        arrivals = Arrivals(group.group_name, ranks, timeout)
+        gloo = dist.get_backend(group) == "gloo"
+        self._arrivals = arrivals if gloo else None
+        self._watch = None if gloo else StallWatch(arrivals, timeout)
 
     @contextlib.contextmanager
     def running(self, what: str):
@@ -86,7 +89,10 @@ class Communicator:
         transfer and the ranks that did not arrive when it fails."""
         try:
             if self._arrivals is None:
-                work.wait()  # NCCL: the current stream waits; its watchdog reports timeouts
+                work.wait()  # NCCL: the current stream waits, watched behind an event
+                done = torch.cuda.Event()
+                done.record()
+                self._watch.add(done, f"{self._running}: {what}", step)
             else:
                 self._arrivals.wait(work, step)
         except RuntimeError as e:

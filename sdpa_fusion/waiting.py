@@ -3,15 +3,23 @@
 A rank that waits at a step (an agreement, a transfer) longer than a short stall notes its
 arrival in the store of the process group (rank 0's); when the wait fails, the ranks without
 a note are the ones that never arrived. Nothing is written while ranks keep pace, so the
-cheap path costs no store traffic. Only gloo (CPU) waits: waiting with a time limit would
-block the host on NCCL work, whose timeouts NCCL's watchdog reports.
+cheap path costs no store traffic. gloo (CPU) work is waited for with a time limit. NCCL
+work is not (the host would block): the stream waits, and a ``StallWatch`` thread polls an
+event recorded behind it; past the timeout it reports the step and the ranks that never
+arrived, before NCCL's watchdog (which has the same timeout) ends the process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
+import threading
+import time
 
 import torch.distributed as dist
+
+log = logging.getLogger("sdpa_fusion")
 
 
 class MeshTimeout(RuntimeError):
@@ -67,6 +75,74 @@ class Arrivals:
             return True
         except (RuntimeError, ValueError):
             return False
+
+
+@dataclasses.dataclass(eq=False)
+class _Watched:
+    done: object  # what says the step completed: an object with ``query()`` (a CUDA event)
+    what: str
+    step: int
+    start: float
+    noted: bool = False
+    reported: bool = False
+
+
+class StallWatch:
+    """Steps whose completion the host does not wait for (NCCL transfers), watched from a
+    daemon thread: after ``stall_s`` without completing, this rank notes its arrival in
+    ``arrivals``; past ``timeout`` ``report`` (default: log an error) gets a message naming
+    the step and the ranks that never arrived. Holds no tensors, only the ``done`` markers."""
+
+    POLL_S = 0.5
+
+    def __init__(self, arrivals: Arrivals, timeout: datetime.timedelta, *, stall_s: float = 1.0,
+                 report=None):
+        self.arrivals, self.timeout_s, self.stall_s = arrivals, timeout.total_seconds(), stall_s
+        self.report = report or (lambda message: log.error("%s", message))
+        self._watched: list[_Watched] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, done, what: str, step: int) -> None:
+        """Watch ``done`` (``query()`` is True once step ``step``, called ``what``, completed)."""
+        with self._lock:
+            self._watched.append(_Watched(done, what, step, time.monotonic()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="sdpa_fusion stall watch")
+                self._thread.start()
+
+    def check(self, now: float | None = None) -> None:
+        """One poll: forget completed steps, note arrivals after a stall, report timeouts."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            watched = list(self._watched)
+        finished = []
+        for w in watched:
+            if w.done.query():
+                if w.noted:
+                    self.arrivals._note(w.step, arrived=False)
+                finished.append(w)
+                continue
+            waited = now - w.start
+            if not w.noted and waited >= self.stall_s:
+                w.noted = self.arrivals._note(w.step, arrived=True)
+            if not w.reported and waited >= self.timeout_s:
+                w.reported = True
+                self.report(f"{w.what} did not complete: {self.arrivals.missing(w.step)}; every "
+                            f"rank must make the same transfers in the same order (NCCL's "
+                            f"watchdog ends the process next)")
+        gone = {id(w) for w in finished}
+        with self._lock:
+            self._watched = [w for w in self._watched if id(w) not in gone]
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 -- a watch must never take the process down
+                log.debug("stall watch: %s", e)
 
 
 def ranks_text(ranks: list[int], everyone: list[int]) -> str:
