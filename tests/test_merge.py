@@ -181,3 +181,19 @@ def test_fold_rows_by_index_matches_a_slice():
     fold(*by_index, *late, rows=torch.arange(S // 2, S))
     for a, b in zip(by_slice, by_index):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("case, in_place", [("bhse", True), ("bshe", False), ("rows", False),
+                                            ("heads", False)])
+def test_fold_in_place_only_into_a_dense_bhse_accumulator(case, in_place):
+    """On GPUs LseMerge writes its aliased output correctly only into dense BHSE memory; a BSHE
+    accumulator, or a view of some of its rows or heads, folds out of place."""
+    from sdpa_fusion.merge import _is_dense_bhse
+
+    layout = Layout.BSHE if case == "bshe" else Layout.BHSE
+    out = layout.empty((B, H, S, E), dtype=torch.float32, device="cpu")
+    lse = torch.zeros(B, H, S)
+    view = {"rows": (slice(None), slice(None), slice(8, 24)),
+            "heads": (slice(None), slice(1, 3))}.get(case, (slice(None),))
+    block_lse = lse[view].contiguous()
+    assert _is_dense_bhse(out[view], lse[view], block_lse) is in_place
