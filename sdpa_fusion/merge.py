@@ -32,7 +32,7 @@ import torch
 
 from .kernels.base import layout_of
 from .kernels.nvfuser import import_error
-from .layout import Layout, has_layout
+from .layout import Layout, exact_strides, has_layout
 
 log = logging.getLogger("sdpa_fusion")
 _UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (torch then merges)
@@ -240,4 +240,8 @@ def _fusion(cls, out, lse, block_out, block_lse, *, in_place: bool):
     dense = has_layout(out, layout) and lse.is_contiguous() and block_lse.is_contiguous()
     fd = cls.cached(out.shape[1], out.shape[3], layout=layout, acc_dtype=out.dtype,
                     block_dtype=block_out.dtype, dense=dense, in_place=in_place)
-    return fd, [out, lse.float(), block_out, block_lse.float()]
+    inputs = [out, lse.float(), block_out, block_lse.float()]
+    if dense:  # declared contiguous: size-1 dims (a batch of one) get their strides too
+        orders = (layout.memory_order, (0, 1, 2)) * 2
+        inputs = [exact_strides(t, order) for t, order in zip(inputs, orders)]
+    return fd, inputs
