@@ -192,15 +192,16 @@ def _is_dense_bhse(out, lse, block_lse) -> bool:
     return has_layout(out, Layout.BHSE) and lse.is_contiguous() and block_lse.is_contiguous()
 
 
-def _fold_by_heads(out, lse, block_out, block_lse) -> None:
-    """``LseMerge`` out of place, then copied into ``out`` and ``lse``, a few heads at a time:
-    its temporary is at most 1/HEAD_CHUNKS of the rows' fp32 size."""
+def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
+    """``merge`` (the ``LseMerge`` fusion) out of place, then copied into ``out`` and ``lse``,
+    a few heads at a time: its temporary is at most 1/HEAD_CHUNKS of the rows' fp32 size."""
+    merge = merge or _merge_fused
     heads = out.shape[1]
     step = max(1, heads // HEAD_CHUNKS)
     for start in range(0, heads, step):
         part = slice(start, start + step)
-        new_out, new_lse = _merge_fused(out[:, part], lse[:, part], block_out[:, part],
-                                        block_lse[:, part])
+        new_out, new_lse = merge(out[:, part], lse[:, part], block_out[:, part],
+                                 block_lse[:, part])
         out[:, part].copy_(new_out)
         lse[:, part].copy_(new_lse)
 

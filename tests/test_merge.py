@@ -197,3 +197,29 @@ def test_fold_in_place_only_into_a_dense_bhse_accumulator(case, in_place):
             "heads": (slice(None), slice(1, 3))}.get(case, (slice(None),))
     block_lse = lse[view].contiguous()
     assert _is_dense_bhse(out[view], lse[view], block_lse) is in_place
+
+
+@LAYOUTS
+@pytest.mark.parametrize("heads", [4, 12, 20], ids=lambda h: f"h{h}")
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [slice(None), slice(8, 40)], ids=["all", "slice"])
+def test_fold_by_heads_gives_the_whole_merge(layout, heads, acc_dtype, rows):
+    """The out-of-place fold of GPUs, a few heads at a time (here with torch's merge in place
+    of the fusion), into a view of the accumulator: every head and row merged once, the rest
+    untouched, the accumulator's storage kept."""
+    from sdpa_fusion.merge import _fold_by_heads, _merge_torch
+
+    g = torch.Generator().manual_seed(heads)
+    out = layout.to(torch.randn(B, heads, S, E, generator=g)).to(acc_dtype)
+    block = layout.to(torch.randn(B, heads, S, E, generator=g))
+    lse, block_lse = (torch.randn(B, heads, S, generator=g) for _ in range(2))
+    want_out, want_lse = out.clone(), lse.clone()
+    merged, merged_lse = _merge_torch(out[:, :, rows], lse[:, :, rows], block[:, :, rows],
+                                      block_lse[:, :, rows])
+    want_out[:, :, rows], want_lse[:, :, rows] = merged.to(acc_dtype), merged_lse
+    storage = out.data_ptr()
+    _fold_by_heads(out[:, :, rows], lse[:, :, rows], layout.to(block[:, :, rows]),
+                   block_lse[:, :, rows].contiguous(), merge=_merge_torch)
+    assert out.data_ptr() == storage and has_layout(out, layout)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
