@@ -244,7 +244,7 @@ def _kernel_of(record: dict) -> str:
 def measurements(name: str, shape: tuple[int, ...], spec, mode: str, options: dict,
                  results_dir: Path = RESULTS) -> list[Measured]:
     """Committed measurements of schedule ``name`` with ``options`` on a mesh of ``shape``
-    for ``spec`` (b, h, s, e, causal) in ``mode``, oldest first."""
+    for ``spec`` (b, h, s, e, causal, window) in ``mode``, oldest first."""
     found = []
     ranks = math.prod(shape)
     for file, record in records(results_dir):
@@ -267,11 +267,19 @@ def measurements(name: str, shape: tuple[int, ...], spec, mode: str, options: di
                 continue
             if spec.kv_heads != spec.heads or str(spec.dtype) not in ("torch.bfloat16",):
                 continue
+            if _window_left(row) != (spec.window.left if spec.window is not None else None):
+                continue
             options = {"transport": got["transport"]} if name == "ring" else {}
             found.append(Measured(row["median_ms"], row["tflops"], row.get("peak_gib"),
                                   _kernel_of(record), options, file, env.get("date_utc", ""),
                                   env.get("command", ""), env.get("device", "?")))
     return sorted(found, key=lambda m: m.date)
+
+
+def _window_left(row: dict) -> int | None:
+    """The left side of a measured row's causal window; None for full causal (rows of the
+    benchmarks that measure windows say so in ``mask``)."""
+    return row.get("window_left") if str(row.get("mask", "")).startswith("window") else None
 
 
 def age(date: str) -> str:

@@ -56,6 +56,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _window(text: str) -> tuple[int, int | None]:
+    """``LEFT`` or ``LEFT,RIGHT`` (token counts) as a (left, right) window; RIGHT defaults to
+    unbounded (causal cuts it at the query)."""
+    parts = text.split(",")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not LEFT or LEFT,RIGHT (non-negative token counts), e.g. 4096 or 256,256")
+    left, right = (int(p) for p in parts) if len(parts) == 2 else (int(parts[0]), None)
+    return left, right
+
+
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("problem (defaults depend on the device)")
     g.add_argument("--batch", type=_positive)
@@ -68,6 +79,8 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layout", choices=["bhse", "bshe"], default="bshe")
     g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scale", type=float, help="softmax scale (default 1/sqrt(head_dim))")
+    g.add_argument("--window", type=_window, metavar="LEFT[,RIGHT]",
+                   help="sliding window: keys each query sees before it (and after it)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
 
@@ -148,6 +161,7 @@ def spec_from_args(args: argparse.Namespace, device: torch.device) -> AttentionS
         kv_heads=given(args.kv_heads, d["kv_heads"] if args.heads is None else heads),
         q_len=seq, kv_len=given(args.kv_seq, seq), head_dim=given(args.head_dim, d["head_dim"]),
         dtype=DTYPES[args.dtype], causal=args.causal, scale=args.scale, layout=args.layout,
+        window=getattr(args, "window", None),
     ).validate()
 
 
@@ -310,7 +324,7 @@ def explain(args: argparse.Namespace) -> int:
         return explain_mesh(args, spec)
     q, k, v, _ = make_inputs(spec, device, empty=True)
     print(sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale, layout=spec.layout,
-                              kernel=args.kernel))
+                              window=spec.window, kernel=args.kernel))
     print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
     print("\n".join(report.prediction_text(report.mesh_report("replicated", spec, (1,),
                                                               kernel=args.kernel))))

@@ -73,7 +73,10 @@ def spec_text(spec: AttentionSpec) -> str:
     s = (f"b={spec.batch} h={spec.heads} h_kv={spec.kv_heads} s_q={spec.q_len} "
          f"s_kv={spec.kv_len} e={spec.head_dim} {str(spec.dtype).replace('torch.', '')} "
          f"{spec.layout}")
-    return s + (" causal" if spec.causal else "")
+    s += " causal" if spec.causal else ""
+    if spec.window is not None:
+        s += f" window ({spec.window.left}, {spec.window.right})"
+    return s
 
 
 def _gib(n: float | None) -> str:
@@ -181,5 +184,5 @@ def _last_measurements(report: MeshReport) -> list[str]:
                      f"{off:+.1%}{peak}")
     if not lines:
         lines.append("last measurement: none of this configuration in benchmarks/results "
-                     "(b, heads, head dim, sequence length, causal, ranks)")
+                     "(b, heads, head dim, sequence length, causal, window, ranks)")
     return lines

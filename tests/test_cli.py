@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+import sdpa_fusion
 from sdpa_fusion.cli import main
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -116,6 +117,28 @@ def test_explain_one_device_compares_with_the_one_gpu_measurement(capsys):
     measured = committed_row("context_parallel_single.json", "1 GPU auto", 1, 65536,
                              "causal fwd+bwd")
     assert f"last measurement, fwd+bwd: {measured['median_ms']:.1f} ms" in out
+
+
+def test_explain_a_window_plans_it_and_compares_only_windowed_measurements(capsys):
+    """--window: the plan's FLOPs are the band's, and a full-causal measurement is no yardstick."""
+    args = ["explain", "--device", "cpu", "--batch", "1", "--heads", "32", "--seq", "65536",
+            "--head-dim", "128"]
+    assert main(args + ["--window", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "window=Window(left=4096, right=None)" in out
+    assert "last measurement: none of this configuration" in out
+    spec = sdpa_fusion.AttentionSpec(1, 32, 32, 65536, 65536, 128, causal=True, window=(4096, None))
+    assert f"FLOPs: forward {spec.flops(backward=False):.3e}" in out
+    assert main(args[:1] + ["--schedule", "ring", "--mesh", "2"] + args[3:] + ["--window", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "causal window (4096, None)" in out and "last measurement: none" in out
+
+
+def test_explain_refuses_a_window_that_is_no_pair_of_counts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--window", "4096,-1"])
+    assert exit_.value.code == 2
+    assert "--window: '4096,-1' is not LEFT or LEFT,RIGHT" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [
