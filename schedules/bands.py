@@ -289,3 +289,38 @@ def _dense_ring_plan(mask, partition, parts, rank, q_len, kv_len):
     runs_q, runs_k = dense_runs(partition, q_len, parts), dense_runs(partition, kv_len, parts)
     return [(step, dense_calls(runs_q, rank, runs_k, (rank - step) % parts, mask))
             for step in ring_steps(runs_q, runs_k, mask)]
+
+
+def travelling_rows(spec, mask, partition, parts: int) -> tuple[int, tuple[int, ...]] | None:
+    """The rows of each rank's K/V block that a ring under the band ``mask`` of the local
+    ``spec`` (dense) passes on: (n, starts), rank j's rows [starts[j], starts[j] + n). The
+    hull of the keys that any rank's calls use of a block at a remote step, widened to the
+    widest hull (every shift moves blocks of one shape) and kept inside the block. None when
+    that is the whole block, or the sequences are packed (their blocks travel whole)."""
+    if spec.packing is not None:
+        return None
+    return _travelling_rows(mask, partition, parts, spec.q_len * parts, spec.kv_len * parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _travelling_rows(mask, partition, parts, q_len, kv_len):
+    s_kv = kv_len // parts
+    hulls: dict[int, tuple[int, int]] = {}
+    for rank in range(parts):
+        for step, calls in _dense_ring_plan(mask, partition, parts, rank, q_len, kv_len):
+            source = (rank - step) % parts
+            for call in calls if step else ():
+                start, stop, _ = call.keys.indices(s_kv)
+                low, high = hulls.get(source, (s_kv, 0))
+                hulls[source] = (min(low, start), max(high, stop))
+    n = max((high - low for low, high in hulls.values()), default=s_kv)
+    if n >= s_kv:
+        return None
+    return n, tuple(min(hulls.get(j, (0, 0))[0], s_kv - n) for j in range(parts))
+
+
+def in_travelling_rows(call: DenseCall, start: int, s_kv: int) -> DenseCall:
+    """``call`` with its keys counted in a block's travelling rows, which begin at row
+    ``start`` of the block of ``s_kv`` rows."""
+    first, stop, _ = call.keys.indices(s_kv)
+    return dataclasses.replace(call, keys=slice(first - start, stop - start))

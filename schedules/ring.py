@@ -48,7 +48,10 @@ block has one size.
 Sliding windows: each step's calls come from ``bands`` (every call a window in its own rows
 and keys; none for a block the window does not reach), and the ring takes only the steps at
 which some rank's queries see a key of the block. A shift then sends the block, and in
-backward its dK/dV sums, straight to the rank of its next step: several hops at once. With
+backward its dK/dV sums, straight to the rank of its next step: several hops at once. Only
+the rows of a block that other ranks' queries see travel (``bands.travelling_rows``: the
+widest such hull over the blocks, so that every shift has one shape): a 4K window over 64K
+tokens per rank moves 1/16 of each block, and its sums only those rows. With
 head groups every group takes those steps, and the next group's own block goes straight to
 the rank of its first step. A row may then get more blocks than steps (a block split into
 calls), so out and dQ of 16-bit inputs are summed in fp32 whenever a rank makes more than
@@ -68,7 +71,7 @@ from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
 from . import heads
-from .bands import check_runs, ring_plan, window_band
+from .bands import check_runs, in_travelling_rows, ring_plan, travelling_rows, window_band
 from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
                     fold_calls, part_call, put_rows, zero_outside)
@@ -204,6 +207,28 @@ class Ring(SequenceSchedule):
         calls = self._calls(spec, s_q, s_kv)
         return [(step, [] if call is None else [call]) for step, call in enumerate(calls)]
 
+    def _plan(self, spec, s_q: int, s_kv: int):
+        """(steps, travel): ``_steps``, and under a window the rows of each block that travel
+        (``bands.travelling_rows``: n, every rank's first row), the remote steps' keys then
+        counted in them; travel is None when whole blocks travel."""
+        steps = self._steps(spec, s_q, s_kv)
+        mask = window_band(spec)
+        travel = None if mask is None or len(steps) < 2 else \
+            travelling_rows(spec, mask, self.partition, self.size)
+        if travel is None:
+            return steps, None
+        starts = travel[1]
+        return [(step, calls if step == 0 else
+                 [in_travelling_rows(c, starts[(self.index - step) % self.size], s_kv)
+                  for c in calls]) for step, calls in steps], travel
+
+    def _sent(self, t: torch.Tensor, travel) -> torch.Tensor:
+        """The rows of this rank's block ``t`` that travel."""
+        if travel is None:
+            return t
+        n, starts = travel
+        return t.narrow(2, starts[self.index], n)
+
     def _calls(self, spec, s_q: int, s_kv: int) -> list:
         """The kernel call (or None) of every ring step of this rank without a window."""
         sources = [(self.index - step) % self.size for step in range(self.size)]
@@ -233,17 +258,18 @@ class Ring(SequenceSchedule):
         source = (self.index - step) % self.size
         return lambda call: dropout.stream("ring", self.index, source, group.index, call)
 
-    def _kv_steps(self, k, v, groups, order, remote, kv):
+    def _kv_steps(self, k, v, groups, order, remote, kv, travel=None):
         """(group, step, K block, V block) for every group and every step of ``order``: the
         block of rank r - step (step 0: this rank's own), K/V coming through the ring ``kv``
         (None when no block travels). ``remote``: the steps other than 0, in order; a block
-        goes from the rank of one to that of the next, several hops at once. One shift is in
-        flight at a time: a block travels on (or the next group's own block leaves) while
-        the current one is used."""
+        goes from the rank of one to that of the next, several hops at once (its rows
+        ``travel``, all by default). One shift is in flight at a time: a block travels on (or
+        the next group's own block leaves) while the current one is used."""
         own = [(g.of_kv(k), g.of_kv(v)) for g in groups]
+        leaving = [tuple(self._sent(t, travel) for t in block) for block in own]
         following = dict(zip(remote, remote[1:]))
         if kv is not None:
-            pending = kv.shift(own[0], hops=remote[0])
+            pending = kv.shift(leaving[0], hops=remote[0])
         for index, g in enumerate(groups):
             for step in order:
                 if step == 0:
@@ -253,15 +279,16 @@ class Ring(SequenceSchedule):
                 if step in following:
                     pending = kv.shift(block, hops=following[step] - step)
                 elif index + 1 < len(groups):
-                    pending = kv.shift(own[index + 1], hops=remote[0])
+                    pending = kv.shift(leaving[index + 1], hops=remote[0])
                 yield g, step, *block
 
-    def _rings(self, k, groups, remote, *dtypes_and_slots):
-        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors, all
-        in this call's buffer of the transport; Nones when no block travels."""
+    def _rings(self, k, groups, remote, travel, *dtypes_and_slots):
+        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors (S:
+        the rows that ``travel``), all in this call's buffer of the transport; Nones when no
+        block travels."""
         if not remote:
             return [None] * len(dtypes_and_slots)
-        shape = tuple(groups[0].of_kv(k).shape)
+        shape = tuple(self._sent(groups[0].of_kv(k), travel).shape)
         datas = [RingData((shape, shape), dtype, layout_of(k), slots)
                  for dtype, slots in dtypes_and_slots]
         return self.mover(k.device).rings(datas, k.device)
@@ -283,15 +310,16 @@ class Ring(SequenceSchedule):
         packed = spec.layout.is_varlen
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
-        steps = self._steps(spec, q.shape[2], k.shape[2])
+        steps, travel = self._plan(spec, q.shape[2], k.shape[2])
         calls, order = dict(steps), [step for step, _ in steps]
         remote = order[1:]
         groups = self.groups_of(q, k)
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         blocks = sum(len(c) for c in calls.values())
-        (kv,) = self._rings(k, groups, remote, (k.dtype, self._kv_slots(len(groups), len(remote))))
-        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv):
+        (kv,) = self._rings(k, groups, remote, travel,
+                            (k.dtype, self._kv_slots(len(groups), len(remote))))
+        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv, travel):
             if step == 0:
                 merged = Merged(g.of_q(out), g.of_q(lse), blocks)
             fold_calls(calls[step], kernel, merged, g.of_q(q), kb, vb, spec.softmax_scale,
@@ -304,7 +332,7 @@ class Ring(SequenceSchedule):
         packed = spec.layout.is_varlen
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        steps = self._steps(spec, q.shape[2], k.shape[2])
+        steps, travel = self._plan(spec, q.shape[2], k.shape[2])
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
         order = [*remote, 0]  # the own block last
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
@@ -312,10 +340,10 @@ class Ring(SequenceSchedule):
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
         contributions = sum(len(c) for c in calls.values())
-        kv, sums = self._rings(k, groups, remote,
+        kv, sums = self._rings(k, groups, remote, travel,
                                (k.dtype, self._kv_slots(len(groups), len(remote))),
                                (self.sums_dtype(spec), self._sums_slots(len(remote))))
-        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv):
+        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv, travel):
             if step == order[0]:
                 dq_sum = Sum(g.of_q(dq), contributions)
             run = _Step(calls[step], kernel, dq_sum, (g.of_q(dout), g.of_q(q), kb, vb,
@@ -326,7 +354,7 @@ class Ring(SequenceSchedule):
                 run.write(targets)
                 if sums is not None:
                     for target, summed in zip(targets, sent.wait()):
-                        target.add_(summed)
+                        self._sent(target, travel).add_(summed)
                 dq_sum.finish()
             elif step == remote[0]:  # this rank starts the block's sums
                 outgoing = sums.data.empty(k.device)
@@ -342,7 +370,7 @@ class Ring(SequenceSchedule):
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
         p, steps = self.size, self._step_count(spec)
-        kv_block = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
+        kv_block = 2 * spec.batch * spec.kv_heads * self._block_rows(spec) * spec.head_dim
         kv_bytes = kv_block * spec.dtype.itemsize
         sums_bytes = kv_block * self.sums_dtype(spec).itemsize
         forward = spec.flops() / p
@@ -359,23 +387,48 @@ class Ring(SequenceSchedule):
             memory=self.memory(spec),
         )
 
+    def _block_rows(self, spec) -> int:
+        """Rows of the blocks that travel in a call on the global ``spec``."""
+        rows = self.local_tokens(spec)
+        _, travel = self._plan(self.local_spec(spec), rows, rows)
+        return rows if travel is None else travel[0]
+
+    def _sends_a_copy(self, spec, groups: int, travel) -> bool:
+        """Whether p2p sends a group's own K/V from a contiguous copy: what leaves (a head
+        group, the rows that travel) is no dense buffer in its layout."""
+        if travel is None:  # whole blocks (packed ones too): a head group's own layout
+            return not heads.contiguous(spec, groups)
+        rows = self.local_tokens(spec)
+        k = spec.layout.empty((spec.batch, spec.kv_heads, rows, spec.head_dim),
+                              dtype=spec.dtype, device="meta")
+        group = heads.groups_of(groups, spec.heads, spec.kv_heads)[0]
+        leaving = self._sent(group.of_kv(k), travel)
+        return not leaving.permute(spec.layout.memory_order).is_contiguous()
+
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec`` (the buffers of the
         module docstring, each counted at the kernel call where most of them are alive)."""
         rows, groups = self.local_tokens(spec), self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
-        steps = self._steps(self.local_spec(spec), rows, rows)
+        steps, travel = self._plan(self.local_spec(spec), rows, rows)
+        block = rows if travel is None else travel[0]  # rows of a block that travels
+
+        def keys(step: int) -> int:
+            return rows if step == 0 else block
+
         remote = [step for step, _ in steps[1:]]
         sums_item = self.sums_dtype(spec).itemsize
         kv_slots = sums_slots = 0
         if remote:
-            kv_slots = self._kv_slots(groups, len(remote)) * aligned(2 * size.kv())
-            sums_slots = self._sums_slots(len(remote)) * aligned(2 * size.kv(itemsize=sums_item))
+            kv_slots = self._kv_slots(groups, len(remote)) * aligned(2 * size.kv(block))
+            sums_slots = self._sums_slots(len(remote)) * aligned(
+                2 * size.kv(block, itemsize=sums_item))
         kept = kv_slots + sums_slots if self._keeps_slots() else 0
         fresh = not kept  # p2p allocates its slots for each call
-        # p2p sends a group's own K/V from a contiguous copy when the group is strided: in
+        # p2p sends a group's own K/V from a contiguous copy when what leaves is strided: in
         # flight during the own step, and during the last remote one when a group follows
-        copy = 0 if kept or not remote or heads.contiguous(spec, groups) else 2 * size.kv()
+        copy = 0 if kept or not remote or not self._sends_a_copy(spec, groups, travel) \
+            else 2 * size.kv(block)
 
         def sent(step: int, backward: bool) -> int:
             if not copy:
@@ -387,11 +440,11 @@ class Ring(SequenceSchedule):
         fp32_sum = size.q(itemsize=4) if n_calls > 2 and spec.dtype.itemsize < 4 else 0
         acc_item = 4 if fp32_sum else spec.dtype.itemsize
         forward = fresh * kv_slots + fp32_sum + max(
-            (forward_call(size, c, rows, acc_item) + sent(step, False)
+            (forward_call(size, c, keys(step), acc_item) + sent(step, False)
              for step, calls in steps for c in calls), default=0)
-        outgoing = 2 * size.kv(itemsize=sums_item)
+        outgoing = 2 * size.kv(block, itemsize=sums_item)
         peaks = [held + sent(step, True) + backward_call(
-            size, c, rows, dq_temp=dq_temp or fp32_sum > 0, kv_temps=kv_temps)
+            size, c, keys(step), dq_temp=dq_temp or fp32_sum > 0, kv_temps=kv_temps)
             for step, c, held, dq_temp, kv_temps in self._backward_calls(
                 steps, remote, outgoing, converts=sums_item != spec.dtype.itemsize)]
         backward = (whole.q() + 2 * whole.kv() + fresh * (kv_slots + sums_slots) + fp32_sum

@@ -168,6 +168,20 @@ def kernel_calls(positions, rank: int, window) -> int:
                for a in runs(positions[rank]) for other in positions for b in runs(other))
 
 
+def travelling_rows(positions, window) -> int:
+    """The widest hull, over the ranks' blocks, of the key rows that another rank's queries
+    see (causal band (left, 0))."""
+    left = window[0]
+    widest = 0
+    for j, keys in enumerate(positions):
+        queries = torch.cat([pos for r, pos in enumerate(positions) if r != j])
+        seen = ((queries[None, :] >= keys[:, None])
+                & (queries[None, :] - left <= keys[:, None])).any(1).nonzero().flatten()
+        if len(seen):
+            widest = max(widest, int(seen.max() - seen.min()) + 1)
+    return widest
+
+
 def ring_step_count(seen) -> int:
     """Remote ring steps (block of the rank s before) that some rank needs."""
     p = len(seen)
@@ -178,8 +192,9 @@ def ring_step_count(seen) -> int:
 def test_skipped_blocks_make_no_call_and_no_transfer(mesh, partition, monkeypatch):
     """A causal window of 3 over chunks of 8: every rank's own block and its neighbours'
     only; the ring shifts only to the steps some rank needs (contiguous: step 1;
-    load_balanced: steps 1 and P-1), waits once per shift, and the kernel runs once per
-    block (run of queries x run of keys) that sees a key."""
+    load_balanced: steps 1 and P-1), waits once per shift, moves only the rows of a block
+    that other ranks see, and the kernel runs once per block (run of queries x run of keys)
+    that sees a key."""
     p, window = mesh.size(), (3, 0)
     sched = schedules.get("ring", mesh, partition=partition)
     s = 16 * p
@@ -197,7 +212,9 @@ def test_skipped_blocks_make_no_call_and_no_transfer(mesh, partition, monkeypatc
     out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", window=window, kernel=kernel,
                                 schedule=sched)
     assert (kernel.forwards, sched.comm.stats.transfers, len(waits)) == (pieces, steps, steps)
+    forward_bytes = sched.comm.stats.bytes_sent
     out.backward(sched.shard(problem.dout, layout="bshe"))
+    backward_bytes = sched.comm.stats.bytes_sent - forward_bytes
     # backward: K/V to every needed step, and the dK/dV sums along them and home
     hops = 2 * steps
     assert (kernel.backwards, sched.comm.stats.transfers, len(waits)) == (pieces, steps + hops,
@@ -207,9 +224,13 @@ def test_skipped_blocks_make_no_call_and_no_transfer(mesh, partition, monkeypatc
     full = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
         q, k, v, layout="bshe", causal=True, window=window))
     d = sched.describe(full)
-    kv_bytes = 2 * k.numel() * k.element_size()
+    # only the rows of a block that some other rank's queries see travel (the widest hull)
+    rows = travelling_rows(positions, window)
+    kv_bytes = 2 * k.numel() // k.shape[2] * rows * k.element_size()
+    assert rows < k.shape[2]
     assert (d.steps, d.bytes_sent) == (1 + steps, steps * kv_bytes)
-    assert d.backward_bytes_sent == steps * kv_bytes + steps * 2 * k.numel() * 4
+    assert d.backward_bytes_sent == steps * kv_bytes + steps * 2 * k.numel() // k.shape[2] * rows * 4
+    assert (forward_bytes, backward_bytes) == (d.bytes_sent, d.backward_bytes_sent)  # as moved
     sched.comm.stats.reset()
 
 
