@@ -266,9 +266,14 @@ def check_runs(spec, partition, parts: int, schedule: str) -> None:
         )
 
 
-def ring_plan(spec, mask, partition, parts: int, rank: int) -> list[tuple[int, list]]:
-    """(step, calls) of every ring step ``rank`` takes under the band ``mask`` of its local
-    ``spec``: at step s the block of rank (rank - s) mod P, at the ``ring_steps`` only."""
+def ring_plan(spec, mask, partition, parts: int, rank: int):
+    """(steps, travel) of ``rank`` under the band ``mask`` of its local ``spec``: (step, calls)
+    of every ring step it takes, at step s the block of rank (rank - s) mod P, at the
+    ``ring_steps`` only; and ``travel`` = (n, starts), the rows [starts[j], starts[j] + n) of
+    rank j's block that travel, the remote steps' keys counted in them: the hull of the keys
+    that any rank's calls use of a block at a remote step, widened to the widest hull (every
+    shift moves blocks of one shape) and kept inside the block. travel is None when that is
+    the whole block, and for packed sequences (their blocks travel whole)."""
     packing = spec.packing
     if packing is None:
         return _dense_ring_plan(mask, partition, parts, rank, spec.q_len * parts,
@@ -281,25 +286,26 @@ def ring_plan(spec, mask, partition, parts: int, rank: int) -> list[tuple[int, l
                                     device=packing.device))
                 for step in ring_steps(runs, runs, mask)]
 
-    return packing.cached(("ring", mask), build)
+    return packing.cached(("ring", mask), build), None
 
 
 @functools.lru_cache(maxsize=64)
 def _dense_ring_plan(mask, partition, parts, rank, q_len, kv_len):
+    steps = _dense_ring_steps(mask, partition, parts, rank, q_len, kv_len)
+    travel = _travelling_rows(mask, partition, parts, q_len, kv_len)
+    if travel is None:
+        return steps, None
+    s_kv, starts = kv_len // parts, travel[1]
+    return [(step, calls if step == 0 else
+             [_in_travelling_rows(c, starts[(rank - step) % parts], s_kv) for c in calls])
+            for step, calls in steps], travel
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_ring_steps(mask, partition, parts, rank, q_len, kv_len):
     runs_q, runs_k = dense_runs(partition, q_len, parts), dense_runs(partition, kv_len, parts)
     return [(step, dense_calls(runs_q, rank, runs_k, (rank - step) % parts, mask))
             for step in ring_steps(runs_q, runs_k, mask)]
-
-
-def travelling_rows(spec, mask, partition, parts: int) -> tuple[int, tuple[int, ...]] | None:
-    """The rows of each rank's K/V block that a ring under the band ``mask`` of the local
-    ``spec`` (dense) passes on: (n, starts), rank j's rows [starts[j], starts[j] + n). The
-    hull of the keys that any rank's calls use of a block at a remote step, widened to the
-    widest hull (every shift moves blocks of one shape) and kept inside the block. None when
-    that is the whole block, or the sequences are packed (their blocks travel whole)."""
-    if spec.packing is not None:
-        return None
-    return _travelling_rows(mask, partition, parts, spec.q_len * parts, spec.kv_len * parts)
 
 
 @functools.lru_cache(maxsize=64)
@@ -307,7 +313,7 @@ def _travelling_rows(mask, partition, parts, q_len, kv_len):
     s_kv = kv_len // parts
     hulls: dict[int, tuple[int, int]] = {}
     for rank in range(parts):
-        for step, calls in _dense_ring_plan(mask, partition, parts, rank, q_len, kv_len):
+        for step, calls in _dense_ring_steps(mask, partition, parts, rank, q_len, kv_len):
             source = (rank - step) % parts
             for call in calls if step else ():
                 start, stop, _ = call.keys.indices(s_kv)
@@ -319,7 +325,7 @@ def _travelling_rows(mask, partition, parts, q_len, kv_len):
     return n, tuple(min(hulls.get(j, (0, 0))[0], s_kv - n) for j in range(parts))
 
 
-def in_travelling_rows(call: DenseCall, start: int, s_kv: int) -> DenseCall:
+def _in_travelling_rows(call: DenseCall, start: int, s_kv: int) -> DenseCall:
     """``call`` with its keys counted in a block's travelling rows, which begin at row
     ``start`` of the block of ``s_kv`` rows."""
     first, stop, _ = call.keys.indices(s_kv)

@@ -49,7 +49,7 @@ Sliding windows: each step's calls come from ``bands`` (every call a window in i
 and keys; none for a block the window does not reach), and the ring takes only the steps at
 which some rank's queries see a key of the block. A shift then sends the block, and in
 backward its dK/dV sums, straight to the rank of its next step: several hops at once. Only
-the rows of a block that other ranks' queries see travel (``bands.travelling_rows``: the
+the rows of a block that other ranks' queries see travel (``bands.ring_plan``: the
 widest such hull over the blocks, so that every shift has one shape): a 4K window over 64K
 tokens per rank moves 1/16 of each block, and its sums only those rows. With
 head groups every group takes those steps, and the next group's own block goes straight to
@@ -71,7 +71,7 @@ from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
 from . import heads
-from .bands import check_runs, in_travelling_rows, ring_plan, travelling_rows, window_band
+from .bands import check_runs, ring_plan, window_band
 from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
                     fold_calls, part_call, put_rows, zero_outside)
@@ -196,31 +196,17 @@ class Ring(SequenceSchedule):
             return spec.dtype
         return torch.float32
 
-    def _steps(self, spec, s_q: int, s_kv: int) -> list[tuple[int, list]]:
-        """(step, kernel calls) of every ring step this rank takes, in order: at step i the
-        block of rank (r - i) mod P. Every step without a window; with one, only the steps
-        at which some rank's queries see a key (``bands.ring_plan``). Packed calls are made
+    def _plan(self, spec, s_q: int, s_kv: int):
+        """(steps, travel): (step, kernel calls) of every ring step this rank takes, in order,
+        at step i the block of rank (r - i) mod P; every step without a window, with one only
+        the steps at which some rank's queries see a key, and ``travel`` the rows of each
+        block that travel (``bands.ring_plan``; None: whole blocks). Packed calls are made
         once per packing."""
         mask = window_band(spec)
         if mask is not None:
             return ring_plan(spec, mask, self.partition, self.size, self.index)
         calls = self._calls(spec, s_q, s_kv)
-        return [(step, [] if call is None else [call]) for step, call in enumerate(calls)]
-
-    def _plan(self, spec, s_q: int, s_kv: int):
-        """(steps, travel): ``_steps``, and under a window the rows of each block that travel
-        (``bands.travelling_rows``: n, every rank's first row), the remote steps' keys then
-        counted in them; travel is None when whole blocks travel."""
-        steps = self._steps(spec, s_q, s_kv)
-        mask = window_band(spec)
-        travel = None if mask is None or len(steps) < 2 else \
-            travelling_rows(spec, mask, self.partition, self.size)
-        if travel is None:
-            return steps, None
-        starts = travel[1]
-        return [(step, calls if step == 0 else
-                 [in_travelling_rows(c, starts[(self.index - step) % self.size], s_kv)
-                  for c in calls]) for step, calls in steps], travel
+        return [(step, [] if call is None else [call]) for step, call in enumerate(calls)], None
 
     def _sent(self, t: torch.Tensor, travel) -> torch.Tensor:
         """The rows of this rank's block ``t`` that travel."""
@@ -247,7 +233,7 @@ class Ring(SequenceSchedule):
         if window_band(spec) is None:
             return self.size
         local = self.local_spec(spec)
-        return len(self._steps(local, local.q_len, local.kv_len))
+        return len(self._plan(local, local.q_len, local.kv_len)[0])
 
     def _streams(self, dropout, step: int, group: heads.HeadGroup):
         """The dropout streams of this rank's queries of head group ``group`` against the

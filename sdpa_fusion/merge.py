@@ -35,7 +35,7 @@ from .kernels.nvfuser import import_error
 from .layout import Layout, exact_strides, has_layout
 
 log = logging.getLogger("sdpa_fusion")
-_UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (torch then merges)
+_UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (then out of place)
 HEAD_CHUNKS = 8  # a fold that cannot run in place merges its heads in this many parts
 
 
@@ -186,10 +186,15 @@ def _fold_torch(out, lse, block_out, block_lse) -> None:
     lse.copy_(new_lse)
 
 
+def _is_dense(out, lse, block_lse, layout: Layout) -> bool:
+    """Whether ``out`` is dense in ``layout`` and both lse are contiguous."""
+    return has_layout(out, layout) and lse.is_contiguous() and block_lse.is_contiguous()
+
+
 def _is_dense_bhse(out, lse, block_lse) -> bool:
     """Whether the fold can run in place: nvFuser writes an aliased output correctly only into
     a dense BHSE tensor (in BSHE, or into a view of some rows or heads, it writes elsewhere)."""
-    return has_layout(out, Layout.BHSE) and lse.is_contiguous() and block_lse.is_contiguous()
+    return _is_dense(out, lse, block_lse, Layout.BHSE)
 
 
 def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
@@ -215,7 +220,7 @@ def _merge_fused(out, lse, block_out, block_lse):
 
 def _fold_fused(out, lse, block_out, block_lse) -> bool:
     """``LseMerge`` in place into ``out`` (its aliased output) and ``lse``; False when that
-    fusion cannot run here (the caller merges with torch)."""
+    fusion cannot run here (the caller then merges out of place)."""
     from .definitions import LseMerge
 
     fd, inputs = _fusion(LseMerge, out, lse, block_out, block_lse, in_place=True)
@@ -226,8 +231,8 @@ def _fold_fused(out, lse, block_out, block_lse) -> bool:
         (new_lse,) = fd.execute(inputs)
     except torch.cuda.OutOfMemoryError:
         raise
-    except Exception as e:  # noqa: BLE001 -- an nvFuser without in-place outputs: torch merges
-        log.warning("LseMerge in place failed (%s: %s); merging with torch ops", type(e).__name__, e)
+    except Exception as e:  # noqa: BLE001 -- an nvFuser without in-place outputs
+        log.warning("LseMerge in place failed (%s: %s); merging out of place", type(e).__name__, e)
         _UNFUSED.add(key)
         return False
     lse.copy_(new_lse)
@@ -238,7 +243,7 @@ def _fusion(cls, out, lse, block_out, block_lse, *, in_place: bool):
     """(the cached LseMerge for these tensors, its inputs)."""
     layout = layout_of(out)
     block_out = layout.to(block_out)
-    dense = has_layout(out, layout) and lse.is_contiguous() and block_lse.is_contiguous()
+    dense = _is_dense(out, lse, block_lse, layout)
     fd = cls.cached(out.shape[1], out.shape[3], layout=layout, acc_dtype=out.dtype,
                     block_dtype=block_out.dtype, dense=dense, in_place=in_place)
     inputs = [out, lse.float(), block_out, block_lse.float()]
