@@ -46,9 +46,10 @@ class Arrivals:
         if noted:
             self._note(step, arrived=False)
 
-    def missing(self, step: int) -> str:
-        """Who did not arrive at ``step``, in words (after a failed ``wait``)."""
-        seconds = self.timeout.total_seconds()
+    def missing(self, step: int, waited_s: float | None = None) -> str:
+        """Who did not arrive at ``step`` within ``waited_s`` (default: the timeout), in words
+        (after a failed ``wait``)."""
+        seconds = self.timeout.total_seconds() if waited_s is None else waited_s
         try:
             store = self._store(step)
             missing = [r for r in self.ranks if not store.check([str(r)])]
@@ -90,10 +91,13 @@ class _Watched:
 class StallWatch:
     """Steps whose completion the host does not wait for (NCCL transfers), watched from a
     daemon thread: after ``stall_s`` without completing, this rank notes its arrival in
-    ``arrivals``; past ``timeout`` ``report`` (default: log an error) gets a message naming
-    the step and the ranks that never arrived. Holds no tensors, only the ``done`` markers."""
+    ``arrivals``; past ``REPORT_AT`` of ``timeout`` ``report`` (default: log an error) gets a
+    message naming the step and the ranks that never arrived. That is early enough to come
+    before NCCL's watchdog (or a copy-engine barrier), which end the process at the timeout
+    counted from when the transfer was queued. Holds no tensors, only the ``done`` markers."""
 
     POLL_S = 0.5
+    REPORT_AT = 0.9
 
     def __init__(self, arrivals: Arrivals, timeout: datetime.timedelta, *, stall_s: float = 1.0,
                  report=None):
@@ -127,11 +131,11 @@ class StallWatch:
             waited = now - w.start
             if not w.noted and waited >= self.stall_s:
                 w.noted = self.arrivals._note(w.step, arrived=True)
-            if not w.reported and waited >= self.timeout_s:
+            if not w.reported and waited >= self.REPORT_AT * self.timeout_s:
                 w.reported = True
-                self.report(f"{w.what} did not complete: {self.arrivals.missing(w.step)}; every "
-                            f"rank must make the same transfers in the same order (NCCL's "
-                            f"watchdog ends the process next)")
+                self.report(f"{w.what} did not complete: {self.arrivals.missing(w.step, round(waited, 1))}; "
+                            f"every rank must make the same transfers in the same order (the "
+                            f"process ends at the mesh's timeout of {self.timeout_s:g} s)")
         gone = {id(w) for w in finished}
         with self._lock:
             self._watched = [w for w in self._watched if id(w) not in gone]
