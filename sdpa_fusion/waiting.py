@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import threading
 import time
 
@@ -86,6 +87,7 @@ class _Watched:
     start: float
     noted: bool = False
     reported: bool = False
+    ended: bool = False
 
 
 class StallWatch:
@@ -94,15 +96,20 @@ class StallWatch:
     ``arrivals``; past ``REPORT_AT`` of ``timeout`` ``report`` (default: log an error) gets a
     message naming the step and the ranks that never arrived. That is early enough to come
     before NCCL's watchdog (or a copy-engine barrier), which end the process at the timeout
-    counted from when the transfer was queued. Holds no tensors, only the ``done`` markers."""
+    counted from when the transfer was queued. A transfer still not complete ``END_GRACE_S``
+    after the timeout (NCCL's watchdog can stall in its own debug dump) ends the process
+    through ``end`` (default: exit status 1), so that a job never hangs. Holds no tensors,
+    only the ``done`` markers."""
 
     POLL_S = 0.5
     REPORT_AT = 0.9
+    END_GRACE_S = 15.0
 
     def __init__(self, arrivals: Arrivals, timeout: datetime.timedelta, *, stall_s: float = 1.0,
-                 report=None):
+                 report=None, end=None):
         self.arrivals, self.timeout_s, self.stall_s = arrivals, timeout.total_seconds(), stall_s
         self.report = report or (lambda message: log.error("%s", message))
+        self.end = end or _end_process
         self._watched: list[_Watched] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -117,7 +124,8 @@ class StallWatch:
                 self._thread.start()
 
     def check(self, now: float | None = None) -> None:
-        """One poll: forget completed steps, note arrivals after a stall, report timeouts."""
+        """One poll: forget completed steps, note arrivals after a stall, report timeouts, end
+        the process past the grace."""
         now = time.monotonic() if now is None else now
         with self._lock:
             watched = list(self._watched)
@@ -133,9 +141,16 @@ class StallWatch:
                 w.noted = self.arrivals._note(w.step, arrived=True)
             if not w.reported and waited >= self.REPORT_AT * self.timeout_s:
                 w.reported = True
-                self.report(f"{w.what} did not complete: {self.arrivals.missing(w.step, round(waited, 1))}; "
-                            f"every rank must make the same transfers in the same order (the "
-                            f"process ends at the mesh's timeout of {self.timeout_s:g} s)")
+                missing = self.arrivals.missing(w.step, round(waited, 1))
+                self.report(f"{w.what} did not complete: {missing}; every rank must make the "
+                            f"same transfers in the same order (the process ends at the "
+                            f"mesh's timeout of {self.timeout_s:g} s)")
+            if not w.ended and waited >= self.timeout_s + self.END_GRACE_S:
+                w.ended = True
+                self.report(f"{w.what} has not completed {waited:.0f} s after it began (the "
+                            f"mesh's timeout is {self.timeout_s:g} s): ending this process "
+                            f"with exit status 1 so that the job does not hang")
+                self.end()
         gone = {id(w) for w in finished}
         with self._lock:
             self._watched = [w for w in self._watched if id(w) not in gone]
@@ -147,6 +162,12 @@ class StallWatch:
                 self.check()
             except Exception as e:  # noqa: BLE001 -- a watch must never take the process down
                 log.debug("stall watch: %s", e)
+
+
+def _end_process() -> None:
+    """Leave now with exit status 1 (the launcher then ends the other ranks), logs flushed."""
+    logging.shutdown()
+    os._exit(1)
 
 
 def ranks_text(ranks: list[int], everyone: list[int]) -> str:

@@ -36,10 +36,10 @@ class Notes:
         return f"rank 1 did not arrive within {waited_s:g} s (step {step})"
 
 
-def watch(timeout_s=10.0):
+def watch(timeout_s=10.0, ends=None):
     reports, notes = [], Notes()
     w = StallWatch(notes, datetime.timedelta(seconds=timeout_s), stall_s=1.0,
-                   report=reports.append)
+                   report=reports.append, end=lambda: (ends if ends is not None else []).append(1))
     return w, notes, reports
 
 
@@ -61,6 +61,20 @@ def test_a_stalled_transfer_is_noted_then_reported_once_by_name():
     assert len(reports) == 1
     assert reports[0].startswith("ring forward: transfer 3 (ranks [0, 1]) did not complete: "
                                  "rank 1 did not arrive within 9 s (step 7)")
+
+
+def test_a_transfer_still_stalled_after_the_grace_ends_the_process_once():
+    ends = []
+    w, notes, reports = watch(ends=ends)
+    w.add(Marker(), "ring backward: transfer 2", 5)
+    t0 = time.monotonic()
+    w.check(t0 + 10 + w.END_GRACE_S - 1)
+    assert len(reports) == 1 and ends == []  # named, and NCCL's watchdog has its chance
+    w.check(t0 + 10 + w.END_GRACE_S + 1)
+    w.check(t0 + 10 + w.END_GRACE_S + 2)
+    assert ends == [1] and len(reports) == 2
+    assert "ring backward: transfer 2 has not completed" in reports[1]
+    assert "ending this process with exit status 1" in reports[1]
 
 
 def test_completed_transfers_are_forgotten_and_their_notes_cleared():
