@@ -256,7 +256,7 @@ class AllGather(SequenceSchedule):
         own, calls, rank_order = self._plan(spec)
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        groups, scale = self.groups_of(q, k), spec.softmax_scale
+        groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
         blocks = self._blocks(own, calls, rank_order)
         for g, gathered, _ in self._gathers(spec, k, v, groups, rank_order):
             merged = Merged(g.of_q(out), g.of_q(lse), blocks)
@@ -275,7 +275,7 @@ class AllGather(SequenceSchedule):
         own, calls, rank_order = self._plan(spec)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
-        groups, scale = self.groups_of(q, k), spec.softmax_scale
+        groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
         blocks = self._blocks(own, calls, rank_order)
         for g, keys, positions in self._gathers(spec, k, v, groups, rank_order):
             dq_sum = Sum(g.of_q(dq), blocks)

@@ -11,7 +11,10 @@ heads at a time). The price: G times as many kernel calls and transfers, each G 
     head_groups="auto"   one group while blocks are small, more as they grow: the most groups
                          that leave every group's kernel calls at least ``MIN_GROUP_WORK`` query
                          rows x heads (so short sequences run as with one group, and long ones
-                         take 1/G of the memory)
+                         take 1/G of the memory). For packed sequences the rows are the
+                         longest share one rank holds of one sequence: each sequence is its
+                         own attention problem, and 2048 short documents in 8 groups would
+                         be 8 x 2048 tiny kernel calls
     head_groups=G        G groups; G divides the K/V heads
 
 Group g of G holds K/V heads [g H_kv/G, (g+1) H_kv/G) and the query heads that use them

@@ -299,7 +299,7 @@ class Ring(SequenceSchedule):
         steps, travel = self._plan(spec, q.shape[2], k.shape[2])
         calls, order = dict(steps), [step for step, _ in steps]
         remote = order[1:]
-        groups = self.groups_of(q, k)
+        groups = self.groups_of(q, k, spec)
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         blocks = sum(len(c) for c in calls.values())
@@ -322,7 +322,7 @@ class Ring(SequenceSchedule):
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
         order = [*remote, 0]  # the own block last
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
-        groups = self.groups_of(q, k)
+        groups = self.groups_of(q, k, spec)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
         contributions = sum(len(c) for c in calls.values())

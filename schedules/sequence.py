@@ -90,11 +90,15 @@ class SequenceSchedule(Schedule):
 
     def groups_for(self, spec) -> int:
         """Head groups of a call on the global ``spec``."""
-        return self.group_count(spec.heads, spec.kv_heads, self.local_tokens(spec))
+        rows = self.local_tokens(spec)
+        if spec.layout.is_varlen:
+            rows = _longest_share(self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu"))
+        return self.group_count(spec.heads, spec.kv_heads, rows)
 
-    def groups_of(self, q, k) -> list[heads.HeadGroup]:
-        """The head groups of local [B, H, S, E] q and k."""
-        count = self.group_count(q.shape[1], k.shape[1], q.shape[2])
+    def groups_of(self, q, k, spec) -> list[heads.HeadGroup]:
+        """The head groups of local [B, H, S, E] q and k of the local ``spec``."""
+        rows = q.shape[2] if spec.packing is None else _longest_share(spec.packing)
+        count = self.group_count(q.shape[1], k.shape[1], rows)
         return heads.groups_of(count, q.shape[1], k.shape[1])
 
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
@@ -230,3 +234,10 @@ def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPac
                 f"schedule.pack(cu_seqlens).shard(t)"
             )
     return packing
+
+
+def _longest_share(packing) -> int:
+    """Query rows of the largest kernel call of packed sequences: the longest share one rank
+    holds of any sequence (each sequence is its own attention problem, so head groups are
+    sized by it, not by the packed token count)."""
+    return int(packing.counts.max()) if packing.counts.numel() else 0

@@ -215,7 +215,7 @@ class Ulysses(SequenceSchedule):
         call = self._call(spec)
         out = layout.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        for g in self.groups_of(q, k):
+        for g in self.groups_of(q, k, spec):
             q_h, k_h, v_h = self._to_heads([g.of_q(q), g.of_kv(k), g.of_kv(v)], layout, spec)
             if call is None:  # no real token anywhere
                 out_h = torch.zeros_like(q_h)
@@ -237,7 +237,7 @@ class Ulysses(SequenceSchedule):
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         call = self._call(spec)
         dq, dk, dv = (layout.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        for g in self.groups_of(q, k):
+        for g in self.groups_of(q, k, spec):
             inputs = self._to_heads([g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
                                      g.of_q(out)], layout, spec)
             (lse_h,) = self._to_heads([g.of_q(lse).unsqueeze(-1)], Layout.BHSE, spec)

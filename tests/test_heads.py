@@ -56,3 +56,27 @@ def test_groups_hold_the_query_heads_of_their_kv_heads():
     # query head i uses K/V head i // (H / H_kv): within its group
     for g in groups:
         assert {int(h) // 2 for h in g.of_q(q).flatten()} == set(g.of_kv(kv).flatten().tolist())
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
+def test_auto_sizes_packed_groups_by_the_longest_sequence(name):
+    """Packed sequences are separate problems: 2048 short documents stay in one group (8
+    groups would be 8 x 2048 tiny kernel calls), one long document splits as a dense one."""
+    import schedules
+    from sdpa_fusion import AttentionSpec, VirtualMesh
+
+    sched = schedules.get(name, VirtualMesh((2,), ("seq",), rank=0))
+
+    def groups(lengths):
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        spec = AttentionSpec(batch=1, heads=32, kv_heads=32, q_len=cu[-1], kv_len=cu[-1],
+                             head_dim=128, causal=True, layout="thd", cu_seqlens=tuple(cu))
+        return sched.groups_for(spec)
+
+    dense = AttentionSpec(batch=1, heads=32, kv_heads=32, q_len=256 * K, kv_len=256 * K,
+                          head_dim=128, causal=True, layout="bshe")
+    assert groups([128] * 2048) == 1  # 256K tokens in all
+    assert groups([256 * K]) == sched.groups_for(dense) == 8
+    assert groups([32 * K] * 6 + [K] * 8) == 1
