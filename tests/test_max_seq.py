@@ -1,0 +1,44 @@
+"""benchmarks.max_seq's arithmetic: which length a confirming step runs at within its time
+budget, and what the summary claims from it (pure functions: no GPU).
+
+Run: python -m pytest -q tests/test_max_seq.py
+"""
+
+from __future__ import annotations
+
+from benchmarks.max_seq import summary, within_budget
+
+K = 1024
+
+
+def probe(impl, s, seconds):
+    return dict(impl=impl, phase="probe", status="ok", seq_len=s, seconds=seconds)
+
+
+def test_a_step_within_the_budget_runs_at_the_target():
+    rows = [probe("ring", 64 * K, 1.0), probe("ring", 256 * K, 4.0)]
+    # 4 s at 256K grows to 4 * 16 = 64 s at 1M
+    assert within_budget(rows, 1024 * K, 100, 4 * K) == 1024 * K
+
+
+def test_a_longer_step_runs_at_the_longest_length_the_budget_allows():
+    rows = [probe("ring", 256 * K, 4.0)]
+    got = within_budget(rows, 4096 * K, 400, 4 * K)  # 1024 s at 4M; 400 s allows 2.5M
+    assert got % (4 * K) == 0
+    assert 4.0 * (got / (256 * K)) ** 2 <= 400 < 4.0 * ((got + 4 * K) / (256 * K)) ** 2
+
+
+def test_summary_compares_predictions_and_a_lower_bound_with_one_gpu_predicted():
+    rows = [
+        dict(impl="1 GPU auto", phase="predict", status="ok", seq_len=1000, bytes_per_token=1.0),
+        dict(impl="ring", phase="predict", status="ok", seq_len=4000, bytes_per_token=0.5),
+        dict(impl="ring", phase="confirm", status="ok", seq_len=2500, full=False, seconds=400.0),
+        dict(impl="ulysses", phase="predict", status="ok", seq_len=3000, bytes_per_token=0.5),
+        dict(impl="ulysses", phase="confirm", status="out of memory", seq_len=2850, full=True),
+    ]
+    got = {e["impl"]: e for e in summary(rows)}
+    assert got["ring"]["ratio_to_one_gpu"] == 4.0
+    assert got["ring"]["confirmed_ratio_to_one_gpu"] == 2.5
+    assert got["ring"]["confirmed_full"] is False
+    assert got["ulysses"]["confirmed"] is None and got["ulysses"]["confirmed_ratio_to_one_gpu"] is None
+    assert got["ulysses"]["confirmed_full"] is False
