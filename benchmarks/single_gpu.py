@@ -131,8 +131,12 @@ def groups(args):
 
 def impls_for(args, s: int, *, auto: bool) -> list[str]:
     """The impls measured at sequence length ``s``: auto alone (it runs after the table of its
-    group is written) or all the others."""
-    chosen = [i for i in args.impls if (i == "auto") == auto]
+    group is written) or all the others; with no table to write, all of them in the first
+    pass, auto beside the kernels it picks from (same inputs, same moment)."""
+    if args.kernel_table is None:
+        chosen = [] if auto else list(args.impls)
+    else:
+        chosen = [i for i in args.impls if (i == "auto") == auto]
     return chosen if s <= args.all_impls_up_to[0] else [i for i in chosen if i in LONG_IMPLS]
 
 
@@ -386,8 +390,9 @@ def main(argv=None) -> int:
             "fwd": "forward of a training step (q, k, v require grad)",
             "fwd+bwd": "forward then torch.autograd.grad(out, (q, k, v), dout)",
             "flops": "AttentionSpec.flops: 4*b*h*s^2*e (x0.5 causal), x3.5 for fwd+bwd",
-            "auto": "measured after the kernel table of its (head dim, causal) group was "
-                    "written from this run's kernels",
+            "auto": ("measured after the kernel table of its (head dim, causal) group was "
+                     "written from this run's kernels" if args.kernel_table is not None else
+                     "measured beside the other kernels, ranking them by the committed table"),
         },
         "rows": [],
     }
