@@ -108,6 +108,11 @@ class Split:
         """Tokens of the global packed tensor."""
         return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
 
+    @functools.cached_property
+    def longest_share(self) -> int:
+        """The most real tokens one rank holds of one sequence (0 when there are none)."""
+        return int(self.counts.max()) if self.counts.numel() else 0
+
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples: its real tokens of
         every sequence, in slots of ``storage`` tokens (what splitting the part again takes)."""
@@ -173,6 +178,11 @@ class LocalPacking:
     def counts(self) -> torch.Tensor:
         """Real tokens of each sequence on each rank, [P, N] (host)."""
         return self.split.counts
+
+    @property
+    def longest_share(self) -> int:
+        """The most real tokens one rank of this split holds of one sequence."""
+        return self.split.longest_share
 
     def _on_device(self, t: torch.Tensor, dtype=torch.long) -> torch.Tensor:
         return t.to(device=self.device, dtype=dtype)

@@ -90,14 +90,16 @@ class SequenceSchedule(Schedule):
 
     def groups_for(self, spec) -> int:
         """Head groups of a call on the global ``spec``."""
-        rows = self.local_tokens(spec)
-        if spec.layout.is_varlen:
-            rows = _longest_share(self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu"))
+        if spec.layout.is_varlen:  # each sequence is its own problem: sized by the longest
+            rows = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").longest_share
+        else:
+            rows = self.local_tokens(spec)
         return self.group_count(spec.heads, spec.kv_heads, rows)
 
     def groups_of(self, q, k, spec) -> list[heads.HeadGroup]:
-        """The head groups of local [B, H, S, E] q and k of the local ``spec``."""
-        rows = q.shape[2] if spec.packing is None else _longest_share(spec.packing)
+        """The head groups of local [B, H, S, E] q and k of the local ``spec`` (packed: sized
+        by the longest share of one sequence, as ``groups_for``)."""
+        rows = q.shape[2] if spec.packing is None else spec.packing.longest_share
         count = self.group_count(q.shape[1], k.shape[1], rows)
         return heads.groups_of(count, q.shape[1], k.shape[1])
 
@@ -234,10 +236,3 @@ def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPac
                 f"schedule.pack(cu_seqlens).shard(t)"
             )
     return packing
-
-
-def _longest_share(packing) -> int:
-    """Query rows of the largest kernel call of packed sequences: the longest share one rank
-    holds of any sequence (each sequence is its own attention problem, so head groups are
-    sized by it, not by the packed token count)."""
-    return int(packing.counts.max()) if packing.counts.numel() else 0
