@@ -329,7 +329,8 @@ def save(args, record) -> None:
     common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to, plot=False)
     draw(args, record, plot_rows)
     for e in record["summary"]:
-        bound = "" if e.get("confirmed_full", True) else " (within the time budget: a lower bound)"
+        bound = (" (within the time budget: a lower bound)"
+                 if e.get("confirmed") and not e["confirmed_full"] else "")
         print(f"{e['impl']:>14}: predicted {e.get('predicted')}, confirmed {e.get('confirmed')}"
               f"{bound} ({e.get('confirm_status', 'not run')}), predicted "
               f"x{e['ratio_to_one_gpu'] or 0:.2f} one GPU, confirmed "
