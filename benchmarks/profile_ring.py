@@ -17,6 +17,7 @@ import itertools
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
                    help="ring transports to profile, one after the other")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--head-groups", default="auto", help="ring's head_groups: auto or a count")
+    p.add_argument("--timeline", action="store_true",
+                   help="also print every GPU op of the profiled window (stream, start, length)")
     args = p.parse_args(argv)
     groups = schedules.option_value(args.head_groups)
     mesh = sdpa_fusion.init_mesh((-1,), ("seq",))
@@ -75,17 +78,19 @@ def main(argv=None) -> int:
         for rank in range(mesh.world_size):
             if rank == mesh.rank and q.is_cuda:
                 print(f"-- rank {rank}: streams and idle gaps of the busiest stream")
-                print(stream_report(prof), flush=True)
+                print(stream_report(prof, timeline=args.timeline), flush=True)
             dist.barrier()
     return 0
 
 
-def stream_report(prof, gaps: int = 8) -> str:
+def stream_report(prof, gaps: int = 12, timeline: bool = False) -> str:
     """Busy time of each CUDA stream over the profiled window, and the longest idle gaps of
-    the busiest stream with the kernels around them (from the profiler's trace)."""
-    with tempfile.NamedTemporaryFile(mode="r", suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(f)
+    the busiest stream with the kernels around them (from the profiler's trace); with
+    ``timeline``, every op in order of its start."""
+    with tempfile.TemporaryDirectory() as folder:  # read back by name: the export may replace
+        path = Path(folder) / "trace.json"          # the file rather than write into it
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
     ops = [e for e in trace.get("traceEvents", [])
            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not ops:
@@ -110,6 +115,16 @@ def stream_report(prof, gaps: int = 8) -> str:
     for hole, a, b in sorted(holes, key=lambda x: -x[0])[:gaps]:
         lines.append(f"  {hole / 1e3:7.3f} ms at {(a['ts'] + a['dur'] - start) / 1e3:8.2f} ms "
                      f"after {a['name'][:50]!r} before {b['name'][:50]!r}")
+    if timeline:  # lag: from the host's launch to the op's start (small: the GPU waited)
+        launched = {e["args"]["correlation"]: e["ts"] for e in trace["traceEvents"]
+                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+                    and "correlation" in e["args"]}
+        lines.append("timeline (stream, start ms, length ms, launch lag ms, op):")
+        for e in sorted(ops, key=lambda e: e["ts"]):
+            t = launched.get(e["args"].get("correlation"))
+            lag = "-" if t is None else f"{(e['ts'] - t) / 1e3:.3f}"
+            lines.append(f"  {e['args'].get('stream')} {(e['ts'] - start) / 1e3:9.3f} "
+                         f"{e['dur'] / 1e3:8.3f} {lag:>7} {e['name'][:60]}")
     return "\n".join(lines)
 
 
