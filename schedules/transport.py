@@ -20,10 +20,11 @@ Two transports move the bytes:
                  allocated for the call. NCCL's send/receive kernels run on SMs beside the
                  attention kernels.
     copy_engine  the slots live in symmetric memory (torch.distributed._symmetric_memory),
-                 which the previous rank maps: on a side stream, after a device-side barrier
-                 of the ring, each rank copies what it sends straight into the next rank's
-                 slot (from any memory: only the receiving slot is symmetric), then a second
-                 barrier says every slot is filled. Contiguous tensors go by one
+                 which the previous rank maps: after a device-side barrier of the ring (on
+                 the compute stream, so that it runs before the next attention kernel takes
+                 every SM), each rank copies on a side stream what it sends straight into the
+                 next rank's slot (from any memory: only the receiving slot is symmetric),
+                 then a second barrier says every slot is filled. Contiguous tensors go by one
                  device-to-device copy, which the GPU's copy engines move over NVLink, so
                  attention keeps every SM. The symmetric buffer is kept for the next call (it
                  grows, collectively, when a call needs more).
@@ -47,6 +48,7 @@ from .comm import Pending
 
 TRANSPORTS = ("auto", "p2p", "copy_engine")
 _ALIGN = 512  # bytes: every slot starts aligned
+_READY, _FILLED = 0, 1  # symmetric-memory signal channels of a copy-engine shift's two barriers
 
 
 def check_transport(transport: str) -> str:
@@ -228,17 +230,21 @@ class CopyEngineMover(Mover):
     def push(self, tensors, ring, slot, hops=1):
         stream, data, start = self._stream, ring.data, ring.offset(slot)
         peer = self._peer(hops)
+        # after the barrier every rank has finished its work so far: what it sends is ready,
+        # and the slot the rank hops before writes into has been read. It runs on the
+        # compute stream, ahead of the next kernel: on a side stream it would wait for an SM
+        # until that kernel ends (attention kernels hold every SM), and the copies, which
+        # need none, would start only then instead of beside it. The two barriers run on two
+        # streams, each on its own channel, so that they never pair across streams
+        self._handle.barrier(channel=_READY, timeout_ms=self._timeout_ms)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # after the barrier every rank has finished its work so far: what it sends is
-            # ready, and the slot the rank hops before writes into has been read
-            self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
             target = peer[start:start + data.nbytes].view(data.dtype)
             for piece, t in zip(views(target, data.shapes, data.layout), tensors):
                 piece.copy_(t)
                 t.record_stream(stream)  # its memory is not reused before the copy is done
             # after the second barrier every rank's slot is filled
-            self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
+            self._handle.barrier(channel=_FILLED, timeout_ms=self._timeout_ms)
             event = torch.cuda.Event()
             event.record(stream)
         self.comm.count(data.used, data.used)
