@@ -29,6 +29,12 @@ forward+backward. Implementations:
                                (``--single-gpu``, a separate run without mpirun, so no rank
                                idles inside a collective); the distributed run merges its JSON
                                when present
+  every GPU <kernel>           the whole problem on every GPU of the run at once, each rank
+                               alone (no communication), once per ``--every-gpu`` entry: what
+                               one GPU does beside the others, in the same run as the
+                               schedules (GPUs of one host differ by a few percent, and a
+                               schedule runs at the pace of its slowest); per-GPU TFLOP/s
+                               from the slowest rank
 Per-GPU TFLOP/s = AttentionSpec.flops of the whole problem / ranks / the slowest rank's median
 time. Timed iterations run back to back after a barrier (a training loop's steady state);
 ``--sync-each`` puts a barrier before every iteration instead. Memory: ``peak_gib`` is the largest
@@ -68,7 +74,8 @@ PRESETS = {
                "cudnn and fa4 (--single-gpu); precision checked up to 32K",
         "seq_lens": common.int_list("16k,32k,64k,128k,256k"), "causal": "yes",
         "modes": "fwd+bwd", "schedules": "ring:kernel=fa4,ring:kernel=cudnn,ulysses,allgather",
-        "torch_cp": "alltoall", "kernels": "cudnn,fa4", "check_max_seq": [32768],
+        "torch_cp": "alltoall", "kernels": "cudnn,fa4", "every_gpu": "cudnn,fa4",
+        "check_max_seq": [32768],
     },
 }
 
@@ -82,6 +89,9 @@ def parse_args(argv=None):
                    help="rotate methods of torch's context_parallel to run ('' for none)")
     p.add_argument("--kernels", default=None,
                    help="--single-gpu: the kernels of the one-GPU rows (default: --kernel)")
+    p.add_argument("--every-gpu", default="",
+                   help="kernels of 'every GPU <kernel>' rows: the whole problem on every GPU "
+                        "at once, each alone ('' for none)")
     p.add_argument("--single-gpu", action="store_true",
                    help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -94,6 +104,7 @@ def parse_args(argv=None):
     args.schedules = [impl_options(s) for s in args.schedules.split(",") if s]
     args.torch_cp = [s for s in args.torch_cp.split(",") if s]
     args.kernels = [k for k in (args.kernels or args.kernel).split(",") if k]
+    args.every_gpu = [k for k in args.every_gpu.split(",") if k]
     args.name = (NAME + ("_single" if args.single_gpu else "") + args.tag
                  + ("_tiny" if args.tiny else ""))
     return args
@@ -295,6 +306,46 @@ def schedule_rows(args, mesh, name, s, causal, ref, **options) -> list[dict]:
     return rows
 
 
+def every_gpu_rows(args, mesh, kernel, s, causal, ref) -> list[dict]:
+    """Rows "every GPU <kernel>": the whole problem on every rank's GPU at once, each rank
+    alone; per-GPU TFLOP/s and memory of the slowest rank."""
+    import sdpa_fusion
+
+    kernel_used = kernel if mesh.device.type == "cuda" else "reference"
+    impl = f"every GPU {kernel}"
+
+    def fn(q, k, v):
+        return sdpa_fusion.attention(q, k, v, causal=causal, kernel=kernel_used)
+
+    inputs, error, checks = None, None, {}
+    try:
+        inputs = [leaves(full_inputs(args, s, mesh.device))]
+        checks = checked(fn, inputs[0], lambda t: t, ref)
+    except Exception as e:  # noqa: BLE001 -- does not fit: recorded, on every rank
+        inputs, error = None, common.failure(e)
+    failed = [rank for rank, ok in enumerate(mesh.agree(inputs is not None)) if not ok]
+    if failed and inputs is not None:
+        inputs, error = None, common.failure(RuntimeError(f"rank {failed[0]} failed"))
+    spec, rows = global_spec(args, s, causal), []
+    for mode, step in by_mode(fn).items():
+        if mode not in args.modes:
+            continue
+        if inputs is None:
+            m = error
+        else:
+            warmup, iters = iterations(args, s)
+            each = (dict(before_each=dist.barrier) if args.sync_each
+                    else dict(before_timing=dist.barrier))
+            m = common.combine_ranks(mesh.agree(
+                common.measure(step, inputs, warmup=warmup, iters=iters, **each)))
+        rows.append(common.make_row(panel(causal, mode), impl, s, m,
+                                    spec.flops(backward=mode == "fwd+bwd"), mode=mode,
+                                    ranks=mesh.world_size, kernel=kernel_used, **checks,
+                                    **fields(args)))
+    del inputs
+    return rows
+
+
 def described_memory(sched, args, s, causal) -> dict:
     """What ``describe()`` says the schedule's step takes per rank (GiB), when it says."""
     try:
@@ -429,6 +480,8 @@ def distributed(args) -> int:
                 rows += schedule_rows(args, mesh, name, s, causal, ref, **options)
             for rotate in args.torch_cp:
                 rows += torch_cp_rows(args, mesh, rotate, s, causal, ref)
+            for kernel in args.every_gpu:
+                rows += every_gpu_rows(args, mesh, kernel, s, causal, ref)
             return rows
 
         start = run_cases(args, mesh, record, case_rows)
