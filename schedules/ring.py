@@ -16,8 +16,12 @@ after the first costs half a block:
 Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its owner,
 travel the ring with the block and end on the owner, P - 1 hops in all (fewer shifts under a
 window, see below). The owner works on its own block last, while its sums make their last
-hop, writes its own dK/dV straight into its gradients and adds the sums. Every step uses the
-global out and lse of the forward.
+hop, writes its own dK/dV straight into its gradients and adds the sums. Only the first
+block of a backward would keep the GPU waiting (nothing precedes it), so with several head
+groups the first group works on its own block first, while that block travels, and adds its
+sums once the next group has worked on its first block; a call of one group (auto) runs its
+backward as two (dense, no dropout: see ``_backward_groups``). Every step uses the global
+out and lse of the forward.
 
 Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
 heads one after another, each group's blocks 1/G of the whole; the first block of the next
@@ -244,11 +248,11 @@ class Ring(SequenceSchedule):
         source = (self.index - step) % self.size
         return lambda call: dropout.stream("ring", self.index, source, group.index, call)
 
-    def _kv_steps(self, k, v, groups, order, remote, kv, travel=None):
-        """(group, step, K block, V block) for every group and every step of ``order``: the
-        block of rank r - step (step 0: this rank's own), K/V coming through the ring ``kv``
-        (None when no block travels). ``remote``: the steps other than 0, in order; a block
-        goes from the rank of one to that of the next, several hops at once (its rows
+    def _kv_steps(self, k, v, groups, orders, remote, kv, travel=None):
+        """(group, step, K block, V block) for every group g and every step of ``orders[g]``:
+        the block of rank r - step (step 0: this rank's own), K/V coming through the ring
+        ``kv`` (None when no block travels). ``remote``: the steps other than 0, in order; a
+        block goes from the rank of one to that of the next, several hops at once (its rows
         ``travel``, all by default). One shift is in flight at a time: a block travels on (or
         the next group's own block leaves) while the current one is used."""
         own = [(g.of_kv(k), g.of_kv(v)) for g in groups]
@@ -257,7 +261,7 @@ class Ring(SequenceSchedule):
         if kv is not None:
             pending = kv.shift(leaving[0], hops=remote[0])
         for index, g in enumerate(groups):
-            for step in order:
+            for step in orders[index]:
                 if step == 0:
                     yield g, 0, *own[index]
                     continue
@@ -305,7 +309,8 @@ class Ring(SequenceSchedule):
         blocks = sum(len(c) for c in calls.values())
         (kv,) = self._rings(k, groups, remote, travel,
                             (k.dtype, self._kv_slots(len(groups), len(remote))))
-        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv, travel):
+        for g, step, kb, vb in self._kv_steps(k, v, groups, [order] * len(groups), remote, kv,
+                                              travel):
             if step == 0:
                 merged = Merged(g.of_q(out), g.of_q(lse), blocks)
             fold_calls(calls[step], kernel, merged, g.of_q(q), kb, vb, spec.softmax_scale,
@@ -320,16 +325,20 @@ class Ring(SequenceSchedule):
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         steps, travel = self._plan(spec, q.shape[2], k.shape[2])
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
-        order = [*remote, 0]  # the own block last
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         groups = self.groups_of(q, k, spec)
+        count = self._backward_groups(len(groups), spec, len(remote), k.shape[1])
+        groups = groups if count == len(groups) else heads.groups_of(count, q.shape[1], k.shape[1])
+        orders = self._backward_orders(len(groups), remote)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
         contributions = sum(len(c) for c in calls.values())
         kv, sums = self._rings(k, groups, remote, travel,
                                (k.dtype, self._kv_slots(len(groups), len(remote))),
                                (self.sums_dtype(spec), self._sums_slots(len(remote))))
-        for g, step, kb, vb in self._kv_steps(k, v, groups, order, remote, kv, travel):
+        early = None  # (gradients, sums on their way) of an own block worked on first
+        for g, step, kb, vb in self._kv_steps(k, v, groups, orders, remote, kv, travel):
+            order = orders[g.index]
             if step == order[0]:
                 dq_sum = Sum(g.of_q(dq), contributions)
             run = _Step(calls[step], kernel, dq_sum, (g.of_q(dout), g.of_q(q), kb, vb,
@@ -338,20 +347,52 @@ class Ring(SequenceSchedule):
             if step == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
                 targets = (g.of_kv(dk), g.of_kv(dv))
                 run.write(targets)
-                if sums is not None:
-                    for target, summed in zip(targets, sent.wait()):
-                        self._sent(target, travel).add_(summed)
-                dq_sum.finish()
+                if sums is not None and step == order[-1]:  # they arrived meanwhile
+                    self._add_sums(targets, sent, travel)
             elif step == remote[0]:  # this rank starts the block's sums
                 outgoing = sums.data.empty(k.device)
                 run.write(outgoing)
+                if early is not None:  # before this shift's slot takes the next sums
+                    self._add_sums(*early, travel)
+                    early = None
                 sent = sums.shift(outgoing, hops=home[step] - step)
                 del outgoing  # the transport holds it until it has left
             else:  # add to the sums of the ranks before, which arrive meanwhile
                 sent = sums.shift(run.add_into(sent), hops=home[step] - step)
+            if step == order[-1]:
+                dq_sum.finish()
+                if order[0] == 0 and sums is not None:  # its sums come home with this shift
+                    early = (targets, sent)
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
+
+    def _add_sums(self, targets, pending, travel) -> None:
+        """Add the dK/dV sums ``pending`` brings into this rank's ``targets``."""
+        for target, summed in zip(targets, pending.wait()):
+            self._sent(target, travel).add_(summed)
+
+    def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int) -> int:
+        """Head groups of a backward whose forward ran ``groups`` over ``kv_heads`` K/V heads,
+        with ``remote`` steps that receive a block: the forward's, or two where the forward
+        runs one, blocks travel, ``head_groups`` is "auto", the sequences are dense (a packed
+        step is one varlen call over every sequence: two would double the host's work) and
+        no dropout keys the groups. The first group then works on its own block while the
+        first block arrives."""
+        if (groups == 1 and remote and self.head_groups == "auto" and not spec.layout.is_varlen
+                and spec.dropout_p == 0 and kv_heads % 2 == 0):
+            return 2
+        return groups
+
+    @staticmethod
+    def _backward_orders(groups: int, remote: list[int]) -> list[list[int]]:
+        """The backward's steps of each head group: the remote blocks, then the own block
+        (while the last sums make their last hop); with several groups the first takes its
+        own block first instead (while the first block travels), and its sums are added once
+        the next group has worked on its first block."""
+        last = [*remote, 0]
+        return [[0, *remote] if g == 0 and groups > 1 and remote else last
+                for g in range(groups)]
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
@@ -361,15 +402,17 @@ class Ring(SequenceSchedule):
         sums_bytes = kv_block * self.sums_dtype(spec).itemsize
         forward = spec.flops() / p
         groups, shifts = self.groups_for(spec), steps - 1
+        back = self._backward_groups(groups, spec, shifts, spec.kv_heads)
         return Description(
             self.name, p, steps=steps * groups, bytes_sent=shifts * kv_bytes,
-            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * groups,
+            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * back,
             backward_bytes_sent=shifts * (kv_bytes + sums_bytes),
             backward_bytes_received=shifts * (kv_bytes + sums_bytes),
             backward_flops=spec.flops(backward=True) / p - forward,
             notes=f"partition {self.partition.name}; transport {self.transport}; "
-                  f"{groups} head group(s); K/V blocks of {kv_bytes // groups} bytes, dK/dV "
-                  f"sums of {sums_bytes // groups} bytes ({self.sums_dtype(spec)})",
+                  f"{groups} head group(s) ({back} in backward); K/V blocks of "
+                  f"{kv_bytes // groups} bytes, dK/dV sums of {sums_bytes // back} bytes "
+                  f"({self.sums_dtype(spec)})",
             memory=self.memory(spec),
         )
 
@@ -395,7 +438,7 @@ class Ring(SequenceSchedule):
         """What this rank allocates for a call on the global ``spec`` (the buffers of the
         module docstring, each counted at the kernel call where most of them are alive)."""
         rows, groups = self.local_tokens(spec), self.groups_for(spec)
-        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
+        whole = Sizes(spec, rows)
         steps, travel = self._plan(self.local_spec(spec), rows, rows)
         block = rows if travel is None else travel[0]  # rows of a block that travels
 
@@ -403,58 +446,73 @@ class Ring(SequenceSchedule):
             return rows if step == 0 else block
 
         remote = [step for step, _ in steps[1:]]
+        back = self._backward_groups(groups, spec, len(remote), spec.kv_heads)
+        size, back_size = Sizes(spec, rows, groups), Sizes(spec, rows, back)
         sums_item = self.sums_dtype(spec).itemsize
-        kv_slots = sums_slots = 0
+        kv_slots = back_kv_slots = sums_slots = 0
         if remote:
             kv_slots = self._kv_slots(groups, len(remote)) * aligned(2 * size.kv(block))
+            back_kv_slots = self._kv_slots(back, len(remote)) * aligned(2 * back_size.kv(block))
             sums_slots = self._sums_slots(len(remote)) * aligned(
-                2 * size.kv(block, itemsize=sums_item))
-        kept = kv_slots + sums_slots if self._keeps_slots() else 0
+                2 * back_size.kv(block, itemsize=sums_item))
+        kept = max(kv_slots, back_kv_slots + sums_slots) if self._keeps_slots() else 0
         fresh = not kept  # p2p allocates its slots for each call
-        # p2p sends a group's own K/V from a contiguous copy when what leaves is strided: in
-        # flight during the own step, and during the last remote one when a group follows
-        copy = 0 if kept or not remote or not self._sends_a_copy(spec, groups, travel) \
-            else 2 * size.kv(block)
 
-        def sent(step: int, backward: bool) -> int:
-            if not copy:
-                return 0
-            return copy if (step == 0 and not (backward and groups == 1)) or (
-                step == remote[-1] and groups > 1) else 0
+        def copy(count: int, sizes: Sizes) -> int:
+            """Bytes of the contiguous copy of a group's own K/V that p2p sends when what
+            leaves is strided (``count`` groups of ``sizes``), else 0."""
+            return 0 if kept or not remote or not self._sends_a_copy(spec, count, travel) \
+                else 2 * sizes.kv(block)
 
         n_calls = sum(len(c) for _, c in steps)
-        fp32_sum = size.q(itemsize=4) if n_calls > 2 and spec.dtype.itemsize < 4 else 0
-        acc_item = 4 if fp32_sum else spec.dtype.itemsize
-        forward = fresh * kv_slots + fp32_sum + max(
-            (forward_call(size, c, keys(step), acc_item) + sent(step, False)
+        fp32 = n_calls > 2 and spec.dtype.itemsize < 4  # out and dQ summed in fp32
+        acc_item = 4 if fp32 else spec.dtype.itemsize
+        leaving = copy(groups, size)  # in flight during the own step, and the last remote one
+        forward = fresh * kv_slots + fp32 * size.q(itemsize=4) + max(  # when a group follows
+            (forward_call(size, c, keys(step), acc_item)
+             + leaving * (step == 0 or (step == remote[-1] and groups > 1))
              for step, calls in steps for c in calls), default=0)
-        outgoing = 2 * size.kv(block, itemsize=sums_item)
-        peaks = [held + sent(step, True) + backward_call(
-            size, c, keys(step), dq_temp=dq_temp or fp32_sum > 0, kv_temps=kv_temps)
-            for step, c, held, dq_temp, kv_temps in self._backward_calls(
-                steps, remote, outgoing, converts=sums_item != spec.dtype.itemsize)]
-        backward = (whole.q() + 2 * whole.kv() + fresh * (kv_slots + sums_slots) + fp32_sum
-                    + max(peaks, default=0))
+        outgoing = 2 * back_size.kv(block, itemsize=sums_item)
+        peaks = [sums * outgoing + in_flight * copy(back, back_size) + backward_call(
+            back_size, c, keys(step), dq_temp=dq_temp or fp32, kv_temps=kv_temps)
+            for step, c, sums, in_flight, dq_temp, kv_temps in self._backward_calls(
+                steps, self._backward_orders(back, remote),
+                converts=sums_item != spec.dtype.itemsize)]
+        backward = (whole.q() + 2 * whole.kv() + fresh * (back_kv_slots + sums_slots)
+                    + fp32 * back_size.q(itemsize=4) + max(peaks, default=0))
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
                       kept=kept)
 
     @staticmethod
-    def _backward_calls(steps, remote, outgoing: int, *, converts: bool):
-        """(step, call, bytes of sums held, dQ in a temporary, dK/dV in temporaries) of every
-        backward kernel call, in order: the own block last; the first call's dQ goes
-        straight into dq, the first call of a step that starts sums or ends at the own
-        gradients writes its dK/dV there (unless the sums' dtype ``converts``); the sums a
-        rank starts (``outgoing`` bytes) are held until the next step's first call is done,
-        or through the own step when that is the next."""
-        calls = dict(steps)
-        first = True
-        for step in [*remote, 0]:
-            for i, c in enumerate(calls[step]):
-                held = bool(remote) and (step == remote[0] or (step == 0 and len(remote) == 1)
-                                         or (len(remote) > 1 and step == remote[1] and i == 0))
-                direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
-                yield step, c, outgoing if held else 0, not first, not direct
-                first = False
+    def _backward_calls(steps, orders, *, converts: bool):
+        """(step, call, dK/dV sums held, own K/V copies in flight, dQ in a temporary, dK/dV in
+        temporaries) of every backward kernel call of every head group, in order (group g
+        takes the steps of ``orders[g]``). A group's first call writes its dQ straight into
+        dq; the first call of a step that starts sums or ends at the own gradients writes
+        its dK/dV there (unless the sums' dtype ``converts``). The sums a rank starts are
+        held until the next step's first call is done, through the own step when that is
+        the next, and through the next group's first step when a group that took its own
+        block first sent them with its only shift. A group's own K/V leaves when the group
+        before takes its last remote block (the first group's at the start), and is in
+        flight until its first remote step."""
+        calls, remote = dict(steps), [step for step, _ in steps[1:]]
+        own_first = [order[0] == 0 and len(order) > 1 for order in orders]
+        for g, order in enumerate(orders):
+            for n, step in enumerate(order):
+                for i, c in enumerate(calls[step]):
+                    sums = 0
+                    if remote:
+                        sums = ((step == remote[0])
+                                + (len(remote) > 1 and step == remote[1] and i == 0)
+                                + (len(remote) == 1 and step == 0 and order[-1] == 0)
+                                + (len(remote) == 1 and step == remote[0] and g > 0
+                                   and own_first[g - 1]))
+                    in_flight = bool(remote) and (
+                        (g == 0 and own_first[0] and step == 0)
+                        or (g + 1 < len(orders) and (step == remote[-1]
+                                                     or (step == 0 and order[-1] == 0))))
+                    direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
+                    yield step, c, sums, in_flight, n > 0 or i > 0, not direct
 
     def _keeps_slots(self) -> bool:
         """Whether the slots are kept between calls (the copy-engine transport)."""

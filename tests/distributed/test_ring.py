@@ -10,8 +10,10 @@ import torch
 
 import schedules
 import sdpa_fusion
+from schedules.comm import Pending
 from schedules.partition import Contiguous, LoadBalanced, Striped
 from schedules.ring import Block, block_case
+from sdpa_fusion.kernels.reference import ReferenceKernel
 
 from .conftest import assert_matches, make_problem, run_schedule
 
@@ -152,3 +154,46 @@ def test_ring_reuses_its_buffers_across_calls_and_sizes(mesh):
     for s, h in ((8 * p, 2), (16 * p, 4), (8 * p, 2)):
         problem = make_problem(b=1, h=h, s=s, e=8, causal=True, layout="bshe")
         assert_matches(problem, run_schedule(sched, problem))
+
+
+class _Recording(ReferenceKernel):
+    """The reference kernel, noting each backward call (its K/V heads) in ``events``."""
+
+    name = "recording"
+
+    def __init__(self, events):
+        self.events = events
+
+    def backward(self, dout, q, k, v, *args, **kwargs):
+        self.events.append(("backward", k.shape[1], k.shape[2]))
+        return super().backward(dout, q, k, v, *args, **kwargs)
+
+
+@pytest.mark.parametrize("head_groups", ["auto", 1], ids=["auto", "one"])
+def test_backward_of_one_group_runs_two_the_first_on_its_own_block_first(mesh, head_groups,
+                                                                          monkeypatch):
+    """With one head group (auto), the backward runs two: the first works on its own block
+    (no wait) while the first remote block travels, then on the remote blocks; the second
+    takes its own block last. Exact either way; head_groups=1 keeps one group, own block
+    last (its first call waits for a block)."""
+    p, events = mesh.size(), []
+    original = Pending.wait
+    monkeypatch.setattr(Pending, "wait", lambda self: (events.append(("wait",)),
+                                                       original(self))[1])
+    problem = make_problem(b=1, h=4, h_kv=2, s=8 * p, e=8, causal=True)
+    sched = schedules.get("ring", mesh, head_groups=head_groups)
+    layout = problem.layout
+    q, k, v = (sched.shard(t, layout=layout).requires_grad_()
+               for t in (problem.q, problem.k, problem.v))
+    out = sdpa_fusion.attention(q, k, v, causal=True, scale=problem.scale, layout=layout,
+                                kernel=_Recording(events), schedule=sched)
+    events.clear()
+    out.backward(sched.shard(problem.dout, layout=layout))
+    calls = [e for e in events if e[0] == "backward"]
+    results = tuple(sched.unshard(t, layout=layout) for t in (out.detach(), q.grad, k.grad, v.grad))
+    assert_matches(problem, results)
+    split = head_groups == "auto"
+    assert len(calls) == (2 * p if split else p)
+    assert {heads for _, heads, _ in calls} == {1 if split else 2}
+    assert (events[0][0] == "backward") == split  # no wait before it
+    assert not split or calls[0][2] == k.shape[2]  # the own block: all local keys
