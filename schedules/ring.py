@@ -19,8 +19,8 @@ window, see below). The owner works on its own block last, while its sums make t
 hop, writes its own dK/dV straight into its gradients and adds the sums. Only the first
 block of a backward would keep the GPU waiting (nothing precedes it), so with several head
 groups the first group works on its own block first, while that block travels, and adds its
-sums once the next group has worked on its first block; a call of one group (auto) runs its
-backward as two (dense, no dropout: see ``_backward_groups``). Every step uses the global
+sums once the next group has worked on its first block; a call of one group (auto) on large
+blocks runs its backward as two (dense, no dropout: see ``_backward_groups``). Every step uses the global
 out and lse of the forward.
 
 Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
@@ -327,7 +327,8 @@ class Ring(SequenceSchedule):
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         groups = self.groups_of(q, k, spec)
-        count = self._backward_groups(len(groups), spec, len(remote), k.shape[1])
+        count = self._backward_groups(len(groups), spec, len(remote), k.shape[1],
+                                      q.shape[1] * q.shape[2])
         groups = groups if count == len(groups) else heads.groups_of(count, q.shape[1], k.shape[1])
         orders = self._backward_orders(len(groups), remote)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
@@ -372,15 +373,17 @@ class Ring(SequenceSchedule):
         for target, summed in zip(targets, pending.wait()):
             self._sent(target, travel).add_(summed)
 
-    def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int) -> int:
-        """Head groups of a backward whose forward ran ``groups`` over ``kv_heads`` K/V heads,
-        with ``remote`` steps that receive a block: the forward's, or two where the forward
-        runs one, blocks travel, ``head_groups`` is "auto", the sequences are dense (a packed
-        step is one varlen call over every sequence: two would double the host's work) and
-        no dropout keys the groups. The first group then works on its own block while the
-        first block arrives."""
+    def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int,
+                         work: int) -> int:
+        """Head groups of a backward whose forward ran ``groups`` over ``kv_heads`` K/V heads
+        and ``work`` query rows x heads, with ``remote`` steps that receive a block: the
+        forward's, or two where the forward runs one, blocks travel, ``head_groups`` is
+        "auto", the blocks are large (``work`` at least ``heads.MIN_GROUP_WORK``: below, the
+        host's work for twice the calls costs more than the wait saves), the sequences are
+        dense (a packed step is one varlen call over every sequence) and no dropout keys the
+        groups. The first group then works on its own block while the first block arrives."""
         if (groups == 1 and remote and self.head_groups == "auto" and not spec.layout.is_varlen
-                and spec.dropout_p == 0 and kv_heads % 2 == 0):
+                and spec.dropout_p == 0 and kv_heads % 2 == 0 and work >= heads.MIN_GROUP_WORK):
             return 2
         return groups
 
@@ -402,7 +405,8 @@ class Ring(SequenceSchedule):
         sums_bytes = kv_block * self.sums_dtype(spec).itemsize
         forward = spec.flops() / p
         groups, shifts = self.groups_for(spec), steps - 1
-        back = self._backward_groups(groups, spec, shifts, spec.kv_heads)
+        back = self._backward_groups(groups, spec, shifts, spec.kv_heads,
+                                     spec.heads * self.local_tokens(spec))
         return Description(
             self.name, p, steps=steps * groups, bytes_sent=shifts * kv_bytes,
             bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * back,
@@ -446,7 +450,7 @@ class Ring(SequenceSchedule):
             return rows if step == 0 else block
 
         remote = [step for step, _ in steps[1:]]
-        back = self._backward_groups(groups, spec, len(remote), spec.kv_heads)
+        back = self._backward_groups(groups, spec, len(remote), spec.kv_heads, spec.heads * rows)
         size, back_size = Sizes(spec, rows, groups), Sizes(spec, rows, back)
         sums_item = self.sums_dtype(spec).itemsize
         kv_slots = back_kv_slots = sums_slots = 0

@@ -170,6 +170,26 @@ def test_dense(mesh, name, groups, causal):
                      causal=causal)
 
 
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("window", [None, (5, 0)], ids=["causal", "window"])
+def test_ring_backward_in_two_groups(mesh, layout, window, monkeypatch):
+    """One head group (auto) on blocks at MIN_GROUP_WORK: the backward runs two groups, the
+    first taking its own block first (BSHE: p2p sends each group's K/V from a copy)."""
+    p = mesh.size()
+    h, s, e = 2 * p, 32, 64
+    monkeypatch.setattr(heads, "MIN_GROUP_WORK", h * s)  # h heads x s local rows
+    sched = schedules.get("ring", mesh)
+    q, k, v, dout = (torch.randn(1, h, s, e) for _ in range(4))
+    if layout == "bshe":
+        q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True,
+                                                                    window=window, layout=layout))
+    assert sched.describe(spec).backward_steps == 2 * sched.describe(spec).steps
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, _merge_scratch(q),
+                     causal=True, window=window, layout=layout)
+
+
 WINDOW_CASES = [("ring", 1), ("ring", 2), ("allgather", 1), ("allgather", 2)]
 
 

@@ -10,6 +10,7 @@ import torch
 
 import schedules
 import sdpa_fusion
+from schedules import heads
 from schedules.comm import Pending
 from schedules.partition import Contiguous, LoadBalanced, Striped
 from schedules.ring import Block, block_case
@@ -172,11 +173,12 @@ class _Recording(ReferenceKernel):
 @pytest.mark.parametrize("head_groups", ["auto", 1], ids=["auto", "one"])
 def test_backward_of_one_group_runs_two_the_first_on_its_own_block_first(mesh, head_groups,
                                                                           monkeypatch):
-    """With one head group (auto), the backward runs two: the first works on its own block
-    (no wait) while the first remote block travels, then on the remote blocks; the second
-    takes its own block last. Exact either way; head_groups=1 keeps one group, own block
-    last (its first call waits for a block)."""
+    """With one head group (auto) on blocks of at least MIN_GROUP_WORK rows x heads, the
+    backward runs two: the first works on its own block (no wait) while the first remote
+    block travels, then on the remote blocks; the second takes its own block last. Exact
+    either way; head_groups=1 keeps one group, own block last (its first call waits)."""
     p, events = mesh.size(), []
+    monkeypatch.setattr(heads, "MIN_GROUP_WORK", 4 * 8)  # 4 heads x 8 rows: one group, large
     original = Pending.wait
     monkeypatch.setattr(Pending, "wait", lambda self: (events.append(("wait",)),
                                                        original(self))[1])
