@@ -17,10 +17,10 @@ Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its
 travel the ring with the block and end on the owner, P - 1 hops in all (fewer shifts under a
 window, see below). The owner works on its own block last, while its sums make their last
 hop, writes its own dK/dV straight into its gradients and adds the sums. Only the first
-block of a backward would keep the GPU waiting (nothing precedes it), so with several head
-groups the first group works on its own block first, while that block travels, and adds its
-sums once the next group has worked on its first block; a call of one group (auto) on large
-blocks runs its backward as two (dense, no dropout: see ``_backward_groups``). Every step uses the global
+block of a backward keeps the GPU waiting (nothing precedes it): a call of one group (auto)
+on large blocks runs its backward as two groups (dense, no dropout: ``_backward_groups``),
+and the first works on its own block first, while the first block travels, and adds its
+sums once the second has worked on its first block. Every step uses the global
 out and lse of the forward.
 
 Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
@@ -329,8 +329,9 @@ class Ring(SequenceSchedule):
         groups = self.groups_of(q, k, spec)
         count = self._backward_groups(len(groups), spec, len(remote), k.shape[1],
                                       q.shape[1] * q.shape[2])
-        groups = groups if count == len(groups) else heads.groups_of(count, q.shape[1], k.shape[1])
-        orders = self._backward_orders(len(groups), remote)
+        split = count != len(groups)
+        groups = heads.groups_of(count, q.shape[1], k.shape[1]) if split else groups
+        orders = self._backward_orders(len(groups), remote, own_first=split)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
         contributions = sum(len(c) for c in calls.values())
@@ -388,13 +389,15 @@ class Ring(SequenceSchedule):
         return groups
 
     @staticmethod
-    def _backward_orders(groups: int, remote: list[int]) -> list[list[int]]:
+    def _backward_orders(groups: int, remote: list[int], *, own_first: bool) -> list[list[int]]:
         """The backward's steps of each head group: the remote blocks, then the own block
-        (while the last sums make their last hop); with several groups the first takes its
-        own block first instead (while the first block travels), and its sums are added once
-        the next group has worked on its first block."""
+        (while the last sums make their last hop). With ``own_first`` (a group split in two)
+        the first group takes its own block first instead (while the first block travels),
+        and its sums are added once the next group has worked on its first block. (Forward
+        groups of 1/G of the block wait 1/G of a transfer; their first own block first would
+        hold a group's sums longer, more memory than that wait is worth.)"""
         last = [*remote, 0]
-        return [[0, *remote] if g == 0 and groups > 1 and remote else last
+        return [[0, *remote] if g == 0 and own_first and remote else last
                 for g in range(groups)]
 
     # ---- costs -----------------------------------------------------------------------------
@@ -480,7 +483,7 @@ class Ring(SequenceSchedule):
         peaks = [sums * outgoing + in_flight * copy(back, back_size) + backward_call(
             back_size, c, keys(step), dq_temp=dq_temp or fp32, kv_temps=kv_temps)
             for step, c, sums, in_flight, dq_temp, kv_temps in self._backward_calls(
-                steps, self._backward_orders(back, remote),
+                steps, self._backward_orders(back, remote, own_first=back != groups),
                 converts=sums_item != spec.dtype.itemsize)]
         backward = (whole.q() + 2 * whole.kv() + fresh * (back_kv_slots + sums_slots)
                     + fp32 * back_size.q(itemsize=4) + max(peaks, default=0))
