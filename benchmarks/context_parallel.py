@@ -254,11 +254,7 @@ def one_gpu_rows(args, s, causal, name, kernel, ref, each, spec, device) -> list
     def fn(q, k, v):
         return sdpa_fusion.attention(q, k, v, causal=causal, kernel=kernel)
 
-    try:
-        inputs = [leaves(full_inputs(args, s, device))]
-        checks = checked(fn, inputs[0], lambda t: t, ref)
-    except Exception as e:  # noqa: BLE001 -- does not fit: recorded
-        inputs, error, checks = None, common.failure(e), {}
+    inputs, error, checks = whole_problem(args, s, device, fn, ref)
     rows = []
     for mode in args.modes:
         m = (common.measure(by_mode(fn)[mode], inputs, warmup=warmup, iters=iters, **each)
@@ -270,6 +266,16 @@ def one_gpu_rows(args, s, causal, name, kernel, ref, each, spec, device) -> list
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def whole_problem(args, s, device, fn, ref):
+    """(input sets, None, checks of ``fn``) of the whole problem on ``device``, or (None, the
+    failure, {}) when it does not fit."""
+    try:
+        inputs = [leaves(full_inputs(args, s, device))]
+        return inputs, None, checked(fn, inputs[0], lambda t: t, ref)
+    except Exception as e:  # noqa: BLE001 -- does not fit: recorded
+        return None, common.failure(e), {}
 
 
 # ---- several GPUs -------------------------------------------------------------------------
@@ -317,31 +323,14 @@ def every_gpu_rows(args, mesh, kernel, s, causal, ref) -> list[dict]:
     def fn(q, k, v):
         return sdpa_fusion.attention(q, k, v, causal=causal, kernel=kernel_used)
 
-    inputs, error, checks = None, None, {}
-    try:
-        inputs = [leaves(full_inputs(args, s, mesh.device))]
-        checks = checked(fn, inputs[0], lambda t: t, ref)
-    except Exception as e:  # noqa: BLE001 -- does not fit: recorded, on every rank
-        inputs, error = None, common.failure(e)
+    inputs, error, checks = whole_problem(args, s, mesh.device, fn, ref)
     failed = [rank for rank, ok in enumerate(mesh.agree(inputs is not None)) if not ok]
-    if failed and inputs is not None:
+    if failed and inputs is not None:  # every rank records the failure, none times alone
         inputs, error = None, common.failure(RuntimeError(f"rank {failed[0]} failed"))
-    spec, rows = global_spec(args, s, causal), []
-    for mode, step in by_mode(fn).items():
-        if mode not in args.modes:
-            continue
-        if inputs is None:
-            m = error
-        else:
-            warmup, iters = iterations(args, s)
-            each = (dict(before_each=dist.barrier) if args.sync_each
-                    else dict(before_timing=dist.barrier))
-            m = common.combine_ranks(mesh.agree(
-                common.measure(step, inputs, warmup=warmup, iters=iters, **each)))
-        rows.append(common.make_row(panel(causal, mode), impl, s, m,
-                                    spec.flops(backward=mode == "fwd+bwd"), mode=mode,
-                                    ranks=mesh.world_size, kernel=kernel_used, **checks,
-                                    **fields(args)))
+    rows = [timed_row(args, mesh, impl, s, causal, mode, step, inputs, alone=True,
+                      kernel=kernel_used, **checks) if inputs is not None
+            else row(args, mesh, impl, s, causal, mode, error, alone=True, kernel=kernel_used)
+            for mode, step in by_mode(fn).items() if mode in args.modes]
     del inputs
     return rows
 
@@ -455,8 +444,11 @@ def timed_row(args, mesh, impl, s, causal, mode, step, inputs, extra_gib=None, *
     return row(args, mesh, impl, s, causal, mode, common.combine_ranks(mesh.agree(m)), **extra)
 
 
-def row(args, mesh, impl, s, causal, mode, m, **extra) -> dict:
-    flops = global_spec(args, s, causal).flops(backward=mode == "fwd+bwd") / mesh.world_size
+def row(args, mesh, impl, s, causal, mode, m, *, alone: bool = False, **extra) -> dict:
+    """A row of ``m``: per-GPU TFLOP/s of the whole problem shared by the ranks, or (``alone``)
+    run by each rank on its own."""
+    flops = global_spec(args, s, causal).flops(backward=mode == "fwd+bwd")
+    flops /= 1 if alone else mesh.world_size
     return common.make_row(panel(causal, mode), impl, s, m, flops, mode=mode,
                            ranks=mesh.world_size, **fields(args), **extra)
 

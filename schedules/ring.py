@@ -498,12 +498,12 @@ class Ring(SequenceSchedule):
         dq; the first call of a step that starts sums or ends at the own gradients writes
         its dK/dV there (unless the sums' dtype ``converts``). The sums a rank starts are
         held until the next step's first call is done, through the own step when that is
-        the next, and through the next group's first step when a group that took its own
-        block first sent them with its only shift. A group's own K/V leaves when the group
+        the next, and through the second group's first step when the first took its own
+        block first and sent them with its only shift. A group's own K/V leaves when the group
         before takes its last remote block (the first group's at the start), and is in
         flight until its first remote step."""
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
-        own_first = [order[0] == 0 and len(order) > 1 for order in orders]
+        own_first = orders[0][0] == 0 and len(orders[0]) > 1  # only the first group may
         for g, order in enumerate(orders):
             for n, step in enumerate(order):
                 for i, c in enumerate(calls[step]):
@@ -512,10 +512,10 @@ class Ring(SequenceSchedule):
                         sums = ((step == remote[0])
                                 + (len(remote) > 1 and step == remote[1] and i == 0)
                                 + (len(remote) == 1 and step == 0 and order[-1] == 0)
-                                + (len(remote) == 1 and step == remote[0] and g > 0
-                                   and own_first[g - 1]))
+                                + (len(remote) == 1 and step == remote[0] and g == 1
+                                   and own_first))
                     in_flight = bool(remote) and (
-                        (g == 0 and own_first[0] and step == 0)
+                        (g == 0 and own_first and step == 0)
                         or (g + 1 < len(orders) and (step == remote[-1]
                                                      or (step == 0 and order[-1] == 0))))
                     direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
