@@ -2,6 +2,9 @@
 
     python -m benchmarks.max_seq --single-gpu           # one GPU, into max_seq_single.json
     mpirun -np 2 python -m benchmarks.max_seq           # schedules and torch CP; merges the above
+    mpirun -np 2 python -m benchmarks.max_seq --impls ring --tag _ring     # a long confirming
+    mpirun -np 2 python -m benchmarks.max_seq --impls ulysses,allgather,torch-cp \
+        --merge max_seq_single,max_seq_ring                                # step in its own run
     mpirun -np 2 --oversubscribe python -m benchmarks.max_seq --tiny   # CPU ranks: the script
 
 The problem: b=1, 32 heads of 128, bf16, causal forward+backward (a training step's
@@ -12,7 +15,8 @@ ring's symmetric buffers). For our schedules the prediction follows what ``descr
 a step takes at each length (head groups change with the length, so memory is not a straight
 line in it), scaled by the largest ratio of measured to described bytes of the probes; for
 one GPU and PyTorch's context_parallel a straight line through the probes gives the memory
-per token. The prediction is the longest length whose memory fits the GPU's free memory. One
+per token (a probe runs two steps: the second's time counts, the larger memory). The
+prediction is the longest length whose memory fits the GPU's free memory. One
 step at 95% of the prediction then confirms it (``--confirm``) when the probes' times, grown
 with the square of the length, say it takes at most ``--confirm-budget-s``; when it would
 take longer, the step runs at the longest length that budget allows (a lower bound on the
@@ -61,10 +65,14 @@ def parse_args(argv=None):
                    help="the longest a confirming step may be predicted to take (a longer one "
                         "runs at the longest length this allows)")
     p.add_argument("--single-gpu", action="store_true", help="one GPU (no mpirun)")
+    p.add_argument("--merge", default=NAME + "_single",
+                   help="results (names, comma-separated) whose rows this run's record "
+                        "starts with: one GPU's, and implementations measured in other runs")
     p.add_argument("--tag", default="", help="appended to the result name")
     common.add_distributed_args(p)
     args = p.parse_args(argv)
     args.impls = [s for s in args.impls.split(",") if s]
+    args.merge = [m + ("_tiny" if args.tiny else "") for m in args.merge.split(",") if m]
     if args.tiny:
         args.probe_lens, args.heads, args.head_dim = [256, 512, 1024], 4, 16
     args.name = NAME + ("_single" if args.single_gpu else "") + args.tag + ("_tiny" if args.tiny else "")
@@ -229,7 +237,7 @@ def measure_impl(args, mesh, impl: str, run, multiple: int) -> list[dict]:
     rows, points = [], []
     ranks = mesh.world_size if mesh is not None else 1
     for s in args.probe_lens:
-        rows.append(attempt(mesh, impl, "probe", s, run, ranks))
+        rows.append(attempt(mesh, impl, "probe", s, run, ranks, steps=2))
         if rows[-1]["status"] == "ok":
             points.append((s, rows[-1]["bytes_per_gpu"]))
     free = free_bytes(mesh)
@@ -266,12 +274,14 @@ def within_budget(rows, target: int, budget_s: float, multiple: int) -> int:
     return int(target * (budget_s / seconds) ** 0.5) // multiple * multiple
 
 
-def attempt(mesh, impl, phase, s, run, ranks, **extra) -> dict:
-    """One step at global length ``s`` on every rank: a row with the slowest rank's time and
-    the largest rank's memory, or the first failure."""
+def attempt(mesh, impl, phase, s, run, ranks, steps: int = 1, **extra) -> dict:
+    """``steps`` steps at global length ``s`` on every rank: a row with the slowest rank's
+    time of the last step (the first of a probe pays one-time setup, which would grow with
+    the square of the length in a predicted time), the largest memory of any step on any
+    rank, or the first failure."""
     try:
-        seconds, nbytes = run(s)
-        mine = dict(status="ok", seconds=seconds, bytes=nbytes)
+        runs = [run(s) for _ in range(steps)]
+        mine = dict(status="ok", seconds=runs[-1][0], bytes=max(b for _, b in runs))
     except Exception as e:  # noqa: BLE001 -- an OOM is a result here
         mine = dict(status=common.failure(e).status, error=f"{type(e).__name__}: {e}"[:300])
     if torch.cuda.is_available():
@@ -368,6 +378,23 @@ def draw(args, record, rows) -> None:
         shutil.copy2(path, args.copy_to)
 
 
+def merge(args, record) -> None:
+    """Put first in ``record`` the rows of the ``--merge`` results, of implementations not
+    measured in this run nor in an earlier result of the list."""
+    seen = {row["impl"] for row in record["rows"]}
+    earlier, merged = [], []
+    for name in args.merge:
+        path = args.results_dir / f"{name}.json"
+        if not path.exists():
+            continue
+        rows = [row for row in json.loads(path.read_text())["rows"] if row["impl"] not in seen]
+        seen |= {row["impl"] for row in rows}
+        earlier += rows
+        merged.append(name)
+    record["rows"] = earlier + record["rows"]
+    record["merged"] = merged
+
+
 def new_record(args, title) -> dict:
     return {"title": title, "environment": common.environment("benchmarks.max_seq"),
             "settings": {"batch": 1, "heads": args.heads, "head_dim": args.head_dim,
@@ -395,9 +422,7 @@ def main(argv=None) -> int:
             record["rows"] += measure_impl(args, mesh, impl, run, multiple)
             dist.barrier()
         if mesh.rank == 0:
-            single = args.results_dir / f"{NAME}_single{'_tiny' if args.tiny else ''}.json"
-            if single.exists():
-                record["rows"] = json.loads(single.read_text())["rows"] + record["rows"]
+            merge(args, record)
             save(args, record)
     finally:
         sdpa_fusion.close_mesh()

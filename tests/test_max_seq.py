@@ -6,7 +6,10 @@ Run: python -m pytest -q tests/test_max_seq.py
 
 from __future__ import annotations
 
-from benchmarks.max_seq import summary, within_budget
+import json
+import types
+
+from benchmarks.max_seq import merge, summary, within_budget
 
 K = 1024
 
@@ -42,3 +45,18 @@ def test_summary_compares_predictions_and_a_lower_bound_with_one_gpu_predicted()
     assert got["ring"]["confirmed_full"] is False
     assert got["ulysses"]["confirmed"] is None and got["ulysses"]["confirmed_ratio_to_one_gpu"] is None
     assert got["ulysses"]["confirmed_full"] is False
+
+
+def test_merge_takes_each_implementation_once_and_never_over_this_run(tmp_path):
+    one = [probe("1 GPU auto", 64 * K, 1.0)]
+    ring = [probe("1 GPU auto", 64 * K, 9.0), probe("ring", 64 * K, 2.0),
+            probe("ulysses", 64 * K, 7.0)]
+    (tmp_path / "max_seq_single.json").write_text(json.dumps({"rows": one}))
+    (tmp_path / "max_seq_ring.json").write_text(json.dumps({"rows": ring}))
+    args = types.SimpleNamespace(results_dir=tmp_path,
+                                 merge=["max_seq_single", "max_seq_ring", "max_seq_missing"])
+    record = {"rows": [probe("ulysses", 64 * K, 3.0)]}
+    merge(args, record)
+    assert [(r["impl"], r["seconds"]) for r in record["rows"]] == [
+        ("1 GPU auto", 1.0), ("ring", 2.0), ("ulysses", 3.0)]
+    assert record["merged"] == ["max_seq_single", "max_seq_ring"]
