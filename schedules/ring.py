@@ -232,6 +232,16 @@ class Ring(SequenceSchedule):
         return packing.cached(("ring", spec.causal),
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
+    def group_rows(self, rows: int, spec) -> int:
+        """Under a sliding window of span w (keys a query may see) a block's calls are bands
+        of about w keys per row and only about w of its rows travel: its head groups are
+        sized as a block of min(rows, w) rows (one group at 4K keys where a dense 64K block
+        takes four, whose 4x the calls and barriers cost more than they save)."""
+        mask = window_band(spec)
+        if mask is None or None in mask:
+            return rows
+        return min(rows, mask[0] + mask[1] + 1)
+
     def _step_count(self, spec) -> int:
         """Steps every rank takes for the global ``spec`` (the own block's included)."""
         if window_band(spec) is None:
@@ -327,8 +337,8 @@ class Ring(SequenceSchedule):
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         groups = self.groups_of(q, k, spec)
-        count = self._backward_groups(len(groups), spec, len(remote), k.shape[1],
-                                      q.shape[1] * q.shape[2])
+        count = self._backward_groups(len(groups), spec, len(remote), k.shape[1], q.shape[1],
+                                      q.shape[2])
         split = count != len(groups)
         groups = heads.groups_of(count, q.shape[1], k.shape[1]) if split else groups
         orders = self._backward_orders(len(groups), remote, own_first=split)
@@ -374,15 +384,17 @@ class Ring(SequenceSchedule):
         for target, summed in zip(targets, pending.wait()):
             self._sent(target, travel).add_(summed)
 
-    def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int,
-                         work: int) -> int:
+    def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int, heads_q: int,
+                         rows: int) -> int:
         """Head groups of a backward whose forward ran ``groups`` over ``kv_heads`` K/V heads
-        and ``work`` query rows x heads, with ``remote`` steps that receive a block: the
-        forward's, or two where the forward runs one, blocks travel, ``head_groups`` is
-        "auto", the blocks are large (``work`` at least ``heads.MIN_GROUP_WORK``: below, the
-        host's work for twice the calls costs more than the wait saves), the sequences are
-        dense (a packed step is one varlen call over every sequence) and no dropout keys the
-        groups. The first group then works on its own block while the first block arrives."""
+        and ``heads_q`` query heads of ``rows`` rows, with ``remote`` steps that receive a
+        block: the forward's, or two where the forward runs one, blocks travel,
+        ``head_groups`` is "auto", the blocks are large (query heads x ``group_rows`` at least
+        ``heads.MIN_GROUP_WORK``: below, the host's work for twice the calls costs more than
+        the wait saves), the sequences are dense (a packed step is one varlen call over every
+        sequence) and no dropout keys the groups. The first group then works on its own
+        block while the first block arrives."""
+        work = heads_q * self.group_rows(rows, spec)
         if (groups == 1 and remote and self.head_groups == "auto" and not spec.layout.is_varlen
                 and spec.dropout_p == 0 and kv_heads % 2 == 0 and work >= heads.MIN_GROUP_WORK):
             return 2
@@ -408,8 +420,8 @@ class Ring(SequenceSchedule):
         sums_bytes = kv_block * self.sums_dtype(spec).itemsize
         forward = spec.flops() / p
         groups, shifts = self.groups_for(spec), steps - 1
-        back = self._backward_groups(groups, spec, shifts, spec.kv_heads,
-                                     spec.heads * self.local_tokens(spec))
+        back = self._backward_groups(groups, spec, shifts, spec.kv_heads, spec.heads,
+                                     self.local_tokens(spec))
         return Description(
             self.name, p, steps=steps * groups, bytes_sent=shifts * kv_bytes,
             bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * back,
@@ -453,7 +465,7 @@ class Ring(SequenceSchedule):
             return rows if step == 0 else block
 
         remote = [step for step, _ in steps[1:]]
-        back = self._backward_groups(groups, spec, len(remote), spec.kv_heads, spec.heads * rows)
+        back = self._backward_groups(groups, spec, len(remote), spec.kv_heads, spec.heads, rows)
         size, back_size = Sizes(spec, rows, groups), Sizes(spec, rows, back)
         sums_item = self.sums_dtype(spec).itemsize
         kv_slots = back_kv_slots = sums_slots = 0

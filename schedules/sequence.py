@@ -88,19 +88,24 @@ class SequenceSchedule(Schedule):
         """Whether ``auto`` may take ``groups`` head groups."""
         return True
 
+    def group_rows(self, rows: int, spec) -> int:
+        """The rows that size the head groups of blocks of ``rows`` query rows: all of them
+        (a schedule whose blocks shrink under a sliding window counts fewer)."""
+        return rows
+
     def groups_for(self, spec) -> int:
         """Head groups of a call on the global ``spec``."""
         if spec.layout.is_varlen:  # each sequence is its own problem: sized by the longest
             rows = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").longest_share
         else:
             rows = self.local_tokens(spec)
-        return self.group_count(spec.heads, spec.kv_heads, rows)
+        return self.group_count(spec.heads, spec.kv_heads, self.group_rows(rows, spec))
 
     def groups_of(self, q, k, spec) -> list[heads.HeadGroup]:
         """The head groups of local [B, H, S, E] q and k of the local ``spec`` (packed: sized
         by the longest share of one sequence, as ``groups_for``)."""
         rows = q.shape[2] if spec.packing is None else spec.packing.longest_share
-        count = self.group_count(q.shape[1], k.shape[1], rows)
+        count = self.group_count(q.shape[1], k.shape[1], self.group_rows(rows, spec))
         return heads.groups_of(count, q.shape[1], k.shape[1])
 
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:

@@ -6,14 +6,18 @@ single-process reference: dense (BHSE, BSHE) and packed, causal and not, GQA.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import schedules
 import sdpa_fusion
+from schedules import heads
 
 from .conftest import assert_matches, make_problem, run_schedule
 from .packed import assert_packed_matches, make_packed, run_packed
+from .test_ring import _Recording
 
 SCHEDULES = ["ring", "allgather", "ulysses"]
 
@@ -148,6 +152,25 @@ def test_windowed_ring_traffic_with_groups(mesh):
     (transfers, sent, steps), grouped = seen[1], seen[2]
     assert grouped == (2 * transfers, sent, 2 * steps)
     assert steps == min(p, 3) and transfers == 3 * (steps - 1)  # K/V twice, sums once
+
+
+def test_auto_sizes_a_windowed_ring_by_the_window(mesh, monkeypatch):
+    """head_groups='auto' sizes the groups of a windowed ring by the window's span (keys a
+    query may see), not by the block's rows: blocks that take two groups take one under a
+    window of 3, forward and backward (no split), with the reference's numbers."""
+    p, events = mesh.size(), []
+    monkeypatch.setattr(heads, "MIN_GROUP_WORK", 64)  # 8 heads x 16 rows: two groups of 4
+    problem = make_problem(b=1, h=8, s=16 * p, e=8, causal=True, window=(3, 0))
+    sched = schedules.get("ring", mesh)
+    spec = sdpa_fusion.AttentionSpec(1, 8, 8, 16 * p, 16 * p, 8, causal=True)
+    assert sched.groups_for(spec) == 2
+    assert sched.groups_for(dataclasses.replace(spec, window=(3, 0))) == 1  # 8 x 4 < 64
+    q, k, v = (sched.shard(t).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    out = sdpa_fusion.attention(q, k, v, causal=True, window=(3, 0), scale=problem.scale,
+                                kernel=_Recording(events), schedule=sched)
+    out.backward(sched.shard(problem.dout))
+    assert events and {kv_heads for _, kv_heads, _ in events} == {8}
+    assert_matches(problem, [sched.unshard(t) for t in (out, q.grad, k.grad, v.grad)])
 
 
 @pytest.mark.parametrize("options, match", [

@@ -177,7 +177,8 @@ def test_ring_backward_in_two_groups(mesh, layout, window, monkeypatch):
     first taking its own block first (BSHE: p2p sends each group's K/V from a copy)."""
     p = mesh.size()
     h, s, e = 2 * p, 32, 64
-    monkeypatch.setattr(heads, "MIN_GROUP_WORK", h * s)  # h heads x s local rows
+    # h heads x the rows that size groups: s local rows, or the window's span of 6 keys
+    monkeypatch.setattr(heads, "MIN_GROUP_WORK", h * (s if window is None else 6))
     sched = schedules.get("ring", mesh)
     q, k, v, dout = (torch.randn(1, h, s, e) for _ in range(4))
     if layout == "bshe":
