@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -131,6 +132,18 @@ class Communicator:
         part = _nbytes(out)
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
+
+    def all_to_all_rows(self, t: torch.Tensor, sends: list[int], receives: list[int]) -> torch.Tensor:
+        """Exchange rows of uneven counts: ``t`` holds ``sends[i]`` rows (dim 0) for rank i,
+        rank by rank; the result holds ``receives[i]`` rows from rank i, rank by rank."""
+        t = t.contiguous()
+        out = t.new_empty((sum(receives), *t.shape[1:]))
+        work = dist.all_to_all_single(out, t, output_split_sizes=receives,
+                                      input_split_sizes=sends, group=self.group, async_op=True)
+        row = math.prod(t.shape[1:]) * t.element_size()
+        own = self.index
+        self.count(row * (sum(sends) - sends[own]), row * (sum(receives) - receives[own]))
+        return self.pending([work], out, f"all-to-all over ranks {self.ranks}").wait()
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """Exchange slices: ``t`` is [size, ...]; slice i goes to rank i; result [size, ...]

@@ -68,6 +68,8 @@ class _LineUlysses(Ulysses):
     the heads are attended in the rows of the outer part (padding rows zero), and the one
     call hands that whole part to the outer schedule, the kernel here."""
 
+    routes_packed = False  # the whole part's rows travel as blocks
+
     def _packed_plan(self, spec):
         split = spec.packing.split  # the outer part split again
 

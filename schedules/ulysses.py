@@ -54,6 +54,38 @@ class Placement:
         return sum(len(slots) for _, slots in self.parts) == self.length
 
 
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """How the real tokens of a packed batch travel when every packed slot is one rank's
+    real token (``Placement.complete``), for this rank: it sends its real local ``rows`` to
+    every rank; rank j sends ``counts[j]`` rows; ``order[t]``: the received row (rank by
+    rank) of packed slot t; ``back``: the packed slots of every rank's rows, rank by rank
+    (what a head owner returns); ``local[i]``: local row i's place among ``rows`` (0 for
+    ``padding`` rows)."""
+
+    rows: torch.Tensor
+    counts: list
+    order: torch.Tensor
+    back: torch.Tensor
+    local: torch.Tensor
+    padding: torch.Tensor
+
+    @classmethod
+    def of(cls, place: Placement, rank: int) -> "Routes":
+        rows = place.parts[rank][0]
+        counts = [len(slots) for _, slots in place.parts]
+        starts = [sum(counts[:j]) for j in range(len(counts))]
+        order = torch.empty(place.length, dtype=torch.long, device=rows.device)
+        for (_, slots), start in zip(place.parts, starts):
+            order[slots] = torch.arange(start, start + len(slots), device=rows.device)
+        local = torch.zeros(place.local, dtype=torch.long, device=rows.device)
+        local[rows] = torch.arange(len(rows), device=rows.device)
+        real = torch.zeros(place.local, dtype=torch.bool, device=rows.device)
+        real[rows] = True
+        return cls(rows, counts, order, torch.cat([slots for _, slots in place.parts]), local,
+                   (~real).nonzero().flatten())
+
+
 def packed_placement(split) -> Placement:
     """The real tokens of every rank, each at its place among the real tokens of the
     packed batch (sequence by sequence, in position order)."""
@@ -69,6 +101,7 @@ def packed_placement(split) -> Placement:
 class Ulysses(SequenceSchedule):
     name = "ulysses"
     needs_ordered_tokens = False  # attends the whole sequence in global order
+    routes_packed = True  # packed real tokens travel by their ``Routes``
 
     def validate(self, spec):
         super().validate(spec)
@@ -128,8 +161,52 @@ class Ulysses(SequenceSchedule):
 
         return packing.cached(("ulysses", spec.causal, spec.window), build)
 
+    def _routes(self, spec, layout: Layout) -> Routes | None:
+        """The routes of packed [T, H, E] tensors (None: dense, or ``routes_packed`` off)."""
+        if spec.packing is None or layout is not Layout.BSHE or not self.routes_packed:
+            return None
+        return spec.packing.cached(("ulysses-routes", self.index),
+                                   lambda: Routes.of(self._packed_plan(spec)[0], self.index))
+
+    def _packed_to_heads(self, tensors, routes: Routes) -> list[torch.Tensor]:
+        """This rank's real tokens of packed [1, H, S/P, E] tensors -> its heads of every real
+        token [1, H/P, T, E] in packed order: per tensor one gather per rank into the send
+        buffer, an all-to-all of every rank's real rows, one gather into packed order."""
+        outs, n = [], len(routes.rows)
+        for t in tensors:
+            rows, width = as_packed(t), self._heads_per_rank(t.shape[1])
+            send = rows.new_empty((self.size * n, width, rows.shape[2]))
+            for j in range(self.size):
+                torch.index_select(rows.narrow(1, self._first_head(j, t.shape[1]), width), 0,
+                                   routes.rows, out=send[j * n:(j + 1) * n])
+            received = self.comm.all_to_all_rows(send, [n] * self.size, routes.counts)
+            outs.append(as_block(torch.index_select(received, 0, routes.order)))
+        return outs
+
+    def _packed_to_sequence(self, t: torch.Tensor, target: torch.Tensor, routes: Routes) -> None:
+        """This rank's heads [1, h, T, E] of every real token -> its tokens of all heads in
+        ``target`` [1, P h, S/P, E] (padding rows zero): one gather of every rank's rows, an
+        all-to-all, one gather into local order."""
+        n, p, width = len(routes.rows), self.size, t.shape[1]
+        send = torch.index_select(as_packed(t), 0, routes.back)
+        received = self.comm.all_to_all_rows(send, routes.counts, [n] * p)
+        dest = as_packed(target)
+        if n == 0:  # every local row is padding
+            dest.zero_()
+            return
+        by_row = received.view(p, n, width, t.shape[3]).transpose(0, 1)  # [n, P, h, E]
+        if dest.is_contiguous():
+            torch.index_select(by_row, 0, routes.local, out=dest.view(dest.shape[0], p, width, t.shape[3]))
+        else:
+            dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
+        if len(routes.padding):
+            dest.index_fill_(0, routes.padding, 0)
+
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
+        routes = self._routes(spec, layout)
+        if routes is not None:
+            return self._packed_to_heads(tensors, routes)
         shapes = [(b, self._heads_per_rank(h), s, e)
                   for b, h, s, e in (t.shape for t in tensors)]
 
@@ -153,7 +230,20 @@ class Ulysses(SequenceSchedule):
     def _to_sequence(self, tensors, layout: Layout, targets, spec, padding: float = 0.0) -> None:
         """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
         into ``targets`` [B, h, S/P, E]; replicated K/V heads are summed; rows that did not
-        travel (padding) are ``padding``."""
+        travel (padding) are ``padding``. Packed tensors of no replicated head take their
+        routes; the rest travel together as blocks of every local row."""
+        routes = self._routes(spec, layout) if padding == 0.0 else None
+        rest = []
+        for t, target in zip(tensors, targets):
+            if routes is not None and target.shape[1] == t.shape[1] * self.size:
+                self._packed_to_sequence(t, target, routes)
+            else:
+                rest.append((t, target))
+        if rest:
+            self._blocks_to_sequence(*zip(*rest), layout, spec, padding)
+
+    def _blocks_to_sequence(self, tensors, targets, layout: Layout, spec, padding: float) -> None:
+        """``_to_sequence`` by one all-to-all of blocks of every local row."""
         places = [self._placement(spec, t.shape[2] // self.size, t.device) for t in tensors]
         shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
                   for t, place in zip(tensors, places)]
@@ -251,6 +341,24 @@ class Ulysses(SequenceSchedule):
             del grads
         return tuple(as_packed(t) for t in (dq, dk, dv)) if packed else (dq, dk, dv)
 
+    def _packed_traffic(self, spec) -> tuple[int, int, int, int]:
+        """Bytes (forward sent, received; backward sent, received) of a packed call: the
+        real tokens of q, k, v, out, dout and the gradients by their routes; lse, and the
+        gradients of replicated K/V heads, as blocks of every local row."""
+        p, local, e = self.size, self.local_tokens(spec), spec.head_dim * spec.dtype.itemsize
+        counts = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").real.sum(1).tolist()
+        mine, others = counts[self.index], sum(counts) - counts[self.index]
+        h, h_kv = spec.heads // p, self._heads_per_rank(spec.kv_heads)
+        away, back = mine * (p - 1) * e, others * e  # per head: to every owner, from every rank
+        lse = (p - 1) * h * local * 4
+        if spec.kv_heads < p:  # replicated K/V heads: dK/dV summed from blocks
+            kv_grads = (2 * h_kv * (p - 1) * local * e,) * 2
+        else:
+            kv_grads = (2 * h_kv * back, 2 * h_kv * away)
+        return ((h + 2 * h_kv) * away + h * back + lse, (h + 2 * h_kv) * back + h * away + lse,
+                (3 * h + 2 * h_kv) * away + lse + h * back + kv_grads[0],
+                (3 * h + 2 * h_kv) * back + lse + h * away + kv_grads[1])
+
     def describe(self, spec):
         p, local = self.size, self.local_tokens(spec)
         q_head = spec.batch * (spec.q_len // p if not spec.layout.is_varlen else local) \
@@ -261,10 +369,13 @@ class Ulysses(SequenceSchedule):
         forward = (p - 1) * (2 * h * q_head + 2 * h_kv * kv_head + lse)  # q, k, v; out, lse
         backward = (p - 1) * (3 * h * q_head + 2 * h_kv * kv_head + lse  # dout, q, k, v, out, lse
                               + h * q_head + 2 * h_kv * kv_head)         # dq, dk, dv
+        traffic = (forward, forward, backward, backward)
+        if spec.layout.is_varlen and self.routes_packed:
+            traffic = self._packed_traffic(spec)
         flops = spec.flops() / p
         return Description(
-            self.name, p, steps=1, bytes_sent=forward, bytes_received=forward, flops=flops,
-            backward_steps=1, backward_bytes_sent=backward, backward_bytes_received=backward,
+            self.name, p, steps=1, bytes_sent=traffic[0], bytes_received=traffic[1], flops=flops,
+            backward_steps=1, backward_bytes_sent=traffic[2], backward_bytes_received=traffic[3],
             backward_flops=spec.flops(backward=True) / p - flops,
             notes=f"partition {self.partition.name}; {h} of {spec.heads} heads and {h_kv} K/V "
                   f"heads per rank over the whole sequence; all-to-alls repeated in backward; "

@@ -13,6 +13,7 @@ import schedules
 import sdpa_fusion
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
+from .packed import make_packed
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -141,3 +142,26 @@ def test_describe_matches_communicator(mesh, layout, kv_share):
     out.backward(sched.shard(problem.dout, layout=layout))
     assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
         d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received, 6)
+
+
+@pytest.mark.parametrize("kv_share", [1, 0], ids=["mha", "mqa"])
+def test_packed_describe_matches_communicator(mesh, kv_share):
+    """Packed, only real tokens travel (lse, and the dK/dV of replicated K/V heads, as
+    blocks of every local row): sequences padded to 2P chunks, empty and one-token ones,
+    ranks with different real counts; describe() says what each rank sends and receives."""
+    p = mesh.size()
+    h = 2 * p
+    problem = make_packed([3 * p + 1, 0, 1, 5], h=h, h_kv=h if kv_share else 1, causal=True)
+    sched = schedules.get("ulysses", mesh)
+    cu = problem.cu_seqlens
+    kw = dict(layout="thd", cu_seqlens=cu)
+    d = sched.describe(sdpa_fusion.AttentionSpec.from_tensors(
+        problem.q, problem.k, problem.v, layout="thd", cu_seqlens=cu, causal=True))
+    q, k, v = (sched.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    sched.comm.stats.reset()
+    out = sdpa_fusion.attention(q, k, v, causal=True, kernel="reference", schedule=sched, **kw)
+    stats = sched.comm.stats
+    assert (stats.bytes_sent, stats.bytes_received) == (d.bytes_sent, d.bytes_received)
+    out.backward(sched.shard(problem.dout, **kw))
+    assert (stats.bytes_sent, stats.bytes_received) == (
+        d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received)
