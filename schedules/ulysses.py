@@ -21,6 +21,10 @@ Any partition works, causal and sliding windows included: the tokens are attende
 order, the window over the whole sequence (per sequence when packed). Packed
 sequences: each rank's real tokens go to their place among the real tokens of the whole
 packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
+Only real tokens travel (``Routes``): per tensor, one gather of this rank's real rows into
+the send buffer, an all-to-all of every rank's own count, one gather into packed order (and
+the same way back), instead of whole blocks placed row by row (at 269K tokens on 2 H200 the
+step's index copies and block copies took 45 ms of 257).
 """
 
 from __future__ import annotations
