@@ -184,7 +184,9 @@ class Ulysses(SequenceSchedule):
                 torch.index_select(rows.narrow(1, self._first_head(j, t.shape[1]), width), 0,
                                    routes.rows, out=send[j * n:(j + 1) * n])
             received = self.comm.all_to_all_rows(send, [n] * self.size, routes.counts)
+            del send
             outs.append(as_block(torch.index_select(received, 0, routes.order)))
+            del received
         return outs
 
     def _packed_to_sequence(self, t: torch.Tensor, target: torch.Tensor, routes: Routes) -> None:
@@ -194,6 +196,7 @@ class Ulysses(SequenceSchedule):
         n, p, width = len(routes.rows), self.size, t.shape[1]
         send = torch.index_select(as_packed(t), 0, routes.back)
         received = self.comm.all_to_all_rows(send, routes.counts, [n] * p)
+        del send
         dest = as_packed(target)
         if n == 0:  # every local row is padding
             dest.zero_()
@@ -390,8 +393,8 @@ class Ulysses(SequenceSchedule):
     def memory(self, spec, call=None) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: the
         send and receive buffers of an all-to-all and what it places (the group's q, k, v in
-        forward; dout, q, k, v, out in backward), the kernel call's allocations, and the
-        all-to-all of its results back into the outputs. ``call(heads, kv_heads)``: the
+        forward; dout, q, k, v, out in backward; packed, one tensor at a time), the kernel
+        call's allocations, and the all-to-all of its results back into the outputs. ``call(heads, kv_heads)``: the
         ``Memory`` of the kernel call on that many query and K/V heads of the whole sequence
         when it is not a GPU kernel's (under ``hybrid``, the outer schedule's)."""
         rows = self.local_tokens(spec)
@@ -405,10 +408,23 @@ class Ulysses(SequenceSchedule):
         lse = size.lse()
         kernel = kernel_call(size, rows, kv) if call is None else \
             call(spec.heads // groups // self.size, kv_local)
-        forward = max(2 * (q + 2 * kv), q + 2 * kv + kernel.outputs + kernel.forward,
-                      2 * q + kernel.outputs)
         inputs, grads = 3 * q + 2 * kv, q + 2 * kv
+        if spec.layout.is_varlen and self.routes_packed:  # one tensor at a time
+            arrive, send_in = _arriving(q, kv, kv), _arriving(q, q, kv, kv, q)
+            back = grads + 2 * (q if replicated else max(q, kv))
+            if replicated:  # dK, dV as blocks, summed in fp32
+                back = max(back, grads + 4 * kv + replicated)
+        else:  # every tensor in one all-to-all
+            arrive, send_in, back = 2 * (q + 2 * kv), 2 * inputs, 3 * grads + replicated
+        forward = max(arrive, q + 2 * kv + kernel.outputs + kernel.forward,
+                      2 * q + kernel.outputs)
         backward = whole.q() + 2 * whole.kv() + max(
-            2 * inputs, inputs + 2 * lse + kernel.backward, 3 * grads + replicated)
+            send_in, inputs + 2 * lse + kernel.backward, back)
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
                       kept=kernel.kept)
+
+
+def _arriving(*sizes: int) -> int:
+    """The peak of tensors of ``sizes`` bytes arriving one after another, each beside its
+    send or receive buffer and every tensor that arrived before it."""
+    return max(sum(sizes[:i]) + 2 * size for i, size in enumerate(sizes))
