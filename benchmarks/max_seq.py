@@ -13,7 +13,9 @@ predicted instead: one step at a few probe lengths gives each implementation's m
 (inputs, the step's own memory and any memory kept outside torch's allocator, such as the
 ring's symmetric buffers). For our schedules the prediction follows what ``describe()`` says
 a step takes at each length (head groups change with the length, so memory is not a straight
-line in it), scaled by the largest ratio of measured to described bytes of the probes; for
+line in it), through the line that best maps the probes' described bytes to their measured
+ones (a fixed cost the model leaves out, such as the ring's 128 MiB, stays fixed instead of
+growing with the length, as a ratio would make it); for
 one GPU and PyTorch's context_parallel a straight line through the probes gives the memory
 per token (a probe runs two steps: the second's time counts, the larger memory). The
 prediction is the longest length whose memory fits the GPU's free memory. One
@@ -192,19 +194,24 @@ def fit(points) -> tuple[float, float]:
 
 def predict(points, free: float, multiple: int, described=None) -> int:
     """The longest length, a multiple of ``multiple``, whose predicted memory fits ``free``:
-    ``described(s)`` (bytes) scaled by the largest measured/described ratio of the probe
-    ``points`` when given, else the straight line through the points."""
+    when ``described`` is given, ``described(s)`` (bytes) mapped by the straight line through
+    the probe ``points``' (described, measured) bytes, else the straight line through the
+    points themselves."""
     budget = free * HEADROOM
     if described is not None and described(points[0][0]) is not None:
-        scale = max(measured / described(s) for s, measured in points)
+        offset, scale = fit([(described(s), measured) for s, measured in points])
         if scale <= 0:  # nothing measured (CPU ranks)
             return 0
+
+        def fits(s: int) -> bool:
+            return offset + scale * described(s) <= budget
+
         low, high = 0, multiple
-        while scale * described(high) <= budget:
+        while fits(high):
             high *= 2
         while high - low > multiple:  # the described memory grows with the length
             mid = (low + high) // 2 // multiple * multiple
-            low, high = (mid, high) if scale * described(mid) <= budget else (low, mid)
+            low, high = (mid, high) if fits(mid) else (low, mid)
         return low
     intercept, slope = fit(points)
     if slope <= 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import types
 
-from benchmarks.max_seq import merge, summary, within_budget
+from benchmarks.max_seq import HEADROOM, merge, predict, summary, within_budget
 
 K = 1024
 
@@ -60,3 +60,18 @@ def test_merge_takes_each_implementation_once_and_never_over_this_run(tmp_path):
     assert [(r["impl"], r["seconds"]) for r in record["rows"]] == [
         ("1 GPU auto", 1.0), ("ring", 2.0), ("ulysses", 3.0)]
     assert record["merged"] == ["max_seq_single", "max_seq_ring"]
+
+
+def test_a_fixed_cost_the_description_leaves_out_stays_fixed():
+    """Probes measuring what describe() says plus 128 MiB: the prediction is the longest
+    length whose described bytes plus 128 MiB fit, not one grown by the probes' ratio."""
+    mib = 1 << 20
+
+    def described(s):
+        return 1000 * s
+
+    points = [(s, described(s) + 128 * mib) for s in (64 * K, 128 * K, 256 * K)]
+    free = (described(4096 * K) + 129 * mib) / HEADROOM  # 1 MiB spare: less than 4K tokens
+    assert predict(points, free, 4 * K, described) == 4096 * K
+    ratio = max(measured / described(s) for s, measured in points)  # 3x at 64K
+    assert ratio * described(4096 * K) > free * HEADROOM
