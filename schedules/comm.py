@@ -133,7 +133,8 @@ class Communicator:
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
 
-    def all_to_all_rows(self, t: torch.Tensor, sends: list[int], receives: list[int]) -> torch.Tensor:
+    def all_to_all_rows(self, t: torch.Tensor, sends: list[int],
+                        receives: list[int]) -> torch.Tensor:
         """Exchange rows of uneven counts: ``t`` holds ``sends[i]`` rows (dim 0) for rank i,
         rank by rank; the result holds ``receives[i]`` rows from rank i, rank by rank."""
         t = t.contiguous()

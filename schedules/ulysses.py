@@ -60,12 +60,12 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Routes:
-    """How the real tokens of a packed batch travel when every packed slot is one rank's
-    real token (``Placement.complete``), for this rank: it sends its real local ``rows`` to
-    every rank; rank j sends ``counts[j]`` rows; ``order[t]``: the received row (rank by
-    rank) of packed slot t; ``back``: the packed slots of every rank's rows, rank by rank
-    (what a head owner returns); ``local[i]``: local row i's place among ``rows`` (0 for
-    ``padding`` rows)."""
+    """How the real tokens of a packed batch travel (every packed slot one rank's real
+    token, as ``packed_placement`` places them), for this rank: it sends its real local
+    ``rows`` to every rank; rank j sends ``counts[j]`` rows; ``order[t]``: the received row
+    (rank by rank) of packed slot t; ``back``: the packed slots of every rank's rows, rank by
+    rank (what a head owner returns); ``local[i]``: local row i's place among ``rows`` (0
+    for ``padding`` rows)."""
 
     rows: torch.Tensor
     counts: list
@@ -203,7 +203,8 @@ class Ulysses(SequenceSchedule):
             return
         by_row = received.view(p, n, width, t.shape[3]).transpose(0, 1)  # [n, P, h, E]
         if dest.is_contiguous():
-            torch.index_select(by_row, 0, routes.local, out=dest.view(dest.shape[0], p, width, t.shape[3]))
+            torch.index_select(by_row, 0, routes.local,
+                               out=dest.view(dest.shape[0], p, width, t.shape[3]))
         else:
             dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
         if len(routes.padding):
@@ -394,9 +395,10 @@ class Ulysses(SequenceSchedule):
         """What this rank allocates for a call on the global ``spec``, per head group: the
         send and receive buffers of an all-to-all and what it places (the group's q, k, v in
         forward; dout, q, k, v, out in backward; packed, one tensor at a time), the kernel
-        call's allocations, and the all-to-all of its results back into the outputs. ``call(heads, kv_heads)``: the
-        ``Memory`` of the kernel call on that many query and K/V heads of the whole sequence
-        when it is not a GPU kernel's (under ``hybrid``, the outer schedule's)."""
+        call's allocations, and the all-to-all of its results back into the outputs.
+        ``call(heads, kv_heads)``: the ``Memory`` of the kernel call on that many query and
+        K/V heads of the whole sequence when it is not a GPU kernel's (under ``hybrid``, the
+        outer schedule's)."""
         rows = self.local_tokens(spec)
         groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
