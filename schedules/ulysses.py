@@ -349,6 +349,13 @@ class Ulysses(SequenceSchedule):
             del grads
         return tuple(as_packed(t) for t in (dq, dk, dv)) if packed else (dq, dk, dv)
 
+    def _kv_per_rank(self, spec) -> tuple[int, bool]:
+        """(K/V heads this rank attends over all head groups, whether they are replicated:
+        a group with fewer K/V heads than ranks gives each rank a copy of one)."""
+        groups = self.groups_for(spec)
+        kv = spec.kv_heads // groups
+        return groups * self._heads_per_rank(kv), kv < self.size
+
     def _packed_traffic(self, spec) -> tuple[int, int, int, int]:
         """Bytes (forward sent, received; backward sent, received) of a packed call: the
         real tokens of q, k, v, out, dout and the gradients by their routes; lse, and the
@@ -356,10 +363,10 @@ class Ulysses(SequenceSchedule):
         p, local, e = self.size, self.local_tokens(spec), spec.head_dim * spec.dtype.itemsize
         counts = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").real.sum(1).tolist()
         mine, others = counts[self.index], sum(counts) - counts[self.index]
-        h, h_kv = spec.heads // p, self._heads_per_rank(spec.kv_heads)
+        h, (h_kv, replicated) = spec.heads // p, self._kv_per_rank(spec)
         away, back = mine * (p - 1) * e, others * e  # per head: to every owner, from every rank
         lse = (p - 1) * h * local * 4
-        if spec.kv_heads < p:  # replicated K/V heads: dK/dV summed from blocks
+        if replicated:  # dK/dV summed from blocks
             kv_grads = (2 * h_kv * (p - 1) * local * e,) * 2
         else:
             kv_grads = (2 * h_kv * back, 2 * h_kv * away)
@@ -372,7 +379,7 @@ class Ulysses(SequenceSchedule):
         q_head = spec.batch * (spec.q_len // p if not spec.layout.is_varlen else local) \
             * spec.head_dim * spec.dtype.itemsize
         kv_head = spec.batch * local * spec.head_dim * spec.dtype.itemsize
-        h, h_kv = spec.heads // p, self._heads_per_rank(spec.kv_heads)
+        h, (h_kv, _) = spec.heads // p, self._kv_per_rank(spec)
         lse = q_head // (spec.head_dim * spec.dtype.itemsize) * h * 4
         forward = (p - 1) * (2 * h * q_head + 2 * h_kv * kv_head + lse)  # q, k, v; out, lse
         backward = (p - 1) * (3 * h * q_head + 2 * h_kv * kv_head + lse  # dout, q, k, v, out, lse

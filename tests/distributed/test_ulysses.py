@@ -125,34 +125,43 @@ def test_describe_formula(mesh, kv_heads, causal):
     assert d.backward_flops == pytest.approx(2.5 * spec.flops() / p)
 
 
-@pytest.mark.parametrize("kv_share", [2, 0], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("kv, groups", [("half", 1), ("one", 1), ("two", 2)],
+                         ids=["gqa", "mqa", "gqa-2-groups"])
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
-def test_describe_matches_communicator(mesh, layout, kv_share):
+def test_describe_matches_communicator(mesh, layout, kv, groups):
+    """Bytes and transfers as describe() says, K/V heads replicated in every head group too
+    (2 K/V heads in 2 groups: one per group, fewer than the ranks)."""
     p = mesh.size()
     h = 2 * p
-    problem = make_problem(b=1, h=h, h_kv=h // kv_share if kv_share else 1, s=8 * p, e=8,
+    kv_heads = {"half": h // 2, "one": 1, "two": 2}[kv]
+    problem = make_problem(b=1, h=h, h_kv=kv_heads, s=8 * p, e=8,
                            layout=layout, causal=True, dtype=torch.bfloat16)
-    sched = schedules.get("ulysses", mesh, partition="load_balanced")
+    sched = schedules.get("ulysses", mesh, partition="load_balanced", head_groups=groups)
     q, k, v = (sched.shard(t, layout=layout).requires_grad_() for t in (problem.q, problem.k, problem.v))
     d = sched.describe(sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, layout=layout)))
     sched.comm.stats.reset()
     out = sdpa_fusion.attention(q, k, v, causal=True, layout=layout, kernel="reference", schedule=sched)
     stats = sched.comm.stats
-    assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (d.bytes_sent, d.bytes_received, 3)
+    assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
+        d.bytes_sent, d.bytes_received, 3 * groups)
     out.backward(sched.shard(problem.dout, layout=layout))
     assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
-        d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received, 6)
+        d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received,
+        6 * groups)
 
 
-@pytest.mark.parametrize("kv_share", [1, 0], ids=["mha", "mqa"])
-def test_packed_describe_matches_communicator(mesh, kv_share):
+@pytest.mark.parametrize("kv_heads, groups", [("h", 1), (1, 1), (2, 2)],
+                         ids=["mha", "mqa", "gqa-2-groups"])
+def test_packed_describe_matches_communicator(mesh, kv_heads, groups):
     """Packed, only real tokens travel (lse, and the dK/dV of replicated K/V heads, as
     blocks of every local row): sequences padded to 2P chunks, empty and one-token ones,
-    ranks with different real counts; describe() says what each rank sends and receives."""
+    ranks with different real counts; describe() says what each rank sends and receives,
+    with K/V heads replicated in every head group too (2 K/V heads in 2 groups)."""
     p = mesh.size()
     h = 2 * p
-    problem = make_packed([3 * p + 1, 0, 1, 5], h=h, h_kv=h if kv_share else 1, causal=True)
-    sched = schedules.get("ulysses", mesh)
+    problem = make_packed([3 * p + 1, 0, 1, 5], h=h, h_kv=h if kv_heads == "h" else kv_heads,
+                          causal=True)
+    sched = schedules.get("ulysses", mesh, head_groups=groups)
     cu = problem.cu_seqlens
     kw = dict(layout="thd", cu_seqlens=cu)
     d = sched.describe(sdpa_fusion.AttentionSpec.from_tensors(
