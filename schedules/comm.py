@@ -133,12 +133,14 @@ class Communicator:
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
 
-    def all_to_all_rows(self, t: torch.Tensor, sends: list[int],
-                        receives: list[int]) -> torch.Tensor:
+    def all_to_all_rows(self, t: torch.Tensor, sends: list[int], receives: list[int],
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """Exchange rows of uneven counts: ``t`` holds ``sends[i]`` rows (dim 0) for rank i,
-        rank by rank; the result holds ``receives[i]`` rows from rank i, rank by rank."""
+        rank by rank; the result (``out`` when given, contiguous) holds ``receives[i]`` rows
+        from rank i, rank by rank."""
         t = t.contiguous()
-        out = t.new_empty((sum(receives), *t.shape[1:]))
+        if out is None:
+            out = t.new_empty((sum(receives), *t.shape[1:]))
         work = dist.all_to_all_single(out, t, output_split_sizes=receives,
                                       input_split_sizes=sends, group=self.group, async_op=True)
         row = math.prod(t.shape[1:]) * t.element_size()

@@ -172,43 +172,64 @@ class Ulysses(SequenceSchedule):
         return spec.packing.cached(("ulysses-routes", self.index),
                                    lambda: Routes.of(self._packed_plan(spec)[0], self.index))
 
+    @staticmethod
+    def _buffers(like: torch.Tensor, width: int, send_rows: int, receive_rows: int):
+        """views(w) -> (send, receive): [send_rows, w, E] and [receive_rows, w, E] views of one
+        send and one receive buffer of ``width`` heads of ``like``'s dtype, which every tensor
+        of an exchange reuses (what one tensor freed the next would take again while the
+        collective may still hold it)."""
+        e = like.shape[-1]
+        send = like.new_empty(send_rows * width * e)
+        receive = like.new_empty(receive_rows * width * e)
+
+        def views(w: int):
+            return (send[:send_rows * w * e].view(send_rows, w, e),
+                    receive[:receive_rows * w * e].view(receive_rows, w, e))
+
+        return views
+
     def _packed_to_heads(self, tensors, routes: Routes) -> list[torch.Tensor]:
         """This rank's real tokens of packed [1, H, S/P, E] tensors -> its heads of every real
         token [1, H/P, T, E] in packed order: per tensor one gather per rank into the send
         buffer, an all-to-all of every rank's real rows, one gather into packed order."""
-        outs, n = [], len(routes.rows)
-        for t in tensors:
-            rows, width = as_packed(t), self._heads_per_rank(t.shape[1])
-            send = rows.new_empty((self.size * n, width, rows.shape[2]))
-            for j in range(self.size):
+        n, p = len(routes.rows), self.size
+        widths = [self._heads_per_rank(t.shape[1]) for t in tensors]
+        views = self._buffers(tensors[0], max(widths), p * n, sum(routes.counts))
+        outs = []
+        for t, width in zip(tensors, widths):
+            rows = as_packed(t)
+            send, receive = views(width)
+            for j in range(p):
                 torch.index_select(rows.narrow(1, self._first_head(j, t.shape[1]), width), 0,
                                    routes.rows, out=send[j * n:(j + 1) * n])
-            received = self.comm.all_to_all_rows(send, [n] * self.size, routes.counts)
-            del send
+            received = self.comm.all_to_all_rows(send, [n] * p, routes.counts, out=receive)
             outs.append(as_block(torch.index_select(received, 0, routes.order)))
-            del received
         return outs
 
-    def _packed_to_sequence(self, t: torch.Tensor, target: torch.Tensor, routes: Routes) -> None:
+    def _packed_to_sequence(self, tensors, targets, routes: Routes) -> None:
         """This rank's heads [1, h, T, E] of every real token -> its tokens of all heads in
-        ``target`` [1, P h, S/P, E] (padding rows zero): one gather of every rank's rows, an
-        all-to-all, one gather into local order."""
-        n, p, width = len(routes.rows), self.size, t.shape[1]
-        send = torch.index_select(as_packed(t), 0, routes.back)
-        received = self.comm.all_to_all_rows(send, routes.counts, [n] * p)
-        del send
-        dest = as_packed(target)
-        if n == 0:  # every local row is padding
-            dest.zero_()
-            return
-        by_row = received.view(p, n, width, t.shape[3]).transpose(0, 1)  # [n, P, h, E]
-        if dest.is_contiguous():
-            torch.index_select(by_row, 0, routes.local,
-                               out=dest.view(dest.shape[0], p, width, t.shape[3]))
-        else:
-            dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
-        if len(routes.padding):
-            dest.index_fill_(0, routes.padding, 0)
+        ``targets`` [1, P h, S/P, E] (padding rows zero): per tensor one gather of every
+        rank's rows, an all-to-all, one gather into local order."""
+        n, p = len(routes.rows), self.size
+        views = self._buffers(tensors[0], max(t.shape[1] for t in tensors), sum(routes.counts),
+                              p * n)
+        for t, target in zip(tensors, targets):
+            width, e = t.shape[1], t.shape[3]
+            send, receive = views(width)
+            torch.index_select(as_packed(t), 0, routes.back, out=send)
+            received = self.comm.all_to_all_rows(send, routes.counts, [n] * p, out=receive)
+            dest = as_packed(target)
+            if n == 0:  # every local row is padding
+                dest.zero_()
+                continue
+            by_row = received.view(p, n, width, e).transpose(0, 1)  # [n, P, h, E]
+            if dest.is_contiguous():
+                torch.index_select(by_row, 0, routes.local,
+                                   out=dest.view(dest.shape[0], p, width, e))
+            else:
+                dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
+            if len(routes.padding):
+                dest.index_fill_(0, routes.padding, 0)
 
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
@@ -241,12 +262,12 @@ class Ulysses(SequenceSchedule):
         travel (padding) are ``padding``. Packed tensors of no replicated head take their
         routes; the rest travel together as blocks of every local row."""
         routes = self._routes(spec, layout) if padding == 0.0 else None
-        rest = []
+        routed, rest = [], []
         for t, target in zip(tensors, targets):
-            if routes is not None and target.shape[1] == t.shape[1] * self.size:
-                self._packed_to_sequence(t, target, routes)
-            else:
-                rest.append((t, target))
+            fits = routes is not None and target.shape[1] == t.shape[1] * self.size
+            (routed if fits else rest).append((t, target))
+        if routed:
+            self._packed_to_sequence(*zip(*routed), routes)
         if rest:
             self._blocks_to_sequence(*zip(*rest), layout, spec, padding)
 
@@ -401,11 +422,11 @@ class Ulysses(SequenceSchedule):
     def memory(self, spec, call=None) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: the
         send and receive buffers of an all-to-all and what it places (the group's q, k, v in
-        forward; dout, q, k, v, out in backward; packed, one tensor at a time), the kernel
-        call's allocations, and the all-to-all of its results back into the outputs.
-        ``call(heads, kv_heads)``: the ``Memory`` of the kernel call on that many query and
-        K/V heads of the whole sequence when it is not a GPU kernel's (under ``hybrid``, the
-        outer schedule's)."""
+        forward; dout, q, k, v, out in backward; packed, one tensor at a time through one
+        send and one receive buffer), the kernel call's allocations, and the all-to-all of
+        its results back into the outputs. ``call(heads, kv_heads)``: the ``Memory`` of the
+        kernel call on that many query and K/V heads of the whole sequence when it is not a
+        GPU kernel's (under ``hybrid``, the outer schedule's)."""
         rows = self.local_tokens(spec)
         groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
@@ -419,7 +440,7 @@ class Ulysses(SequenceSchedule):
             call(spec.heads // groups // self.size, kv_local)
         inputs, grads = 3 * q + 2 * kv, q + 2 * kv
         if spec.layout.is_varlen and self.routes_packed:  # one tensor at a time
-            arrive, send_in = _arriving(q, kv, kv), _arriving(q, q, kv, kv, q)
+            arrive, send_in = _exchange(q, kv, kv), _exchange(q, q, kv, kv, q)
             back = grads + 2 * (q if replicated else max(q, kv))
             if replicated:  # dK, dV as blocks, summed in fp32
                 back = max(back, grads + 4 * kv + replicated)
@@ -433,7 +454,7 @@ class Ulysses(SequenceSchedule):
                       kept=kernel.kept)
 
 
-def _arriving(*sizes: int) -> int:
-    """The peak of tensors of ``sizes`` bytes arriving one after another, each beside its
-    send or receive buffer and every tensor that arrived before it."""
-    return max(sum(sizes[:i]) + 2 * size for i, size in enumerate(sizes))
+def _exchange(*sizes: int) -> int:
+    """The peak of tensors of ``sizes`` bytes arriving one after another beside one send
+    and one receive buffer of the largest: all of them and the two buffers."""
+    return sum(sizes) + 2 * max(sizes)
