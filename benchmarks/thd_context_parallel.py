@@ -7,7 +7,9 @@ Packed batches (``benchmarks.thd``'s; bf16, 32 heads, head dim 128, causal fwd+b
   a   15 documents of 1K-32K tokens (269K tokens)
   b   2048 documents of 128 tokens
 rows: "1 GPU <kernel>" (rank 0 runs the whole batch alone while the other ranks wait),
-"ring", "allgather", "ulysses" (``schedules.get(name, mesh)``, load-balanced, ``kernel=``).
+"ring", "allgather", "ulysses" (``schedules.get(name, mesh)``, load-balanced, ``kernel=``);
+``--schedules`` entries take options, e.g. ``ulysses:transport=p2p,ulysses:head_groups=8``
+(the row is named by the entry).
 TFLOP/s per GPU count the real documents' pairs (``AttentionSpec.flops``) / ranks / the
 slowest rank's median time. Goal: every schedule >= 0.85x one GPU per GPU on batch a.
 
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import common
+from benchmarks.context_parallel import impl_options
 from benchmarks.thd import BATCHES, TINY_BATCHES
 
 NAME = "thd_context_parallel"
@@ -133,9 +136,10 @@ def batch_rows(args, mesh, batch: str) -> list[dict]:
     m = timed(args, mesh, *train(lambda q, k, v: attend(q, k, v, cu_seqlens=cu), inputs),
               alone=True)
     rows = [common.make_row(panel, f"1 GPU {args.kernel}", mean, m, flops, ranks=1, **fields)]
-    for name in args.schedules:
+    for entry in args.schedules:
         try:
-            sched = schedules.get(name, mesh)
+            name, options = impl_options(entry)
+            sched = schedules.get(name, mesh, **options)
             kw = dict(layout="thd", cu_seqlens=cu)
             local = [sched.shard(t, **kw) for t in inputs]
 
@@ -148,7 +152,7 @@ def batch_rows(args, mesh, batch: str) -> list[dict]:
             extra = dict(rel_err=rel_err, steps=sched.describe(spec).steps)
         except Exception as e:  # noqa: BLE001 -- the same on every rank: recorded
             m, extra = common.failure(e), {}
-        rows.append(common.make_row(panel, name, mean, m, flops / mesh.world_size,
+        rows.append(common.make_row(panel, entry, mean, m, flops / mesh.world_size,
                                     ranks=mesh.world_size, **fields, **extra))
     return rows
 

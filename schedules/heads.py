@@ -15,6 +15,8 @@ heads at a time). The price: G times as many kernel calls and transfers, each G 
                          longest share one rank holds of one sequence: each sequence is its
                          own attention problem, and 2048 short documents in 8 groups would
                          be 8 x 2048 tiny kernel calls
+                         A schedule whose groups overlap one another's transfers (packed
+                         ``ulysses`` over copy engines) asks for a few groups at least
     head_groups=G        G groups; G divides the K/V heads
 
 Group g of G holds K/V heads [g H_kv/G, (g+1) H_kv/G) and the query heads that use them
@@ -41,15 +43,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def choose(option, *, heads: int, kv_heads: int, rows: int, fits=lambda groups: True) -> int:
+def choose(option, *, heads: int, kv_heads: int, rows: int, fits=lambda groups: True,
+           least: int = 1) -> int:
     """The number of head groups of a call whose kernel blocks have ``rows`` query rows:
     ``option`` itself when it is an int, else the most groups ``fits`` allows that keep
-    heads/G x rows >= MIN_GROUP_WORK (at least one group)."""
+    heads/G x rows >= MIN_GROUP_WORK, or that are at most ``least`` (at least one group)."""
     if option != "auto":
         return option
     best = 1
     for groups in divisors(kv_heads):
-        if fits(groups) and heads // groups * rows >= MIN_GROUP_WORK:
+        if fits(groups) and (heads // groups * rows >= MIN_GROUP_WORK or groups <= least):
             best = groups
     return best
 

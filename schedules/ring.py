@@ -82,7 +82,7 @@ from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, c
 from .memory import Memory, Sizes, backward_call, forward_call
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
-from .transport import Mover, RingData, aligned, check_transport, mover
+from .transport import RingData, Transported, aligned
 
 GRAD_DTYPES = ("auto", "fp32", "input")
 
@@ -155,7 +155,7 @@ def check_grad_dtype(grad_dtype: str) -> str:
                          f"(the dtype the dK/dV sums travel in)")
     return grad_dtype
 
-class Ring(SequenceSchedule):
+class Ring(Transported, SequenceSchedule):
     """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``),
     ``head_groups`` how many K/V head groups run in turn (see ``schedules.heads``),
     ``grad_dtype`` the dtype dK/dV sums travel in."""
@@ -165,9 +165,8 @@ class Ring(SequenceSchedule):
     def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
                  head_groups="auto", grad_dtype="auto"):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
-        self.transport = check_transport(transport)
+        self.use_transport(transport)
         self.grad_dtype = check_grad_dtype(grad_dtype)
-        self._movers: dict[torch.device, Mover] = {}
 
     def validate(self, spec):
         super().validate(spec)
@@ -179,19 +178,6 @@ class Ring(SequenceSchedule):
                 f"or 'striped', not {self.partition.name!r}; use causal=False, one of those, or "
                 f"schedule 'ulysses' (causal with any partition)"
             )
-
-    def mover(self, device) -> Mover:
-        """The transport's mover of this schedule's blocks on ``device`` (made once)."""
-        device = torch.device(device)
-        if device not in self._movers:
-            self._movers[device] = mover(self.comm, self.transport, device)
-        return self._movers[device]
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of ring buffers kept between calls (the copy-engine transport's symmetric
-        memory, which torch.cuda.memory_allocated does not count)."""
-        return sum(m.kept_bytes for m in self._movers.values())
 
     def sums_dtype(self, spec) -> torch.dtype:
         """The dtype dK/dV sums of a call on ``spec`` (global or local) travel in."""
@@ -474,7 +460,7 @@ class Ring(SequenceSchedule):
             back_kv_slots = self._kv_slots(back, len(remote)) * aligned(2 * back_size.kv(block))
             sums_slots = self._sums_slots(len(remote)) * aligned(
                 2 * back_size.kv(block, itemsize=sums_item))
-        kept = max(kv_slots, back_kv_slots + sums_slots) if self._keeps_slots() else 0
+        kept = max(kv_slots, back_kv_slots + sums_slots) if self.keeps_buffers() else 0
         fresh = not kept  # p2p allocates its slots for each call
 
         def copy(count: int, sizes: Sizes) -> int:
@@ -532,14 +518,6 @@ class Ring(SequenceSchedule):
                                                      or (step == 0 and order[-1] == 0))))
                     direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
                     yield step, c, sums, in_flight, n > 0 or i > 0, not direct
-
-    def _keeps_slots(self) -> bool:
-        """Whether the slots are kept between calls (the copy-engine transport)."""
-        movers = list(self._movers.values())
-        if movers:
-            return movers[0].name == "copy_engine"
-        on_gpus = self.mesh is not None and self.mesh.device.type == "cuda"
-        return self.transport == "copy_engine" or (self.transport == "auto" and on_gpus)
 
 
 class _Step:

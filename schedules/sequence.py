@@ -79,10 +79,17 @@ class SequenceSchedule(Schedule):
         """A ValueError when this schedule cannot run ``groups`` head groups of the local
         ``spec`` (any count that divides the K/V heads works here)."""
 
-    def group_count(self, heads_q: int, kv_heads: int, rows: int) -> int:
-        """Head groups of a local problem of ``rows`` query rows per rank."""
+    def group_count(self, heads_q: int, kv_heads: int, rows: int, least: int = 1) -> int:
+        """Head groups of a local problem of ``rows`` query rows per rank (``auto``: at least
+        the most that fit up to ``least``)."""
         return heads.choose(self.head_groups, heads=heads_q, kv_heads=kv_heads, rows=rows,
-                            fits=lambda g: self.groups_fit(g, heads_q, kv_heads))
+                            fits=lambda g: self.groups_fit(g, heads_q, kv_heads), least=least)
+
+    def least_groups(self, spec) -> int:
+        """The groups ``auto`` takes at least for a call on ``spec`` (one: groups only save
+        memory; a schedule that overlaps one group's transfers with another's kernels asks
+        for more)."""
+        return 1
 
     def groups_fit(self, groups: int, heads_q: int, kv_heads: int) -> bool:
         """Whether ``auto`` may take ``groups`` head groups."""
@@ -99,13 +106,15 @@ class SequenceSchedule(Schedule):
             rows = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").longest_share
         else:
             rows = self.local_tokens(spec)
-        return self.group_count(spec.heads, spec.kv_heads, self.group_rows(rows, spec))
+        return self.group_count(spec.heads, spec.kv_heads, self.group_rows(rows, spec),
+                                self.least_groups(spec))
 
     def groups_of(self, q, k, spec) -> list[heads.HeadGroup]:
         """The head groups of local [B, H, S, E] q and k of the local ``spec`` (packed: sized
         by the longest share of one sequence, as ``groups_for``)."""
         rows = q.shape[2] if spec.packing is None else spec.packing.longest_share
-        count = self.group_count(q.shape[1], k.shape[1], self.group_rows(rows, spec))
+        count = self.group_count(q.shape[1], k.shape[1], self.group_rows(rows, spec),
+                                 self.least_groups(spec))
         return heads.groups_of(count, q.shape[1], k.shape[1])
 
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:

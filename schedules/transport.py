@@ -29,6 +29,18 @@ Two transports move the bytes:
                  attention keeps every SM. The symmetric buffer is kept for the next call (it
                  grows, collectively, when a call needs more).
 
+An *exchange* is an all-to-all of byte ranges: every rank puts pieces into other ranks'
+buffers (``Put``: a contiguous tensor, the rank ``hops`` after, a byte offset there) and says
+what it takes from whom (``Take``), so both transports can run it: p2p sends and receives the
+pieces, copy_engine copies each straight to its place in the peer's symmetric buffer, between
+the same two barriers as a shift (``ulysses`` moves its heads this way):
+
+    mover.reserve(nbytes, device)            # every region of the call (collective, once)
+    region = mover.region(base, n, device)   # bytes [base, base + n) of the receive buffer
+    pending = mover.exchange(puts, takes, region)
+    ...                                      # compute meanwhile (copy engines need no SM)
+    flat = pending.wait()                    # every Take of this rank has landed in it
+
 ``auto`` is copy_engine for CUDA tensors on an NCCL group of one host when symmetric memory is
 available, else p2p.
 """
@@ -84,6 +96,42 @@ class RingData:
         return views(torch.empty(numel, dtype=self.dtype, device=device), self.shapes, self.layout)
 
 
+@dataclasses.dataclass(frozen=True)
+class Put:
+    """A piece of an exchange: ``tensor`` (contiguous) goes to byte ``at`` of the buffer of the
+    rank ``hops`` after this one (0: this rank's own)."""
+
+    tensor: torch.Tensor
+    hops: int
+    at: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def bytes(self) -> torch.Tensor:
+        """The tensor's bytes, flat (a view)."""
+        return self.tensor.reshape(-1).view(torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Bytes [``base``, ``base`` + n) of a mover's receive buffer; ``flat`` is this rank's."""
+
+    flat: torch.Tensor
+    base: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Take:
+    """What arrives in an exchange from the rank ``hops`` before this one: ``nbytes`` at byte
+    ``at`` of this rank's buffer (the ``Put`` that rank makes, seen from here)."""
+
+    hops: int
+    at: int
+    nbytes: int
+
+
 def slot_bytes(datas) -> int:
     """Bytes of the slots of ``datas`` (RingData) together: what ``Mover.rings`` allocates."""
     return sum(d.slots * d.nbytes for d in datas)
@@ -130,7 +178,8 @@ class Ring:
 
 
 class Mover:
-    """Moves what rings send between the ranks of ``comm`` (one line of the mesh)."""
+    """Moves what rings send, and exchanges, between the ranks of ``comm`` (one line of the
+    mesh)."""
 
     name = ""
 
@@ -161,6 +210,30 @@ class Mover:
         to wait for."""
         raise NotImplementedError
 
+    def reserve(self, nbytes: int, device) -> None:
+        """Make the kept receive buffer hold ``nbytes`` (every rank alike, before any region
+        of the call is used); p2p keeps none."""
+
+    def region(self, base: int, nbytes: int, device) -> Region:
+        """Bytes [base, base + nbytes) of the receive buffer (p2p: a fresh buffer)."""
+        return Region(torch.empty(nbytes, dtype=torch.uint8, device=device), base)
+
+    def exchange(self, puts, takes, region: Region) -> Pending:
+        """Start an exchange: every ``Put`` into ``region`` of its rank, every ``Take`` into
+        this rank's (offsets from its start); ``wait()`` returns this rank's ``region.flat``.
+        Every rank of the line calls it in the same order; the pieces of one pair of ranks
+        follow one order on both sides."""
+        size, comm = self.comm.size, self.comm
+        puts = [p for p in puts if p.nbytes]
+        takes = [t for t in takes if t.nbytes and t.hops % size]
+        comm.count(sum(p.nbytes for p in puts if p.hops % size), sum(t.nbytes for t in takes))
+        works = self._exchange(puts, takes, region)
+        peers = sorted({comm.peer(p.hops) for p in puts if p.hops % size})
+        return comm.pending(works, region.flat, f"exchange with ranks {peers}")
+
+    def _exchange(self, puts, takes, region: Region) -> list:
+        raise NotImplementedError
+
 
 class P2PMover(Mover):
     """Slots in a fresh buffer per call; shifts by batched isend/irecv."""
@@ -178,6 +251,18 @@ class P2PMover(Mover):
         ops += [dist.P2POp(dist.irecv, r, comm.peer(-hops), comm.group) for r in receives]
         comm.count(ring.data.used, ring.data.used)
         return [_Keep(work, sends) for work in dist.batch_isend_irecv(ops)]
+
+    def _exchange(self, puts, takes, region):
+        comm, size, ops, sends, flat = self.comm, self.comm.size, [], [], region.flat
+        for p in puts:
+            if p.hops % size:
+                sends.append(p.bytes())
+                ops.append(dist.P2POp(dist.isend, sends[-1], comm.peer(p.hops), comm.group))
+            else:
+                flat[p.at:p.at + p.nbytes].copy_(p.bytes())
+        ops += [dist.P2POp(dist.irecv, flat[t.at:t.at + t.nbytes], comm.peer(-t.hops), comm.group)
+                for t in takes]
+        return [_Keep(work, sends) for work in dist.batch_isend_irecv(ops)] if ops else []
 
 
 class _Keep:
@@ -228,8 +313,30 @@ class CopyEngineMover(Mover):
         return self._peers[hops]
 
     def push(self, tensors, ring, slot, hops=1):
-        stream, data, start = self._stream, ring.data, ring.offset(slot)
-        peer = self._peer(hops)
+        data, start = ring.data, ring.offset(slot)
+        target = self._peer(hops)[start:start + data.nbytes].view(data.dtype)
+        self.comm.count(data.used, data.used)
+        return self._transfer(zip(views(target, data.shapes, data.layout), tensors))
+
+    def reserve(self, nbytes, device):
+        self.buffer(nbytes, device)
+
+    def region(self, base, nbytes, device):
+        if self._flat is None or self._flat.numel() < base + nbytes:
+            raise RuntimeError(f"region [{base}, {base + nbytes}) lies beyond the reserved "
+                               f"buffer; reserve every region of the call first")
+        return Region(self._flat[base:base + nbytes], base)
+
+    def _exchange(self, puts, takes, region):
+        size, base = self.comm.size, region.base
+        return self._transfer(
+            (self._peer(p.hops)[base + p.at:base + p.at + p.nbytes] if p.hops % size
+             else region.flat[p.at:p.at + p.nbytes], p.bytes()) for p in puts)
+
+    def _transfer(self, copies) -> list:
+        """Copy every (target, source) pair on the side stream between the two barriers of
+        the line; the works to wait for."""
+        stream = self._stream
         # after the barrier every rank has finished its work so far: what it sends is ready,
         # and the slot the rank hops before writes into has been read. It runs on the
         # compute stream, ahead of the next kernel: on a side stream it would wait for an SM
@@ -239,16 +346,44 @@ class CopyEngineMover(Mover):
         self._handle.barrier(channel=_READY, timeout_ms=self._timeout_ms)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            target = peer[start:start + data.nbytes].view(data.dtype)
-            for piece, t in zip(views(target, data.shapes, data.layout), tensors):
-                piece.copy_(t)
-                t.record_stream(stream)  # its memory is not reused before the copy is done
+            for target, source in copies:
+                target.copy_(source)
+                source.record_stream(stream)  # its memory is not reused before the copy is done
             # after the second barrier every rank's slot is filled
             self._handle.barrier(channel=_FILLED, timeout_ms=self._timeout_ms)
             event = torch.cuda.Event()
             event.record(stream)
-        self.comm.count(data.used, data.used)
         return [_StreamEvent(event)]
+
+
+class Transported:
+    """A schedule whose transfers go through the mover of its ``transport``, one per device
+    (made on first use); it calls ``use_transport`` in its constructor."""
+
+    def use_transport(self, transport: str) -> None:
+        self.transport = check_transport(transport)
+        self._movers: dict[torch.device, Mover] = {}
+
+    def mover(self, device) -> Mover:
+        """The transport's mover of this schedule's transfers on ``device`` (made once)."""
+        device = torch.device(device)
+        if device not in self._movers:
+            self._movers[device] = mover(self.comm, self.transport, device)
+        return self._movers[device]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of buffers kept between calls (the copy-engine transport's symmetric
+        memory, which torch.cuda.memory_allocated does not count)."""
+        return sum(m.kept_bytes for m in self._movers.values())
+
+    def keeps_buffers(self) -> bool:
+        """Whether the receiving buffers are kept between calls (the copy-engine transport)."""
+        movers = list(self._movers.values())
+        if movers:
+            return movers[0].name == "copy_engine"
+        on_gpus = self.mesh is not None and self.mesh.device.type == "cuda"
+        return self.transport == "copy_engine" or (self.transport == "auto" and on_gpus)
 
 
 def mover(comm, transport: str, device: torch.device) -> Mover:

@@ -22,9 +22,20 @@ order, the window over the whole sequence (per sequence when packed). Packed
 sequences: each rank's real tokens go to their place among the real tokens of the whole
 packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
 Only real tokens travel (``Routes``): per tensor, one gather of this rank's real rows into
-the send buffer, an all-to-all of every rank's own count, one gather into packed order (and
+a send buffer, an exchange of every rank's own count, one gather into packed order (and
 the same way back), instead of whole blocks placed row by row (at 269K tokens on 2 H200 the
 step's index copies and block copies took 45 ms of 257).
+
+Packed head groups run as a pipeline: the next group's heads travel while the current group
+is attended, and its results travel back while the next one is:
+
+    start heads(0)
+    for g:  finish heads(g) | start heads(g+1) | attend g | finish sequence(g-1) | start sequence(g)
+
+The exchanges go through ``transport`` (see ``schedules.transport``): on GPUs of one host the
+copy engines move them beside the attention kernel, which holds every SM (NCCL's kernels would
+wait for it). ``head_groups="auto"`` then takes ``PIPELINE_GROUPS`` groups where the heads
+allow, so that only the first group's inputs and the last one's results are not hidden.
 """
 
 from __future__ import annotations
@@ -40,6 +51,9 @@ from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
 from .memory import Memory, Sizes, kernel_call
 from .sequence import SequenceSchedule
+from .transport import Put, Take, Transported, aligned
+
+PIPELINE_GROUPS = 4  # auto head groups of a packed call whose exchanges overlap the kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +88,16 @@ class Routes:
     local: torch.Tensor
     padding: torch.Tensor
 
+    @property
+    def starts(self) -> list[int]:
+        """The first packed row of every rank's rows, in rank order."""
+        return [sum(self.counts[:j]) for j in range(len(self.counts))]
+
+    @property
+    def total(self) -> int:
+        """Real tokens of the packed batch."""
+        return sum(self.counts)
+
     @classmethod
     def of(cls, place: Placement, rank: int) -> "Routes":
         rows = place.parts[rank][0]
@@ -102,10 +126,22 @@ def packed_placement(split) -> Placement:
     return Placement(int(split.lengths.sum()), split.tokens, parts)
 
 
-class Ulysses(SequenceSchedule):
+class Ulysses(Transported, SequenceSchedule):
+    """All-to-all context parallelism; ``transport`` picks how packed tokens travel (see
+    ``schedules.transport``), ``head_groups`` how many K/V head groups run in turn."""
+
     name = "ulysses"
     needs_ordered_tokens = False  # attends the whole sequence in global order
     routes_packed = True  # packed real tokens travel by their ``Routes``
+
+    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
+                 head_groups="auto"):
+        super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
+        self.use_transport(transport)
+
+    def least_groups(self, spec) -> int:
+        overlaps = spec.layout.is_varlen and self.routes_packed and self.keeps_buffers()
+        return PIPELINE_GROUPS if overlaps else 1
 
     def validate(self, spec):
         super().validate(spec)
@@ -172,70 +208,121 @@ class Ulysses(SequenceSchedule):
         return spec.packing.cached(("ulysses-routes", self.index),
                                    lambda: Routes.of(self._packed_plan(spec)[0], self.index))
 
-    @staticmethod
-    def _buffers(like: torch.Tensor, width: int, send_rows: int, receive_rows: int):
-        """views(w) -> (send, receive): [send_rows, w, E] and [receive_rows, w, E] views of one
-        send and one receive buffer of ``width`` heads of ``like``'s dtype, which every tensor
-        of an exchange reuses (what one tensor freed the next would take again while the
-        collective may still hold it)."""
-        e = like.shape[-1]
-        send = like.new_empty(send_rows * width * e)
-        receive = like.new_empty(receive_rows * width * e)
-
-        def views(w: int):
-            return (send[:send_rows * w * e].view(send_rows, w, e),
-                    receive[:receive_rows * w * e].view(receive_rows, w, e))
-
-        return views
-
-    def _packed_to_heads(self, tensors, routes: Routes) -> list[torch.Tensor]:
-        """This rank's real tokens of packed [1, H, S/P, E] tensors -> its heads of every real
-        token [1, H/P, T, E] in packed order: per tensor one gather per rank into the send
-        buffer, an all-to-all of every rank's real rows, one gather into packed order."""
-        n, p = len(routes.rows), self.size
-        widths = [self._heads_per_rank(t.shape[1]) for t in tensors]
-        views = self._buffers(tensors[0], max(widths), p * n, sum(routes.counts))
-        outs = []
-        for t, width in zip(tensors, widths):
-            rows = as_packed(t)
-            send, receive = views(width)
+    def _start_heads(self, tensors, routes: Routes, base: int) -> "_InFlight":
+        """Start sending this rank's real tokens of packed [1, H, S/P, E] ``tensors`` to the
+        owners of their heads (region at ``base``); ``finish()`` gives this rank's heads
+        [1, H/P, T, E] of every real token in packed order. Per tensor: one gather per rank
+        into a send buffer, the exchange, one gather into packed order."""
+        n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
+        items = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
+        offsets, nbytes = _sections(items, routes.total)
+        mover = self.mover(tensors[0].device)
+        region = mover.region(base, nbytes, tensors[0].device)
+        puts, takes = [], []
+        for t, (width, e, _), at in zip(tensors, items, offsets):
+            row = width * e * t.element_size()
+            send = t.new_empty((p * n, width, e))
             for j in range(p):
-                torch.index_select(rows.narrow(1, self._first_head(j, t.shape[1]), width), 0,
-                                   routes.rows, out=send[j * n:(j + 1) * n])
-            received = self.comm.all_to_all_rows(send, [n] * p, routes.counts, out=receive)
-            outs.append(as_block(torch.index_select(received, 0, routes.order)))
-        return outs
+                part = send[j * n:(j + 1) * n]
+                torch.index_select(as_packed(t).narrow(1, self._first_head(j, t.shape[1]), width),
+                                   0, routes.rows, out=part)
+                puts.append(Put(part, (j - me) % p, at + starts[me] * row))
+                takes.append(Take((me - j) % p, at + starts[j] * row, routes.counts[j] * row))
+        pending = mover.exchange(puts, takes, region)
+        del puts, send, part
 
-    def _packed_to_sequence(self, tensors, targets, routes: Routes) -> None:
-        """This rank's heads [1, h, T, E] of every real token -> its tokens of all heads in
-        ``targets`` [1, P h, S/P, E] (padding rows zero): per tensor one gather of every
-        rank's rows, an all-to-all, one gather into local order."""
-        n, p = len(routes.rows), self.size
-        views = self._buffers(tensors[0], max(t.shape[1] for t in tensors), sum(routes.counts),
-                              p * n)
-        for t, target in zip(tensors, targets):
-            width, e = t.shape[1], t.shape[3]
-            send, receive = views(width)
-            torch.index_select(as_packed(t), 0, routes.back, out=send)
-            received = self.comm.all_to_all_rows(send, routes.counts, [n] * p, out=receive)
-            dest = as_packed(target)
-            if n == 0:  # every local row is padding
-                dest.zero_()
-                continue
-            by_row = received.view(p, n, width, e).transpose(0, 1)  # [n, P, h, E]
-            if dest.is_contiguous():
-                torch.index_select(by_row, 0, routes.local,
-                                   out=dest.view(dest.shape[0], p, width, e))
-            else:
-                dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
-            if len(routes.padding):
-                dest.index_fill_(0, routes.padding, 0)
+        def place(flat):
+            return [as_block(torch.index_select(_rows(flat, at, routes.total, item), 0,
+                                                routes.order))
+                    for item, at in zip(items, offsets)]
+
+        return _InFlight(pending, place)
+
+    def _start_sequence(self, tensors, targets, fills, routes: Routes, base: int) -> "_InFlight":
+        """Start sending this rank's heads [1, h, T, E] of every real token back to the
+        ranks holding the tokens (region at ``base``); ``finish()`` writes them into
+        ``targets`` [1, P h, S/P, E], padding rows ``fills``. Per tensor: one gather of every
+        rank's rows, the exchange, one gather into local order."""
+        n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
+            routes.counts
+        items = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
+        offsets, nbytes = _sections(items, p * max(counts))
+        mover = self.mover(tensors[0].device)
+        region = mover.region(base, nbytes, tensors[0].device)
+        puts, takes = [], []
+        for t, (width, e, _), at in zip(tensors, items, offsets):
+            row = width * e * t.element_size()
+            send = torch.index_select(as_packed(t), 0, routes.back)
+            for j in range(p):
+                puts.append(Put(send[starts[j]:starts[j] + counts[j]], (j - me) % p,
+                                at + me * counts[j] * row))
+                takes.append(Take((me - j) % p, at + j * n * row, n * row))
+        pending = mover.exchange(puts, takes, region)
+        del puts, send
+
+        def place(flat):
+            for target, fill, item, at in zip(targets, fills, items, offsets):
+                self._place_rows(_rows(flat, at, p * n, item).view(p, n, *item[:2]), target,
+                                 fill, routes)
+
+        return _InFlight(pending, place)
+
+    def _place_rows(self, received, target, fill: float, routes: Routes) -> None:
+        """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
+        tokens; padding rows ``fill``."""
+        p, n, width, e = received.shape
+        dest = as_packed(target)
+        if n == 0:  # every local row is padding
+            dest.fill_(fill)
+            return
+        by_row = received.transpose(0, 1)  # [n, P, h, E]
+        if dest.is_contiguous():
+            torch.index_select(by_row, 0, routes.local, out=dest.view(dest.shape[0], p, width, e))
+        else:
+            dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
+        if len(routes.padding):
+            dest.index_fill_(0, routes.padding, fill)
+
+    def _region_bytes(self, inputs, outputs, routes: Routes) -> tuple[int, int]:
+        """(bytes of the heads region, of the sequence region) of a pipeline whose groups
+        send ``inputs`` and receive into ``outputs`` (their routed ones)."""
+        arrive = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in inputs]
+        leave = [(t.shape[1] // self.size, t.shape[3], t.dtype) for t in outputs]
+        return (_sections(arrive, routes.total)[1],
+                _sections(leave, self.size * max(routes.counts))[1])
+
+    def _pipeline(self, groups, inputs, attend, outputs, fills, routes: Routes, spec) -> None:
+        """Every head group's ``inputs(g)`` to its heads, ``attend(g, *heads)``, the results
+        into ``outputs(g)`` (padding rows ``fills``): the next group's inputs travel while a
+        group is attended, its results while the next one is. Replicated K/V heads' results
+        (fewer in a group than ranks) are summed back as blocks."""
+        p, device = self.size, inputs(groups[0])[0].device
+        routed = [t.shape[1] >= p for t in outputs(groups[0])]
+        heads_bytes, sequence_bytes = self._region_bytes(
+            inputs(groups[0]), [t for t, r in zip(outputs(groups[0]), routed) if r], routes)
+        self.mover(device).reserve(heads_bytes + sequence_bytes, device)
+        incoming, outgoing = self._start_heads(inputs(groups[0]), routes, 0), None
+        for i, g in enumerate(groups):
+            arrived = incoming.finish()
+            incoming = self._start_heads(inputs(groups[i + 1]), routes, 0) \
+                if i + 1 < len(groups) else None
+            results = attend(g, *arrived)
+            del arrived
+            if outgoing is not None:
+                outgoing.finish()
+            targets = outputs(g)
+            summed = [(t, target) for t, target, r in zip(results, targets, routed) if not r]
+            if summed:
+                self._blocks_to_sequence(*zip(*summed), Layout.BSHE, spec, 0.0)
+            sent = [(t, target, fill) for t, target, fill, r in zip(results, targets, fills, routed)
+                    if r]
+            del results, summed
+            outgoing = self._start_sequence(*zip(*sent), routes, heads_bytes)
+            del sent
+        outgoing.finish()
 
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
-        routes = self._routes(spec, layout)
-        if routes is not None:
-            return self._packed_to_heads(tensors, routes)
         shapes = [(b, self._heads_per_rank(h), s, e)
                   for b, h, s, e in (t.shape for t in tensors)]
 
@@ -256,23 +343,10 @@ class Ulysses(SequenceSchedule):
             outs.append(out)
         return outs
 
-    def _to_sequence(self, tensors, layout: Layout, targets, spec, padding: float = 0.0) -> None:
-        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
-        into ``targets`` [B, h, S/P, E]; replicated K/V heads are summed; rows that did not
-        travel (padding) are ``padding``. Packed tensors of no replicated head take their
-        routes; the rest travel together as blocks of every local row."""
-        routes = self._routes(spec, layout) if padding == 0.0 else None
-        routed, rest = [], []
-        for t, target in zip(tensors, targets):
-            fits = routes is not None and target.shape[1] == t.shape[1] * self.size
-            (routed if fits else rest).append((t, target))
-        if routed:
-            self._packed_to_sequence(*zip(*routed), routes)
-        if rest:
-            self._blocks_to_sequence(*zip(*rest), layout, spec, padding)
-
     def _blocks_to_sequence(self, tensors, targets, layout: Layout, spec, padding: float) -> None:
-        """``_to_sequence`` by one all-to-all of blocks of every local row."""
+        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
+        into ``targets`` [B, h, S/P, E], by one all-to-all of blocks of every local row;
+        replicated K/V heads are summed; rows that did not travel (padding) are ``padding``."""
         places = [self._placement(spec, t.shape[2] // self.size, t.device) for t in tensors]
         shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
                   for t, place in zip(tensors, places)]
@@ -334,19 +408,28 @@ class Ulysses(SequenceSchedule):
         call = self._call(spec)
         out = layout.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        for g in self.groups_of(q, k, spec):
-            q_h, k_h, v_h = self._to_heads([g.of_q(q), g.of_kv(k), g.of_kv(v)], layout, spec)
+
+        def attend(g, q_h, k_h, v_h):
             if call is None:  # no real token anywhere
-                out_h = torch.zeros_like(q_h)
-                lse_h = torch.full(q_h.shape[:3], float("-inf"), device=q.device)
-            else:
-                out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
-                                            self._stream(dropout, g))
-            del q_h, k_h, v_h
-            self._to_sequence([out_h], layout, [g.of_q(out)], spec)
-            self._to_sequence([lse_h.unsqueeze(-1)], Layout.BHSE, [g.of_q(lse).unsqueeze(-1)],
-                              spec, padding=float("-inf"))
-            del out_h, lse_h
+                return [torch.zeros_like(q_h),
+                        torch.full((*q_h.shape[:3], 1), float("-inf"), device=q.device)]
+            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
+                                        self._stream(dropout, g))
+            return [out_h, lse_h.unsqueeze(-1)]
+
+        groups, routes = self.groups_of(q, k, spec), self._routes(spec, layout)
+        if routes is not None:
+            self._pipeline(groups, lambda g: [g.of_q(q), g.of_kv(k), g.of_kv(v)], attend,
+                           lambda g: [g.of_q(out), g.of_q(lse).unsqueeze(-1)],
+                           (0.0, float("-inf")), routes, spec)
+        else:
+            for g in groups:
+                out_h, lse_h = attend(g, *self._to_heads([g.of_q(q), g.of_kv(k), g.of_kv(v)],
+                                                         layout, spec))
+                self._blocks_to_sequence([out_h], [g.of_q(out)], layout, spec, 0.0)
+                self._blocks_to_sequence([lse_h], [g.of_q(lse).unsqueeze(-1)], Layout.BHSE,
+                                         spec, float("-inf"))
+                del out_h, lse_h
         return (as_packed(out) if packed else out), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
@@ -356,18 +439,30 @@ class Ulysses(SequenceSchedule):
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         call = self._call(spec)
         dq, dk, dv = (layout.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        for g in self.groups_of(q, k, spec):
-            inputs = self._to_heads([g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
-                                     g.of_q(out)], layout, spec)
-            (lse_h,) = self._to_heads([g.of_q(lse).unsqueeze(-1)], Layout.BHSE, spec)
+
+        def attend(g, dout_h, q_h, k_h, v_h, out_h, lse_h):
             if call is None:
-                grads = [torch.zeros_like(t) for t in inputs[1:4]]
-            else:
-                grads = call.backward(kernel, *inputs, lse_h.squeeze(-1), spec.softmax_scale,
-                                      self._stream(dropout, g))
-            del inputs, lse_h
-            self._to_sequence(list(grads), layout, [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)], spec)
-            del grads
+                return [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
+            return list(call.backward(kernel, dout_h, q_h, k_h, v_h, out_h,
+                                      lse_h.squeeze(-1).contiguous(), spec.softmax_scale,
+                                      self._stream(dropout, g)))
+
+        groups, routes = self.groups_of(q, k, spec), self._routes(spec, layout)
+        if routes is not None:
+            self._pipeline(groups, lambda g: [g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
+                                              g.of_q(out), g.of_q(lse).unsqueeze(-1)],
+                           attend, lambda g: [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)],
+                           (0.0, 0.0, 0.0), routes, spec)
+        else:
+            for g in groups:
+                inputs = self._to_heads([g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
+                                         g.of_q(out)], layout, spec)
+                inputs += self._to_heads([g.of_q(lse).unsqueeze(-1)], Layout.BHSE, spec)
+                grads = attend(g, *inputs)
+                del inputs
+                self._blocks_to_sequence(grads, [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)], layout,
+                                         spec, 0.0)
+                del grads
         return tuple(as_packed(t) for t in (dq, dk, dv)) if packed else (dq, dk, dv)
 
     def _kv_per_rank(self, spec) -> tuple[int, bool]:
@@ -379,21 +474,28 @@ class Ulysses(SequenceSchedule):
 
     def _packed_traffic(self, spec) -> tuple[int, int, int, int]:
         """Bytes (forward sent, received; backward sent, received) of a packed call: the
-        real tokens of q, k, v, out, dout and the gradients by their routes; lse, and the
-        gradients of replicated K/V heads, as blocks of every local row."""
+        real tokens of q, k, v, out, lse, dout and the gradients by their routes; the
+        gradients of replicated K/V heads as blocks of every local row."""
         p, local, e = self.size, self.local_tokens(spec), spec.head_dim * spec.dtype.itemsize
         counts = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").real.sum(1).tolist()
         mine, others = counts[self.index], sum(counts) - counts[self.index]
         h, (h_kv, replicated) = spec.heads // p, self._kv_per_rank(spec)
-        away, back = mine * (p - 1) * e, others * e  # per head: to every owner, from every rank
-        lse = (p - 1) * h * local * 4
+
+        def away(nbytes):  # per head of ``nbytes`` a row: this rank's rows to every owner
+            return mine * (p - 1) * nbytes
+
+        def back(nbytes):  # per head: every other rank's rows
+            return others * nbytes
+
         if replicated:  # dK/dV summed from blocks
             kv_grads = (2 * h_kv * (p - 1) * local * e,) * 2
         else:
-            kv_grads = (2 * h_kv * back, 2 * h_kv * away)
-        return ((h + 2 * h_kv) * away + h * back + lse, (h + 2 * h_kv) * back + h * away + lse,
-                (3 * h + 2 * h_kv) * away + lse + h * back + kv_grads[0],
-                (3 * h + 2 * h_kv) * back + lse + h * away + kv_grads[1])
+            kv_grads = (2 * h_kv * back(e), 2 * h_kv * away(e))
+        heads_in = h + 2 * h_kv, 3 * h + 2 * h_kv  # forward: q, k, v; backward: dout, q, k, v, out
+        return ((heads_in[0] * away(e) + h * back(e) + h * back(4),
+                 heads_in[0] * back(e) + h * away(e) + h * away(4),
+                 heads_in[1] * away(e) + h * away(4) + h * back(e) + kv_grads[0],
+                 heads_in[1] * back(e) + h * back(4) + h * away(e) + kv_grads[1]))
 
     def describe(self, spec):
         p, local = self.size, self.local_tokens(spec)
@@ -422,11 +524,12 @@ class Ulysses(SequenceSchedule):
     def memory(self, spec, call=None) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: the
         send and receive buffers of an all-to-all and what it places (the group's q, k, v in
-        forward; dout, q, k, v, out in backward; packed, one tensor at a time through one
-        send and one receive buffer), the kernel call's allocations, and the all-to-all of
-        its results back into the outputs. ``call(heads, kv_heads)``: the ``Memory`` of the
-        kernel call on that many query and K/V heads of the whole sequence when it is not a
-        GPU kernel's (under ``hybrid``, the outer schedule's)."""
+        forward; dout, q, k, v, out and lse in backward), the kernel call's allocations, and
+        the all-to-all of its results back into the outputs; packed, as ``_pipeline`` runs
+        them (``_pipeline_peak``; the copy-engine transport keeps its receive regions).
+        ``call(heads, kv_heads)``: the ``Memory`` of the kernel call on that many query and
+        K/V heads of the whole sequence when it is not a GPU kernel's (under ``hybrid``, the
+        outer schedule's)."""
         rows = self.local_tokens(spec)
         groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
@@ -439,22 +542,94 @@ class Ulysses(SequenceSchedule):
         kernel = kernel_call(size, rows, kv) if call is None else \
             call(spec.heads // groups // self.size, kv_local)
         inputs, grads = 3 * q + 2 * kv, q + 2 * kv
-        if spec.layout.is_varlen and self.routes_packed:  # one tensor at a time
-            arrive, send_in = _exchange(q, kv, kv), _exchange(q, q, kv, kv, q)
-            back = grads + 2 * (q if replicated else max(q, kv))
-            if replicated:  # dK, dV as blocks, summed in fp32
-                back = max(back, grads + 4 * kv + replicated)
-        else:  # every tensor in one all-to-all
-            arrive, send_in, back = 2 * (q + 2 * kv), 2 * inputs, 3 * grads + replicated
-        forward = max(arrive, q + 2 * kv + kernel.outputs + kernel.forward,
+        dq_dk_dv = whole.q() + 2 * whole.kv()
+        if spec.layout.is_varlen and self.routes_packed:
+            return self._pipelined_memory(spec, groups, q, kv, lse, kernel, replicated,
+                                          outputs=whole.q() + whole.lse(), gradients=dq_dk_dv)
+        forward = max(2 * (q + 2 * kv), q + 2 * kv + kernel.outputs + kernel.forward,
                       2 * q + kernel.outputs)
-        backward = whole.q() + 2 * whole.kv() + max(
-            send_in, inputs + 2 * lse + kernel.backward, back)
+        backward = dq_dk_dv + max(2 * inputs, inputs + 2 * lse + kernel.backward,
+                                  3 * grads + replicated)
         return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
                       kept=kernel.kept)
 
+    def _pipelined_memory(self, spec, groups, q, kv, lse, kernel, replicated, *, outputs,
+                          gradients) -> Memory:
+        """``memory`` of packed tensors through ``_pipeline``: per exchange, send buffers and
+        a receive region of the tensors it moves, each as large as what it places."""
+        kept = self.keeps_buffers()
+        sent_back = q if replicated else q + 2 * kv  # replicated dK, dV: blocks, summed
 
-def _exchange(*sizes: int) -> int:
-    """The peak of tensors of ``sizes`` bytes arriving one after another beside one send
-    and one receive buffer of the largest: all of them and the two buffers."""
-    return sum(sizes) + 2 * max(sizes)
+        def exchange(nbytes):  # (send buffers, region)
+            return nbytes, 0 if kept else nbytes
+
+        forward = _pipeline_peak(groups, exchange(q + 2 * kv), q + 2 * kv,
+                                 kernel.outputs + kernel.forward, kernel.outputs,
+                                 exchange(q + lse), max(q if groups > 1 else 0, lse))
+        inputs = 3 * q + 2 * kv + lse
+        backward = gradients + _pipeline_peak(
+            groups, exchange(inputs), inputs, lse + kernel.backward, q + 2 * kv,
+            exchange(sent_back), max(q, 0 if replicated else kv) if groups > 1 else 0,
+            summed=4 * kv + replicated if replicated else 0)
+        regions = 0
+        if kept:  # the heads and sequence regions of the larger pipeline
+            regions = max(inputs + sent_back, q + 2 * kv + q + lse)
+        return Memory(outputs=outputs, forward=forward, backward=backward,
+                      kept=kernel.kept + regions)
+
+
+def _pipeline_peak(groups: int, arrive, placed: int, kernel: int, results: int, leave,
+                   temp: int, summed: int = 0) -> int:
+    """The peak bytes of ``Ulysses._pipeline`` over ``groups`` head groups, replaying its
+    allocations in order: a group's exchange in (``arrive``: its send buffers, freed when it
+    lands, and its region), the heads it places (``placed``), the kernel's peak and its
+    ``results``, the replicated heads' blocks (``summed``, while they travel), the exchange
+    out (``leave``) and the temporary of placing what it brought (``temp``)."""
+    live = peak = 0
+
+    def add(nbytes):
+        nonlocal live, peak
+        live += nbytes
+        peak = max(peak, live)
+
+    add(sum(arrive))
+    for i in range(groups):
+        add(-arrive[0]), add(placed), add(-arrive[1])  # the group's heads land
+        if i + 1 < groups:
+            add(sum(arrive))  # the next group's start
+        add(kernel), add(results - kernel), add(-placed)
+        if i:  # the previous group's results land
+            add(-leave[0]), add(temp), add(-temp - leave[1])
+        add(summed), add(-summed)
+        add(sum(leave)), add(-results)
+    add(-leave[0]), add(temp)
+    return peak
+
+
+class _InFlight:
+    """An exchange in flight: ``finish()`` waits for it and returns what ``place`` makes of
+    the region that arrived."""
+
+    def __init__(self, pending, place):
+        self._pending, self._place = pending, place
+
+    def finish(self):
+        flat = self._pending.wait()
+        self._pending = None
+        return self._place(flat)
+
+
+def _sections(items, rows: int) -> tuple[list[int], int]:
+    """(byte offset of each tensor's section, bytes of the region) of a region holding
+    ``rows`` rows of each (heads, head dim, dtype) ``item``, sections aligned."""
+    offsets, total = [], 0
+    for width, e, dtype in items:
+        offsets.append(total)
+        total += aligned(rows * width * e * dtype.itemsize)
+    return offsets, total
+
+
+def _rows(flat: torch.Tensor, at: int, rows: int, item) -> torch.Tensor:
+    """The [rows, heads, E] tensor of ``item`` (heads, E, dtype) at byte ``at`` of ``flat``."""
+    width, e, dtype = item
+    return flat[at:at + rows * width * e * dtype.itemsize].view(dtype).view(rows, width, e)

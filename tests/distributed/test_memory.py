@@ -237,16 +237,20 @@ def test_ring_bf16_sums(mesh):
                      causal=True, layout="bshe")
 
 
-PACKED_CASES = [("ring", None), ("allgather", None), ("ulysses", None), ("ring", (3, 0)),
-                ("allgather", (3, 0))]
+PACKED_CASES = [("ring", None, 2), ("allgather", None, 2), ("ulysses", None, 2),
+                ("ulysses", None, 4), ("ring", (3, 0), 2), ("allgather", (3, 0), 2)]
 
 
-@pytest.mark.parametrize("name, window", PACKED_CASES,
-                         ids=[f"{n}-{'window' if w else 'causal'}" for n, w in PACKED_CASES])
-def test_packed(mesh, name, window):
+@pytest.mark.parametrize("name, window, groups", PACKED_CASES,
+                         ids=[f"{n}-{'window' if w else 'causal'}-g{g}"
+                              for n, w, g in PACKED_CASES])
+def test_packed(mesh, name, window, groups):
+    """Packed calls; ulysses in 4 groups runs its pipeline with a group in flight each
+    way while one is attended."""
     p = mesh.size()
-    problem = make_packed([8 * p, 4 * p, 12 * p], h=2 * p, e=64, causal=True, window=window)
-    sched = schedules.get(name, mesh, head_groups=2)
+    problem = make_packed([8 * p, 4 * p, 12 * p], h=groups * p, e=64, causal=True,
+                          window=window)
+    sched = schedules.get(name, mesh, head_groups=groups)
     local = sched.pack(problem.cu_seqlens)
     q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
                                                         problem.dout))

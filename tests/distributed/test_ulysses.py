@@ -12,8 +12,10 @@ import torch
 import schedules
 import sdpa_fusion
 
+from schedules.ulysses import PIPELINE_GROUPS
+
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
-from .packed import make_packed
+from .packed import assert_packed_matches, make_packed, run_packed
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -153,8 +155,8 @@ def test_describe_matches_communicator(mesh, layout, kv, groups):
 @pytest.mark.parametrize("kv_heads, groups", [("h", 1), (1, 1), (2, 2)],
                          ids=["mha", "mqa", "gqa-2-groups"])
 def test_packed_describe_matches_communicator(mesh, kv_heads, groups):
-    """Packed, only real tokens travel (lse, and the dK/dV of replicated K/V heads, as
-    blocks of every local row): sequences padded to 2P chunks, empty and one-token ones,
+    """Packed, only real tokens travel (the dK/dV of replicated K/V heads as blocks of every
+    local row): sequences padded to 2P chunks, empty and one-token ones,
     ranks with different real counts; describe() says what each rank sends and receives,
     with K/V heads replicated in every head group too (2 K/V heads in 2 groups)."""
     p = mesh.size()
@@ -174,3 +176,35 @@ def test_packed_describe_matches_communicator(mesh, kv_heads, groups):
     out.backward(sched.shard(problem.dout, **kw))
     assert (stats.bytes_sent, stats.bytes_received) == (
         d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received)
+
+
+@pytest.mark.parametrize("kv", ["mha", "replicated"])
+@pytest.mark.parametrize("lengths", ["mixed", "one-token"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_pipeline_matches_reference(mesh, kv, lengths, causal):
+    """Four packed head groups through the pipeline (a group's heads travel while the one
+    before is attended, its results while the next one is), forward and backward: MHA, and
+    one K/V head per group replicated over the ranks (its dK/dV summed as blocks); a
+    one-token batch leaves every rank but one without a real token."""
+    p = mesh.size()
+    h = 4 * p
+    sizes = [3 * p + 1, 0, 1, 5 * p, 2] if lengths == "mixed" else [1]
+    problem = make_packed(sizes, h=h, h_kv=h if kv == "mha" else 4, causal=causal, scale=0.3)
+    sched = schedules.get("ulysses", mesh, head_groups=4)
+    assert_packed_matches(problem, run_packed(sched, problem))
+
+
+def test_auto_pipelines_packed_calls_over_copy_engines(mesh, monkeypatch):
+    """With a transport that overlaps the kernel, ``auto`` runs packed calls in
+    PIPELINE_GROUPS head groups (as many as the heads allow), dense calls in one."""
+    p = mesh.size()
+    sched = schedules.get("ulysses", mesh)
+    packed = sdpa_fusion.AttentionSpec(1, 8 * p, 8 * p, 64, 64, 8, torch.float32, causal=True,
+                                       layout="thd", cu_seqlens=(0, 40, 64))
+    dense = packed.replace(layout="bshe", cu_seqlens=None)
+    assert sched.groups_for(packed) == sched.groups_for(dense) == 1  # p2p: nothing overlaps
+    monkeypatch.setattr(sched, "keeps_buffers", lambda: True)
+    assert sched.groups_for(packed) == PIPELINE_GROUPS
+    assert sched.groups_for(dense) == 1
+    few = packed.replace(heads=2 * p, kv_heads=2 * p)  # two groups of P heads at most
+    assert sched.groups_for(few) == 2

@@ -72,8 +72,24 @@ def torch_sdpa_per_sequence(q, k, v, dout, starts, lengths, causal, *, fp32=True
 def test_packed_schedule_matches_torch_sdpa(request, mesh, schedule, kernel, causal, kv_heads):
     if kernel == "fa4":
         request.getfixturevalue("fa4_kernel")
+    check_packed(schedules.get(schedule, mesh), kernel, causal, kv_heads)
+
+
+@pytest.mark.parametrize("transport", ["copy_engine", "p2p"])
+@pytest.mark.parametrize("groups", ["auto", 1, 2], ids=["groups-auto", "groups-1", "groups-2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa-padded"])
+def test_packed_ulysses_pipeline_matches_torch_sdpa(mesh, transport, groups, causal, kv_heads):
+    """Packed ulysses' head-group pipeline over each transport (auto takes four groups over
+    copy engines, one K/V head per group with GQA: replicated, its dK/dV summed as blocks)."""
+    sched = schedules.get("ulysses", mesh, transport=transport, head_groups=groups)
+    check_packed(sched, "cudnn", causal, kv_heads)
+
+
+def check_packed(sched, kernel, causal, kv_heads):
+    """``sched`` with ``kernel`` on the packed problem vs torch SDPA per sequence; padding
+    tokens get zero output and gradients."""
     (q, k, v, dout, cu, cu_padded), expected = _problem(causal, kv_heads, kv_heads != 8)
-    sched = schedules.get(schedule, mesh)
     kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=cu_padded)
     q_l, k_l, v_l = (sched.shard(t, **kw).requires_grad_() for t in (q, k, v))
     out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, kernel=kernel, schedule=sched, **kw)
