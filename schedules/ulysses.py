@@ -269,17 +269,15 @@ class Ulysses(Transported, SequenceSchedule):
 
     def _place_rows(self, received, target, fill: float, routes: Routes) -> None:
         """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
-        tokens; padding rows ``fill``."""
-        p, n, width, e = received.shape
+        tokens; padding rows ``fill``. One gather per rank straight into its heads of the
+        target (rows of contiguous heads: the GPU's vectorized gather, no temporary)."""
+        p, n, width, _ = received.shape
         dest = as_packed(target)
         if n == 0:  # every local row is padding
             dest.fill_(fill)
             return
-        by_row = received.transpose(0, 1)  # [n, P, h, E]
-        if dest.is_contiguous():
-            torch.index_select(by_row, 0, routes.local, out=dest.view(dest.shape[0], p, width, e))
-        else:
-            dest.copy_(torch.index_select(by_row, 0, routes.local).flatten(1, 2))
+        for j in range(p):
+            torch.index_select(received[j], 0, routes.local, out=dest.narrow(1, j * width, width))
         if len(routes.padding):
             dest.index_fill_(0, routes.padding, fill)
 
@@ -565,12 +563,11 @@ class Ulysses(Transported, SequenceSchedule):
 
         forward = _pipeline_peak(groups, exchange(q + 2 * kv), q + 2 * kv,
                                  kernel.outputs + kernel.forward, kernel.outputs,
-                                 exchange(q + lse), max(q if groups > 1 else 0, lse))
+                                 exchange(q + lse))
         inputs = 3 * q + 2 * kv + lse
         backward = gradients + _pipeline_peak(
             groups, exchange(inputs), inputs, lse + kernel.backward, q + 2 * kv,
-            exchange(sent_back), max(q, 0 if replicated else kv) if groups > 1 else 0,
-            summed=4 * kv + replicated if replicated else 0)
+            exchange(sent_back), summed=4 * kv + replicated if replicated else 0)
         regions = 0
         if kept:  # the heads and sequence regions of the larger pipeline
             regions = max(inputs + sent_back, q + 2 * kv + q + lse)
@@ -579,12 +576,12 @@ class Ulysses(Transported, SequenceSchedule):
 
 
 def _pipeline_peak(groups: int, arrive, placed: int, kernel: int, results: int, leave,
-                   temp: int, summed: int = 0) -> int:
+                   summed: int = 0) -> int:
     """The peak bytes of ``Ulysses._pipeline`` over ``groups`` head groups, replaying its
     allocations in order: a group's exchange in (``arrive``: its send buffers, freed when it
     lands, and its region), the heads it places (``placed``), the kernel's peak and its
-    ``results``, the replicated heads' blocks (``summed``, while they travel), the exchange
-    out (``leave``) and the temporary of placing what it brought (``temp``)."""
+    ``results``, the replicated heads' blocks (``summed``, while they travel) and the
+    exchange out (``leave``), whose rows land straight in the outputs."""
     live = peak = 0
 
     def add(nbytes):
@@ -599,10 +596,9 @@ def _pipeline_peak(groups: int, arrive, placed: int, kernel: int, results: int, 
             add(sum(arrive))  # the next group's start
         add(kernel), add(results - kernel), add(-placed)
         if i:  # the previous group's results land
-            add(-leave[0]), add(temp), add(-temp - leave[1])
+            add(-leave[0] - leave[1])
         add(summed), add(-summed)
         add(sum(leave)), add(-results)
-    add(-leave[0]), add(temp)
     return peak
 
 

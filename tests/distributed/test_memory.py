@@ -14,6 +14,7 @@ peak taken.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import pytest
@@ -25,10 +26,27 @@ import schedules
 import sdpa_fusion
 from schedules import heads
 from sdpa_fusion.kernels.base import Kernel, layout_of
+from sdpa_fusion.waiting import Arrivals
 
 from .packed import make_packed
 
 TRIES = 5
+
+
+@pytest.fixture(autouse=True)
+def transfers_let_go(monkeypatch):
+    """gloo's worker thread drops its reference to a finished transfer's tensors a moment
+    after the waiting thread wakes, so a send buffer the schedule has freed may still be
+    counted beside what it allocates next (seen: an all-to-all's send buffer alive while
+    its result is placed). Each wait here gives the worker that moment, so that the count
+    is the schedule's own lifetimes."""
+    wait = Arrivals.wait
+
+    def wait_and_let_go(self, work, step):
+        wait(self, work, step)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(Arrivals, "wait", wait_and_let_go)
 
 
 @pytest.fixture(autouse=True)
