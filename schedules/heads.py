@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 MIN_GROUP_WORK = 1 << 19  # query rows x heads of a group's block (auto): 4 heads of 128K rows
+PIPELINE_GROUPS = 2  # auto: the least groups of a call whose groups' transfers overlap kernels
 
 
 def check_option(head_groups) -> int | str:

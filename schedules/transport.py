@@ -356,6 +356,35 @@ class CopyEngineMover(Mover):
         return [_StreamEvent(event)]
 
 
+class InFlight:
+    """An exchange in flight: ``finish()`` waits for it and returns what ``place`` makes of
+    the region that arrived."""
+
+    def __init__(self, pending, place):
+        self._pending, self._place = pending, place
+
+    def finish(self):
+        flat = self._pending.wait()
+        self._pending = None
+        return self._place(flat)
+
+
+def sections(items, rows: int) -> tuple[list[int], int]:
+    """(byte offset of each tensor's section, bytes of the region) of a region holding
+    ``rows`` rows of each (heads, head dim, dtype) ``item``, sections aligned."""
+    offsets, total = [], 0
+    for width, e, dtype in items:
+        offsets.append(total)
+        total += aligned(rows * width * e * dtype.itemsize)
+    return offsets, total
+
+
+def rows_at(flat: torch.Tensor, at: int, rows: int, item) -> torch.Tensor:
+    """The [rows, heads, E] tensor of ``item`` (heads, E, dtype) at byte ``at`` of ``flat``."""
+    width, e, dtype = item
+    return flat[at:at + rows * width * e * dtype.itemsize].view(dtype).view(rows, width, e)
+
+
 class Transported:
     """A schedule whose transfers go through the mover of its ``transport``, one per device
     (made on first use); it calls ``use_transport`` in its constructor."""

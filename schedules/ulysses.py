@@ -34,8 +34,8 @@ is attended, and its results travel back while the next one is:
 
 The exchanges go through ``transport`` (see ``schedules.transport``): on GPUs of one host the
 copy engines move them beside the attention kernel, which holds every SM (NCCL's kernels would
-wait for it). ``head_groups="auto"`` then takes ``PIPELINE_GROUPS`` groups where the heads
-allow, so that only the first group's inputs and the last one's results are not hidden.
+wait for it). ``head_groups="auto"`` then takes ``heads.PIPELINE_GROUPS`` groups where the
+heads allow, so that only the first group's inputs and the last one's results are not hidden.
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ import torch
 
 from sdpa_fusion.layout import Layout
 
+from . import heads
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
 from .memory import Memory, Sizes, kernel_call
 from .sequence import SequenceSchedule
-from .transport import Put, Take, Transported, aligned
-
-PIPELINE_GROUPS = 4  # auto head groups of a packed call whose exchanges overlap the kernel
+from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +140,7 @@ class Ulysses(Transported, SequenceSchedule):
 
     def least_groups(self, spec) -> int:
         overlaps = spec.layout.is_varlen and self.routes_packed and self.keeps_buffers()
-        return PIPELINE_GROUPS if overlaps else 1
+        return heads.PIPELINE_GROUPS if overlaps else 1
 
     def validate(self, spec):
         super().validate(spec)
@@ -208,14 +207,14 @@ class Ulysses(Transported, SequenceSchedule):
         return spec.packing.cached(("ulysses-routes", self.index),
                                    lambda: Routes.of(self._packed_plan(spec)[0], self.index))
 
-    def _start_heads(self, tensors, routes: Routes, base: int) -> "_InFlight":
+    def _start_heads(self, tensors, routes: Routes, base: int) -> InFlight:
         """Start sending this rank's real tokens of packed [1, H, S/P, E] ``tensors`` to the
         owners of their heads (region at ``base``); ``finish()`` gives this rank's heads
         [1, H/P, T, E] of every real token in packed order. Per tensor: one gather per rank
         into a send buffer, the exchange, one gather into packed order."""
         n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
         items = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
-        offsets, nbytes = _sections(items, routes.total)
+        offsets, nbytes = sections(items, routes.total)
         mover = self.mover(tensors[0].device)
         region = mover.region(base, nbytes, tensors[0].device)
         puts, takes = [], []
@@ -232,13 +231,13 @@ class Ulysses(Transported, SequenceSchedule):
         del puts, send, part
 
         def place(flat):
-            return [as_block(torch.index_select(_rows(flat, at, routes.total, item), 0,
+            return [as_block(torch.index_select(rows_at(flat, at, routes.total, item), 0,
                                                 routes.order))
                     for item, at in zip(items, offsets)]
 
-        return _InFlight(pending, place)
+        return InFlight(pending, place)
 
-    def _start_sequence(self, tensors, targets, fills, routes: Routes, base: int) -> "_InFlight":
+    def _start_sequence(self, tensors, targets, fills, routes: Routes, base: int) -> InFlight:
         """Start sending this rank's heads [1, h, T, E] of every real token back to the
         ranks holding the tokens (region at ``base``); ``finish()`` writes them into
         ``targets`` [1, P h, S/P, E], padding rows ``fills``. Per tensor: one gather of every
@@ -246,7 +245,7 @@ class Ulysses(Transported, SequenceSchedule):
         n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
             routes.counts
         items = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
-        offsets, nbytes = _sections(items, p * max(counts))
+        offsets, nbytes = sections(items, p * max(counts))
         mover = self.mover(tensors[0].device)
         region = mover.region(base, nbytes, tensors[0].device)
         puts, takes = [], []
@@ -262,10 +261,10 @@ class Ulysses(Transported, SequenceSchedule):
 
         def place(flat):
             for target, fill, item, at in zip(targets, fills, items, offsets):
-                self._place_rows(_rows(flat, at, p * n, item).view(p, n, *item[:2]), target,
+                self._place_rows(rows_at(flat, at, p * n, item).view(p, n, *item[:2]), target,
                                  fill, routes)
 
-        return _InFlight(pending, place)
+        return InFlight(pending, place)
 
     def _place_rows(self, received, target, fill: float, routes: Routes) -> None:
         """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
@@ -286,8 +285,8 @@ class Ulysses(Transported, SequenceSchedule):
         send ``inputs`` and receive into ``outputs`` (their routed ones)."""
         arrive = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in inputs]
         leave = [(t.shape[1] // self.size, t.shape[3], t.dtype) for t in outputs]
-        return (_sections(arrive, routes.total)[1],
-                _sections(leave, self.size * max(routes.counts))[1])
+        return (sections(arrive, routes.total)[1],
+                sections(leave, self.size * max(routes.counts))[1])
 
     def _pipeline(self, groups, inputs, attend, outputs, fills, routes: Routes, spec) -> None:
         """Every head group's ``inputs(g)`` to its heads, ``attend(g, *heads)``, the results
@@ -600,32 +599,3 @@ def _pipeline_peak(groups: int, arrive, placed: int, kernel: int, results: int, 
         add(summed), add(-summed)
         add(sum(leave)), add(-results)
     return peak
-
-
-class _InFlight:
-    """An exchange in flight: ``finish()`` waits for it and returns what ``place`` makes of
-    the region that arrived."""
-
-    def __init__(self, pending, place):
-        self._pending, self._place = pending, place
-
-    def finish(self):
-        flat = self._pending.wait()
-        self._pending = None
-        return self._place(flat)
-
-
-def _sections(items, rows: int) -> tuple[list[int], int]:
-    """(byte offset of each tensor's section, bytes of the region) of a region holding
-    ``rows`` rows of each (heads, head dim, dtype) ``item``, sections aligned."""
-    offsets, total = [], 0
-    for width, e, dtype in items:
-        offsets.append(total)
-        total += aligned(rows * width * e * dtype.itemsize)
-    return offsets, total
-
-
-def _rows(flat: torch.Tensor, at: int, rows: int, item) -> torch.Tensor:
-    """The [rows, heads, E] tensor of ``item`` (heads, E, dtype) at byte ``at`` of ``flat``."""
-    width, e, dtype = item
-    return flat[at:at + rows * width * e * dtype.itemsize].view(dtype).view(rows, width, e)

@@ -12,7 +12,7 @@ import torch
 import schedules
 import sdpa_fusion
 
-from schedules.ulysses import PIPELINE_GROUPS
+from schedules.heads import PIPELINE_GROUPS
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 from .packed import assert_packed_matches, make_packed, run_packed

@@ -76,12 +76,13 @@ def test_packed_schedule_matches_torch_sdpa(request, mesh, schedule, kernel, cau
 
 
 @pytest.mark.parametrize("transport", ["copy_engine", "p2p"])
-@pytest.mark.parametrize("groups", ["auto", 1, 2], ids=["groups-auto", "groups-1", "groups-2"])
+@pytest.mark.parametrize("groups", ["auto", 1, 4], ids=["groups-auto", "groups-1", "groups-4"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa-padded"])
 def test_packed_ulysses_pipeline_matches_torch_sdpa(mesh, transport, groups, causal, kv_heads):
-    """Packed ulysses' head-group pipeline over each transport (auto takes four groups over
-    copy engines, one K/V head per group with GQA: replicated, its dK/dV summed as blocks)."""
+    """Packed ulysses' head-group pipeline over each transport (auto takes two groups over
+    copy engines; four groups with GQA hold one K/V head each: replicated over the ranks, its
+    dK/dV summed as blocks)."""
     sched = schedules.get("ulysses", mesh, transport=transport, head_groups=groups)
     check_packed(sched, "cudnn", causal, kv_heads)
 
