@@ -23,6 +23,13 @@ Head groups (``head_groups``, see ``schedules.heads``): the gathers, calls and
 reduce-scatters run one group of K/V heads at a time, the next group's gather in flight
 while the current one is attended.
 
+Packed sequences travel through ``transport`` (see ``schedules.transport``): each rank puts
+its K/V of a group into every other rank's region (two regions in turn: the next group's
+gather lands while the current one is read), and its fp32 dK/dV sums of the other ranks'
+tokens into theirs; the owner adds what came to its own sums. A group's sums land after the
+next group's own calls are queued, so over copy engines both directions travel beside the
+attention kernels (``head_groups="auto"`` then takes at least ``heads.PIPELINE_GROUPS``).
+
 Packed sequences: the same calls, each one varlen call over every sequence. The own call is
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
 local tokens against the other ranks' real tokens of that sequence before the run (full
@@ -51,6 +58,7 @@ from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_call
                     fold_calls, keys_of, packed_call, part_call)
 from .memory import Memory, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
+from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
 
@@ -136,8 +144,20 @@ def _dense_window_plan(mask, partition, parts, rank, s_q, s_kv):
                  for call in dense_calls(runs_q, rank, runs_k, j, mask, key_base=slot * s_kv)]
 
 
-class AllGather(SequenceSchedule):
+class AllGather(Transported, SequenceSchedule):
+    """K/V all-gathered per head group; ``transport`` picks how packed K/V and dK/dV sums
+    travel (see ``schedules.transport``), ``head_groups`` how many groups run in turn."""
+
     name = "allgather"
+
+    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
+                 head_groups="auto"):
+        super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
+        self.use_transport(transport)
+
+    def least_groups(self, spec) -> int:
+        overlaps = spec.layout.is_varlen and self.keeps_buffers()
+        return heads.PIPELINE_GROUPS if overlaps else 1
 
     def validate(self, spec):
         super().validate(spec)
@@ -213,13 +233,13 @@ class AllGather(SequenceSchedule):
         """(group, its K and V as the calls take them, where the other ranks' tokens are in
         them) for every head group; each group's gather is started while the group before
         is attended."""
+        if spec.packing is not None:
+            yield from self._packed_gathers(k, v, groups)
+            return
         layout = layout_of(k)
-        positions = None if spec.packing else self._other_positions(
-            k.shape[2] * self.size, k.device, rank_order)
+        positions = self._other_positions(k.shape[2] * self.size, k.device, rank_order)
 
         def start(g):
-            if spec.packing is not None:
-                return [self.comm.all_gather(as_packed(g.of_kv(t))) for t in (k, v)]
             return [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
 
         pending = start(groups[0])
@@ -227,10 +247,7 @@ class AllGather(SequenceSchedule):
         def keys(index: int):
             nonlocal pending
             gathered, pending = [p.wait() for p in pending], None
-            if spec.packing is not None:
-                built = [as_block(t.flatten(0, 1)) for t in gathered]
-            else:
-                built = [self._others(t, positions, layout) for t in gathered]
+            built = [self._others(t, positions, layout) for t in gathered]
             del gathered
             if index + 1 < len(groups):
                 pending = start(groups[index + 1])
@@ -238,6 +255,81 @@ class AllGather(SequenceSchedule):
 
         for index, g in enumerate(groups):
             yield g, keys(index), positions  # not kept here: the caller frees the keys
+
+    def _region_bytes(self, k, groups, dtype) -> int:
+        """Bytes of a region of a group's packed K and V (or dK and dV sums), every rank's
+        tokens, in ``dtype``: a gather's (two are used in turn) or a scatter's."""
+        item = (k.shape[1] // len(groups), k.shape[3], dtype)
+        return sections([item, item], self.size * k.shape[2])[1]
+
+    def _packed_gathers(self, k, v, groups):
+        """``_gathers`` of packed K and V [1, H_kv, T, E]: each group's K and V [1, h, P T, E],
+        every rank's tokens in rank order (this rank's own rows left unfilled: no call reads
+        them), through exchanges into two regions used in turn."""
+        p, me, tokens, device = self.size, self.index, k.shape[2], k.device
+        mover = self.mover(device)
+        item = (k.shape[1] // len(groups), k.shape[3], k.dtype)
+        offsets, nbytes = sections([item, item], p * tokens)
+        row = item[0] * item[1] * item[2].itemsize
+
+        def start(index):
+            region = mover.region(index % 2 * nbytes, nbytes, device)
+            puts, takes = [], []
+            for t, at in zip((k, v) if p > 1 else (), offsets):  # alone: nothing to send
+                send = as_packed(groups[index].of_kv(t)).contiguous()
+                for j in range(p):
+                    if j != me:
+                        puts.append(Put(send, (j - me) % p, at + me * tokens * row))
+                        takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
+            pending = mover.exchange(puts, takes, region)
+            return InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
+                                                   for at in offsets])
+
+        in_flight = start(0)
+
+        def arrived(index):
+            nonlocal in_flight
+            keys = in_flight.finish()
+            in_flight = start(index + 1) if index + 1 < len(groups) else None
+            return keys
+
+        for index, g in enumerate(groups):
+            yield g, arrived(index), None  # not kept here: the caller frees the keys
+
+    def _start_scatter(self, sums, mine, targets, base: int) -> InFlight:
+        """Start sending every other rank the fp32 dK and dV ``sums`` [1, h, P T, E] of its
+        tokens (rank order); ``finish()`` adds what came from the others and this rank's own
+        gradients ``mine`` (per tensor, (key rows, gradient) parts) to its own sums and writes
+        them into ``targets``."""
+        p, me, device = self.size, self.index, sums[0].device
+        tokens = sums[0].shape[2] // p
+        item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
+        offsets, nbytes = sections([item] * len(sums), p * tokens)
+        row = item[0] * item[1] * item[2].itemsize
+        mover = self.mover(device)
+        region = mover.region(base, nbytes, device)
+        puts, takes, owns = [], [], []
+        for summed, at in zip(sums, offsets):
+            rows = as_packed(summed)
+            for j in range(p):
+                if j != me:
+                    puts.append(Put(rows[j * tokens:(j + 1) * tokens], (j - me) % p,
+                                    at + me * tokens * row))
+                    takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
+            owns.append(rows[me * tokens:(me + 1) * tokens])
+        pending = mover.exchange(puts, takes, region)
+
+        def place(flat):
+            for own, parts, target, at in zip(owns, mine, targets, offsets):
+                received = rows_at(flat, at, p * tokens, item)
+                for j in range(p):
+                    if j != me:
+                        own.add_(received[j * tokens:(j + 1) * tokens])
+                for rows, grad in parts:
+                    add_rows(as_block(own), rows, grad)
+                as_packed(target).copy_(own)
+
+        return InFlight(pending, place)
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
         """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
@@ -258,6 +350,8 @@ class AllGather(SequenceSchedule):
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
         blocks = self._blocks(own, calls, rank_order)
+        if packed:
+            self.mover(k.device).reserve(2 * self._region_bytes(k, groups, k.dtype), k.device)
         for g, gathered, _ in self._gathers(spec, k, v, groups, rank_order):
             merged = Merged(g.of_q(out), g.of_q(lse), blocks)
             fold_calls(own, kernel, merged, g.of_q(q), g.of_kv(k), g.of_kv(v), scale,
@@ -277,24 +371,35 @@ class AllGather(SequenceSchedule):
                       for t in (q, k, v))
         groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
         blocks = self._blocks(own, calls, rank_order)
+        if packed:  # two gather regions, then the scatter's
+            gathers = 2 * self._region_bytes(k, groups, k.dtype)
+            scatter = self._region_bytes(k, groups, torch.float32)
+            self.mover(k.device).reserve(gathers + scatter, k.device)
+        landing = None  # packed: the previous group's dK/dV sums in flight
         for g, keys, positions in self._gathers(spec, k, v, groups, rank_order):
             dq_sum = Sum(g.of_q(dq), blocks)
             dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
             mine = self._own_grads(own, kernel, dq_sum, (dout_g, q_g, g.of_kv(k), g.of_kv(v),
                                                          out_g, lse_g, scale),
                                    self._streams(dropout, "own", g))
+            if landing is not None:  # behind this group's own calls
+                landing.finish()
+                landing = None
             sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
             backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
                            sums, self._streams(dropout, "gathered", g))
             del keys
             dq_sum.finish()
+            if packed:
+                landing = self._start_scatter(sums, mine, [g.of_kv(dk), g.of_kv(dv)], gathers)
+                del sums, mine
+                continue
             for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
-                if packed:
-                    summed = self._packed_scatter(mine.pop(0), sums.pop(0))
-                else:
-                    summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
+                summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
                 target.copy_(summed)
                 del summed
+        if landing is not None:
+            landing.finish()
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
@@ -327,15 +432,6 @@ class AllGather(SequenceSchedule):
         mine.finish()
         return from_buffer(self.comm.reduce_scatter(send), layout)
 
-    def _packed_scatter(self, own, summed):
-        """This rank's tokens' dK (or dV) of a head group: the fp32 sums of every rank's
-        tokens (rank order), with this rank's own gradients (``own``: (key rows, gradient)
-        parts) added, reduce-scattered."""
-        tokens = summed.shape[2] // self.size
-        for rows, grad in own:
-            add_rows(summed[:, :, self.index * tokens:(self.index + 1) * tokens], rows, grad)
-        return as_block(self.comm.reduce_scatter(as_packed(summed).unflatten(0, (self.size, tokens))))
-
     def describe(self, spec):
         p, itemsize = self.size, spec.dtype.itemsize
         kv = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
@@ -348,7 +444,9 @@ class AllGather(SequenceSchedule):
             backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
                   f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered; "
-                  f"{self.groups_for(spec)} head group(s)",
+                  f"{self.groups_for(spec)} head group(s)"
+                  + (f"; packed through transport {self.transport}" if spec.layout.is_varlen
+                     else ""),
             memory=self.memory(spec),
         )
 
@@ -358,16 +456,22 @@ class AllGather(SequenceSchedule):
         gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
         keys' dK/dV and, per tensor, the fp32 input and output of the reduce-scatter; fp32
         sums of out and dQ where a row may get more than two calls. Beside all of it, dense
-        calls hold the int64 slots of the other ranks' tokens in ``others``."""
+        calls hold the int64 slots of the other ranks' tokens in ``others``. Packed, K/V land
+        in regions of every rank's tokens and the sums of a group travel while the next
+        group's own calls run (``_packed_backward``; the copy-engine transport keeps its
+        regions)."""
         p, rows = self.size, self.local_tokens(spec)
         packed = spec.layout.is_varlen
         groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
         kv, kv32 = size.kv(), size.kv(itemsize=4)
-        copies = 0 if heads.contiguous(spec, groups) else 2 * kv  # what a gather sends
-        gathered = 2 * p * kv + copies
+        copies = 0 if heads.contiguous(spec, groups) or (packed and p == 1) \
+            else 2 * kv  # what a gather sends
+        kept = packed and self.keeps_buffers()
+        region = 0 if kept else 2 * p * kv  # packed: every rank's K/V of a group
+        gathered = (region if packed else 2 * p * kv) + copies
         # packed calls read the gathered K/V itself; dense ones the others in the calls' order
-        keys = 2 * p * kv if packed else 2 * (p - 1) * kv
+        keys = region if packed else 2 * (p - 1) * kv
         building = gathered if packed else gathered + keys
         ahead = gathered if groups > 1 else 0  # the next group's gather
         key_rows = (p if packed else p - 1) * rows
@@ -388,12 +492,20 @@ class AllGather(SequenceSchedule):
         sums = 2 * (key_rows // rows) * kv32
         calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
                           for c in calls), default=0)
-        scatter = kv32 if packed else p * kv32  # the reduce-scatter's input beside the sums
+        outputs = whole.q() + whole.lse()
+        if packed:
+            landing = max((size.kv(keys_of(c, rows), itemsize=4) for c in own), default=0)
+            backward = whole.q() + 2 * whole.kv() + _packed_backward(
+                groups, region, copies, fp32_sum, own_steps, sum(own_grads), sums,
+                calls_step, 0 if kept else 2 * p * kv32, landing)
+            kept_bytes = 2 * 2 * p * kv + 2 * p * kv32 if kept else 0
+            return Memory(outputs=outputs, forward=forward, backward=backward, kept=kept_bytes)
+        scatter = p * kv32  # the reduce-scatter's input beside the sums
         backward = whole.q() + 2 * whole.kv() + slots + max(
             building, during + max(own_steps, default=0),
             during + sum(own_grads) + sums + calls_step,
             ahead + sum(own_grads) + sums + scatter)
-        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward)
+        return Memory(outputs=outputs, forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
@@ -404,3 +516,38 @@ class AllGather(SequenceSchedule):
         pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
             sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
         return len(own) + len(calls), pairs
+
+
+def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_steps, own_grads: int,
+                     sums: int, calls_step: int, scatter: int, landing: int) -> int:
+    """The peak bytes of a packed backward over ``groups`` head groups beyond dQ, dK and dV,
+    replaying its allocations in order: a group's gather (``region``, and ``sends`` until it
+    lands) with the next one's started, the fp32 dQ sum, the own calls (``own_steps``: the
+    peak of each) leaving ``own_grads``, the previous group's sums landing (its ``scatter``
+    region and sums freed; ``landing``: an own gradient in fp32 while it is added), the
+    ``sums`` of the gathered keys' calls (``calls_step`` beside them), the keys freed, and
+    the group's sums sent into a ``scatter`` region."""
+    live = peak = 0
+
+    def add(nbytes):
+        nonlocal live, peak
+        live += nbytes
+        peak = max(peak, live)
+
+    add(region + sends)
+    for i in range(groups):
+        add(-sends)
+        if i + 1 < groups:
+            add(region + sends)
+        add(fp32_sum)
+        for step in own_steps:
+            peak = max(peak, live + step)
+        add(own_grads)
+        if i:
+            peak = max(peak, live + landing)
+            add(-(sums + scatter + own_grads))
+        add(sums)
+        peak = max(peak, live + calls_step)
+        add(-region - fp32_sum)
+        add(scatter)
+    return peak

@@ -514,7 +514,9 @@ class Ulysses(Transported, SequenceSchedule):
             backward_flops=spec.flops(backward=True) / p - flops,
             notes=f"partition {self.partition.name}; {h} of {spec.heads} heads and {h_kv} K/V "
                   f"heads per rank over the whole sequence; all-to-alls repeated in backward; "
-                  f"{self.groups_for(spec)} head group(s)",
+                  f"{self.groups_for(spec)} head group(s)"
+                  + (f"; packed through transport {self.transport}" if spec.layout.is_varlen
+                     else ""),
             memory=self.memory(spec),
         )
 

@@ -12,8 +12,10 @@ import torch
 import schedules
 import sdpa_fusion
 from schedules.allgather import gathered_calls, runs
+from schedules.heads import PIPELINE_GROUPS
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
+from .packed import assert_packed_matches, make_packed, run_packed
 
 PARTITIONS = ["contiguous", "load_balanced", "striped", "index_map"]
 
@@ -161,3 +163,30 @@ def test_describe_matches_communicator(mesh, layout, groups):
     assert (stats.bytes_sent, stats.bytes_received, stats.transfers) == (
         d.bytes_sent + d.backward_bytes_sent, d.bytes_received + d.backward_bytes_received,
         6 * groups)
+
+
+@pytest.mark.parametrize("kv", ["mha", "gqa"])
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["causal", "window"])
+def test_packed_in_four_groups_matches_reference(mesh, kv, window):
+    """Packed K/V gathered into regions used in turn (the next group's lands while one is
+    attended) and dK/dV sums landing behind the next group's own calls, over four head
+    groups: empty, one-token and unevenly split sequences, forward and backward exact."""
+    p = mesh.size()
+    problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=8, h_kv=8 if kv == "mha" else 4,
+                          causal=True, window=window, scale=0.3)
+    sched = schedules.get("allgather", mesh, head_groups=4)
+    assert_packed_matches(problem, run_packed(sched, problem))
+
+
+def test_auto_overlaps_packed_calls_over_copy_engines(mesh, monkeypatch):
+    """With a transport that overlaps the kernels, ``auto`` runs packed calls in at least
+    PIPELINE_GROUPS head groups; dense calls keep their groups."""
+    p = mesh.size()
+    sched = schedules.get("allgather", mesh)
+    packed = sdpa_fusion.AttentionSpec(1, 8, 8, 64 * p, 64 * p, 8, torch.float32, causal=True,
+                                       layout="thd", cu_seqlens=(0, 40 * p, 64 * p))
+    dense = packed.replace(layout="bshe", cu_seqlens=None)
+    assert sched.groups_for(packed) == sched.groups_for(dense) == 1  # p2p: nothing overlaps
+    monkeypatch.setattr(sched, "keeps_buffers", lambda: True)
+    assert sched.groups_for(packed) == PIPELINE_GROUPS
+    assert sched.groups_for(dense) == 1

@@ -255,16 +255,18 @@ def test_ring_bf16_sums(mesh):
                      causal=True, layout="bshe")
 
 
-PACKED_CASES = [("ring", None, 2), ("allgather", None, 2), ("ulysses", None, 2),
-                ("ulysses", None, 4), ("ring", (3, 0), 2), ("allgather", (3, 0), 2)]
+PACKED_CASES = [("ring", None, 2), ("allgather", None, 2), ("allgather", None, 4),
+                ("ulysses", None, 2), ("ulysses", None, 4), ("ring", (3, 0), 2),
+                ("allgather", (3, 0), 2)]
 
 
 @pytest.mark.parametrize("name, window, groups", PACKED_CASES,
                          ids=[f"{n}-{'window' if w else 'causal'}-g{g}"
                               for n, w, g in PACKED_CASES])
 def test_packed(mesh, name, window, groups):
-    """Packed calls; ulysses in 4 groups runs its pipeline with a group in flight each
-    way while one is attended."""
+    """Packed calls; in 4 groups, ulysses runs its pipeline with a group in flight each way
+    while one is attended, and allgather gathers the next group's K/V while a group's
+    dK/dV sums land behind the next group's own calls."""
     p = mesh.size()
     problem = make_packed([8 * p, 4 * p, 12 * p], h=groups * p, e=64, causal=True,
                           window=window)

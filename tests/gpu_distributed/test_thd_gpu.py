@@ -75,15 +75,18 @@ def test_packed_schedule_matches_torch_sdpa(request, mesh, schedule, kernel, cau
     check_packed(schedules.get(schedule, mesh), kernel, causal, kv_heads)
 
 
+@pytest.mark.parametrize("schedule", ["ulysses", "allgather"])
 @pytest.mark.parametrize("transport", ["copy_engine", "p2p"])
 @pytest.mark.parametrize("groups", ["auto", 1, 4], ids=["groups-auto", "groups-1", "groups-4"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa-padded"])
-def test_packed_ulysses_pipeline_matches_torch_sdpa(mesh, transport, groups, causal, kv_heads):
-    """Packed ulysses' head-group pipeline over each transport (auto takes two groups over
-    copy engines; four groups with GQA hold one K/V head each: replicated over the ranks, its
-    dK/dV summed as blocks)."""
-    sched = schedules.get("ulysses", mesh, transport=transport, head_groups=groups)
+def test_packed_pipeline_matches_torch_sdpa(mesh, schedule, transport, groups, causal, kv_heads):
+    """Packed head groups in a pipeline over each transport (auto takes two groups over copy
+    engines): ulysses' exchanges of the next group's heads and the last group's results;
+    allgather's gathers into regions used in turn and dK/dV sums landing behind the next
+    group's own calls. Four ulysses groups with GQA hold one K/V head each: replicated over
+    the ranks, its dK/dV summed as blocks."""
+    sched = schedules.get(schedule, mesh, transport=transport, head_groups=groups)
     check_packed(sched, "cudnn", causal, kv_heads)
 
 
