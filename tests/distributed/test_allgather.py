@@ -12,7 +12,6 @@ import torch
 import schedules
 import sdpa_fusion
 from schedules.allgather import gathered_calls, runs
-from schedules.heads import PIPELINE_GROUPS
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 from .packed import assert_packed_matches, make_packed, run_packed
@@ -176,17 +175,3 @@ def test_packed_in_four_groups_matches_reference(mesh, kv, window):
                           causal=True, window=window, scale=0.3)
     sched = schedules.get("allgather", mesh, head_groups=4)
     assert_packed_matches(problem, run_packed(sched, problem))
-
-
-def test_auto_overlaps_packed_calls_over_copy_engines(mesh, monkeypatch):
-    """With a transport that overlaps the kernels, ``auto`` runs packed calls in at least
-    PIPELINE_GROUPS head groups; dense calls keep their groups."""
-    p = mesh.size()
-    sched = schedules.get("allgather", mesh)
-    packed = sdpa_fusion.AttentionSpec(1, 8, 8, 64 * p, 64 * p, 8, torch.float32, causal=True,
-                                       layout="thd", cu_seqlens=(0, 40 * p, 64 * p))
-    dense = packed.replace(layout="bshe", cu_seqlens=None)
-    assert sched.groups_for(packed) == sched.groups_for(dense) == 1  # p2p: nothing overlaps
-    monkeypatch.setattr(sched, "keeps_buffers", lambda: True)
-    assert sched.groups_for(packed) == PIPELINE_GROUPS
-    assert sched.groups_for(dense) == 1

@@ -81,8 +81,8 @@ def test_packed_schedule_matches_torch_sdpa(request, mesh, schedule, kernel, cau
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa-padded"])
 def test_packed_pipeline_matches_torch_sdpa(mesh, schedule, transport, groups, causal, kv_heads):
-    """Packed head groups in a pipeline over each transport (auto takes two groups over copy
-    engines): ulysses' exchanges of the next group's heads and the last group's results;
+    """Packed head groups in a pipeline over each transport (auto: ulysses takes two groups
+    over copy engines): ulysses' exchanges of the next group's heads and the last group's results;
     allgather's gathers into regions used in turn and dK/dV sums landing behind the next
     group's own calls. Four ulysses groups with GQA hold one K/V head each: replicated over
     the ranks, its dK/dV summed as blocks."""
