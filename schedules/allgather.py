@@ -231,9 +231,10 @@ class AllGather(Transported, SequenceSchedule):
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
     def _gathers(self, spec, k, v, groups, rank_order: bool):
-        """(group, its K and V as the calls take them, where the other ranks' tokens are in
-        them) for every head group; each group's gather is started while the group before
-        is attended."""
+        """(group, ``keys()``, where the other ranks' tokens are in them) for every head
+        group: ``keys()`` waits for the group's K and V and gives them as the calls take them
+        (the caller runs the own calls before, so that the gather travels beside them), then
+        starts the next group's gather, which travels beside the gathered calls."""
         if spec.packing is not None:
             yield from self._packed_gathers(k, v, groups)
             return
@@ -255,7 +256,7 @@ class AllGather(Transported, SequenceSchedule):
             return built
 
         for index, g in enumerate(groups):
-            yield g, keys(index), positions  # not kept here: the caller frees the keys
+            yield g, functools.partial(keys, index), positions
 
     def _region_bytes(self, k, groups, dtype) -> int:
         """Bytes of a region of a group's packed K and V (or dK and dV sums), every rank's
@@ -295,7 +296,7 @@ class AllGather(Transported, SequenceSchedule):
             return keys
 
         for index, g in enumerate(groups):
-            yield g, arrived(index), None  # not kept here: the caller frees the keys
+            yield g, functools.partial(arrived, index), None
 
     def _start_scatter(self, sums, mine, targets, base: int) -> InFlight:
         """Start sending every other rank the fp32 dK and dV ``sums`` [1, h, P T, E] of its
@@ -353,10 +354,11 @@ class AllGather(Transported, SequenceSchedule):
         blocks = self._blocks(own, calls, rank_order)
         if packed:
             self.mover(k.device).reserve(2 * self._region_bytes(k, groups, k.dtype), k.device)
-        for g, gathered, _ in self._gathers(spec, k, v, groups, rank_order):
+        for g, arriving, _ in self._gathers(spec, k, v, groups, rank_order):
             merged = Merged(g.of_q(out), g.of_q(lse), blocks)
             fold_calls(own, kernel, merged, g.of_q(q), g.of_kv(k), g.of_kv(v), scale,
                        self._streams(dropout, "own", g))
+            gathered = arriving()
             fold_calls(calls, kernel, merged, g.of_q(q), *gathered, scale,
                        self._streams(dropout, "gathered", g))
             merged.finish()
@@ -377,7 +379,7 @@ class AllGather(Transported, SequenceSchedule):
             scatter = self._region_bytes(k, groups, torch.float32)
             self.mover(k.device).reserve(gathers + scatter, k.device)
         landing = None  # packed: the previous group's dK/dV sums in flight
-        for g, keys, positions in self._gathers(spec, k, v, groups, rank_order):
+        for g, arriving, positions in self._gathers(spec, k, v, groups, rank_order):
             dq_sum = Sum(g.of_q(dq), blocks)
             dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
             mine = self._own_grads(own, kernel, dq_sum, (dout_g, q_g, g.of_kv(k), g.of_kv(v),
@@ -386,6 +388,7 @@ class AllGather(Transported, SequenceSchedule):
             if landing is not None:  # behind this group's own calls
                 landing.finish()
                 landing = None
+            keys = arriving()
             sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
             backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
                            sums, self._streams(dropout, "gathered", g))
@@ -453,8 +456,8 @@ class AllGather(Transported, SequenceSchedule):
 
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: every
-        rank's K/V as gathered and the other ranks' in the calls' order (the next group's
-        gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
+        rank's K/V as gathered (in flight during the own calls) and the other ranks' in the
+        calls' order (the next group's gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
         keys' dK/dV and, per tensor, the fp32 input and output of the reduce-scatter; fp32
         sums of out and dQ where a row may get more than two calls. Beside all of it, dense
         calls hold the int64 slots of the other ranks' tokens in ``others``. Packed, K/V land
@@ -480,12 +483,14 @@ class AllGather(Transported, SequenceSchedule):
         own, calls, rank_order = self._plan(self.local_spec(spec))
         fp32_sum = size.q(itemsize=4) if self._blocks(own, calls, rank_order) > 2 \
             and spec.dtype.itemsize < 4 else 0
-        during = keys + ahead + fp32_sum  # beside every kernel call of a group
+        during = keys + ahead + fp32_sum  # beside every gathered call of a group
         item = 4 if fp32_sum else spec.dtype.itemsize
-        forward = slots + max(building, during + max(
-            (forward_call(size, c, n, item)
-             for c, n in [*((c, rows) for c in own), *((c, key_rows) for c in calls)]),
-            default=0))
+        # the own calls run while the group's gather is in flight
+        forward = slots + fp32_sum + max(
+            gathered + max((forward_call(size, c, rows, item) for c in own), default=0),
+            building,
+            keys + ahead + max((forward_call(size, c, key_rows, item) for c in calls),
+                               default=0))
         own_grads = [2 * size.kv(keys_of(c, rows)) for c in own]
         own_steps = [sum(own_grads[:i]) + backward_call(
             size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
@@ -503,7 +508,8 @@ class AllGather(Transported, SequenceSchedule):
             return Memory(outputs=outputs, forward=forward, backward=backward, kept=kept_bytes)
         scatter = p * kv32  # the reduce-scatter's input beside the sums
         backward = whole.q() + 2 * whole.kv() + slots + max(
-            building, during + max(own_steps, default=0),
+            gathered + fp32_sum + max(own_steps, default=0),
+            building + fp32_sum + sum(own_grads),
             during + sum(own_grads) + sums + calls_step,
             ahead + sum(own_grads) + sums + scatter)
         return Memory(outputs=outputs, forward=forward, backward=backward)
@@ -522,12 +528,12 @@ class AllGather(Transported, SequenceSchedule):
 def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_steps, own_grads: int,
                      sums: int, calls_step: int, scatter: int, landing: int) -> int:
     """The peak bytes of a packed backward over ``groups`` head groups beyond dQ, dK and dV,
-    replaying its allocations in order: a group's gather (``region``, and ``sends`` until it
-    lands) with the next one's started, the fp32 dQ sum, the own calls (``own_steps``: the
-    peak of each) leaving ``own_grads``, the previous group's sums landing (its ``scatter``
-    region and sums freed; ``landing``: an own gradient in fp32 while it is added), the
-    ``sums`` of the gathered keys' calls (``calls_step`` beside them), the keys freed, and
-    the group's sums sent into a ``scatter`` region."""
+    replaying its allocations in order: a group's gather in flight (``region``, and ``sends``
+    until it lands), the fp32 dQ sum, the own calls (``own_steps``: the peak of each) leaving
+    ``own_grads``, the previous group's sums landing (its ``scatter`` region and sums freed;
+    ``landing``: an own gradient in fp32 while it is added), the gather landing and the next
+    one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside them), the
+    keys freed, and the group's sums sent into a ``scatter`` region."""
     live = peak = 0
 
     def add(nbytes):
@@ -537,16 +543,16 @@ def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_st
 
     add(region + sends)
     for i in range(groups):
-        add(-sends)
-        if i + 1 < groups:
-            add(region + sends)
         add(fp32_sum)
-        for step in own_steps:
+        for step in own_steps:  # the group's gather in flight
             peak = max(peak, live + step)
         add(own_grads)
         if i:
             peak = max(peak, live + landing)
             add(-(sums + scatter + own_grads))
+        add(-sends)  # the gather lands, the next one starts
+        if i + 1 < groups:
+            add(region + sends)
         add(sums)
         peak = max(peak, live + calls_step)
         add(-region - fp32_sum)
