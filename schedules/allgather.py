@@ -300,9 +300,9 @@ class AllGather(Transported, SequenceSchedule):
 
     def _start_scatter(self, sums, mine, targets, base: int) -> InFlight:
         """Start sending every other rank the fp32 dK and dV ``sums`` [1, h, P T, E] of its
-        tokens (rank order); ``finish()`` adds what came from the others and this rank's own
-        gradients ``mine`` (per tensor, (key rows, gradient) parts) to its own sums and writes
-        them into ``targets``."""
+        tokens (rank order; this rank's own are zero: no gathered call reads them);
+        ``finish()`` sums what came, in this rank's region, adds this rank's own gradients
+        ``mine`` (per tensor, (key rows, gradient) parts) and writes them into ``targets``."""
         p, me, device = self.size, self.index, sums[0].device
         tokens = sums[0].shape[2] // p
         item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
@@ -310,7 +310,7 @@ class AllGather(Transported, SequenceSchedule):
         row = item[0] * item[1] * item[2].itemsize
         mover = self.mover(device)
         region = mover.region(base, nbytes, device)
-        puts, takes, owns = [], [], []
+        puts, takes = [], []
         for summed, at in zip(sums, offsets):
             rows = as_packed(summed)
             for j in range(p):
@@ -318,18 +318,18 @@ class AllGather(Transported, SequenceSchedule):
                     puts.append(Put(rows[j * tokens:(j + 1) * tokens], (j - me) % p,
                                     at + me * tokens * row))
                     takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
-            owns.append(rows[me * tokens:(me + 1) * tokens])
         pending = mover.exchange(puts, takes, region)
+        others = [j for j in range(p) if j != me]
 
         def place(flat):
-            for own, parts, target, at in zip(owns, mine, targets, offsets):
-                received = rows_at(flat, at, p * tokens, item)
-                for j in range(p):
-                    if j != me:
-                        own.add_(received[j * tokens:(j + 1) * tokens])
+            for parts, target, at in zip(mine, targets, offsets):
+                received = rows_at(flat, at, p * tokens, item).view(p, tokens, *item[:2])
+                acc = received[others[0]] if others else received[me].zero_()
+                for j in others[1:]:  # the region is this rank's until its next exchange
+                    acc.add_(received[j])
                 for rows, grad in parts:
-                    add_rows(as_block(own), rows, grad)
-                as_packed(target).copy_(own)
+                    add_rows(as_block(acc), rows, grad)
+                as_packed(target).copy_(acc)
 
         return InFlight(pending, place)
 
@@ -503,7 +503,7 @@ class AllGather(Transported, SequenceSchedule):
             landing = max((size.kv(keys_of(c, rows), itemsize=4) for c in own), default=0)
             backward = whole.q() + 2 * whole.kv() + _packed_backward(
                 groups, region, copies, fp32_sum, own_steps, sum(own_grads), sums,
-                calls_step, 0 if kept else 2 * p * kv32, landing)
+                calls_step, 0 if kept else 2 * p * kv32, landing, sums_travel=p > 1)
             kept_bytes = 2 * 2 * p * kv + 2 * p * kv32 if kept else 0
             return Memory(outputs=outputs, forward=forward, backward=backward, kept=kept_bytes)
         scatter = p * kv32  # the reduce-scatter's input beside the sums
@@ -526,14 +526,16 @@ class AllGather(Transported, SequenceSchedule):
 
 
 def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_steps, own_grads: int,
-                     sums: int, calls_step: int, scatter: int, landing: int) -> int:
+                     sums: int, calls_step: int, scatter: int, landing: int,
+                     sums_travel: bool = True) -> int:
     """The peak bytes of a packed backward over ``groups`` head groups beyond dQ, dK and dV,
     replaying its allocations in order: a group's gather in flight (``region``, and ``sends``
     until it lands), the fp32 dQ sum, the own calls (``own_steps``: the peak of each) leaving
     ``own_grads``, the previous group's sums landing (its ``scatter`` region and sums freed;
     ``landing``: an own gradient in fp32 while it is added), the gather landing and the next
     one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside them), the
-    keys freed, and the group's sums sent into a ``scatter`` region."""
+    keys freed, and the group's sums sent into a ``scatter`` region (held until they land
+    when they travel: not on one rank)."""
     live = peak = 0
 
     def add(nbytes):
@@ -549,12 +551,12 @@ def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_st
         add(own_grads)
         if i:
             peak = max(peak, live + landing)
-            add(-(sums + scatter + own_grads))
+            add(-((sums if sums_travel else 0) + scatter + own_grads))
         add(-sends)  # the gather lands, the next one starts
         if i + 1 < groups:
             add(region + sends)
         add(sums)
         peak = max(peak, live + calls_step)
         add(-region - fp32_sum)
-        add(scatter)
+        add(scatter - (0 if sums_travel else sums))
     return peak
