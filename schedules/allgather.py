@@ -298,11 +298,10 @@ class AllGather(Transported, SequenceSchedule):
         for index, g in enumerate(groups):
             yield g, functools.partial(arrived, index), None
 
-    def _start_scatter(self, sums, mine, targets, base: int) -> InFlight:
+    def _start_scatter(self, sums, base: int) -> InFlight:
         """Start sending every other rank the fp32 dK and dV ``sums`` [1, h, P T, E] of its
         tokens (rank order; this rank's own are zero: no gathered call reads them);
-        ``finish()`` sums what came, in this rank's region, adds this rank's own gradients
-        ``mine`` (per tensor, (key rows, gradient) parts) and writes them into ``targets``."""
+        ``finish()`` gives, per tensor, the sum of what came, in this rank's region."""
         p, me, device = self.size, self.index, sums[0].device
         tokens = sums[0].shape[2] // p
         item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
@@ -322,16 +321,26 @@ class AllGather(Transported, SequenceSchedule):
         others = [j for j in range(p) if j != me]
 
         def place(flat):
-            for parts, target, at in zip(mine, targets, offsets):
+            accs = []
+            for at in offsets:
                 received = rows_at(flat, at, p * tokens, item).view(p, tokens, *item[:2])
                 acc = received[others[0]] if others else received[me].zero_()
                 for j in others[1:]:  # the region is this rank's until its next exchange
                     acc.add_(received[j])
-                for rows, grad in parts:
-                    add_rows(as_block(acc), rows, grad)
-                as_packed(target).copy_(acc)
+                accs.append(acc)
+            return accs
 
         return InFlight(pending, place)
+
+    @staticmethod
+    def _land(in_flight: InFlight, mine, targets) -> None:
+        """Wait for a group's dK/dV sums, add this rank's own gradients ``mine`` (per tensor,
+        (key rows, gradient) parts) and write them into ``targets``; None (nothing in flight
+        any more)."""
+        for acc, parts, target in zip(in_flight.finish(), mine, targets):
+            for rows, grad in parts:
+                add_rows(as_block(acc), rows, grad)
+            as_packed(target).copy_(acc)
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
         """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
@@ -378,32 +387,42 @@ class AllGather(Transported, SequenceSchedule):
             gathers = 2 * self._region_bytes(k, groups, k.dtype)
             scatter = self._region_bytes(k, groups, torch.float32)
             self.mover(k.device).reserve(gathers + scatter, k.device)
-        landing = None  # packed: the previous group's dK/dV sums in flight
-        for g, arriving, positions in self._gathers(spec, k, v, groups, rank_order):
+        landing = None  # packed: (a group's dK/dV sums in flight, its own gradients, targets)
+        for index, (g, arriving, positions) in enumerate(
+                self._gathers(spec, k, v, groups, rank_order)):
+            # the own calls run while the group's gather travels; a packed call's last group
+            # runs them after its gathered calls instead, while its sums travel
+            own_first = not packed or index < len(groups) - 1
             dq_sum = Sum(g.of_q(dq), blocks)
             dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
-            mine = self._own_grads(own, kernel, dq_sum, (dout_g, q_g, g.of_kv(k), g.of_kv(v),
-                                                         out_g, lse_g, scale),
-                                   self._streams(dropout, "own", g))
-            if landing is not None:  # behind this group's own calls
-                landing.finish()
-                landing = None
+            args = (dout_g, q_g, g.of_kv(k), g.of_kv(v), out_g, lse_g, scale)
+            if own_first:
+                mine = self._own_grads(own, kernel, dq_sum, args, self._streams(dropout, "own", g))
+                if landing is not None:  # behind this group's own calls
+                    landing = self._land(*landing)
             keys = arriving()
             sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
             backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
                            sums, self._streams(dropout, "gathered", g))
             del keys
-            dq_sum.finish()
-            if packed:
-                landing = self._start_scatter(sums, mine, [g.of_kv(dk), g.of_kv(dv)], gathers)
-                del sums, mine
+            if not packed:
+                dq_sum.finish()
+                for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
+                    summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
+                    target.copy_(summed)
+                    del summed
                 continue
-            for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
-                summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
-                target.copy_(summed)
-                del summed
+            if landing is not None:  # behind this (last) group's gathered calls
+                landing = self._land(*landing)
+            in_flight = self._start_scatter(sums, gathers)
+            del sums
+            if not own_first:
+                mine = self._own_grads(own, kernel, dq_sum, args, self._streams(dropout, "own", g))
+            dq_sum.finish()
+            landing = (in_flight, mine, [g.of_kv(dk), g.of_kv(dv)])
+            del mine
         if landing is not None:
-            landing.finish()
+            self._land(*landing)
         if packed:
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
@@ -535,28 +554,47 @@ def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_st
     ``landing``: an own gradient in fp32 while it is added), the gather landing and the next
     one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside them), the
     keys freed, and the group's sums sent into a ``scatter`` region (held until they land
-    when they travel: not on one rank)."""
+    when they travel: not on one rank). The last group runs its own calls after sending."""
     live = peak = 0
+    held = 0  # a group's sums, scatter region and own gradients until they land
 
     def add(nbytes):
         nonlocal live, peak
         live += nbytes
         peak = max(peak, live)
 
-    add(region + sends)
-    for i in range(groups):
-        add(fp32_sum)
-        for step in own_steps:  # the group's gather in flight
+    def land():
+        nonlocal held, peak
+        if held:
+            peak = max(peak, live + landing)
+            add(-held)
+        held = 0
+
+    def own_calls():
+        nonlocal peak
+        for step in own_steps:
             peak = max(peak, live + step)
         add(own_grads)
-        if i:
-            peak = max(peak, live + landing)
-            add(-((sums if sums_travel else 0) + scatter + own_grads))
+
+    add(region + sends)
+    for i in range(groups):
+        last = i == groups - 1
+        add(fp32_sum)
+        if not last:
+            own_calls()
+            land()
         add(-sends)  # the gather lands, the next one starts
-        if i + 1 < groups:
+        if not last:
             add(region + sends)
         add(sums)
         peak = max(peak, live + calls_step)
-        add(-region - fp32_sum)
+        add(-region)
+        if last:
+            land()
         add(scatter - (0 if sums_travel else sums))
+        if last:
+            own_calls()
+        add(-fp32_sum)
+        held = (sums if sums_travel else 0) + scatter + own_grads
+    land()
     return peak
