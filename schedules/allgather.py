@@ -97,7 +97,10 @@ def packed_runs(split) -> torch.Tensor:
 
 def packed_plan(packing, causal: bool):
     """(own calls, gathered calls) of this rank on packed sequences; gathered calls take their
-    keys from every rank's part, gathered in rank order ([P * T_local] rows)."""
+    keys from every rank's part, gathered in rank order ([P * T_local] rows). Every local row
+    sees the other ranks' tokens of its sequence before its run (all of them without causal);
+    rows of one sequence that see the same keys go into one call (at P = 2 both runs of a
+    rank see the same keys: one call, and one contribution to each key's dK/dV)."""
     split, r = packing.split, packing.rank
     own = part_call(packing, r, (0, split.storage), (0, split.storage), causal)
     others = split.real.clone()
@@ -107,17 +110,37 @@ def packed_plan(packing, causal: bool):
     order = torch.sort(key_seq, stable=True).indices  # keys grouped by sequence
     keys, key_seq, key_pos = keys[order], key_seq[order], key_pos[order]
     mine = packed_runs(split)[r] if causal else torch.where(split.real[r], 0, -1)
-    sequences, calls = len(split.lengths), []
-    for run in range(int(mine.max()) + 1):
-        rows = (mine == run).nonzero().flatten()
-        seq = split.seq[rows]
-        start = torch.full((sequences,), torch.iinfo(torch.long).max)
-        if causal:  # the other ranks' tokens before the run
-            start = start.scatter_reduce(0, seq, split.positions[r][rows], "amin")
-        seen = key_pos < start[key_seq]
-        call = packed_call(rows, torch.bincount(seq, minlength=sequences), keys[seen],
-                           torch.bincount(key_seq[seen], minlength=sequences), causal=False,
-                           tokens=(split.tokens, split.parts * split.tokens), device=split.device)
+    rows = (mine >= 0).nonzero().flatten()
+    seq, sequences = split.seq[rows], len(split.lengths)
+    width = int(split.positions.max()) + 2 if split.positions.numel() else 2
+    if causal:  # a row sees the keys before the first position of its run in its sequence
+        runs = int(mine.max()) + 1
+        group = seq * runs + mine[rows]
+        first = torch.full((sequences * runs,), width).scatter_reduce(
+            0, group, split.positions[r][rows], "amin")
+        before = first[group]
+    else:
+        before = torch.full_like(rows, width)
+    # how many keys each row sees (keys sorted by sequence, then position)
+    ranked = torch.sort(key_seq * width + key_pos).values
+    seen = torch.searchsorted(ranked, seq * width + before) \
+        - torch.searchsorted(ranked, seq * width)
+    rows, seq, before, seen = (t[seen > 0] for t in (rows, seq, before, seen))
+    # rows of a sequence that see as many keys see the same ones: one slot per count
+    kinds, kind = torch.unique(seq * (len(keys) + 1) + seen, return_inverse=True)
+    slot_of_kind = torch.arange(len(kinds)) - torch.searchsorted(
+        kinds, kinds // (len(keys) + 1) * (len(keys) + 1))
+    slot = slot_of_kind[kind]
+    calls = []
+    for i in range(int(slot.max()) + 1 if len(slot) else 0):
+        chosen = slot == i
+        limit = torch.zeros(sequences, dtype=torch.long).scatter_reduce(
+            0, seq[chosen], before[chosen], "amax")
+        taken = key_pos < limit[key_seq]
+        call = packed_call(rows[chosen], torch.bincount(seq[chosen], minlength=sequences),
+                           keys[taken], torch.bincount(key_seq[taken], minlength=sequences),
+                           causal=False, tokens=(split.tokens, split.parts * split.tokens),
+                           device=split.device)
         if call is not None:
             calls.append(call)
     return [own] if own is not None else [], calls

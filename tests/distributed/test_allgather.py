@@ -11,7 +11,7 @@ import torch
 
 import schedules
 import sdpa_fusion
-from schedules.allgather import gathered_calls, runs
+from schedules.allgather import MAX_RUNS, gathered_calls, packed_plan, runs
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 from .packed import assert_packed_matches, make_packed, run_packed
@@ -175,3 +175,17 @@ def test_packed_in_four_groups_matches_reference(mesh, kv, window):
                           causal=True, window=window, scale=0.3)
     sched = schedules.get("allgather", mesh, head_groups=4)
     assert_packed_matches(problem, run_packed(sched, problem))
+
+
+def test_packed_runs_that_see_the_same_keys_share_a_call(mesh):
+    """At P = 2 a rank's two runs of every sequence see the same keys of the other rank
+    (rank 1: chunk 0 before both its chunks), so its gathered keys make one call, and each
+    key gets one contribution to its dK/dV; above, at most MAX_RUNS calls."""
+    p = mesh.size()
+    sched = schedules.get("allgather", mesh)
+    cu = torch.tensor([0, 37, 37, 38, 38 + 16 * p, 38 + 16 * p + 5])
+    for rank in range(p):
+        own, calls = packed_plan(sched.pack(cu, rank=rank), causal=True)
+        assert len(calls) <= (1 if p == 2 else MAX_RUNS)
+        for call in calls:  # every key once per call
+            assert len(set(call.keys.tolist())) == len(call.keys)
