@@ -25,8 +25,10 @@ while the current one is attended.
 
 Packed sequences travel through ``transport`` (see ``schedules.transport``): each rank puts
 its K/V of a group into every other rank's region (two regions in turn: the next group's
-gather lands while the current one is read), and its fp32 dK/dV sums of the other ranks'
-tokens into theirs; the owner adds what came to its own sums. A group's sums land after the
+gather lands while the current one is read), and its dK/dV sums of the other ranks' tokens
+into theirs; the owner adds what came to its own gradients. The sums are fp32, or the input
+dtype where the gathered calls' key sets are disjoint (each sum is one kernel gradient: at
+P = 2 without a window, where a rank's runs that see the same keys share one call). A group's sums land after the
 next group's own calls are queued, so over copy engines both directions of all but the first
 and last group travel beside the attention kernels. (``auto`` does not add groups for that:
 on packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at 0.76, four at 0.75;
@@ -233,6 +235,28 @@ class AllGather(Transported, SequenceSchedule):
         call may reach a row."""
         return len(own) + len(calls) if rank_order else 2
 
+    def _sums_dtype(self, local) -> torch.dtype:
+        """The dtype the gathered keys' dK/dV sums of the local ``spec`` take and travel in:
+        the input's where every rank's gathered calls have disjoint key sets (packed; each
+        sum is then one kernel gradient, exact in any dtype), else fp32. Every rank decides
+        alike: it plans every rank's calls."""
+        packing = local.packing
+        if packing is None or local.dtype == torch.float32:
+            return torch.float32
+
+        def disjoint_on(rank):
+            keys = [c.keys for c in self._plan(local.replace(packing=packing.split.part(rank)))[1]]
+            if any(k is None for k in keys):
+                return len(keys) <= 1
+            every = torch.cat(keys).cpu() if keys else torch.empty(0)
+            return len(every.unique()) == len(every)
+
+        def disjoint():
+            return all(disjoint_on(rank) for rank in range(self.size))
+
+        key = ("allgather-disjoint", local.causal, window_band(local))
+        return local.dtype if packing.cached(key, disjoint) else torch.float32
+
     def _streams(self, dropout, part: str, group):
         """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls
         of head group ``group``, one per call (``streams(i)``); None without dropout."""
@@ -408,7 +432,7 @@ class AllGather(Transported, SequenceSchedule):
         blocks = self._blocks(own, calls, rank_order)
         if packed:  # two gather regions, then the scatter's
             gathers = 2 * self._region_bytes(k, groups, k.dtype)
-            scatter = self._region_bytes(k, groups, torch.float32)
+            scatter = self._region_bytes(k, groups, self._sums_dtype(spec))
             self.mover(k.device).reserve(gathers + scatter, k.device)
         landing = None  # packed: (a group's dK/dV sums in flight, its own gradients, targets)
         for index, (g, arriving, positions) in enumerate(
@@ -424,7 +448,7 @@ class AllGather(Transported, SequenceSchedule):
                 if landing is not None:  # behind this group's own calls
                     landing = self._land(*landing)
             keys = arriving()
-            sums = [torch.zeros_like(t, dtype=torch.float32) for t in keys]
+            sums = [torch.zeros_like(t, dtype=self._sums_dtype(spec)) for t in keys]
             backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
                            sums, self._streams(dropout, "gathered", g))
             del keys
@@ -481,7 +505,8 @@ class AllGather(Transported, SequenceSchedule):
     def describe(self, spec):
         p, itemsize = self.size, spec.dtype.itemsize
         kv = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
-        gather, scatter = (p - 1) * kv * itemsize, (p - 1) * kv * 4
+        sums = self._sums_dtype(self.local_spec(spec)) if spec.layout.is_varlen else torch.float32
+        gather, scatter = (p - 1) * kv * itemsize, (p - 1) * kv * sums.itemsize
         steps, pairs = self._work(spec)
         flops = 4.0 * spec.batch * spec.heads * spec.head_dim * pairs
         return Description(
@@ -489,7 +514,8 @@ class AllGather(Transported, SequenceSchedule):
             flops=flops, backward_steps=steps, backward_bytes_sent=gather + scatter,
             backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
-                  f"K/V all-gathered again in backward, fp32 dK/dV reduce-scattered; "
+                  f"K/V all-gathered again in backward, dK/dV sums reduce-scattered in "
+                  f"{str(sums).replace('torch.', '')}; "
                   f"{self.groups_for(spec)} head group(s)"
                   + (f"; packed through transport {self.transport}" if spec.layout.is_varlen
                      else ""),
@@ -511,6 +537,7 @@ class AllGather(Transported, SequenceSchedule):
         groups = self.groups_for(spec)
         size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
         kv, kv32 = size.kv(), size.kv(itemsize=4)
+        kv_sums = size.kv(itemsize=self._sums_dtype(self.local_spec(spec)).itemsize)
         copies = 0 if heads.contiguous(spec, groups) or (packed and p == 1) \
             else 2 * kv  # what a gather sends
         kept = packed and self.keeps_buffers()
@@ -537,16 +564,18 @@ class AllGather(Transported, SequenceSchedule):
         own_steps = [sum(own_grads[:i]) + backward_call(
             size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
             for i, c in enumerate(own)]
-        sums = 2 * (key_rows // rows) * kv32
+        sums = 2 * (key_rows // rows) * (kv_sums if packed else kv32)
         calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
                           for c in calls), default=0)
         outputs = whole.q() + whole.lse()
         if packed:
-            landing = max((size.kv(keys_of(c, rows), itemsize=4) for c in own), default=0)
+            # an own gradient converted to the sums' dtype while it is added
+            landing = 0 if kv_sums == kv else max(
+                (size.kv(keys_of(c, rows), itemsize=4) for c in own), default=0)
             backward = whole.q() + 2 * whole.kv() + _packed_backward(
                 groups, region, copies, fp32_sum, own_steps, sum(own_grads), sums,
-                calls_step, 0 if kept else 2 * p * kv32, landing, sums_travel=p > 1)
-            kept_bytes = 2 * 2 * p * kv + 2 * p * kv32 if kept else 0
+                calls_step, 0 if kept else 2 * p * kv_sums, landing, sums_travel=p > 1)
+            kept_bytes = 2 * 2 * p * kv + 2 * p * kv_sums if kept else 0
             return Memory(outputs=outputs, forward=forward, backward=backward, kept=kept_bytes)
         scatter = p * kv32  # the reduce-scatter's input beside the sums
         backward = whole.q() + 2 * whole.kv() + slots + max(

@@ -189,3 +189,24 @@ def test_packed_runs_that_see_the_same_keys_share_a_call(mesh):
         assert len(calls) <= (1 if p == 2 else MAX_RUNS)
         for call in calls:  # every key once per call
             assert len(set(call.keys.tolist())) == len(call.keys)
+
+
+@pytest.mark.parametrize("kv", ["mha", "gqa"])
+def test_packed_sums_in_bf16_give_the_numbers_of_fp32_sums(mesh, monkeypatch, kv):
+    """bf16 packed calls at P = 2: the gathered calls' key sets are disjoint, so each dK/dV
+    sum is one kernel gradient and travels in bf16 with nothing rounded: the gradients equal
+    those of fp32 sums. Above P = 2 (or under a window) the sums are fp32."""
+    p = mesh.size()
+    problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=4, h_kv=4 if kv == "mha" else 2,
+                          causal=True, dtype=torch.bfloat16, scale=0.3)
+    sched = schedules.get("allgather", mesh)
+    local = sched.pack(problem.cu_seqlens)
+    spec = sdpa_fusion.AttentionSpec(1, 4, 4 if kv == "mha" else 2, local.tokens, local.tokens, 8,
+                                     torch.bfloat16, causal=True, layout="thd",
+                                     packing=local)
+    assert sched._sums_dtype(spec) == (torch.bfloat16 if p == 2 else torch.float32)
+    auto = run_packed(sched, problem)
+    wide = schedules.get("allgather", mesh)
+    monkeypatch.setattr(wide, "_sums_dtype", lambda local: torch.float32)
+    for a, b in zip(auto, run_packed(wide, problem)):
+        assert torch.equal(a, b)

@@ -471,7 +471,9 @@ def expected_dims(spec, inner, outer, pi, po, rows=None):
     else:
         inner_cost = (0, 0)
     block = 2 * b * kv_heads * line * e  # K and V of one outer rank, H_kv/Pi heads
-    sums = size if (outer == "ring" and po == 2) else 4  # dK/dV sums travel in bf16 at P = 2
+    # dK/dV sums travel in bf16 at P = 2: the ring's, and packed allgather's (one gathered
+    # call per rank, so its key sets are disjoint)
+    sums = size if po == 2 and (outer == "ring" or spec.layout.is_varlen) else 4
     outer_cost = ((po - 1) * block * size, (po - 1) * block * (size + sums))
     return inner_cost, outer_cost
 

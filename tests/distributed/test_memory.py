@@ -283,6 +283,24 @@ def test_packed(mesh, name, window, groups):
                      cu_seqlens=local, window=window)
 
 
+def test_packed_allgather_bf16_sums(mesh):
+    """Packed allgather in bf16 in two head groups: at P = 2 the dK/dV sums are bf16 (every
+    rank's gathered calls have disjoint key sets), above fp32. (The forward's bf16 merge
+    takes fp32 temporaries on CPU, so only the backward is checked.)"""
+    p = mesh.size()
+    problem = make_packed([8 * p, 4 * p, 12 * p], h=4, h_kv=2, e=64, causal=True,
+                          dtype=torch.bfloat16)
+    sched = schedules.get("allgather", mesh, head_groups=2)
+    local = sched.pack(problem.cu_seqlens)
+    q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
+                                                        problem.dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
+        q, k, v, causal=True, layout="thd", cu_seqlens=local.cu_seqlens).replace(packing=local))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, phases=("backward",),
+                     causal=True, layout="thd", cu_seqlens=local)
+
+
 @pytest.mark.parametrize("name", ["head_parallel", "replicated"])
 @pytest.mark.parametrize("kv", ["mha", "one"])
 def test_without_communication(mesh, name, kv):
