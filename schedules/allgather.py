@@ -32,9 +32,7 @@ P = 2 without a window, where a rank's runs that see the same keys share one cal
 next group's own calls are queued, so over copy engines both directions of all but the first
 and last group travel beside the attention kernels. (``auto`` does not add groups for that:
 on packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at 0.76, four at 0.75;
-what more groups hide of the transfers, their extra calls and barriers cost again. Beside
-the attention kernels, 187 ms of a 256 ms step, the calls' index gathers, fp32 sums and
-copies take about 40 ms.)
+what more groups hide of the transfers, their extra calls and barriers cost again.)
 
 Packed sequences: the same calls, each one varlen call over every sequence. The own call is
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
