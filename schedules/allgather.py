@@ -59,7 +59,7 @@ from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
-                    fold_calls, halves, keys_of, packed_call, part_call)
+                    fold_calls, keys_of, packed_call, part_call)
 from .memory import Memory, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
@@ -144,15 +144,6 @@ def packed_plan(packing, causal: bool):
         if call is not None:
             calls.append(call)
     return [own] if own is not None else [], calls
-
-
-def _split_own(own) -> tuple[list, list]:
-    """(own calls run before the gathered calls, own calls run after): a packed call's
-    one own call in halves (``calls.halves``), so that a transfer travels beside each half."""
-    if len(own) != 1:
-        return own, []
-    first, *rest = halves(own[0])
-    return [first], rest
 
 
 def window_plan(spec, mask, partition, parts: int, rank: int):
@@ -445,15 +436,15 @@ class AllGather(Transported, SequenceSchedule):
         for index, (g, arriving, positions) in enumerate(
                 self._gathers(spec, k, v, groups, rank_order)):
             # the own calls run while the group's gather travels; a packed call's last group
-            # runs half of them so, the rest after its gathered calls, while its sums travel
+            # runs them after its gathered calls instead, while its sums travel
             own_first = not packed or index < len(groups) - 1
-            now, later = (own, []) if own_first else _split_own(own)
             dq_sum = Sum(g.of_q(dq), blocks)
             dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
             args = (dout_g, q_g, g.of_kv(k), g.of_kv(v), out_g, lse_g, scale)
-            mine = self._own_grads(now, kernel, dq_sum, args, self._streams(dropout, "own", g))
-            if own_first and landing is not None:  # behind this group's own calls
-                landing = self._land(*landing)
+            if own_first:
+                mine = self._own_grads(own, kernel, dq_sum, args, self._streams(dropout, "own", g))
+                if landing is not None:  # behind this group's own calls
+                    landing = self._land(*landing)
             keys = arriving()
             sums = [torch.zeros_like(t, dtype=self._sums_dtype(spec)) for t in keys]
             backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
@@ -470,11 +461,8 @@ class AllGather(Transported, SequenceSchedule):
                 landing = self._land(*landing)
             in_flight = self._start_scatter(sums, gathers)
             del sums
-            if later:
-                rest = self._own_grads(later, kernel, dq_sum, args,
-                                       self._streams(dropout, "own-later", g))
-                mine = [a + b for a, b in zip(mine, rest)]
-                del rest
+            if not own_first:
+                mine = self._own_grads(own, kernel, dq_sum, args, self._streams(dropout, "own", g))
             dq_sum.finish()
             landing = (in_flight, mine, [g.of_kv(dk), g.of_kv(dv)])
             del mine
@@ -570,15 +558,10 @@ class AllGather(Transported, SequenceSchedule):
             building,
             keys + ahead + max((forward_call(size, c, key_rows, item) for c in calls),
                                default=0))
-        def own_calls(calls, earlier: int = 0):
-            """(the peak of each own call beside the gradients of those before it, their
-            gradients), ``earlier`` own calls having run before these."""
-            grads = [2 * size.kv(keys_of(c, rows)) for c in calls]
-            return [sum(grads[:i]) + backward_call(size, c, rows, kv_temps=True,
-                                                   dq_temp=earlier + i > 0 or fp32_sum > 0)
-                    for i, c in enumerate(calls)], sum(grads)
-
-        own_steps, own_grads = own_calls(own)
+        own_grads = [2 * size.kv(keys_of(c, rows)) for c in own]
+        own_steps = [sum(own_grads[:i]) + backward_call(
+            size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
+            for i, c in enumerate(own)]
         sums = 2 * (key_rows // rows) * (kv_sums if packed else kv32)
         calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
                           for c in calls), default=0)
@@ -587,19 +570,17 @@ class AllGather(Transported, SequenceSchedule):
             # an own gradient converted to the sums' dtype while it is added
             landing = 0 if kv_sums == kv else max(
                 (size.kv(keys_of(c, rows), itemsize=4) for c in own), default=0)
-            now, later = _split_own(own)
-            last = (*own_calls(now), *own_calls(later, len(now)))
             backward = whole.q() + 2 * whole.kv() + _packed_backward(
-                groups, region, copies, fp32_sum, (own_steps, own_grads), last, sums,
+                groups, region, copies, fp32_sum, own_steps, sum(own_grads), sums,
                 calls_step, 0 if kept else 2 * p * kv_sums, landing, sums_travel=p > 1)
             kept_bytes = 2 * 2 * p * kv + 2 * p * kv_sums if kept else 0
             return Memory(outputs=outputs, forward=forward, backward=backward, kept=kept_bytes)
         scatter = p * kv32  # the reduce-scatter's input beside the sums
         backward = whole.q() + 2 * whole.kv() + slots + max(
             gathered + fp32_sum + max(own_steps, default=0),
-            building + fp32_sum + own_grads,
-            during + own_grads + sums + calls_step,
-            ahead + own_grads + sums + scatter)
+            building + fp32_sum + sum(own_grads),
+            during + sum(own_grads) + sums + calls_step,
+            ahead + sum(own_grads) + sums + scatter)
         return Memory(outputs=outputs, forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:
@@ -613,17 +594,17 @@ class AllGather(Transported, SequenceSchedule):
         return len(own) + len(calls), pairs
 
 
-def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own, last, sums: int,
-                     calls_step: int, scatter: int, landing: int, sums_travel: bool = True) -> int:
+def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_steps, own_grads: int,
+                     sums: int, calls_step: int, scatter: int, landing: int,
+                     sums_travel: bool = True) -> int:
     """The peak bytes of a packed backward over ``groups`` head groups beyond dQ, dK and dV,
     replaying its allocations in order: a group's gather in flight (``region``, and ``sends``
-    until it lands), the fp32 dQ sum, the own calls (``own``: the peak of each, and the
-    gradients they leave), the previous group's sums landing (its ``scatter`` region and sums
-    freed; ``landing``: an own gradient converted while it is added), the gather landing and
-    the next one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside
-    them), the keys freed, and the group's sums sent into a ``scatter`` region (held until
-    they land when they travel: not on one rank). The last group runs the own calls of
-    ``last`` = (steps, gradients) before its gathered calls and the rest after sending."""
+    until it lands), the fp32 dQ sum, the own calls (``own_steps``: the peak of each) leaving
+    ``own_grads``, the previous group's sums landing (its ``scatter`` region and sums freed;
+    ``landing``: an own gradient in fp32 while it is added), the gather landing and the next
+    one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside them), the
+    keys freed, and the group's sums sent into a ``scatter`` region (held until they land
+    when they travel: not on one rank). The last group runs its own calls after sending."""
     live = peak = 0
     held = 0  # a group's sums, scatter region and own gradients until they land
 
@@ -639,32 +620,31 @@ def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own, l
             add(-held)
         held = 0
 
-    def own_calls(steps, grads):
+    def own_calls():
         nonlocal peak
-        for step in steps:
+        for step in own_steps:
             peak = max(peak, live + step)
-        add(grads)
-        return grads
+        add(own_grads)
 
     add(region + sends)
     for i in range(groups):
-        is_last = i == groups - 1
+        last = i == groups - 1
         add(fp32_sum)
-        grads = own_calls(*(last[:2] if is_last else own))
-        if not is_last:
+        if not last:
+            own_calls()
             land()
         add(-sends)  # the gather lands, the next one starts
-        if not is_last:
+        if not last:
             add(region + sends)
         add(sums)
         peak = max(peak, live + calls_step)
         add(-region)
-        if is_last:
+        if last:
             land()
         add(scatter - (0 if sums_travel else sums))
-        if is_last:
-            grads += own_calls(*last[2:])
+        if last:
+            own_calls()
         add(-fp32_sum)
-        held = (sums if sums_travel else 0) + scatter + grads
+        held = (sums if sums_travel else 0) + scatter + own_grads
     land()
     return peak

@@ -126,25 +126,6 @@ class PackedCall:
                    for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k))
 
 
-def halves(call: PackedCall) -> list[PackedCall]:
-    """``call`` as two calls, over its first sequences and over the rest, of about half its
-    query-key pairs each (``[call]`` when it has one sequence, or reads every row in order:
-    a half would gather rows the whole call reads in place)."""
-    n = len(call.seqlens.lengths_q)
-    if n < 2 or call.rows is None or call.keys is None:
-        return [call]
-    mask = band(call.causal, call.window)
-    pairs = torch.tensor([visible_pairs(a, b, mask) for a, b in
-                          zip(call.seqlens.lengths_q, call.seqlens.lengths_k)]).cumsum(0)
-    m = min(max(int(torch.searchsorted(pairs, pairs[-1] / 2)) + 1, 1), n - 1)
-    cu_q, cu_k = call.seqlens.cu_q, call.seqlens.cu_k
-    return [PackedCall(call.rows[cu_q[a]:cu_q[b]], call.keys[cu_k[a]:cu_k[b]],
-                       Seqlens(tuple(x - cu_q[a] for x in cu_q[a:b + 1]),
-                               tuple(x - cu_k[a] for x in cu_k[a:b + 1])),
-                       call.causal, call.window)
-            for a, b in ((0, m), (m, n))]
-
-
 def rows_of(call, rows: int) -> int:
     """Query rows a call computes, of ``rows`` local rows."""
     return _count(call.rows, rows)
