@@ -283,20 +283,22 @@ def test_packed(mesh, name, window, groups):
                      cu_seqlens=local, window=window)
 
 
-def test_packed_allgather_bf16_sums(mesh):
-    """Packed allgather in bf16 in two head groups: at P = 2 the dK/dV sums are bf16 (every
-    rank's gathered calls have disjoint key sets), above fp32. (The forward's bf16 merge
-    takes fp32 temporaries on CPU, so only the backward is checked.)"""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_packed_allgather_in_padded_parts(mesh, dtype):
+    """Packed allgather in two head groups on sequences padded in every part (calls read
+    rows by index); bf16: at P = 2 the dK/dV sums are bf16 (every rank's gathered calls have
+    disjoint key sets), above fp32. (The forward's bf16 merge takes fp32 temporaries on CPU,
+    so only the backward is checked.)"""
     p = mesh.size()
-    problem = make_packed([8 * p, 4 * p, 12 * p], h=4, h_kv=2, e=64, causal=True,
-                          dtype=torch.bfloat16)
+    problem = make_packed([8 * p + 1, 4 * p + 3, 12 * p + 5], h=4, h_kv=2, e=64, causal=True,
+                          dtype=dtype)
     sched = schedules.get("allgather", mesh, head_groups=2)
     local = sched.pack(problem.cu_seqlens)
     q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
                                                         problem.dout))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
-        q, k, v, causal=True, layout="thd", cu_seqlens=local.cu_seqlens).replace(packing=local))
+    spec = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True,
+                                                  layout="thd", cu_seqlens=problem.cu_seqlens)
     assert_described(sched, q, k, v, dout, sched.describe(spec).memory, phases=("backward",),
                      causal=True, layout="thd", cu_seqlens=local)
 
