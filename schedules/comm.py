@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import math
 
 import torch
 import torch.distributed as dist
@@ -133,23 +132,12 @@ class Communicator:
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
 
-    def all_to_all_rows(self, t: torch.Tensor, sends: list[int], receives: list[int],
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """Exchange rows of uneven counts: ``t`` holds ``sends[i]`` rows (dim 0) for rank i,
-        rank by rank; the result (``out`` when given, contiguous) holds ``receives[i]`` rows
-        from rank i, rank by rank."""
-        t = t.contiguous()
-        if out is None:
-            out = t.new_empty((sum(receives), *t.shape[1:]))
-        work = dist.all_to_all_single(out, t, output_split_sizes=receives,
-                                      input_split_sizes=sends, group=self.group, async_op=True)
-        row = math.prod(t.shape[1:]) * t.element_size()
-        own = self.index
-        self.count(row * (sum(sends) - sends[own]), row * (sum(receives) - receives[own]))
-        return self.pending([work], out, f"all-to-all over ranks {self.ranks}").wait()
-
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """Exchange slices: ``t`` is [size, ...]; slice i goes to rank i; result [size, ...]
         holds slice ``index`` of every rank, in rank order."""
-        one = [1] * self.size
-        return self.all_to_all_rows(t, one, one)
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
+        part = _nbytes(t) // self.size
+        self.count(part * (self.size - 1), part * (self.size - 1))
+        return self.pending([work], out, f"all-to-all over ranks {self.ranks}").wait()
