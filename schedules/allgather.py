@@ -60,7 +60,7 @@ from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
                     fold_calls, keys_of, packed_call, part_call)
-from .memory import Memory, Sizes, backward_call, forward_call
+from .memory import Memory, Replay, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
@@ -605,46 +605,40 @@ def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_st
     one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside them), the
     keys freed, and the group's sums sent into a ``scatter`` region (held until they land
     when they travel: not on one rank). The last group runs its own calls after sending."""
-    live = peak = 0
+    r = Replay()
     held = 0  # a group's sums, scatter region and own gradients until they land
 
-    def add(nbytes):
-        nonlocal live, peak
-        live += nbytes
-        peak = max(peak, live)
-
     def land():
-        nonlocal held, peak
+        nonlocal held
         if held:
-            peak = max(peak, live + landing)
-            add(-held)
+            r.beside(landing)
+            r.add(-held)
         held = 0
 
     def own_calls():
-        nonlocal peak
         for step in own_steps:
-            peak = max(peak, live + step)
-        add(own_grads)
+            r.beside(step)
+        r.add(own_grads)
 
-    add(region + sends)
+    r.add(region + sends)
     for i in range(groups):
         last = i == groups - 1
-        add(fp32_sum)
+        r.add(fp32_sum)
         if not last:
             own_calls()
             land()
-        add(-sends)  # the gather lands, the next one starts
+        r.add(-sends)  # the gather lands, the next one starts
         if not last:
-            add(region + sends)
-        add(sums)
-        peak = max(peak, live + calls_step)
-        add(-region)
+            r.add(region + sends)
+        r.add(sums)
+        r.beside(calls_step)
+        r.add(-region)
         if last:
             land()
-        add(scatter - (0 if sums_travel else sums))
+        r.add(scatter - (0 if sums_travel else sums))
         if last:
             own_calls()
-        add(-fp32_sum)
+        r.add(-fp32_sum)
         held = (sums if sums_travel else 0) + scatter + own_grads
     land()
-    return peak
+    return r.peak

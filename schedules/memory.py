@@ -71,6 +71,23 @@ class Sizes:
                 * itemsize)
 
 
+class Replay:
+    """Bytes held as a schedule's allocations are replayed in order: ``add`` what is
+    allocated (negative: freed), ``beside`` what is held only for a moment; ``peak`` is the
+    most held at once."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def add(self, *nbytes: int) -> None:
+        for n in nbytes:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+    def beside(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.live + nbytes)
+
+
 def kernel_workspace(sizes: Sizes, rows: int, keys: int) -> int:
     """The backward workspace of a GPU kernel call over ``rows`` query rows and ``keys`` key
     rows of a head group: its fp32 dQ accumulator, and with GQA fp32 dK and dV accumulators

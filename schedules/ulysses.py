@@ -50,7 +50,7 @@ from . import heads
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
-from .memory import Memory, Sizes, kernel_call
+from .memory import Memory, Replay, Sizes, kernel_call
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
@@ -583,21 +583,15 @@ def _pipeline_peak(groups: int, arrive, placed: int, kernel: int, results: int, 
     lands, and its region), the heads it places (``placed``), the kernel's peak and its
     ``results``, the replicated heads' blocks (``summed``, while they travel) and the
     exchange out (``leave``), whose rows land straight in the outputs."""
-    live = peak = 0
-
-    def add(nbytes):
-        nonlocal live, peak
-        live += nbytes
-        peak = max(peak, live)
-
-    add(sum(arrive))
+    r = Replay()
+    r.add(sum(arrive))
     for i in range(groups):
-        add(-arrive[0]), add(placed), add(-arrive[1])  # the group's heads land
+        r.add(-arrive[0], placed, -arrive[1])  # the group's heads land
         if i + 1 < groups:
-            add(sum(arrive))  # the next group's start
-        add(kernel), add(results - kernel), add(-placed)
+            r.add(sum(arrive))  # the next group's start
+        r.add(kernel, results - kernel, -placed)
         if i:  # the previous group's results land
-            add(-leave[0] - leave[1])
-        add(summed), add(-summed)
-        add(sum(leave)), add(-results)
-    return peak
+            r.add(-leave[0] - leave[1])
+        r.beside(summed)
+        r.add(sum(leave), -results)
+    return r.peak
