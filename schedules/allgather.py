@@ -28,11 +28,12 @@ its K/V of a group into every other rank's region (two regions in turn: the next
 gather lands while the current one is read), and its dK/dV sums of the other ranks' tokens
 into theirs; the owner adds what came to its own gradients. The sums are fp32, or the input
 dtype where the gathered calls' key sets are disjoint (each sum is one kernel gradient: at
-P = 2 without a window, where a rank's runs that see the same keys share one call). A group's sums land after the
-next group's own calls are queued, so over copy engines both directions of all but the first
-and last group travel beside the attention kernels. (``auto`` does not add groups for that:
-on packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at 0.76, four at 0.75;
-what more groups hide of the transfers, their extra calls and barriers cost again.)
+P = 2 without a window, where a rank's runs that see the same keys share one call). A group's
+sums land after the next group's own calls are queued, so over copy engines both directions
+of all but the first and last group travel beside the attention kernels. (``auto`` does not
+add groups for that: on packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at
+0.76, four at 0.75; what more groups hide of the transfers, their extra calls and barriers
+cost again.)
 
 Packed sequences: the same calls, each one varlen call over every sequence. The own call is
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
@@ -182,7 +183,6 @@ class AllGather(Transported, SequenceSchedule):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
         self.use_transport(transport)
 
-
     def validate(self, spec):
         super().validate(spec)
         if window_band(spec) is not None:  # causal is part of the window's band
@@ -313,22 +313,15 @@ class AllGather(Transported, SequenceSchedule):
         """``_gathers`` of packed K and V [1, H_kv, T, E]: each group's K and V [1, h, P T, E],
         every rank's tokens in rank order (this rank's own rows left unfilled: no call reads
         them), through exchanges into two regions used in turn."""
-        p, me, tokens, device = self.size, self.index, k.shape[2], k.device
-        mover = self.mover(device)
+        p, tokens = self.size, k.shape[2]
         item = (k.shape[1] // len(groups), k.shape[3], k.dtype)
-        offsets, nbytes = sections([item, item], p * tokens)
-        row = item[0] * item[1] * item[2].itemsize
 
         def start(index):
-            region = mover.region(index % 2 * nbytes, nbytes, device)
-            puts, takes = [], []
-            for t, at in zip((k, v) if p > 1 else (), offsets):  # alone: nothing to send
-                send = as_packed(groups[index].of_kv(t)).contiguous()
-                for j in range(p):
-                    if j != me:
-                        puts.append(Put(send, (j - me) % p, at + me * tokens * row))
-                        takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
-            pending = mover.exchange(puts, takes, region)
+            sends = [as_packed(groups[index].of_kv(t)).contiguous() if p > 1 else None
+                     for t in (k, v)]  # alone: nothing to send
+            base = index % 2 * self._region_bytes(k, groups, k.dtype)
+            pending, offsets = self._to_slots([[send] * p for send in sends], item, tokens, base,
+                                              k.device)
             return InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
                                                    for at in offsets])
 
@@ -343,26 +336,33 @@ class AllGather(Transported, SequenceSchedule):
         for index, g in enumerate(groups):
             yield g, functools.partial(arrived, index), None
 
-    def _start_scatter(self, sums, base: int) -> InFlight:
-        """Start sending every other rank the fp32 dK and dV ``sums`` [1, h, P T, E] of its
-        tokens (rank order; this rank's own are zero: no gathered call reads them);
-        ``finish()`` gives, per tensor, the sum of what came, in this rank's region."""
-        p, me, device = self.size, self.index, sums[0].device
-        tokens = sums[0].shape[2] // p
-        item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
-        offsets, nbytes = sections([item] * len(sums), p * tokens)
+    def _to_slots(self, parts, item, tokens: int, base: int, device):
+        """Start putting ``parts[i][j]`` ([``tokens``, h, E] of ``item`` = (h, E, dtype)) into
+        this rank's slot of tensor i in rank j's region at ``base``, which holds every rank's
+        slot of each tensor, rank order; (pending, byte offsets of the tensors)."""
+        p, me = self.size, self.index
+        offsets, nbytes = sections([item] * len(parts), p * tokens)
         row = item[0] * item[1] * item[2].itemsize
         mover = self.mover(device)
         region = mover.region(base, nbytes, device)
         puts, takes = [], []
-        for summed, at in zip(sums, offsets):
-            rows = as_packed(summed)
+        for pieces, at in zip(parts, offsets):
             for j in range(p):
                 if j != me:
-                    puts.append(Put(rows[j * tokens:(j + 1) * tokens], (j - me) % p,
-                                    at + me * tokens * row))
+                    puts.append(Put(pieces[j], (j - me) % p, at + me * tokens * row))
                     takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
-        pending = mover.exchange(puts, takes, region)
+        return mover.exchange(puts, takes, region), offsets
+
+    def _start_scatter(self, sums, base: int) -> InFlight:
+        """Start sending every other rank the dK and dV ``sums`` [1, h, P T, E] of its tokens
+        (rank order; this rank's own are zero: no gathered call reads them); ``finish()``
+        gives, per tensor, the sum of what came, in this rank's region."""
+        p, me = self.size, self.index
+        tokens = sums[0].shape[2] // p
+        item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
+        parts = [[rows[j * tokens:(j + 1) * tokens] for j in range(p)]
+                 for rows in map(as_packed, sums)]
+        pending, offsets = self._to_slots(parts, item, tokens, base, sums[0].device)
         others = [j for j in range(p) if j != me]
 
         def place(flat):
@@ -523,9 +523,10 @@ class AllGather(Transported, SequenceSchedule):
     def memory(self, spec) -> Memory:
         """What this rank allocates for a call on the global ``spec``, per head group: every
         rank's K/V as gathered (in flight during the own calls) and the other ranks' in the
-        calls' order (the next group's gather meanwhile in flight); backward adds the own dK/dV, fp32 sums of the gathered
-        keys' dK/dV and, per tensor, the fp32 input and output of the reduce-scatter; fp32
-        sums of out and dQ where a row may get more than two calls. Beside all of it, dense
+        calls' order (the next group's gather meanwhile in flight); backward adds the own
+        dK/dV, fp32 sums of the gathered keys' dK/dV and, per tensor, the fp32 input and
+        output of the reduce-scatter; fp32 sums of out and dQ where a row may get more than
+        two calls. Beside all of it, dense
         calls hold the int64 slots of the other ranks' tokens in ``others``. Packed, K/V land
         in regions of every rank's tokens and the sums of a group travel while the next
         group's own calls run (``_packed_backward``; the copy-engine transport keeps its
