@@ -90,7 +90,7 @@ class Routes:
     @property
     def starts(self) -> list[int]:
         """The first packed row of every rank's rows, in rank order."""
-        return [sum(self.counts[:j]) for j in range(len(self.counts))]
+        return _starts(self.counts)
 
     @property
     def total(self) -> int:
@@ -101,9 +101,8 @@ class Routes:
     def of(cls, place: Placement, rank: int) -> "Routes":
         rows = place.parts[rank][0]
         counts = [len(slots) for _, slots in place.parts]
-        starts = [sum(counts[:j]) for j in range(len(counts))]
         order = torch.empty(place.length, dtype=torch.long, device=rows.device)
-        for (_, slots), start in zip(place.parts, starts):
+        for (_, slots), start in zip(place.parts, _starts(counts)):
             order[slots] = torch.arange(start, start + len(slots), device=rows.device)
         local = torch.zeros(place.local, dtype=torch.long, device=rows.device)
         local[rows] = torch.arange(len(rows), device=rows.device)
@@ -111,6 +110,11 @@ class Routes:
         real[rows] = True
         return cls(rows, counts, order, torch.cat([slots for _, slots in place.parts]), local,
                    (~real).nonzero().flatten())
+
+
+def _starts(counts) -> list[int]:
+    """Where each of consecutive runs of ``counts`` rows starts."""
+    return [sum(counts[:j]) for j in range(len(counts))]
 
 
 def packed_placement(split) -> Placement:
@@ -213,8 +217,7 @@ class Ulysses(Transported, SequenceSchedule):
         [1, H/P, T, E] of every real token in packed order. Per tensor: one gather per rank
         into a send buffer, the exchange, one gather into packed order."""
         n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
-        items = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
-        offsets, nbytes = sections(items, routes.total)
+        items, offsets, nbytes = self._heads_region(tensors, routes)
         mover = self.mover(tensors[0].device)
         region = mover.region(base, nbytes, tensors[0].device)
         puts, takes = [], []
@@ -245,7 +248,7 @@ class Ulysses(Transported, SequenceSchedule):
         n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
             routes.counts
         items = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
-        offsets, nbytes = sections(items, p * max(counts))
+        offsets, nbytes = self._sequence_region(items, routes)
         mover = self.mover(tensors[0].device)
         region = mover.region(base, nbytes, tensors[0].device)
         puts, takes = [], []
@@ -280,25 +283,31 @@ class Ulysses(Transported, SequenceSchedule):
         if len(routes.padding):
             dest.index_fill_(0, routes.padding, fill)
 
-    def _region_bytes(self, inputs, outputs, routes: Routes) -> tuple[int, int]:
-        """(bytes of the heads region, of the sequence region) of a pipeline whose groups
-        send ``inputs`` and receive into ``outputs`` (their routed ones)."""
-        arrive = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in inputs]
-        leave = [(t.shape[1] // self.size, t.shape[3], t.dtype) for t in outputs]
-        return (sections(arrive, routes.total)[1],
-                sections(leave, self.size * max(routes.counts))[1])
+    def _heads_region(self, tensors, routes: Routes):
+        """(items, section offsets, bytes) of the region receiving this rank's heads of
+        ``tensors``: every real token's row of each."""
+        items = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
+        return (items, *sections(items, routes.total))
+
+    def _sequence_region(self, items, routes: Routes) -> tuple[list[int], int]:
+        """(section offsets, bytes) of the region receiving every rank's heads ``items`` of
+        this rank's real tokens: as many rows per rank as the rank with the most, so that
+        every rank places its region alike."""
+        return sections(items, self.size * max(routes.counts))
 
     def _pipeline(self, groups, inputs, attend, outputs, fills, routes: Routes, spec) -> None:
         """Every head group's ``inputs(g)`` to its heads, ``attend(g, *heads)``, the results
         into ``outputs(g)`` (padding rows ``fills``): the next group's inputs travel while a
         group is attended, its results while the next one is. Replicated K/V heads' results
         (fewer in a group than ranks) are summed back as blocks."""
-        p, device = self.size, inputs(groups[0])[0].device
-        routed = [t.shape[1] >= p for t in outputs(groups[0])]
-        heads_bytes, sequence_bytes = self._region_bytes(
-            inputs(groups[0]), [t for t, r in zip(outputs(groups[0]), routed) if r], routes)
-        self.mover(device).reserve(heads_bytes + sequence_bytes, device)
-        incoming, outgoing = self._start_heads(inputs(groups[0]), routes, 0), None
+        p, first, targets = self.size, inputs(groups[0]), outputs(groups[0])
+        routed = [t.shape[1] >= p for t in targets]
+        heads_bytes = self._heads_region(first, routes)[2]
+        sequence_bytes = self._sequence_region(
+            [(t.shape[1] // p, t.shape[3], t.dtype) for t, r in zip(targets, routed) if r],
+            routes)[1]
+        self.mover(first[0].device).reserve(heads_bytes + sequence_bytes, first[0].device)
+        incoming, outgoing = self._start_heads(first, routes, 0), None
         for i, g in enumerate(groups):
             arrived = incoming.finish()
             incoming = self._start_heads(inputs(groups[i + 1]), routes, 0) \
