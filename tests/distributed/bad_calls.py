@@ -268,6 +268,9 @@ MISMATCHES = [
          options=lambda p: dict(partition=index_map(p, 3)), base=(("causal", False),)),
     Case("transport", other_schedule(lambda mesh: Ring(mesh, transport="p2p")),
          r"differ in schedule.transport \('auto' on .* / 'p2p' on", all_error=False),
+    Case("transport_ulysses", other_schedule(lambda mesh: schedules.Ulysses(mesh, transport="p2p")),
+         r"differ in schedule.transport \('auto' on .* / 'p2p' on", all_error=False,
+         schedule="ulysses"),
     Case("schedule_name", other_schedule(lambda mesh: schedules.AllGather(mesh)),
          r"differ in schedule \('ring' on .* / 'allgather' on", all_error=False),
     # differences that do not change the call: no error anywhere
@@ -307,6 +310,8 @@ BUILDS = [
          r"index_map must hold each of the \d+ token positions exactly once"),
     Case("get_transport_unknown", build("ring", lambda p: dict(transport="pigeon")),
          r"transport='pigeon' is not known"),
+    Case("get_transport_unknown_allgather", build("allgather", lambda p: dict(transport="pigeon")),
+         r"transport='pigeon' is not known", schedule="allgather"),
     Case("get_dim_unknown", build("ring", lambda p: dict(dim="heads")), r"mesh has no dim 'heads'"),
     Case("get_partition_differs", build("ring", lambda p: dict(partition="contiguous")),
          r"schedules.get needs the same call on every rank .* differ in schedule.partition \(",
