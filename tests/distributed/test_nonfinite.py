@@ -38,3 +38,34 @@ def test_schedule(mesh, name, partition, causal, where, value):
     got = [sched.unshard(t) for t in (out.detach(), *(t.grad for t in leaves))]
     found = mismatch(got, q, k, v, dout, causal=causal)
     assert mesh.agree(found) == [None] * mesh.world_size, found
+
+
+@pytest.mark.parametrize("value", sorted(VALUES))
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
+def test_packed(mesh, name, causal, where, value):
+    """Packed sequences in two head groups (ulysses' pipeline, allgather's exchanges), padded
+    in every part: a non-finite value propagates within its sequence as through torch SDPA,
+    and the other sequence is untouched."""
+    p = mesh.size()
+    seed = 7 * "qkv".index(where) + sorted(VALUES).index(value)
+    g = torch.Generator().manual_seed(seed)
+    lengths = [4 * p + 1, 3 * p + 1]
+    cu = torch.tensor([0, lengths[0], sum(lengths)])
+    q, dout = (torch.randn(sum(lengths), 2 * p, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(sum(lengths), p, 8, generator=g) for _ in range(2))
+    q, k, v = plant(q, k, v, where, value, seed)
+    sched = schedules.get(name, mesh, head_groups=2)
+    kw = dict(layout="thd", cu_seqlens=cu)
+    leaves = [sched.shard(t, **kw).requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, causal=causal, kernel="reference", schedule=sched, **kw)
+    out.backward(sched.shard(dout, **kw))
+    got = [sched.unshard(t, **kw) for t in (out.detach(), *(t.grad for t in leaves))]
+    found = None
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        def seq(t):
+            return t[a:b].transpose(0, 1).unsqueeze(0)
+        found = found or mismatch([seq(t) for t in got], *(seq(t) for t in (q, k, v, dout)),
+                                  causal=causal)
+    assert mesh.agree(found) == [None] * mesh.world_size, found
