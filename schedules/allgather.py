@@ -60,7 +60,7 @@ from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
-                    fold_calls, keys_of, packed_call, part_call)
+                    fold_calls, keys_of, packed_call, part_call, row_index)
 from .memory import Memory, Replay, Sizes, backward_call, forward_call
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
@@ -243,10 +243,9 @@ class AllGather(Transported, SequenceSchedule):
             return torch.float32
 
         def disjoint_on(rank):
-            keys = [c.keys for c in self._plan(local.replace(packing=packing.split.part(rank)))[1]]
-            if any(k is None for k in keys):
-                return len(keys) <= 1
-            every = torch.cat(keys).cpu() if keys else torch.empty(0)
+            calls = self._plan(local.replace(packing=packing.split.part(rank)))[1]
+            keys = [row_index(c.keys, self.size * packing.tokens) for c in calls]
+            every = torch.cat(keys) if keys else torch.empty(0)
             return len(every.unique()) == len(every)
 
         def disjoint():
@@ -254,6 +253,12 @@ class AllGather(Transported, SequenceSchedule):
 
         key = ("allgather-disjoint", local.causal, window_band(local))
         return local.dtype if packing.cached(key, disjoint) else torch.float32
+
+    @staticmethod
+    def _contributions(sums: torch.Tensor, calls) -> int:
+        """The most gathered calls that add to one key's sum: one where the sums take the
+        input dtype (the calls' key sets are disjoint, ``_sums_dtype``)."""
+        return len(calls) if sums.dtype == torch.float32 else 1
 
     def _streams(self, dropout, part: str, group):
         """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls
@@ -383,9 +388,14 @@ class AllGather(Transported, SequenceSchedule):
         (key rows, gradient) parts) and write them into ``targets``; None (nothing in flight
         any more)."""
         for acc, parts, target in zip(in_flight.finish(), mine, targets):
-            for rows, grad in parts:
+            # sums in the target's dtype take a last gradient of every row on the way: one pass
+            fused = bool(parts) and parts[-1][0] is None and acc.dtype == target.dtype
+            for rows, grad in parts[:-1] if fused else parts:
                 add_rows(as_block(acc), rows, grad)
-            as_packed(target).copy_(acc)
+            if fused:
+                torch.add(acc, as_packed(parts[-1][1]), out=as_packed(target))
+            else:
+                as_packed(target).copy_(acc)
 
     def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
         """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
@@ -446,9 +456,10 @@ class AllGather(Transported, SequenceSchedule):
                 if landing is not None:  # behind this group's own calls
                     landing = self._land(*landing)
             keys = arriving()
-            sums = [torch.zeros_like(t, dtype=self._sums_dtype(spec)) for t in keys]
+            sums = [torch.empty_like(t, dtype=self._sums_dtype(spec)) for t in keys]
             backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
-                           sums, self._streams(dropout, "gathered", g))
+                           [Sum(t, self._contributions(t, calls)) for t in sums],
+                           self._streams(dropout, "gathered", g))
             del keys
             if not packed:
                 dq_sum.finish()
@@ -563,9 +574,12 @@ class AllGather(Transported, SequenceSchedule):
         own_steps = [sum(own_grads[:i]) + backward_call(
             size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
             for i, c in enumerate(own)]
-        sums = 2 * (key_rows // rows) * (kv_sums if packed else kv32)
-        calls_step = max((backward_call(size, c, key_rows, dq_temp=True, kv_temps=True)
-                          for c in calls), default=0)
+        sum_bytes = kv_sums if packed else kv32
+        sums = 2 * (key_rows // rows) * sum_bytes
+        # the first call writes its dK/dV into sums of its dtype
+        calls_step = max((backward_call(size, c, key_rows, dq_temp=True,
+                                        kv_temps=i > 0 or sum_bytes != kv)
+                          for i, c in enumerate(calls)), default=0)
         outputs = whole.q() + whole.lse()
         if packed:
             # an own gradient converted to the sums' dtype while it is added

@@ -2,11 +2,12 @@
 a block, and with what mask. The one vocabulary of the sequence schedules' loops.
 
 A ``DenseCall`` takes row ranges (slices of the sequence dim) of [B, H, S, E] tensors. A
-``PackedCall`` takes row indices of packed tokens (None: every row, no copy) and the
-``Seqlens`` of one varlen kernel call, so all sequences of a packed batch go into one kernel
-call; its rows are precomputed once per packing. Packed [T, H, E] tensors travel through the
-schedules as [1, H, T, E] views (``as_block``), so loops, merges and transports are the same
-for dense and packed tensors; the calls hand the kernels [T, H, E] tensors again.
+``PackedCall`` takes row indices of packed tokens (None: every row; a slice: consecutive
+rows; neither copies) and the ``Seqlens`` of one varlen kernel call, so all sequences of a
+packed batch go into one kernel call; its rows are precomputed once per packing. Packed
+[T, H, E] tensors travel through the schedules as [1, H, T, E] views (``as_block``), so
+loops, merges and transports are the same for dense and packed tensors; the calls hand the
+kernels [T, H, E] tensors again.
 
 A call's mask is data: ``causal`` and a top-left ``window`` in the call's own coordinates
 (per sequence of a packed call; ``schedules.bands`` makes them for split sequences).
@@ -84,9 +85,9 @@ class DenseCall:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedCall:
     """One varlen kernel call: packed query rows ``rows`` vs key rows ``keys`` (index tensors
-    grouped by sequence, None for every row in order), sequence i being queries
-    ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of them; every
-    sequence masked by ``causal`` and ``window``."""
+    grouped by sequence, slices for consecutive rows, None for every row in order), sequence
+    i being queries ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of
+    them; every sequence masked by ``causal`` and ``window``."""
 
     rows: torch.Tensor | None
     keys: torch.Tensor | None
@@ -102,7 +103,7 @@ class PackedCall:
         return as_block(o), lse.unsqueeze(0)
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
-        lse = lse[0] if self.rows is None else lse[0].index_select(1, self.rows)
+        lse = _take_lse(lse[0], self.rows)
         grads = kernel.varlen_backward(
             _take(dout, self.rows), _take(q, self.rows), _take(k, self.keys),
             _take(v, self.keys), _take(out, self.rows), lse, self.seqlens,
@@ -141,8 +142,16 @@ def gathered(call, rows: int, keys: int) -> tuple[int, int]:
     of a packed call (none for slices or all rows)."""
     if not isinstance(call, PackedCall):
         return 0, 0
-    return (0 if call.rows is None else _count(call.rows, rows),
-            0 if call.keys is None else _count(call.keys, keys))
+    return tuple(_count(span, n) if isinstance(span, torch.Tensor) else 0
+                 for span, n in ((call.rows, rows), (call.keys, keys)))
+
+
+def row_index(span, n: int) -> torch.Tensor:
+    """The rows of ``span`` (None: all ``n``, a slice, or an index tensor) as a host index
+    tensor."""
+    if isinstance(span, torch.Tensor):
+        return span.cpu()
+    return torch.arange(n)[span if span is not None else slice(None)]
 
 
 def _count(span, n: int) -> int:
@@ -156,9 +165,18 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+def _take(t: torch.Tensor, rows) -> torch.Tensor:
     packed = as_packed(t)
-    return packed if rows is None else packed.index_select(0, rows)
+    if isinstance(rows, torch.Tensor):
+        return packed.index_select(0, rows)
+    return packed if rows is None else packed[rows]
+
+
+def _take_lse(lse: torch.Tensor, rows) -> torch.Tensor:
+    """The [H, rows] of a [H, T] lse, contiguous as the kernels take it."""
+    if isinstance(rows, torch.Tensor):
+        return lse.index_select(1, rows)
+    return lse if rows is None else lse[:, rows].contiguous()
 
 
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -188,9 +206,12 @@ def _cumulative(counts: torch.Tensor) -> tuple[int, ...]:
     return (0, *torch.cumsum(counts, 0).tolist())
 
 
-def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | None:
-    if len(rows) == tokens and torch.equal(rows, torch.arange(tokens)):
-        return None
+def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | slice | None:
+    """``rows`` as a call takes them: None for all ``tokens`` in order, a slice for
+    consecutive rows (views, no copy), else an index tensor on ``device``."""
+    start = int(rows[0])
+    if torch.equal(rows, torch.arange(start, start + len(rows))):
+        return None if (start, len(rows)) == (0, tokens) else slice(start, start + len(rows))
     return rows.to(device)
 
 
@@ -216,11 +237,17 @@ def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, Non
 
 def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None:
     """Every call's backward on ``args`` (as ``call_grads``): dQ into ``dq_sum``, dK and dV
-    added into the fp32 ``sums`` of the key blocks (``streams`` as ``fold_calls``)."""
+    into the ``Sum``s of the key blocks, finished at the end (the first contribution written
+    straight into them; ``streams`` as ``fold_calls``)."""
     for i, call in enumerate(calls):
-        grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
-        for acc in sums:  # no name keeps a gradient alive into the next kernel call
-            add_rows(acc, call.keys, grads.pop(0))
+        targets = [s.into(call.keys, args[2].dtype) for s in sums]
+        grads = call_grads(call, kernel, dq_sum, args, streams and streams(i), targets)
+        for s, target in zip(sums, targets):  # no name keeps a gradient into the next call
+            if target is None:
+                s.add(call.keys, grads[0])
+            del grads[0]
+    for s in sums:
+        s.finish()
 
 
 def take(t: torch.Tensor, rows) -> torch.Tensor:
@@ -271,10 +298,11 @@ class Sum:
             target.shape, dtype=torch.float32, device=target.device)
         self._empty = True
 
-    def into(self, rows) -> torch.Tensor | None:
-        """Where the next call may write its gradient of ``rows`` itself (the target, for the
-        first contribution), or None: ``add`` it."""
-        if not (self._empty and self.acc is self.target):
+    def into(self, rows, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """Where the next call may write its gradient of ``rows`` (of ``dtype``, if given)
+        itself (the target, for the first contribution), or None: ``add`` it."""
+        direct = self._empty and self.acc is self.target
+        if not direct or dtype not in (None, self.target.dtype):
             return None
         zero_outside(self.target, rows)
         self._empty = False

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from schedules.bands import dense_calls, dense_runs, packed_calls, packed_runs, ring_steps
-from schedules.calls import DenseCall
+from schedules.calls import DenseCall, row_index
 from schedules.packing import Split
 from schedules.partition import Contiguous, LoadBalanced, Striped
 from sdpa_fusion.kernels.fa4 import varlen_shift
@@ -122,8 +122,7 @@ def test_packed_calls_cover_the_band_exactly():
         for r, j in itertools.product(range(split.parts), repeat=2):
             covered = torch.zeros(t, t, dtype=torch.long)
             for call in packed_calls(runs, r, j, mask, tokens=(t, t), device="cpu"):
-                rows = torch.arange(t) if call.rows is None else call.rows
-                keys = torch.arange(t) if call.keys is None else call.keys
+                rows, keys = row_index(call.rows, t), row_index(call.keys, t)
                 assert len(rows.unique()) == len(rows), f"{call}: a query row twice in one call"
                 mask_of_call = band(call.causal, call.window)
                 assert flash_call(call.seqlens, len(rows), len(keys), mask_of_call) is not None
