@@ -212,9 +212,9 @@ class AllGather(Transported, SequenceSchedule):
         local ``spec``: ``others`` holds the other ranks' tokens in global order, or in rank
         order under a window. Packed plans are made once per packing."""
         mask, packing = window_band(spec), spec.packing
-        if mask is not None:
+        if mask is not None:  # packed: the calls of the rank the packing is of
             build = functools.partial(window_plan, spec, mask, self.partition, self.size,
-                                      self.index)
+                                      self.index if packing is None else packing.rank)
             if packing is None:
                 return (*build(), True)
             return (*packing.cached(("allgather", mask), build), True)

@@ -12,6 +12,7 @@ import torch
 import schedules
 import sdpa_fusion
 from schedules.allgather import MAX_RUNS, gathered_calls, packed_plan, runs
+from schedules.calls import row_index
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 from .packed import assert_packed_matches, make_packed, run_packed
@@ -188,7 +189,8 @@ def test_packed_runs_that_see_the_same_keys_share_a_call(mesh):
         own, calls = packed_plan(sched.pack(cu, rank=rank), causal=True)
         assert len(calls) <= (1 if p == 2 else MAX_RUNS)
         for call in calls:  # every key once per call
-            assert len(set(call.keys.tolist())) == len(call.keys)
+            keys = row_index(call.keys, p * sched.pack(cu, rank=rank).tokens)
+            assert len(set(keys.tolist())) == len(keys)
 
 
 @pytest.mark.parametrize("kv", ["mha", "gqa"])
@@ -210,3 +212,23 @@ def test_packed_sums_in_bf16_give_the_numbers_of_fp32_sums(mesh, monkeypatch, kv
     monkeypatch.setattr(wide, "_sums_dtype", lambda local: torch.float32)
     for a, b in zip(auto, run_packed(wide, problem)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (3, 0)),
+                                            (False, (2, 5))],
+                         ids=["causal", "full", "causal-window", "full-window"])
+def test_packed_bf16_sums_dtype_agrees_on_every_rank(mesh, causal, window):
+    """Every rank takes the same dtype for the dK/dV sums, whose exchanges size their regions
+    by it: each rank plans every rank's calls (window bands included; a window's plan was
+    once this rank's calls for every rank, and ranks disagreed), and the bf16 results match
+    the reference."""
+    p = mesh.size()
+    problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=4, causal=causal, window=window,
+                          dtype=torch.bfloat16, scale=0.3)
+    sched = schedules.get("allgather", mesh)
+    local = sched.pack(problem.cu_seqlens)
+    spec = sdpa_fusion.AttentionSpec(1, 4, 4, local.tokens, local.tokens, 8, torch.bfloat16,
+                                     causal=causal, layout="thd", packing=local,
+                                     window=window)
+    assert len(set(mesh.agree(str(sched._sums_dtype(spec))))) == 1
+    assert_packed_matches(problem, run_packed(sched, problem), rtol=2e-2, atol=2e-2)
