@@ -33,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="stop starting new cases after this long (0: no limit)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU")
     common.add_output_args(p)
     args = p.parse_args(argv)
@@ -105,8 +107,11 @@ def main(argv=None) -> int:
                            "iters": args.iters},
               "rows": []}
     order = turns(torch.cuda.device_count() if not args.tiny else 0)
+    deadline = common.Deadline(args.max_seconds)
     for s in args.seq_lens:
         for kernel in args.kernels:
+            if deadline.left() <= 0:  # a case's turns all run, or none
+                continue
             for turn, device_index in enumerate(order):
                 row = step_row(args, s, kernel, device_index, turn)
                 record["rows"].append(row)

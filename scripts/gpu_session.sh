@@ -20,6 +20,7 @@
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
 #   bench-agree      mpirun -np $NP python -m benchmarks.agreement         (~1 min)
+#   bench-pace       python -m benchmarks.gpu_pace: each GPU alone, in turn (~1.5 min on 2)
 #   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid --tag $CP_TAG  (~3 min on 2)
 #   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel --tag $CP_TAG
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
@@ -174,6 +175,10 @@ bench_agree() {
     bench bench-agree agreement 150 30 "${MPI[@]}" "$PY" -m benchmarks.agreement
 }
 
+bench_pace() {
+    bench bench-pace gpu_pace 200 20 "$PY" -m benchmarks.gpu_pace
+}
+
 profile_ring() {
     local t
     t=$(limit 120) || { skip profile-ring "time budget"; return; }
@@ -240,6 +245,7 @@ for part in "${parts[@]}"; do
         profile-ring) profile_ring ;;
         bench-transport) bench_transport ;;
         bench-agree) bench_agree ;;
+        bench-pace) bench_pace ;;
         bench-hybrid) bench_hybrid ;;
         bench-thd-cp) bench_thd_cp ;;
         bench-max-seq) bench_max_seq ;;
