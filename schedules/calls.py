@@ -89,8 +89,8 @@ class PackedCall:
     i being queries ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of
     them; every sequence masked by ``causal`` and ``window``."""
 
-    rows: torch.Tensor | None
-    keys: torch.Tensor | None
+    rows: torch.Tensor | slice | None
+    keys: torch.Tensor | slice | None
     seqlens: Seqlens
     causal: bool
     window: Window | None = None
