@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import schedules
 import sdpa_fusion
@@ -232,3 +234,20 @@ def test_packed_bf16_sums_dtype_agrees_on_every_rank(mesh, causal, window):
                                      window=window)
     assert len(set(mesh.agree(str(sched._sums_dtype(spec))))) == 1
     assert_packed_matches(problem, run_packed(sched, problem), rtol=2e-2, atol=2e-2)
+
+
+@settings(max_examples=30, derandomize=True, database=None, deadline=None,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+@given(lengths=st.lists(st.integers(0, 13), min_size=1, max_size=5), causal=st.booleans(),
+       window=st.one_of(st.none(), st.tuples(st.integers(0, 6), st.integers(0, 6))))
+def test_packed_sums_dtype_is_the_same_on_every_rank(mesh, lengths, causal, window):
+    """Random packings, causal or not, with or without a window: every rank derives the same
+    dtype for the dK/dV sums (every rank draws the same examples)."""
+    cu = torch.tensor([0, *torch.tensor([1, *lengths]).cumsum(0).tolist()])
+    window = None if window is None else (window[0], 0 if causal else window[1])
+    sched = schedules.get("allgather", mesh)
+    local = sched.pack(cu)
+    spec = sdpa_fusion.AttentionSpec(1, 2, 2, local.tokens, local.tokens, 8, torch.bfloat16,
+                                     causal=causal, layout="thd", packing=local, window=window)
+    dtypes = mesh.agree(str(sched._sums_dtype(spec)))
+    assert len(set(dtypes)) == 1, f"lengths {[1, *lengths]}: {dtypes}"
