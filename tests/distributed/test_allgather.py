@@ -204,10 +204,7 @@ def test_packed_sums_in_bf16_give_the_numbers_of_fp32_sums(mesh, monkeypatch, kv
     problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=4, h_kv=4 if kv == "mha" else 2,
                           causal=True, dtype=torch.bfloat16, scale=0.3)
     sched = schedules.get("allgather", mesh)
-    local = sched.pack(problem.cu_seqlens)
-    spec = sdpa_fusion.AttentionSpec(1, 4, 4 if kv == "mha" else 2, local.tokens, local.tokens, 8,
-                                     torch.bfloat16, causal=True, layout="thd",
-                                     packing=local)
+    spec = _local_bf16_spec(sched, problem.cu_seqlens, 4, 4 if kv == "mha" else 2, causal=True)
     assert sched._sums_dtype(spec) == (torch.bfloat16 if p == 2 else torch.float32)
     auto = run_packed(sched, problem)
     wide = schedules.get("allgather", mesh)
@@ -228,10 +225,7 @@ def test_packed_bf16_sums_dtype_agrees_on_every_rank(mesh, causal, window):
     problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=4, causal=causal, window=window,
                           dtype=torch.bfloat16, scale=0.3)
     sched = schedules.get("allgather", mesh)
-    local = sched.pack(problem.cu_seqlens)
-    spec = sdpa_fusion.AttentionSpec(1, 4, 4, local.tokens, local.tokens, 8, torch.bfloat16,
-                                     causal=causal, layout="thd", packing=local,
-                                     window=window)
+    spec = _local_bf16_spec(sched, problem.cu_seqlens, 4, 4, causal=causal, window=window)
     assert len(set(mesh.agree(str(sched._sums_dtype(spec))))) == 1
     assert_packed_matches(problem, run_packed(sched, problem), rtol=2e-2, atol=2e-2)
 
@@ -246,8 +240,15 @@ def test_packed_sums_dtype_is_the_same_on_every_rank(mesh, lengths, causal, wind
     cu = torch.tensor([0, *torch.tensor([1, *lengths]).cumsum(0).tolist()])
     window = None if window is None else (window[0], 0 if causal else window[1])
     sched = schedules.get("allgather", mesh)
-    local = sched.pack(cu)
-    spec = sdpa_fusion.AttentionSpec(1, 2, 2, local.tokens, local.tokens, 8, torch.bfloat16,
-                                     causal=causal, layout="thd", packing=local, window=window)
+    spec = _local_bf16_spec(sched, cu, 2, 2, causal=causal, window=window)
     dtypes = mesh.agree(str(sched._sums_dtype(spec)))
     assert len(set(dtypes)) == 1, f"lengths {[1, *lengths]}: {dtypes}"
+
+
+def _local_bf16_spec(sched, cu_seqlens, heads: int, kv_heads: int, *, causal: bool,
+                     window=None) -> sdpa_fusion.AttentionSpec:
+    """This rank's local spec of a bf16 packed call on ``cu_seqlens`` (head dim 8)."""
+    local = sched.pack(cu_seqlens)
+    return sdpa_fusion.AttentionSpec(1, heads, kv_heads, local.tokens, local.tokens, 8,
+                                     torch.bfloat16, causal=causal, layout="thd", packing=local,
+                                     window=window)
