@@ -239,8 +239,9 @@ def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None
     """Every call's backward on ``args`` (as ``call_grads``): dQ into ``dq_sum``, dK and dV
     into the ``Sum``s of the key blocks, finished at the end (the first contribution written
     straight into them; ``streams`` as ``fold_calls``)."""
+    grad_dtype = args[2].dtype  # a kernel's dK/dV take k's dtype
     for i, call in enumerate(calls):
-        targets = [s.into(call.keys, args[2].dtype) for s in sums]
+        targets = [s.into(call.keys, grad_dtype) for s in sums]
         grads = call_grads(call, kernel, dq_sum, args, streams and streams(i), targets)
         for s, target in zip(sums, targets):  # no name keeps a gradient into the next call
             if target is None:
