@@ -36,7 +36,7 @@ from .layout import Layout, exact_strides, has_layout
 
 log = logging.getLogger("sdpa_fusion")
 _UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (then out of place)
-HEAD_CHUNKS = 8  # a fold that cannot run in place merges its heads in this many parts
+FOLD_PART_BYTES = 64 << 20  # a fold that cannot run in place merges at most this much at once
 
 
 def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
@@ -199,10 +199,12 @@ def _is_dense_bhse(out, lse, block_lse) -> bool:
 
 def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
     """``merge`` (the ``LseMerge`` fusion) out of place, then copied into ``out`` and ``lse``,
-    a few heads at a time: its temporary is at most 1/HEAD_CHUNKS of the rows' fp32 size."""
+    as many heads at a time as keep its temporary within FOLD_PART_BYTES (at least one
+    head): one merge for a small fold, whose kernels are too short to fill the GPU in parts."""
     merge = merge or _merge_fused
     heads = out.shape[1]
-    step = max(1, heads // HEAD_CHUNKS)
+    head_bytes = out[:, :1].numel() * out.element_size()
+    step = max(1, min(heads, FOLD_PART_BYTES // max(head_bytes, 1)))
     for start in range(0, heads, step):
         part = slice(start, start + step)
         new_out, new_lse = merge(out[:, part], lse[:, part], block_out[:, part],

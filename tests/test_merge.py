@@ -203,10 +203,13 @@ def test_fold_in_place_only_into_a_dense_bhse_accumulator(case, in_place):
 @pytest.mark.parametrize("heads", [4, 12, 20], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [slice(None), slice(8, 40)], ids=["all", "slice"])
-def test_fold_by_heads_gives_the_whole_merge(layout, heads, acc_dtype, rows):
-    """The out-of-place fold of GPUs, a few heads at a time (here with torch's merge in place
-    of the fusion), into a view of the accumulator: every head and row merged once, the rest
-    untouched, the accumulator's storage kept."""
+@pytest.mark.parametrize("part_heads", [None, 3], ids=["whole", "parts"])
+def test_fold_by_heads_gives_the_whole_merge(monkeypatch, layout, heads, acc_dtype, rows,
+                                            part_heads):
+    """The out-of-place fold of GPUs (here with torch's merge in place of the fusion) into a
+    view of the accumulator, in one part or ``part_heads`` heads at a time (FOLD_PART_BYTES):
+    every head and row merged once, the rest untouched, the accumulator's storage kept."""
+    from sdpa_fusion import merge as merge_module
     from sdpa_fusion.merge import _fold_by_heads, _merge_torch
 
     g = torch.Generator().manual_seed(heads)
@@ -217,9 +220,20 @@ def test_fold_by_heads_gives_the_whole_merge(layout, heads, acc_dtype, rows):
     merged, merged_lse = _merge_torch(out[:, :, rows], lse[:, :, rows], block[:, :, rows],
                                       block_lse[:, :, rows])
     want_out[:, :, rows], want_lse[:, :, rows] = merged.to(acc_dtype), merged_lse
-    storage = out.data_ptr()
-    _fold_by_heads(out[:, :, rows], lse[:, :, rows], layout.to(block[:, :, rows]),
-                   block_lse[:, :, rows].contiguous(), merge=_merge_torch)
+    storage, view = out.data_ptr(), out[:, :, rows]
+    if part_heads is not None:
+        head_bytes = view[:, :1].numel() * view.element_size()
+        monkeypatch.setattr(merge_module, "FOLD_PART_BYTES", part_heads * head_bytes)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[1])
+        return _merge_torch(*args)
+
+    _fold_by_heads(view, lse[:, :, rows], layout.to(block[:, :, rows]),
+                   block_lse[:, :, rows].contiguous(), merge=counted)
+    assert calls == ([heads] if part_heads is None else
+                     [min(part_heads, heads - h) for h in range(0, heads, part_heads)])
     assert out.data_ptr() == storage and has_layout(out, layout)
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
