@@ -34,6 +34,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from benchmarks import telemetry
+
 COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -147,6 +149,8 @@ class Measurement:
     input_sets: int = 1
     peak_gib: float | None = None  # torch.cuda.max_memory_allocated over the timed iterations
     step_gib: float | None = None  # that peak minus what was allocated before: the step's own
+    hold_s: float = 0.0  # seconds of steps run back to back before the timed ones
+    gpus: dict | None = None  # the GPUs' clocks over the timed iterations (telemetry.summarize)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,28 +159,34 @@ class Measurement:
 def measure(step: Callable, input_sets: Sequence, *, warmup: int = 3, iters: int = 10,
             min_iters: int = 3, budget_s: float | None = None,
             before_timing: Callable | None = None,
-            before_each: Callable | None = None) -> Measurement:
+            before_each: Callable | None = None, hold_s: float = 0.0,
+            agree: Callable[[bool], bool] | None = None) -> Measurement:
     """Time ``step(inputs)`` rotating over ``input_sets``; never raises.
 
     ``warmup`` untimed calls come first. With ``budget_s`` the number of timed iterations is
     cut (down to ``min_iters``) so that they take about that long; leave it None when several
-    ranks must run the same number of iterations. Timed iterations run back to back (the
-    steady state of a training loop: host work overlaps the device's) after
-    ``before_timing`` (a barrier, say); ``before_each`` runs before every timed iteration,
-    outside the timed region, instead. A failure is returned as a Measurement whose status
-    says what went wrong.
+    ranks must run the same number of iterations. With ``hold_s`` steps then run back to back
+    for about that many seconds more, untimed, so that the timed ones find the GPU at the
+    clock it keeps under sustained load (a power or thermal limit takes a while to settle);
+    ``agree(go)`` makes the ranks of a distributed step decide together when to stop (True
+    while any rank goes on). Timed iterations run back to back (the steady state of a
+    training loop: host work overlaps the device's) after ``before_timing`` (a barrier, say);
+    ``before_each`` runs before every timed iteration, outside the timed region, instead.
+    On GPUs ``gpus`` records their clocks over the timed iterations (``telemetry``). A
+    failure is returned as a Measurement whose status says what went wrong.
     """
     try:
         return _measure(step, list(input_sets), warmup, iters, min_iters, budget_s,
-                        before_timing, before_each)
+                        before_timing, before_each, hold_s, agree)
     except Exception as e:  # noqa: BLE001 -- every failure becomes a row in the results
         return failure(e)
 
 
 def _measure(step, sets, warmup, iters, min_iters, budget_s, before_timing,
-             before_each) -> Measurement:
+             before_each, hold_s, agree) -> Measurement:
     cuda = _on_cuda(sets[0])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sampler = telemetry.sampler() if cuda else None  # started before it is needed
     seconds = []
     for i in range(warmup):
         sync()
@@ -187,6 +197,8 @@ def _measure(step, sets, warmup, iters, min_iters, budget_s, before_timing,
     if budget_s is not None and seconds:
         estimate = min(seconds[1:] or seconds)
         iters = max(min_iters, min(iters, int(budget_s / max(estimate, 1e-6))))
+    if hold_s > 0:
+        _hold(step, sets, hold_s, sync, agree)
     base = None
     if cuda:
         sync()
@@ -194,15 +206,31 @@ def _measure(step, sets, warmup, iters, min_iters, budget_s, before_timing,
         base = torch.cuda.memory_allocated()
     if before_timing is not None:
         before_timing()
+    start = time.time()
     times = _timed(step, sets, iters, before_each, cuda)
     m = Measurement(
         median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times),
-        warmup=warmup, iters=iters, input_sets=len(sets),
+        warmup=warmup, iters=iters, input_sets=len(sets), hold_s=hold_s,
+        gpus=sampler.between(start, time.time()) if sampler is not None else None,
     )
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         m.peak_gib, m.step_gib = peak / GIB, (peak - base) / GIB
     return m
+
+
+def _hold(step, sets, seconds, sync, agree) -> None:
+    """Steps back to back for about ``seconds``, in rounds of four (every rank of a
+    distributed step takes as many: ``agree`` decides after each round)."""
+    start, i = time.perf_counter(), 0
+    while True:
+        for _ in range(4):
+            step(sets[i % len(sets)])
+            i += 1
+        sync()
+        go = time.perf_counter() - start < seconds
+        if not (agree(go) if agree is not None else go):
+            return
 
 
 def _timed(step, sets, n, before_each, cuda) -> list[float]:

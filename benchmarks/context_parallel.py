@@ -37,7 +37,11 @@ forward+backward. Implementations:
                                from the slowest rank
 Per-GPU TFLOP/s = AttentionSpec.flops of the whole problem / ranks / the slowest rank's median
 time. Timed iterations run back to back after a barrier (a training loop's steady state);
-``--sync-each`` puts a barrier before every iteration instead. Memory: ``peak_gib`` is the largest
+``--sync-each`` puts a barrier before every iteration instead. ``--hold-seconds S`` runs each
+step untimed for S seconds first: under sustained load a GPU settles at the clock its power
+limit allows, lower than in the first second. Each row records the GPUs' SM clock, power,
+temperature and how often a power or thermal limit held the clock down over its timed
+iterations (``gpus``, ``benchmarks.telemetry``). Memory: ``peak_gib`` is the largest
 ``max_memory_allocated`` of any rank over the timed iterations, ``step_gib`` that peak minus
 what was allocated before them (the step's own memory; kept symmetric memory added). PyTorch's
 context_parallel shards its buffers in place with ``resize_``, which keeps each buffer's full
@@ -138,6 +142,9 @@ def add_problem_args(p, *, causal: str, modes: str) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=None, help="default: 2 up to 64K, then 1")
     p.add_argument("--iters", type=int, default=None, help="default: 8 up to 64K, 5, then 3")
+    p.add_argument("--hold-seconds", type=float, default=0.0,
+                   help="run each step back to back this long before timing it (the clock "
+                        "GPUs keep under sustained load; default 0: time right after warm-up)")
     p.add_argument("--check-max-seq", type=common.int_list, default=[65536])
     p.add_argument("--tag", default="", help="appended to the result name, e.g. _2gpu")
     common.add_distributed_args(p)
@@ -257,8 +264,8 @@ def one_gpu_rows(args, s, causal, name, kernel, ref, each, spec, device) -> list
     inputs, error, checks = whole_problem(args, s, device, fn, ref)
     rows = []
     for mode in args.modes:
-        m = (common.measure(by_mode(fn)[mode], inputs, warmup=warmup, iters=iters, **each)
-             if inputs else error)
+        m = (common.measure(by_mode(fn)[mode], inputs, warmup=warmup, iters=iters,
+                            hold_s=args.hold_seconds, **each) if inputs else error)
         rows.append(common.make_row(panel(causal, mode), f"1 GPU {name}", s, m,
                                     spec.flops(backward=mode == "fwd+bwd"), mode=mode, ranks=1,
                                     kernel=kernel, **checks, **fields(args)))
@@ -436,7 +443,8 @@ def timed_row(args, mesh, impl, s, causal, mode, step, inputs, extra_gib=None, *
     symmetric memory) is added to the peak and the step memory."""
     warmup, iters = iterations(args, s)
     each = dict(before_each=dist.barrier) if args.sync_each else dict(before_timing=dist.barrier)
-    m = common.measure(step, inputs, warmup=warmup, iters=iters, **each)
+    m = common.measure(step, inputs, warmup=warmup, iters=iters, hold_s=args.hold_seconds,
+                       agree=lambda go: any(mesh.agree(go)), **each)
     if extra_gib is not None and m.peak_gib is not None:
         gib = extra_gib()
         m = dataclasses.replace(m, peak_gib=m.peak_gib + gib, step_gib=m.step_gib + gib)
@@ -525,8 +533,10 @@ def new_record(args, title, module, **settings) -> dict:
             "layout": "bhse",
             "iterations": {common.short(s): iterations(args, s) for s in args.seq_lens},
             "check_max_seq": args.check_max_seq[0],
+            "hold_seconds": args.hold_seconds,
             "timing": ("barrier before every iteration" if args.sync_each else
                        "back-to-back iterations after a barrier")
+            + (f", after {args.hold_seconds:g} s of untimed steps" if args.hold_seconds else "")
             + "; slowest rank's median; TFLOP/s per GPU = AttentionSpec.flops of the whole "
               "problem / ranks / time",
         },
@@ -599,6 +609,7 @@ def finish_record(args, record, start) -> int:
         print("\nper-GPU TFLOP/s / one GPU")
         print(common.format_table(record["ratios"], row_keys=("panel", "seq_len"), value="ratio",
                                   fmt="{:.2f}"))
+    print_clocks(rows)
     bad = [r for r in rows if r.get("rel_err") is not None and not r["rel_err"] < 2e-2]
     for r in bad:
         print(f"SUSPECT: {r['impl']} {r['panel']} s={r['seq_len']}: rel_err={r['rel_err']:.3g}")
@@ -608,6 +619,19 @@ def finish_record(args, record, start) -> int:
     common.print_failures(rows)
     print(f"\nwrote {', '.join(str(p) for p in paths)} in {record['elapsed_s']} s")
     return 0
+
+
+def print_clocks(rows) -> None:
+    """The GPUs' SM clock and power over each row's timed iterations, where recorded."""
+    clocked = [r for r in rows if r.get("gpus")]
+    if not clocked:
+        return
+    print("\nGPU clocks over the timed iterations (mean SM clock, mean power, share of samples "
+          "a power or thermal limit held the clock down)")
+    for r in clocked:
+        gpus = ", ".join(f"GPU {i} {g['sm_mhz']} MHz {g['power_w']} W {g['limited']:.0%}"
+                         for i, g in r["gpus"].items())
+        print(f"  {r['impl']:28} {common.short(r['seq_len']):>5}: {gpus}")
 
 
 def main(argv=None) -> int:
