@@ -364,7 +364,7 @@ def explain_mesh(args: argparse.Namespace, spec: AttentionSpec) -> int:
 
 
 # ---- bench -----------------------------------------------------------------------------------
-HELPERS = ("common", "kernel_table", "predict", "progress")  # benchmarks/ modules that are no benchmark
+HELPERS = ("common", "kernel_table", "predict", "progress", "telemetry")  # benchmarks/ modules that are no benchmark
 
 
 def benchmark_names() -> list[str]:
