@@ -199,11 +199,12 @@ def _is_dense_bhse(out, lse, block_lse) -> bool:
 
 def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
     """``merge`` (the ``LseMerge`` fusion) out of place, then copied into ``out`` and ``lse``,
-    as many heads at a time as keep its temporary within FOLD_PART_BYTES (at least one
-    head): one merge for a small fold, whose kernels are too short to fill the GPU in parts."""
+    as many heads at a time as keep its temporary (the merge's fp32 output) within
+    FOLD_PART_BYTES (at least one head): one merge for a small fold, whose kernels are too
+    short to fill the GPU in parts."""
     merge = merge or _merge_fused
     heads = out.shape[1]
-    head_bytes = out[:, :1].numel() * out.element_size()
+    head_bytes = out[:, :1].numel() * 4  # of the fp32 temporary, whatever out's dtype
     step = max(1, min(heads, FOLD_PART_BYTES // max(head_bytes, 1)))
     for start in range(0, heads, step):
         part = slice(start, start + step)
