@@ -53,7 +53,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class Communicator:
     """Collectives over one line of the mesh (``ranks`` are global ranks in line order);
-    ``timeout`` is the mesh's (the group's own, and the copy-engine barriers')."""
+    ``timeout`` is the mesh's (the group's own, and the watch's over GPU transfers)."""
 
     def __init__(self, group, ranks: list[int], index: int, *, timeout: datetime.timedelta):
         self.group, self.ranks, self.index = group, ranks, index

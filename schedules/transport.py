@@ -20,11 +20,15 @@ Two transports move the bytes:
                  allocated for the call. NCCL's send/receive kernels run on SMs beside the
                  attention kernels.
     copy_engine  the slots live in symmetric memory (torch.distributed._symmetric_memory),
-                 which the previous rank maps: after a device-side barrier of the ring (on
-                 the compute stream, so that it runs before the next attention kernel takes
-                 every SM), each rank copies on a side stream what it sends straight into the
-                 next rank's slot (from any memory: only the receiving slot is symmetric),
-                 then a second barrier says every slot is filled. Contiguous tensors go by one
+                 which the previous rank maps. On a side stream, behind the work the compute
+                 stream has so far, a barrier of the ring says every rank is ready (what it
+                 sends is written, the slot it receives into has been read); each rank then
+                 copies what it sends straight into the next rank's slot (from any memory:
+                 only the receiving slot is symmetric), and a second barrier says every slot
+                 is filled. Both barriers are stream memory operations on the buffer's signal
+                 pads (``stream_signals``), which need no SM: they pass while an attention
+                 kernel holds every SM, and the compute stream never waits for another rank
+                 except for a block it is about to use. Contiguous tensors go by one
                  device-to-device copy, which the GPU's copy engines move over NVLink, so
                  attention keeps every SM. The symmetric buffer is kept for the next call (it
                  grows, collectively, when a call needs more).
@@ -56,11 +60,12 @@ import torch.distributed as dist
 from sdpa_fusion.layout import Layout
 
 from .buffers import to_buffer, views
+from . import stream_signals
 from .comm import Pending
 
 TRANSPORTS = ("auto", "p2p", "copy_engine")
 _ALIGN = 512  # bytes: every slot starts aligned
-_READY, _FILLED = 0, 1  # symmetric-memory signal channels of a copy-engine shift's two barriers
+_READY, _FILLED = 0, 1  # signal channels of a copy-engine transfer's two barriers
 
 
 def check_transport(transport: str) -> str:
@@ -287,7 +292,7 @@ class CopyEngineMover(Mover):
         self._flat = self._handle = None
         self._peers: dict[int, torch.Tensor] = {}  # hops -> the buffer of the rank hops after
         self._stream = None
-        self._timeout_ms = int(comm.timeout.total_seconds() * 1000)  # the mesh's timeout
+        self._ready = self._filled = None  # the two barriers of a transfer (StreamBarrier)
 
     @property
     def kept_bytes(self) -> int:
@@ -303,6 +308,9 @@ class CopyEngineMover(Mover):
             self._handle = symm_mem.rendezvous(flat, self.comm.group)
             self._flat, self._peers = flat, {}
             self._stream = torch.cuda.Stream(device=device)
+            # on the new buffer's signal pads (zeros): every rank starts counting anew
+            self._ready = stream_signals.StreamBarrier(self._handle, _READY)
+            self._filled = stream_signals.StreamBarrier(self._handle, _FILLED)
         return self._flat
 
     def _peer(self, hops: int) -> torch.Tensor:
@@ -337,20 +345,15 @@ class CopyEngineMover(Mover):
         """Copy every (target, source) pair on the side stream between the two barriers of
         the line; the works to wait for."""
         stream = self._stream
-        # after the barrier every rank has finished its work so far: what it sends is ready,
-        # and the slot the rank hops before writes into has been read. It runs on the
-        # compute stream, ahead of the next kernel: on a side stream it would wait for an SM
-        # until that kernel ends (attention kernels hold every SM), and the copies, which
-        # need none, would start only then instead of beside it. The two barriers run on two
-        # streams, each on its own channel, so that they never pair across streams
-        self._handle.barrier(channel=_READY, timeout_ms=self._timeout_ms)
+        # the side stream goes on once the compute stream's work so far is done: what this
+        # rank sends is written, and the slot it receives into has been read
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            self._ready.pass_()  # so has every other rank's
             for target, source in copies:
                 target.copy_(source)
                 source.record_stream(stream)  # its memory is not reused before the copy is done
-            # after the second barrier every rank's slot is filled
-            self._handle.barrier(channel=_FILLED, timeout_ms=self._timeout_ms)
+            self._filled.pass_()  # every rank's slot is filled
             event = torch.cuda.Event()
             event.record(stream)
         return [_StreamEvent(event)]
@@ -441,7 +444,7 @@ def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:
         return False, f"its ranks are on {len(set(hosts))} hosts and copy engines reach only this one"
-    return True, ""
+    return stream_signals.available()
 
 
 def aligned(nbytes: int) -> int:

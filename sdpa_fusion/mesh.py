@@ -7,7 +7,8 @@ Communication goes through torch.distributed (NCCL with GPUs, gloo without); the
 ``DeviceMesh`` of each named dim annotates fusions. Small gloo *control groups* (one per line
 of each dim, one for the whole mesh) carry the agreement of ``sdpa_fusion.agreement``, so that
 every rank checks every other rank's call before any data moves. The mesh's ``timeout`` bounds
-every wait: its process groups, control groups and the copy-engine barriers of the ring.
+every wait: its process groups, control groups and the copy-engine transfers of the ring
+(watched from the host, ``waiting.StallWatch``).
 """
 
 from __future__ import annotations

@@ -91,14 +91,15 @@ class _Watched:
 
 
 class StallWatch:
-    """Steps whose completion the host does not wait for (NCCL transfers), watched from a
-    daemon thread: after ``stall_s`` without completing, this rank notes its arrival in
-    ``arrivals``; past ``REPORT_AT`` of ``timeout`` ``report`` (default: log an error) gets a
-    message naming the step and the ranks that never arrived. That is early enough to come
-    before NCCL's watchdog (or a copy-engine barrier), which end the process at the timeout
-    counted from when the transfer was queued. A transfer still not complete ``END_GRACE_S``
-    after the timeout (NCCL's watchdog can stall in its own debug dump) ends the process
-    through ``end`` (default: exit status 1), so that a job never hangs. Holds no tensors,
+    """Steps whose completion the host does not wait for (NCCL and copy-engine transfers),
+    watched from a daemon thread: after ``stall_s`` without completing, this rank notes its
+    arrival in ``arrivals``; past ``REPORT_AT`` of ``timeout`` ``report`` (default: log an
+    error) gets a message naming the step and the ranks that never arrived. That is early
+    enough to come before NCCL's watchdog, which ends the process at the timeout counted from
+    when the transfer was queued. A transfer still not complete ``END_GRACE_S`` after the
+    timeout (NCCL's watchdog can stall in its own debug dump; a copy-engine transfer's stream
+    waits without a limit) ends the process through ``end`` (default: exit status 1), so that
+    a job never hangs. Holds no tensors,
     only the ``done`` markers."""
 
     POLL_S = 0.5
