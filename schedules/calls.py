@@ -53,6 +53,12 @@ class DenseCall:
         return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
                               window=self.window, dropout=dropout)
 
+    def forward_into(self, kernel, outputs, q, k, v, scale, dropout=None):
+        """``forward`` written into ``outputs`` (out, lse of the call's rows)."""
+        r, c = self.rows, self.keys
+        kernel.forward_into(outputs, q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal,
+                            scale=scale, window=self.window, dropout=dropout)
+
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
         return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale,
@@ -101,6 +107,11 @@ class PackedCall:
             causal=self.causal, scale=scale, window=self.window,
         )
         return as_block(o), lse.unsqueeze(0)
+
+    def forward_into(self, kernel, outputs, q, k, v, scale, dropout=None):
+        """``forward`` copied into ``outputs`` (the varlen kernels write their own)."""
+        for buffer, result in zip(outputs, self.forward(kernel, q, k, v, scale, dropout)):
+            buffer.copy_(result)
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         lse = _take_lse(lse[0], self.rows)
@@ -219,7 +230,12 @@ def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> N
     """Fold every call's (out, lse) on the blocks q, k, v into ``merged``. ``streams(i)``: the
     dropout stream of call i (None: no dropout)."""
     for i, call in enumerate(calls):
-        o, lse = call.forward(kernel, q, k, v, scale, streams and streams(i))
+        dropout = streams and streams(i)
+        outputs = merged.into(call.rows)
+        if outputs is not None:  # the rows' first block: the kernel writes the result
+            call.forward_into(kernel, outputs, q, k, v, scale, dropout)
+            continue
+        o, lse = call.forward(kernel, q, k, v, scale, dropout)
         merged.add(o, lse, rows=call.rows)
         del o, lse  # free the call's output before the next kernel call
 

@@ -9,7 +9,8 @@ A query row attended over key blocks K_1, K_2, ... separately has, per block, an
 A schedule folds one block at a time into the rows it covers, in place:
 
     merged = Merged(out, lse, blocks=P)       # out, lse: the results (or head slices of them)
-    for each step:
+    for each step:                            # (merged.into(rows): where a kernel may write
+                                              #  the first block of all rows itself)
         block_out, block_lse = kernel.forward(q, k_blk, v_blk, ...)
         merged.add(block_out, block_lse)                       # all queries
         merged.add(o2, l2, rows=slice(s // 2, None))          # the late half only
@@ -60,6 +61,15 @@ class Merged:
         self.acc = out if direct else layout_of(out).empty(out.shape, dtype=torch.float32,
                                                            device=out.device)
         self._empty = True
+
+    def into(self, rows=None):
+        """Where a kernel may write the next block's (out, lse) of ``rows`` itself: (out, lse)
+        when it is the first block, covers every row and goes straight into ``out``; else
+        None (``add`` it)."""
+        if not (self._empty and self.acc is self.out and _all(rows)):
+            return None
+        self._empty = False
+        return self.out, self.lse
 
     def add(self, block_out, block_lse, rows=None) -> None:
         """Fold a block's (out, lse) of the query ``rows`` (a slice, an index tensor, or None

@@ -127,6 +127,17 @@ def test_which_packed_calls_run_in_one_fa4_call(causal, window, cu_k, shift):
     assert fa4.varlen_shift(seqlens, causal, window) == shift
 
 
+def test_forward_into_given_buffers_copies_by_default(rng, assert_close):
+    kernel = get("reference")
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=rng) for _ in range(3))
+    want = kernel.forward(q, k, v, causal=True, scale=0.3)
+    buffers = (torch.empty_like(q), torch.empty(q.shape[:3]))
+    got = kernel.forward_into(buffers, q, k, v, causal=True, scale=0.3)
+    assert all(g is b for g, b in zip(got, buffers))
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
 def test_backward_into_given_buffers_copies_by_default(rng, assert_close):
     kernel = get("reference")
     q, k, v, dout = (torch.randn(1, 2, 6, 8, generator=rng) for _ in range(4))

@@ -163,6 +163,37 @@ def test_two_blocks_merged_into_bf16_round_once():
     assert torch.equal(lse, lse_acc)
 
 
+@pytest.mark.parametrize("blocks,dtype,rows,direct", [
+    (2, torch.bfloat16, None, True),              # first block of every row, into out
+    (2, torch.bfloat16, slice(S // 2, None), False),  # some rows only: merged in
+    (3, torch.bfloat16, None, False),             # three blocks: an fp32 accumulator
+    (3, torch.float32, None, True),
+])
+def test_merged_into_lets_the_first_block_write_the_result(blocks, dtype, rows, direct):
+    """``into`` hands out (out, lse) to the kernel of the first block when it covers every row
+    and goes straight into out; the next block merges into what it wrote."""
+    q, k, v = (t.to(dtype) for t in qkv(Layout.BHSE))
+    a_k, b_k = halves(k)
+    a_v, b_v = halves(v)
+    out, lse = torch.empty_like(q), torch.empty(B, H, S)
+    merged = Merged(out, lse, blocks=blocks)
+    outputs = merged.into(rows)
+    assert (outputs is not None) == direct
+    q_rows = q if rows is None else q[:, :, rows]
+    if direct:
+        assert outputs[0] is out and outputs[1] is lse
+        reference.forward_into(outputs, q, a_k, a_v, causal=False, scale=SCALE)
+        assert merged.into() is None  # only the first block
+    else:
+        merged.add(*full(q_rows, a_k, a_v), rows=rows)
+    merged.add(*full(q_rows, b_k, b_v), rows=rows)
+    merged.finish()
+    want, _ = full(q_rows.float(), k.float(), v.float())
+    got = out if rows is None else out[:, :, rows]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
 def test_merged_rows_no_block_reaches():
     """finish() without any block: out 0, lse -inf."""
     q = torch.randn(B, H, S, E)

@@ -22,12 +22,14 @@ can be applied block by block (ring attention).
 A kernel without a native varlen path runs packed sequences one by one through its dense
 methods (``varlen_forward``/``varlen_backward`` of the base class).
 
+    forward_into(outputs, q, k, v, *, causal, scale, dropout=None, window=None) -> outputs
     backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None)
         -> grads
 
-writes (dq, dk, dv) into ``grads``, preallocated tensors shaped, typed and laid out like
-q, k, v (a caller that reuses one set of buffers saves the kernel's own allocations). A
-kernel that can write into given buffers does so (``fa4``); the default copies.
+write (out, lse) into ``outputs`` and (dq, dk, dv) into ``grads``, preallocated tensors
+shaped, typed and laid out like the results (a caller that has the result's place already,
+such as a schedule whose first block of a row is its result, saves a copy). A kernel that
+can write into given buffers does so (``fa4``); the default copies.
 """
 
 from __future__ import annotations
@@ -186,6 +188,15 @@ class Kernel(abc.ABC):
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float,
                  dropout: Dropout | None = None, window: Window | None = None):
         ...
+
+    def forward_into(self, outputs, q, k, v, *, causal: bool, scale: float,
+                     dropout: Dropout | None = None, window: Window | None = None):
+        """``forward`` writing (out, lse) into ``outputs``, preallocated like its results;
+        returns ``outputs``. This default copies the kernel's own results there."""
+        for buffer, result in zip(outputs, self.forward(q, k, v, causal=causal, scale=scale,
+                                                        dropout=dropout, window=window)):
+            buffer.copy_(result)
+        return outputs
 
     def backward_into(self, grads, dout, q, k, v, out, lse, *, causal: bool, scale: float,
                       dropout: Dropout | None = None, window: Window | None = None):

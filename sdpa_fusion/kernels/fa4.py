@@ -9,8 +9,9 @@ How the contract maps onto FA4:
 - Layouts, no copies: FA4 takes [B, S, H, D] tensors with any 16-byte aligned strides, so
   q, k, v, out and dout go in as ``.transpose(1, 2)`` views of our logical [B, H, S, E]
   tensors, BHSE or BSHE alike. The output and the gradients are allocated in the layout of
-  the tensor they belong to and handed to FA4 to write into (``out=``, ``dq=``/``dk=``/
-  ``dv=``), so nothing is copied afterwards either.
+  the tensor they belong to (or given, ``forward_into``/``backward_into``) and handed to FA4
+  to write into (``out=``/``lse=``, ``dq=``/``dk=``/``dv=``), so nothing is copied
+  afterwards either.
 - GQA: native (FA4 packs the query heads of a K/V head; dK/dV summed in fp32 inside).
 - Masks: FA4 aligns causal and window masks bottom-right: query i sees key j when
   ``i + d - left <= j <= i + d + right`` with ``d = s_k - s_q``. Our top-left band
@@ -141,14 +142,22 @@ class FlashAttention4Kernel(Kernel):
         return None
 
     def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return self.forward_into((_empty_like(q), lse), q, k, v, causal=causal, scale=scale,
+                                 window=window)
+
+    def forward_into(self, outputs, q, k, v, *, causal, scale, dropout=None, window=None):
+        out, lse = outputs
+        if not lse.is_contiguous():  # FA4 writes a dense lse (out: any 16-byte strides)
+            return super().forward_into(outputs, q, k, v, causal=causal, scale=scale,
+                                        window=window)
         left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
-        out = _empty_like(q)
         with torch.cuda.device(q.device):
-            _, lse, *_ = interface()._flash_attn_fwd(
+            interface()._flash_attn_fwd(
                 _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, window_size_left=left,
-                window_size_right=right, return_lse=True, out=_bshd(out),
+                window_size_right=right, return_lse=True, out=_bshd(out), lse=lse,
             )
-        return out, lse
+        return outputs
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
         grads = tuple(_empty_like(t) for t in (q, k, v))

@@ -58,6 +58,10 @@ class Way(Kernel):
         return self.kernel.forward(q, k, v, causal=causal, scale=scale, dropout=dropout,
                                    window=window)
 
+    def forward_into(self, outputs, q, k, v, *, causal, scale, dropout=None, window=None):
+        return self.kernel.forward_into(outputs, q, k, v, causal=causal, scale=scale,
+                                        dropout=dropout, window=window)
+
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
         return self.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
                                     dropout=dropout, window=window)

@@ -133,14 +133,18 @@ def test_attention_runs_fa4_end_to_end(assert_close, sdpa_oracle):
 
 def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
     """Ring attention's use: the last 256 of 512 queries against two K/V blocks (the first
-    without mask, the second causal), their outputs merged by log-sum-exp, then each block's
-    backward from the merged out and lse, the second written into given buffers."""
+    without mask, the second causal, its out and lse written into given buffers), their
+    outputs merged by log-sum-exp, then each block's backward from the merged out and lse,
+    the second written into given buffers."""
     q, k, v, dout = problem(Layout.BSHE, kv_heads=4, s_q=2 * S, s_k=2 * S)
     scale = scale_for(q.shape[-1])
     late, early = slice(S, None), slice(None, S)
     qs, dos = q[:, :, late], dout[:, :, late]
     o1, l1 = kernel.forward(qs, k[:, :, early], v[:, :, early], causal=False, scale=scale)
-    o2, l2 = kernel.forward(qs, k[:, :, late], v[:, :, late], causal=True, scale=scale)
+    given = (torch.empty_like(qs), torch.empty(qs.shape[:3], dtype=torch.float32, device="cuda"))
+    o2, l2 = kernel.forward_into(given, qs, k[:, :, late], v[:, :, late], causal=True,
+                                 scale=scale)
+    assert o2 is given[0] and l2 is given[1], "forward written into the buffers"
     lse = torch.logaddexp(l1, l2)
     out = (o1.float() * (l1 - lse).exp().unsqueeze(-1)
            + o2.float() * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
