@@ -359,6 +359,13 @@ class LseMerge(Definition):
     index them as flat buffers. With ``in_place=True`` the merged out, in ``acc_dtype``, is
     written into ``out_a`` (an output aliased to that input, not returned): one kernel reads
     both blocks and writes the accumulator, and only the new lse is returned.
+
+    The lse tensors are declared [B, H, S, 1] (``execute`` takes and returns [B, H, S]), so
+    that the weights meet the [B, H, S, E] blocks by a broadcast dim of an input and the
+    fusion has no broadcast op: nvFuser moves an in-place write that a broadcast op feeds
+    into a copy kernel of its own (its pass against a read-write race across the broadcast),
+    which costs a second pass over out, while this out is read and written element by
+    element in one kernel.
     """
 
     input_names = ("out_a", "lse_a", "out_b", "lse_b")
@@ -394,7 +401,9 @@ class LseMerge(Definition):
         )
 
     def _lse(self):
-        return self.define_tensor(shape=[-1, self.heads, -1], contiguity=self._contiguity((0, 1, 2)),
+        """[B, H, S, 1]: the last dim a broadcast of the blocks' head dim (see the class)."""
+        return self.define_tensor(shape=[-1, self.heads, -1, 1],
+                                  contiguity=[*self._contiguity((0, 1, 2)), None],
                                   dtype=DataType.Float)
 
     def definition(self) -> None:
@@ -407,7 +416,7 @@ class LseMerge(Definition):
         total = ops.add(w_a, w_b)
         lse = ops.add(m, ops.log(total))
         inv = ops.reciprocal(ops.where(ops.eq(total, 0.0), 1.0, total))
-        w_a, w_b = (ops.broadcast(ops.mul(w, inv), [False, False, False, True]) for w in (w_a, w_b))
+        w_a, w_b = (ops.mul(w, inv) for w in (w_a, w_b))
         out = ops.add(
             ops.mul(ops.cast(out_a, DataType.Float), w_a), ops.mul(ops.cast(out_b, DataType.Float), w_b)
         )
@@ -420,6 +429,16 @@ class LseMerge(Definition):
     @property
     def output_names(self):
         return ("lse",) if self.in_place else ("out", "lse")
+
+    def execute(self, inputs, *, device=None, **scalars) -> list[torch.Tensor]:
+        """The outputs for [B, H, S] lse inputs (declared [B, H, S, 1]); lse [B, H, S]."""
+        inputs = list(inputs)
+        self.check_inputs(inputs)
+        for i in (1, 3):
+            if inputs[i].dim() == 3:
+                inputs[i] = inputs[i].unsqueeze(-1)
+        *outs, lse = super().execute(inputs, device=device, **scalars)
+        return [*outs, lse.squeeze(-1)]
 
 
 __all__ = ["Definition", "LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward"]

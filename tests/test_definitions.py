@@ -186,7 +186,7 @@ def test_lse_merge_io(layout):
     out_a, lse_a, out_b, lse_b = fd.fusion.inputs()
     assert out_a.dtype() == DataType.Float and out_b.dtype() == DataType.Half
     assert extents(out_a)[1:2] + extents(out_a)[3:] == [str(H), str(E)]
-    assert lse_a.dtype() == lse_b.dtype() == DataType.Float and lse_a.ndim == 3
+    assert lse_a.dtype() == lse_b.dtype() == DataType.Float and lse_a.ndim == 4
     out, lse = fd.fusion.outputs()
     assert out.dtype() == lse.dtype() == DataType.Float
     text = repr(fd)
@@ -194,6 +194,7 @@ def test_lse_merge_io(layout):
     assert "fd.ops.stride_order(" in text
     assert ("stride_order=[3, 1, 2, 0])" in text) == (layout is Layout.BSHE)
     assert "fd.ops.isneginf(" in text
+    assert "fd.ops.broadcast(" not in text  # the weights meet the blocks by a broadcast dim
 
 
 @LAYOUTS
@@ -206,7 +207,7 @@ def test_lse_merge_of_one_head(layout, dense, in_place):
     flag = str(dense)
     want = {Layout.BHSE: f"[{flag}, None, {flag}, True]", Layout.BSHE: f"[{flag}, {flag}, None, True]"}
     assert f"contiguity={want[layout]}" in repr(fd)
-    assert f"contiguity=[{flag}, None, True]" in repr(fd)
+    assert f"contiguity=[{flag}, None, True, None]" in repr(fd)
 
 
 # ---- repro scripts and DID annotations ----------------------------------------------------
