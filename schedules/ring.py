@@ -21,7 +21,8 @@ block of a backward keeps the GPU waiting (nothing precedes it): a call of one g
 on large blocks runs its backward as two groups (dense, no dropout: ``_backward_groups``),
 and the first works on its own block first, while the first block travels, and adds its
 sums once the second has worked on its first block. Every step uses the global
-out and lse of the forward.
+out and lse of the forward. When a block's sums come from one rank alone (P = 2, dense, no
+window), that rank writes only its call's keys and the owner adds only those rows.
 
 Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
 heads one after another, each group's blocks 1/G of the whole; the first block of the next
@@ -331,6 +332,8 @@ class Ring(Transported, SequenceSchedule):
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
         contributions = sum(len(c) for c in calls.values())
+        one_hop = self._sums_make_one_hop(spec, remote)
+        carried = self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None
         kv, sums = self._rings(k, groups, remote, travel,
                                (k.dtype, self._kv_slots(len(groups), len(remote))),
                                (self.sums_dtype(spec), self._sums_slots(len(remote))))
@@ -346,12 +349,12 @@ class Ring(Transported, SequenceSchedule):
                 targets = (g.of_kv(dk), g.of_kv(dv))
                 run.write(targets)
                 if sums is not None and step == order[-1]:  # they arrived meanwhile
-                    self._add_sums(targets, sent, travel)
+                    self._add_sums(targets, sent, travel, carried)
             elif step == remote[0]:  # this rank starts the block's sums
                 outgoing = sums.data.empty(k.device)
-                run.write(outgoing)
+                run.write(outgoing, zero_rest=not one_hop)
                 if early is not None:  # before this shift's slot takes the next sums
-                    self._add_sums(*early, travel)
+                    self._add_sums(*early, travel, carried)
                     early = None
                 sent = sums.shift(outgoing, hops=home[step] - step)
                 del outgoing  # the transport holds it until it has left
@@ -365,10 +368,31 @@ class Ring(Transported, SequenceSchedule):
             dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
         return dq, dk, dv
 
-    def _add_sums(self, targets, pending, travel) -> None:
-        """Add the dK/dV sums ``pending`` brings into this rank's ``targets``."""
+    def _add_sums(self, targets, pending, travel, rows=None) -> None:
+        """Add the dK/dV sums ``pending`` brings into this rank's ``targets`` (their ``rows``
+        only, when given: see ``_sums_rows``)."""
         for target, summed in zip(targets, pending.wait()):
-            self._sent(target, travel).add_(summed)
+            target = self._sent(target, travel)
+            if rows is None:
+                target.add_(summed)
+            else:
+                add_rows(target, rows, summed[:, :, rows])
+
+    @staticmethod
+    def _sums_make_one_hop(spec, remote: list[int]) -> bool:
+        """Whether the dK/dV sums of a block come from one rank alone, straight home, in one
+        dense call without a window (one remote step: P = 2): that rank then writes only
+        its call's keys (``_Step.write``, nothing zeroed) and the owner adds only those
+        (``_sums_rows``), half of a block at P = 2 with the load-balanced partition.
+        Otherwise every row travels, zeros where no call reached."""
+        return len(remote) == 1 and not spec.layout.is_varlen and window_band(spec) is None
+
+    def _sums_rows(self, spec, remote: list[int], s_q: int, s_kv: int) -> slice | None:
+        """The rows of this rank's block that its one-hop sums carry: the keys of the call
+        the rank before makes on it; None (all rows, zeros) when that rank makes none."""
+        sender = (self.index + remote[0]) % self.size
+        call = dense_call(block_case(sender, self.index, spec.causal, self.partition), s_q, s_kv)
+        return None if call is None else call.keys
 
     def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int, heads_q: int,
                          rows: int) -> int:
@@ -540,16 +564,19 @@ class _Step:
         self._add_rest(summed)
         return summed
 
-    def write(self, targets) -> None:
+    def write(self, targets, zero_rest: bool = True) -> None:
         """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
-        keys); the first call's straight from the kernel when they have the kernel's dtype."""
+        keys, unless not ``zero_rest``: then only the first call's keys are written, and
+        nobody reads the rest); the first call's straight from the kernel when they have the
+        kernel's dtype."""
         if not self.calls:
             for t in targets:
                 t.zero_()
             return
         keys = self.calls[0].keys
-        for t in targets:
-            zero_outside(t, keys)
+        if zero_rest:
+            for t in targets:
+                zero_outside(t, keys)
         if targets[0].dtype == self.args[2].dtype:
             self._grads(0, targets)
         else:

@@ -199,3 +199,22 @@ def test_backward_of_one_group_runs_two_the_first_on_its_own_block_first(mesh, h
     assert {heads for _, heads, _ in calls} == {1 if split else 2}
     assert (events[0][0] == "backward") == split  # no wait before it
     assert not split or calls[0][2] == k.shape[2]  # the own block: all local keys
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("grad_dtype", ["auto", "fp32"])
+def test_rows_a_sum_leaves_unwritten_are_never_read(mesh, monkeypatch, partition, grad_dtype):
+    """Every buffer a ring sends from starts as NaN: a rank that writes only its call's keys
+    of a one-hop dK/dV sum (P = 2) leaves the other rows NaN, and the gradients stay exact
+    only if nobody reads them (above two ranks every row is written)."""
+    from schedules import transport
+
+    def nan_filled(self, device):
+        numel = sum(torch.Size(s).numel() for s in self.shapes)
+        flat = torch.full((numel,), float("nan"), dtype=self.dtype, device=device)
+        return transport.views(flat, self.shapes, self.layout)
+
+    monkeypatch.setattr(transport.RingData, "empty", nan_filled)
+    problem = make_problem(b=1, h=4, s=8 * mesh.size(), e=8, causal=True, scale=0.5)
+    sched = schedules.get("ring", mesh, partition=partition, grad_dtype=grad_dtype)
+    assert_matches(problem, run_schedule(sched, problem))
