@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from sdpa_fusion.layout import Layout
 
-from .buffers import to_buffer, views
 from . import stream_signals
+from .buffers import to_buffer, views
 from .comm import Pending
 
 TRANSPORTS = ("auto", "p2p", "copy_engine")

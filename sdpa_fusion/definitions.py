@@ -343,41 +343,44 @@ class SdpaForwardBackward(_Attention):
             self.add_output(offset)
 
 
-class LseMerge(Definition):
-    """Two partial attention results combined by their log-sum-exp, in fp32.
+def _merge_weights(ops, lse_a, lse_b):
+    """(w_a, w_b, lse) of two partial results by their log-sum-exp (``LseMerge``'s math):
+    w_a + w_b = 1 where a key was seen, both 0 and lse -inf where none was."""
+    m = ops.maximum(lse_a, lse_b)
+    m = ops.where(ops.isneginf(m), 0.0, m)
+    w_a, w_b = ops.exp(ops.sub(lse_a, m)), ops.exp(ops.sub(lse_b, m))
+    total = ops.add(w_a, w_b)
+    lse = ops.add(m, ops.log(total))
+    inv = ops.reciprocal(ops.where(ops.eq(total, 0.0), 1.0, total))
+    return ops.mul(w_a, inv), ops.mul(w_b, inv), lse
 
-    out_a, lse_a (usually fp32 accumulators) and out_b, lse_b (a block's result) ->
-    out fp32 [B,H,S,E] in ``layout``, lse fp32 [B,H,S]:
 
-        m   = max(lse_a, lse_b), or 0 where both are -inf (rows no key reaches yet)
-        lse = m + log(exp(lse_a - m) + exp(lse_b - m))
-        out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / exp(lse - m)
+def _weighted_sum(ops, out_a, w_a, out_b, w_b):
+    """w_a out_a + w_b out_b in fp32."""
+    return ops.add(ops.mul(ops.cast(out_a, DataType.Float), w_a),
+                   ops.mul(ops.cast(out_b, DataType.Float), w_b))
 
-    Rows with both lse -inf give out 0 and lse -inf, never NaN. With ``dense=False`` the
-    inputs may be views into a sub-range of the sequence (only the innermost dim dense);
-    ``dense=True`` declares them dense in ``layout``, which lets nvFuser vectorize and
-    index them as flat buffers. With ``in_place=True`` the merged out, in ``acc_dtype``, is
-    written into ``out_a`` (an output aliased to that input, not returned): one kernel reads
-    both blocks and writes the accumulator, and only the new lse is returned.
 
-    The lse tensors are declared [B, H, S, 1] (``execute`` takes and returns [B, H, S]), so
-    that the weights meet the [B, H, S, E] blocks by a broadcast dim of an input and the
-    fusion has no broadcast op: nvFuser moves an in-place write that a broadcast op feeds
-    into a copy kernel of its own (its pass against a read-write race across the broadcast),
-    which costs a second pass over out, while this out is read and written element by
-    element in one kernel.
+class _Blocks(Definition):
+    """Shared parts of the definitions that combine two [B, H, S, E] results: their layout,
+    dtypes and contiguity, and per-row inputs (lse or weights) declared [B, H, S, 1].
+
+    A per-row input meets the blocks by a broadcast dim of its own, so the fusion has no
+    broadcast op: nvFuser moves an in-place write that a broadcast op feeds into a copy
+    kernel of its own (its pass against a read-write race across the broadcast), a second
+    pass over the output. ``execute`` takes and returns the per-row tensors as [B, H, S].
     """
 
-    input_names = ("out_a", "lse_a", "out_b", "lse_b")
+    row_inputs, row_outputs = (1, 3), ()  # positions of the per-row tensors
 
     def __init__(self, heads: int, head_dim: int, *, layout: Layout | str = Layout.BHSE,
                  acc_dtype: torch.dtype = torch.float32, block_dtype: torch.dtype = torch.bfloat16,
-                 dense: bool = False, in_place: bool = False):
+                 dense: bool = False):
         self.heads, self.head_dim, self.layout = heads, head_dim, Layout.of(layout)
-        self.dense, self.in_place = dense, in_place
-        self.acc_dtype, self.block_dtype = acc_dtype, block_dtype
+        self.dense, self.acc_dtype, self.block_dtype = dense, acc_dtype, block_dtype
         if self.layout.is_varlen:
-            raise ValueError("LseMerge takes layout 'bhse' or 'bshe'; view packed tensors as 'bshe'")
+            raise ValueError(f"{type(self).__name__} takes layout 'bhse' or 'bshe'; view packed "
+                             f"tensors as 'bshe'")
         for name, dtype in (("acc_dtype", acc_dtype), ("block_dtype", block_dtype)):
             if not dtype.is_floating_point:
                 raise ValueError(f"{name}={dtype} must be a floating-point dtype")
@@ -393,52 +396,96 @@ class LseMerge(Definition):
         return [None if d == 1 and self.heads == 1 else (True if d == inner else self.dense)
                 for d in memory_order]
 
-    def _out(self, dtype: torch.dtype):
+    def _block(self, dtype: torch.dtype):
         return self.define_tensor(
             shape=[-1, self.heads, -1, self.head_dim],
             contiguity=self._contiguity(self.layout.memory_order),
             dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order,
         )
 
-    def _lse(self):
-        """[B, H, S, 1]: the last dim a broadcast of the blocks' head dim (see the class)."""
+    def _rows(self):
+        """A per-row fp32 input, [B, H, S, 1]: the last dim a broadcast of the head dim."""
         return self.define_tensor(shape=[-1, self.heads, -1, 1],
                                   contiguity=[*self._contiguity((0, 1, 2)), None],
                                   dtype=DataType.Float)
 
-    def definition(self) -> None:
-        out_a, lse_a = self._out(self.acc_dtype), self._lse()
-        out_b, lse_b = self._out(self.block_dtype), self._lse()
-        ops = self.ops
-        m = ops.maximum(lse_a, lse_b)
-        m = ops.where(ops.isneginf(m), 0.0, m)
-        w_a, w_b = ops.exp(ops.sub(lse_a, m)), ops.exp(ops.sub(lse_b, m))
-        total = ops.add(w_a, w_b)
-        lse = ops.add(m, ops.log(total))
-        inv = ops.reciprocal(ops.where(ops.eq(total, 0.0), 1.0, total))
-        w_a, w_b = (ops.mul(w, inv) for w in (w_a, w_b))
-        out = ops.add(
-            ops.mul(ops.cast(out_a, DataType.Float), w_a), ops.mul(ops.cast(out_b, DataType.Float), w_b)
-        )
-        if self.in_place:
-            self.add_output(ops.cast(out, torch_dtype_to_nvfuser_dtype(self.acc_dtype)), out_a)
-        else:
-            self.add_output(ops.stride_order(out, self.layout.stride_order))
-        self.add_output(lse)
-
-    @property
-    def output_names(self):
-        return ("lse",) if self.in_place else ("out", "lse")
-
     def execute(self, inputs, *, device=None, **scalars) -> list[torch.Tensor]:
-        """The outputs for [B, H, S] lse inputs (declared [B, H, S, 1]); lse [B, H, S]."""
+        """The outputs for [B, H, S] per-row inputs; per-row outputs [B, H, S]."""
         inputs = list(inputs)
         self.check_inputs(inputs)
-        for i in (1, 3):
+        for i in self.row_inputs:
             if inputs[i].dim() == 3:
                 inputs[i] = inputs[i].unsqueeze(-1)
-        *outs, lse = super().execute(inputs, device=device, **scalars)
-        return [*outs, lse.squeeze(-1)]
+        outputs = super().execute(inputs, device=device, **scalars)
+        return [t.squeeze(-1) if i in self.row_outputs else t for i, t in enumerate(outputs)]
 
 
-__all__ = ["Definition", "LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward"]
+class LseMerge(_Blocks):
+    """Two partial attention results combined by their log-sum-exp, in fp32.
+
+    out_a, lse_a (usually fp32 accumulators) and out_b, lse_b (a block's result) ->
+    out fp32 [B,H,S,E] in ``layout``, lse fp32 [B,H,S]:
+
+        m   = max(lse_a, lse_b), or 0 where both are -inf (rows no key reaches yet)
+        lse = m + log(exp(lse_a - m) + exp(lse_b - m))
+        out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / exp(lse - m)
+
+    Rows with both lse -inf give out 0 and lse -inf, never NaN. With ``dense=False`` the
+    inputs may be views into a sub-range of the sequence (only the innermost dim dense);
+    ``dense=True`` declares them dense in ``layout``, which lets nvFuser vectorize and
+    index them as flat buffers. (A fold in place into out_a takes ``MergeWeights``, then
+    ``WeightedSum``: the weights once per row, not once per element.)
+    """
+
+    input_names = ("out_a", "lse_a", "out_b", "lse_b")
+    output_names = ("out", "lse")
+    row_outputs = (1,)
+
+    def definition(self) -> None:
+        out_a, lse_a = self._block(self.acc_dtype), self._rows()
+        out_b, lse_b = self._block(self.block_dtype), self._rows()
+        w_a, w_b, lse = _merge_weights(self.ops, lse_a, lse_b)
+        out = _weighted_sum(self.ops, out_a, w_a, out_b, w_b)
+        self.add_output(self.ops.stride_order(out, self.layout.stride_order))
+        self.add_output(lse)
+
+
+class WeightedSum(_Blocks):
+    """out_a <- w_a out_a + w_b out_b in place: fp32 math rounded once into out_a's
+    ``acc_dtype``; out_a and out_b [B,H,S,E] in ``layout`` (dense when ``dense``), weights
+    fp32 [B,H,S] (from ``MergeWeights``). One kernel reads both blocks and writes out_a (an
+    output aliased to that input); nothing is returned."""
+
+    input_names = ("out_a", "w_a", "out_b", "w_b")
+    output_names = ()
+
+    def definition(self) -> None:
+        out_a, w_a = self._block(self.acc_dtype), self._rows()
+        out_b, w_b = self._block(self.block_dtype), self._rows()
+        out = _weighted_sum(self.ops, out_a, w_a, out_b, w_b)
+        self.add_output(self.ops.cast(out, torch_dtype_to_nvfuser_dtype(self.acc_dtype)), out_a)
+
+
+class MergeWeights(Definition):
+    """The weights of two partial results and their merged log-sum-exp: dense fp32 lse_a,
+    lse_b [B,H,S] -> w_a, w_b, lse [B,H,S] (``LseMerge``'s math, once per row)."""
+
+    input_names = ("lse_a", "lse_b")
+    output_names = ("w_a", "w_b", "lse")
+
+    def __init__(self, heads: int):
+        self.heads = heads
+        super().__init__()
+
+    def split_extents(self) -> dict[str, int]:
+        return {"heads": self.heads}
+
+    def definition(self) -> None:
+        lse_a, lse_b = (self.define_tensor(shape=[-1, self.heads, -1], contiguity=[True] * 3,
+                                           dtype=DataType.Float) for _ in range(2))
+        for t in _merge_weights(self.ops, lse_a, lse_b):
+            self.add_output(t)
+
+
+__all__ = ["Definition", "LseMerge", "MergeWeights", "SdpaBackward", "SdpaForward",
+           "SdpaForwardBackward", "WeightedSum"]

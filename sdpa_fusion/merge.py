@@ -20,9 +20,12 @@ The first block of a row is its result so far, as is; every later one is merged 
 at most two blocks per row the merge writes straight into ``out`` (rounding once, as an fp32
 accumulator followed by a cast would); with more, into an fp32 accumulator cast at the end.
 
-On CUDA tensors the merge runs the ``LseMerge`` fusion when nvFuser is installed: in place
-into a dense BHSE accumulator (an aliased output), else out of place a few heads at a time,
-copied into the accumulator; without nvFuser the same fp32 math in torch, in place.
+On CUDA tensors the merge runs nvFuser fusions when nvFuser is installed: in place into a
+dense BHSE accumulator, the weights of each row first (``MergeWeights``, a small kernel) and
+then one kernel that reads both blocks and writes the accumulator (``WeightedSum``, an
+aliased output); else ``LseMerge`` out of place, as many heads at a time as
+``FOLD_PART_BYTES`` allows, copied into the accumulator. Without nvFuser the same fp32 math
+in torch, in place.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .kernels.nvfuser import import_error
 from .layout import Layout, exact_strides, has_layout
 
 log = logging.getLogger("sdpa_fusion")
-_UNFUSED: set = set()  # LseMerge signatures that failed to run in place here (then out of place)
+_UNFUSED: set = set()  # WeightedSum signatures that failed to run in place here (then out of place)
 FOLD_PART_BYTES = 64 << 20  # a fold that cannot run in place merges at most this much at once
 
 
@@ -227,39 +230,45 @@ def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
 def _merge_fused(out, lse, block_out, block_lse):
     from .definitions import LseMerge
 
-    fd, inputs = _fusion(LseMerge, out, lse, block_out, block_lse, in_place=False)
+    fd, inputs = _fusion(LseMerge, out, lse, block_out, block_lse)
     return tuple(fd.execute(inputs))
 
 
 def _fold_fused(out, lse, block_out, block_lse) -> bool:
-    """``LseMerge`` in place into ``out`` (its aliased output) and ``lse``; False when that
-    fusion cannot run here (the caller then merges out of place)."""
-    from .definitions import LseMerge
+    """The weights of each row (``MergeWeights``), then ``WeightedSum`` in place into ``out``
+    (its aliased output), and the new lse into ``lse``; False when that fusion cannot run
+    here (the caller then merges out of place)."""
+    from .definitions import MergeWeights, WeightedSum
 
-    fd, inputs = _fusion(LseMerge, out, lse, block_out, block_lse, in_place=True)
-    key = (out.dtype, block_out.dtype, layout_of(out), fd.dense)
+    key = (out.dtype, block_out.dtype, layout_of(out))
     if key in _UNFUSED:
         return False
+    weights = MergeWeights.cached(out.shape[1])
+    w_a, w_b, new_lse = weights.execute([exact_strides(t.float().contiguous(), (0, 1, 2))
+                                         for t in (lse, block_lse)])
+    fd, inputs = _fusion(WeightedSum, out, w_a, block_out, w_b)
     try:
-        (new_lse,) = fd.execute(inputs)
+        fd.execute(inputs)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 -- an nvFuser without in-place outputs
-        log.warning("LseMerge in place failed (%s: %s); merging out of place", type(e).__name__, e)
+        log.warning("WeightedSum in place failed (%s: %s); merging out of place",
+                    type(e).__name__, e)
         _UNFUSED.add(key)
         return False
     lse.copy_(new_lse)
     return True
 
 
-def _fusion(cls, out, lse, block_out, block_lse, *, in_place: bool):
-    """(the cached LseMerge for these tensors, its inputs)."""
+def _fusion(cls, out, rows_a, block_out, rows_b):
+    """(the cached ``cls`` (LseMerge or WeightedSum) for these blocks, its inputs); rows_a,
+    rows_b: the per-row tensors (lse or weights)."""
     layout = layout_of(out)
     block_out = layout.to(block_out)
-    dense = _is_dense(out, lse, block_lse, layout)
+    dense = _is_dense(out, rows_a, rows_b, layout)
     fd = cls.cached(out.shape[1], out.shape[3], layout=layout, acc_dtype=out.dtype,
-                    block_dtype=block_out.dtype, dense=dense, in_place=in_place)
-    inputs = [out, lse.float(), block_out, block_lse.float()]
+                    block_dtype=block_out.dtype, dense=dense)
+    inputs = [out, rows_a.float(), block_out, rows_b.float()]
     if dense:  # declared contiguous: size-1 dims (a batch of one) get their strides too
         orders = (layout.memory_order, (0, 1, 2)) * 2
         inputs = [exact_strides(t, order) for t, order in zip(inputs, orders)]

@@ -16,7 +16,7 @@ from nvfuser_direct import DataType  # noqa: E402
 
 from sdpa_fusion import AttentionSpec, Layout  # noqa: E402
 from sdpa_fusion.definitions import (  # noqa: E402
-    LseMerge, SdpaBackward, SdpaForward, SdpaForwardBackward,
+    LseMerge, MergeWeights, SdpaBackward, SdpaForward, SdpaForwardBackward, WeightedSum,
 )
 from sdpa_fusion.kernels import get  # noqa: E402
 
@@ -198,12 +198,27 @@ def test_lse_merge_io(layout):
 
 
 @LAYOUTS
+def test_weighted_sum_writes_its_first_input_in_place(layout):
+    """The in-place fold: weights per row from ``MergeWeights`` (the merge's math, no blocks),
+    then one aliased output over the accumulator, rounded once into its dtype."""
+    weights = MergeWeights(H)
+    assert [t.ndim for t in weights.fusion.inputs()] == [3, 3]
+    assert len(weights.fusion.outputs()) == 3 and "fd.ops.isneginf(" in repr(weights)
+    fd = WeightedSum(H, E, layout=layout, acc_dtype=torch.bfloat16, dense=True)
+    out_a, w_a, out_b, w_b = fd.fusion.inputs()
+    assert out_a.dtype() == DataType.BFloat16 and w_a.ndim == w_b.ndim == 4
+    text = repr(fd)
+    assert "fd.add_output(" in text and ", tv0)" in text  # written into out_a
+    assert "fd.ops.broadcast(" not in text and "fd.ops.exp(" not in text
+
+
+@LAYOUTS
 @pytest.mark.parametrize("dense", [False, True], ids=["views", "dense"])
-@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in-place"])
-def test_lse_merge_of_one_head(layout, dense, in_place):
+@pytest.mark.parametrize("cls", [LseMerge, WeightedSum], ids=["merge", "weighted-sum"])
+def test_block_merges_of_one_head(layout, dense, cls):
     """A single head (a fold a few heads at a time) is a broadcast dim, whose contiguity
     nvFuser takes as None, in memory order."""
-    fd = LseMerge(1, E, layout=layout, acc_dtype=torch.bfloat16, dense=dense, in_place=in_place)
+    fd = cls(1, E, layout=layout, acc_dtype=torch.bfloat16, dense=dense)
     flag = str(dense)
     want = {Layout.BHSE: f"[{flag}, None, {flag}, True]", Layout.BSHE: f"[{flag}, {flag}, None, True]"}
     assert f"contiguity={want[layout]}" in repr(fd)
