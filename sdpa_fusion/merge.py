@@ -21,7 +21,7 @@ at most two blocks per row the merge writes straight into ``out`` (rounding once
 accumulator followed by a cast would); with more, into an fp32 accumulator cast at the end.
 
 On CUDA tensors the merge runs nvFuser fusions when nvFuser is installed: in place into a
-dense BHSE accumulator, the weights of each row first (``MergeWeights``, a small kernel) and
+dense BHSE accumulator or into BSHE memory (views of some rows or heads too), the weights of each row first (``MergeWeights``, a small kernel) and
 then one kernel that reads both blocks and writes the accumulator (``WeightedSum``, an
 aliased output); else ``LseMerge`` out of place, as many heads at a time as
 ``FOLD_PART_BYTES`` allows, copied into the accumulator. Without nvFuser the same fp32 math
@@ -125,7 +125,7 @@ def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
     _check_shapes(out_view, lse_view, block_out, block_lse)
     if not (out_view.is_cuda and import_error() is None):
         _fold_torch(out_view, lse_view, block_out, block_lse)
-    elif not (_is_dense_bhse(out_view, lse_view, block_lse)
+    elif not (_folds_in_place(out_view, lse_view, block_lse)
               and _fold_fused(out_view, lse_view, block_out, block_lse)):
         _fold_by_heads(out_view, lse_view, block_out, block_lse)
     return out_acc, lse_acc
@@ -204,10 +204,11 @@ def _is_dense(out, lse, block_lse, layout: Layout) -> bool:
     return has_layout(out, layout) and lse.is_contiguous() and block_lse.is_contiguous()
 
 
-def _is_dense_bhse(out, lse, block_lse) -> bool:
-    """Whether the fold can run in place: nvFuser writes an aliased output correctly only into
-    a dense BHSE tensor (in BSHE, or into a view of some rows or heads, it writes elsewhere)."""
-    return _is_dense(out, lse, block_lse, Layout.BHSE)
+def _folds_in_place(out, lse, block_lse) -> bool:
+    """Whether the fold can run in place (``WeightedSum``): nvFuser 0.2.36 writes its aliased
+    output correctly into a dense BHSE tensor and into BSHE memory, views of some rows or
+    heads too, but into a BHSE view of some rows it writes elsewhere."""
+    return layout_of(out) is Layout.BSHE or _is_dense(out, lse, block_lse, Layout.BHSE)
 
 
 def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:

@@ -214,20 +214,23 @@ def test_fold_rows_by_index_matches_a_slice():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("case, in_place", [("bhse", True), ("bshe", False), ("rows", False),
-                                            ("heads", False)])
-def test_fold_in_place_only_into_a_dense_bhse_accumulator(case, in_place):
-    """On GPUs LseMerge writes its aliased output correctly only into dense BHSE memory; a BSHE
-    accumulator, or a view of some of its rows or heads, folds out of place."""
-    from sdpa_fusion.merge import _is_dense_bhse
+@pytest.mark.parametrize("layout, case, in_place", [
+    (Layout.BHSE, "all", True), (Layout.BHSE, "rows", False), (Layout.BHSE, "heads", True),
+    (Layout.BSHE, "all", True), (Layout.BSHE, "rows", True), (Layout.BSHE, "heads", True),
+], ids=str)
+def test_fold_in_place_into_dense_bhse_or_any_bshe_accumulator(layout, case, in_place):
+    """On GPUs WeightedSum writes its aliased output correctly into dense BHSE memory and into
+    BSHE memory, views of some rows or heads too; a BHSE view of some rows folds out of place
+    (a head slice of a batch of one is dense)."""
+    from sdpa_fusion.merge import _folds_in_place
 
-    layout = Layout.BSHE if case == "bshe" else Layout.BHSE
-    out = layout.empty((B, H, S, E), dtype=torch.float32, device="cpu")
-    lse = torch.zeros(B, H, S)
+    batch = 1 if case == "heads" and layout is Layout.BHSE else B
+    out = layout.empty((batch, H, S, E), dtype=torch.float32, device="cpu")
+    lse = torch.zeros(batch, H, S)
     view = {"rows": (slice(None), slice(None), slice(8, 24)),
             "heads": (slice(None), slice(1, 3))}.get(case, (slice(None),))
     block_lse = lse[view].contiguous()
-    assert _is_dense_bhse(out[view], lse[view], block_lse) is in_place
+    assert _folds_in_place(out[view], lse[view], block_lse) is in_place
 
 
 @LAYOUTS
