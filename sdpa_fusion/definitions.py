@@ -355,6 +355,15 @@ def _merge_weights(ops, lse_a, lse_b):
     return ops.mul(w_a, inv), ops.mul(w_b, inv), lse
 
 
+def _contiguity(memory_order, heads: int, dense: bool) -> list:
+    """Contiguity of each dim (logical dims in ``memory_order``, as nvFuser takes it): the
+    innermost dense, the others when ``dense``; None for the heads dim (1) of a single head,
+    which nvFuser takes as a broadcast."""
+    inner = memory_order[-1]
+    return [None if d == 1 and heads == 1 else (True if d == inner else dense)
+            for d in memory_order]
+
+
 def _weighted_sum(ops, out_a, w_a, out_b, w_b):
     """w_a out_a + w_b out_b in fp32."""
     return ops.add(ops.mul(ops.cast(out_a, DataType.Float), w_a),
@@ -389,24 +398,17 @@ class _Blocks(Definition):
     def split_extents(self) -> dict[str, int]:
         return {"heads": self.heads}
 
-    def _contiguity(self, memory_order) -> list:
-        """Contiguity of each dim in memory order (as nvFuser takes it): the innermost dense,
-        the others when ``dense``; None for the heads dim of a single head (a broadcast)."""
-        inner = memory_order[-1]
-        return [None if d == 1 and self.heads == 1 else (True if d == inner else self.dense)
-                for d in memory_order]
-
     def _block(self, dtype: torch.dtype):
         return self.define_tensor(
             shape=[-1, self.heads, -1, self.head_dim],
-            contiguity=self._contiguity(self.layout.memory_order),
+            contiguity=_contiguity(self.layout.memory_order, self.heads, self.dense),
             dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order,
         )
 
     def _rows(self):
         """A per-row fp32 input, [B, H, S, 1]: the last dim a broadcast of the head dim."""
-        return self.define_tensor(shape=[-1, self.heads, -1, 1],
-                                  contiguity=[*self._contiguity((0, 1, 2)), None],
+        rows = _contiguity((0, 1, 2), self.heads, self.dense)
+        return self.define_tensor(shape=[-1, self.heads, -1, 1], contiguity=[*rows, None],
                                   dtype=DataType.Float)
 
     def execute(self, inputs, *, device=None, **scalars) -> list[torch.Tensor]:
@@ -481,7 +483,8 @@ class MergeWeights(Definition):
         return {"heads": self.heads}
 
     def definition(self) -> None:
-        lse_a, lse_b = (self.define_tensor(shape=[-1, self.heads, -1], contiguity=[True] * 3,
+        lse_a, lse_b = (self.define_tensor(shape=[-1, self.heads, -1],
+                                           contiguity=_contiguity((0, 1, 2), self.heads, True),
                                            dtype=DataType.Float) for _ in range(2))
         for t in _merge_weights(self.ops, lse_a, lse_b):
             self.add_output(t)

@@ -225,6 +225,13 @@ def test_block_merges_of_one_head(layout, dense, cls):
     assert f"contiguity=[{flag}, None, True, None]" in repr(fd)
 
 
+def test_merge_weights_of_one_head():
+    """The weights of a single head's rows (a fold into a head group of one head): its heads
+    dim a broadcast, as in the fusions that take the weights."""
+    assert "contiguity=[True, None, True]" in repr(MergeWeights(1))
+    assert "contiguity=[True, True, True]" in repr(MergeWeights(H))
+
+
 # ---- repro scripts and DID annotations ----------------------------------------------------
 @LAYOUTS
 @CLASSES
