@@ -78,6 +78,15 @@ class DenseCall:
                  for t, like, span in zip(targets, (q, k, v), (r, c, c))]
         return kernel.backward_into(grads, *args, **mask)
 
+    def backward_rows(self, query_rows, targets, q, k, v) -> list:
+        """[dK, dV] of the call (into the targets' key rows, as ``backward_into``); its dQ
+        summed by ``query_rows`` (``Kernel.query_rows``)."""
+        r, c = self.rows, self.keys
+        grads = [_empty_like(like[:, :, c]) if t is None else t[:, :, c]
+                 for t, like in zip(targets, (k, v))]
+        query_rows.call(r, q[:, :, r], k[:, :, c], v[:, :, c], *grads, causal=self.causal)
+        return grads
+
     def pairs(self, s_q: int, s_kv: int) -> float:
         """Query-key pairs the call computes on blocks of ``s_q`` queries and ``s_kv`` keys
         (half of them when causal without a window, as ``AttentionSpec.flops`` counts)."""
@@ -244,6 +253,8 @@ def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, Non
     """(dK, dV) of ``call`` on ``args`` = (dout, q, k, v, out, lse, scale), the global out and
     lse, written into ``targets`` where not None; its dQ goes into ``dq_sum`` (straight from
     the kernel where it may)."""
+    if dq_sum.in_kernel is not None:
+        return call.backward_rows(dq_sum.in_kernel, targets, *args[1:4])
     dq = dq_sum.into(call.rows)
     dq_b, *grads = call.backward_into(kernel, (dq, *targets), *args, dropout)
     if dq is None:
@@ -303,14 +314,35 @@ def zero_outside(t: torch.Tensor, rows) -> None:
     t[:, :, stop:].zero_()
 
 
+def dq_sum_of(kernel, target: torch.Tensor, calls, args, dropout=None) -> "Sum":
+    """The ``Sum`` of the dQ of ``calls`` (every call of a head group's query rows, into
+    ``target``) on ``args`` = (dout, q, k, v, out, lse, scale), whose blocks of keys are all
+    k's size: summed inside the kernel where it can (``Kernel.query_rows``: dense calls
+    without a window, causal ones square; no ``dropout``), else call by call."""
+    dout, q, k, _, out, lse, scale = args
+    s_q, s_kv = q.shape[2], k.shape[2]
+    in_kernel = None
+    if calls and dropout is None and all(_rows_in_kernel(c, s_q, s_kv) for c in calls):
+        spans = [c.rows.indices(s_q)[:2] for c in calls]
+        in_kernel = kernel.query_rows(dout, out, lse, scale=scale, spans=spans)
+    return Sum(target, len(calls), in_kernel)
+
+
+def _rows_in_kernel(call, s_q: int, s_kv: int) -> bool:
+    if not isinstance(call, DenseCall) or call.window is not None:
+        return False
+    return not call.causal or len(range(s_q)[call.rows]) == len(range(s_kv)[call.keys])
+
+
 class Sum:
     """Contributions of calls to one gradient (dQ of a head group) summed into ``target``:
-    straight into it when at most two come (the first written as is, the second added once:
-    no rounding an fp32 sum would not make), else into an fp32 sum cast at the end."""
+    by the kernel (``in_kernel``, a ``Kernel.query_rows``: ``dq_sum_of``), else straight into
+    it when at most two come (the first written as is, the second added once: no rounding an
+    fp32 sum would not make), else into an fp32 sum cast at the end."""
 
-    def __init__(self, target: torch.Tensor, contributions: int):
-        self.target = target
-        direct = contributions <= 2 or target.dtype == torch.float32
+    def __init__(self, target: torch.Tensor, contributions: int, in_kernel=None):
+        self.target, self.in_kernel = target, in_kernel
+        direct = contributions <= 2 or target.dtype == torch.float32 or in_kernel is not None
         self.acc = target if direct else layout_of(target).empty(
             target.shape, dtype=torch.float32, device=target.device)
         self._empty = True
@@ -336,7 +368,10 @@ class Sum:
 
     def finish(self) -> None:
         """Write the sum into the target (zeros when nothing came)."""
-        if self._empty:
+        if self.in_kernel is not None:
+            self.in_kernel.finish(self.target)
+            self.in_kernel = None
+        elif self._empty:
             self.target.zero_()
         elif self.acc is not self.target:
             self.target.copy_(self.acc)

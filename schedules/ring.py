@@ -79,7 +79,7 @@ from . import heads
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
-                    fold_calls, part_call, put_rows, zero_outside)
+                    dq_sum_of, fold_calls, part_call, put_rows, zero_outside)
 from .memory import Memory, Sizes, backward_call, forward_call
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -331,7 +331,6 @@ class Ring(Transported, SequenceSchedule):
         orders = self._backward_orders(len(groups), remote, own_first=split)
         dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
                       for t in (q, k, v))
-        contributions = sum(len(c) for c in calls.values())
         one_hop = self._sums_make_one_hop(spec, remote)
         carried = self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None
         kv, sums = self._rings(k, groups, remote, travel,
@@ -340,11 +339,11 @@ class Ring(Transported, SequenceSchedule):
         early = None  # (gradients, sums on their way) of an own block worked on first
         for g, step, kb, vb in self._kv_steps(k, v, groups, orders, remote, kv, travel):
             order = orders[g.index]
+            args = (g.of_q(dout), g.of_q(q), kb, vb, g.of_q(out), g.of_q(lse), spec.softmax_scale)
             if step == order[0]:
-                dq_sum = Sum(g.of_q(dq), contributions)
-            run = _Step(calls[step], kernel, dq_sum, (g.of_q(dout), g.of_q(q), kb, vb,
-                        g.of_q(out), g.of_q(lse), spec.softmax_scale),
-                        self._streams(dropout, step, g))
+                dq_sum = dq_sum_of(kernel, g.of_q(dq), [c for s in order for c in calls[s]],
+                                   args, dropout)
+            run = _Step(calls[step], kernel, dq_sum, args, self._streams(dropout, step, g))
             if step == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
                 targets = (g.of_kv(dk), g.of_kv(dv))
                 run.write(targets)

@@ -218,3 +218,53 @@ def test_rows_a_sum_leaves_unwritten_are_never_read(mesh, monkeypatch, partition
     problem = make_problem(b=1, h=4, s=8 * mesh.size(), e=8, causal=True, scale=0.5)
     sched = schedules.get("ring", mesh, partition=partition, grad_dtype=grad_dtype)
     assert_matches(problem, run_schedule(sched, problem))
+
+
+class _RowsSummingKernel(ReferenceKernel):
+    """The reference kernel with ``query_rows``, as a kernel that sums dQ over calls inside
+    (FA4's ``QueryRows`` on Hopper) does it: each call's dQ added into one fp32 tensor of the
+    rows, written once at the end; it takes calls whose rows start on an even row only."""
+
+    def __init__(self):
+        self.spans = []  # the spans of every query_rows it accepted
+
+    def query_rows(self, dout, out, lse, *, scale, spans):
+        if any(start % 2 for start, _ in spans):
+            return None
+        self.spans.append(spans)
+        return _SummedRows(self, dout, out, lse, scale)
+
+
+class _SummedRows:
+    def __init__(self, kernel, dout, out, lse, scale):
+        self.kernel, self.rows_args, self.scale = kernel, (dout, out, lse), scale
+        self.acc = torch.zeros(dout.shape, dtype=torch.float32)
+
+    def call(self, rows, q, k, v, dk, dv, *, causal):
+        dout, out, lse = (t[:, :, rows] for t in self.rows_args)
+        dq_c, dk_c, dv_c = self.kernel.backward(dout, q, k, v, out, lse, causal=causal,
+                                                scale=self.scale)
+        self.acc[:, :, rows] += dq_c
+        dk.copy_(dk_c)
+        dv.copy_(dv_c)
+
+    def finish(self, dq):
+        return dq.copy_(self.acc)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_kernel_that_sums_dq_over_calls(mesh, partition, layout, gqa):
+    """A kernel that sums dQ over a head group's calls itself (``Kernel.query_rows``) gets
+    every call whose rows it takes (all of them, or none: then the ring sums), in the
+    ring's exact results."""
+    p = mesh.size()
+    kernel = _RowsSummingKernel()
+    problem = make_problem(b=2, h=4, h_kv=2 if gqa else 4, s=6 * p, e=8, layout=layout,
+                           causal=True, scale=0.5)
+    sched = schedules.get("ring", mesh, partition=partition)
+    assert_matches(problem, run_schedule(sched, problem, kernel=kernel))
+    if partition == "load_balanced":  # calls on rows 0:6 or 3:6; the latter are refused
+        assert all(start % 2 == 0 for spans in kernel.spans for start, _ in spans)
+        assert any(mesh.agree(bool(kernel.spans)))

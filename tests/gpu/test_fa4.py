@@ -166,6 +166,95 @@ def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
     assert_close(torch.cat([dv1, dv2], dim=2), want_dv, msg="dv")
 
 
+# ---- one dQ accumulator over the calls of a ring's rows (Hopper) ----------------------------
+def _oracle_over_blocks(q, blocks, dout, scale):
+    """fp64 (out, lse, dq, [(dk, dv) per block]) of queries ``q`` over key blocks ``blocks``
+    = [(k, v, visible [s_q, s_k] bool)], their scores softmaxed together."""
+    groups = q.shape[1] // blocks[0][0].shape[1]
+    qd = q.detach().double().requires_grad_()
+    kvs = [(k.detach().double().requires_grad_(), v.detach().double().requires_grad_())
+           for k, v, _ in blocks]
+    scores = torch.cat([(qd @ k.repeat_interleave(groups, 1).transpose(-1, -2) * scale)
+                        .masked_fill(~seen, float("-inf")) for (k, _), (_, _, seen)
+                        in zip(kvs, blocks)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    values = torch.cat([v.repeat_interleave(groups, 1) for _, v in kvs], dim=2)
+    out = (scores - lse.unsqueeze(-1)).exp() @ values
+    out.backward(dout.double())
+    return out, lse, qd.grad, [(k.grad, v.grad) for k, v in kvs]
+
+
+@LAYOUTS
+@pytest.mark.parametrize("kv_heads", [H, 4], ids=["mha", "gqa"])
+def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads, assert_close):
+    """``query_rows`` on Hopper: 400 query rows against four K/V blocks in four calls that
+    share one fp32 dQ accumulator (a causal square call on all rows, a full one, one on the
+    rows from 160 and one on the rows up to 240: row ranges on the 80-row tiles), each
+    call's dK/dV written into given tensors, against fp64 math over all blocks at once."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("query_rows sums dQ inside FA4 on Hopper (sm90) only")
+    from sdpa_fusion.kernels import fa4_rows
+
+    s = 400
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, dout = (randn((B, H, s, 128), layout, generator=g) for _ in range(2))
+    rows_of = [slice(0, s), slice(0, s), slice(160, s), slice(0, 240)]
+    lengths = [s, 256, 128, 128]
+    blocks = []
+    for rows, n, causal in zip(rows_of, lengths, [True, False, False, False]):
+        k, v = (randn((B, kv_heads, n, 128), layout, generator=g) for _ in range(2))
+        seen = torch.zeros(s, n, dtype=torch.bool, device="cuda")
+        seen[rows] = torch.ones(s, n, dtype=torch.bool, device="cuda").tril()[rows] if causal \
+            else True
+        blocks.append((k, v, seen))
+    scale = scale_for(128)
+    want_out, want_lse, want_dq, want_kv = _oracle_over_blocks(q, blocks, dout, scale)
+    out = layout.to(want_out.to(q.dtype))
+    spans = [r.indices(s)[:2] for r in rows_of]
+    assert not fa4_rows.rows_fit([(8, s)], s, 128) and not fa4_rows.rows_fit([(0, 250)], s, 128)
+    assert kernel.query_rows(dout, out, want_lse.float(), scale=scale, spans=[(8, s)]) is None
+    rows = kernel.query_rows(dout, out, want_lse.float(), scale=scale, spans=spans)
+    assert rows is not None
+    k, v = blocks[1][:2]
+    with pytest.raises(ValueError, match="tiles"):
+        rows.call(slice(0, 250), q[:, :, :250], k, v, torch.empty_like(k), torch.empty_like(v),
+                  causal=False)
+    for (k, v, _), r, causal, (want_dk, want_dv) in zip(blocks, rows_of,
+                                                       [True, False, False, False], want_kv):
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        rows.call(r, q[:, :, r], k, v, dk, dv, causal=causal)
+        assert_close(dk, want_dk, msg="dk")
+        assert_close(dv, want_dv, msg="dv")
+    dq = layout.empty(q.shape, dtype=q.dtype, device="cuda")
+    assert rows.finish(dq) is dq
+    assert_close(dq, want_dq, msg="dq")
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+def test_long_causal_backward_runs_in_fa4_rows(kernel, monkeypatch, kv_heads, assert_close,
+                                               sdpa_oracle):
+    """A causal backward of 8K rows or more runs in ``fa4_rows`` (80-row tiles, faster there
+    than FA4's causal 64) on Hopper, with FA4's results."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa4_rows runs FA4's sm90 backward")
+    from sdpa_fusion.kernels import fa4_rows
+
+    finished = []
+    finish = fa4_rows.QueryRows.finish
+    monkeypatch.setattr(fa4_rows.QueryRows, "finish",
+                        lambda self, dq: finished.append(dq) or finish(self, dq))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, dout = (randn((1, 2, 8192, 128), Layout.BSHE, generator=g) for _ in range(2))
+    k, v = (randn((1, kv_heads, 8192, 128), Layout.BSHE, generator=g) for _ in range(2))
+    scale = scale_for(128)
+    out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+    assert len(finished) == 1 and finished[0] is grads[0]
+    want = sdpa_oracle(q, k, v, dout, causal=True, scale=scale)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert_close(got, expected, msg=name)
+
+
 # ---- packed sequences ------------------------------------------------------------------------
 def packed(lengths_q, lengths_k, kv_heads, e=128, seed=1):
     g = torch.Generator(device="cuda").manual_seed(seed)

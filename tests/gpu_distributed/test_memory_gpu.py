@@ -35,6 +35,18 @@ def test_head_groups_match_torch_sdpa(request, mesh, schedule, kernel, layout, c
     assert not merge._UNFUSED, "LseMerge in place failed here"
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "fa4"])
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_head_groups_of_one_head_match_torch_sdpa(request, mesh, kernel, layout):
+    """Head groups of one query head each: the in-place fold computes the weights of a
+    single head's rows (``MergeWeights(1)``, a broadcast head dim)."""
+    if kernel == "fa4":
+        request.getfixturevalue("fa4_kernel")
+    _check_schedule(mesh, "ring", kernel, layout, True, options=dict(head_groups=4), h=4,
+                    h_kv=4)
+    assert not merge._UNFUSED, "WeightedSum in place failed here"
+
+
 def test_ring_bf16_sums_match_torch_sdpa(mesh):
     _check_schedule(mesh, "ring", "cudnn", "bshe", True,
                     options=dict(grad_dtype="input", head_groups=2), h_kv=4)

@@ -1,0 +1,185 @@
+"""FlashAttention-4's backward over several calls on the same query rows (Hopper, sm90).
+
+A ring's query rows meet one K/V block per step, one kernel call each. FA4's entry point
+(``_flash_attn_bwd``) runs three kernels per call: a preprocess (dO·O and the base-2 lse of
+the rows, and a zeroed fp32 dQ accumulator), the attention backward (dK, dV, and dQ added
+into the accumulator) and a postprocess (the accumulator scaled into dQ); the schedule then
+adds each call's dQ. ``QueryRows`` runs the preprocess once for the rows, lets every call's
+backward add into one accumulator, and converts it once: per row of a ring on two GPUs, one
+preprocess, one postprocess and one dQ add fewer.
+
+The backward kernel keeps its dQ tiles in its MMA's register order, so the calls share an
+accumulator only when they run one tile configuration and their rows lie on its tiles. ``QueryRows`` runs every call, causal or not, in FA4's non-causal configuration
+(80-row tiles at head dim 128; on an H200 it is also faster than FA4's causal one on causal
+calls), and ``rows_fit`` says which rows it takes.
+
+The kernels are FA4's own (``flash_attn.cute``): this module compiles and launches them as
+``_flash_attn_bwd`` of flash-attn-4 4.0.0b36 does on sm90 for dense tensors without window,
+score or mask mods, and takes nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .fa4 import _bshd, interface
+
+_COMPILED: dict = {}  # the backward kernel per configuration (as FA4's compile cache)
+
+
+@functools.cache
+def _dsl():
+    """(cute, to_cute_tensor, AuxData, FlashAttentionBackwardSm90), imported on first use."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+    from flash_attn.cute.utils import AuxData
+
+    return cute, to_cute_tensor, AuxData, FlashAttentionBackwardSm90
+
+
+def config(head_dim: int, head_dim_v: int):
+    """FA4's sm90 backward configuration that every call of ``QueryRows`` runs in."""
+    return interface()._tile_size_bwd_sm90(head_dim, head_dim_v, False, False)
+
+
+def rows_fit(spans, rows: int, head_dim: int) -> bool:
+    """Whether calls on the query rows ``spans`` ((start, stop) each, of ``rows`` rows) can
+    share one accumulator: each starts on a tile, and ends on one or at the last row (the
+    kernel reads the base-2 lse of the rest of its last tile, which must be the +inf that
+    the preprocess writes past the rows, else those rows' dQ would take its scores)."""
+    tile = config(head_dim, head_dim).m_block_size
+    return all(start % tile == 0 and (stop % tile == 0 or stop == rows) for start, stop in spans)
+
+
+CAUSAL_ROWS_FASTER = 8192  # from here on a causal call alone runs faster in QueryRows
+
+
+def faster_alone(s_q: int, s_k: int, causal: bool) -> bool:
+    """Whether one call runs faster through ``QueryRows`` than through FA4's entry point:
+    causal square calls of 8K rows or more (FA4 runs them in 64-row tiles: on an H200 the
+    80-row tiles take 2% less time from 16K to 64K rows, as long at 8K, 3% more at 4K;
+    ``benchmarks.fa4_backward``)."""
+    return causal and s_q == s_k and s_q >= CAUSAL_ROWS_FASTER
+
+
+def _round(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class QueryRows:
+    """The backward of kernel calls on the query rows of ``dout`` and ``out`` (logical
+    [B, H, S, E], BHSE or BSHE) with ``lse`` fp32 [B, H, S]: ``call`` runs one call (dK and
+    dV written, dQ accumulated), ``finish`` writes the rows' dQ (zeros in rows no call
+    reached)."""
+
+    def __init__(self, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                 scale: float):
+        fi = interface()
+        dout, out = _bshd(dout), _bshd(out)
+        b, s, h, e_v = dout.shape
+        self.dout, self.scale, self.rows = dout, scale, s
+        self.dtype = fi.torch2cute_dtype_map[dout.dtype]
+        self.cfg = config(e_v, e_v)
+        self.tile = self.cfg.m_block_size
+        self.hdim_multiple = 64 if self.cfg.dKV_swapAB else 32
+        rounded = _round(s, self.tile)
+        kw = dict(dtype=torch.float32, device=dout.device)
+        self.dpsum = torch.empty(b, h, rounded, **kw)
+        self.lse_log2 = torch.empty(b, h, rounded, **kw)
+        self.accum = torch.empty(b, h, rounded * _round(e_v, self.hdim_multiple), **kw)
+        with torch.cuda.device(dout.device):
+            fi._bwd_preprocess(
+                out, dout, self.dpsum, lse.contiguous(), self.lse_log2, self.accum, None, None,
+                None, self.dtype, e_v, e_v, self.tile, fake_mode=False,
+                hdim_multiple_of=self.hdim_multiple,
+            )
+
+    def call(self, rows: slice, q, k, v, dk, dv, *, causal: bool) -> None:
+        """One call: query rows ``rows`` (a slice of the rows that ``rows_fit``), ``q`` [B, H, s, E] of them, vs ``k``, ``v`` [B, H_kv, s_k, E]
+        (causal only when square); its dK and dV written into ``dk``, ``dv`` (shaped like k
+        and v), its dQ accumulated."""
+        with torch.cuda.device(q.device):
+            self._call(rows, *(_bshd(t) for t in (q, k, v, dk, dv)), causal)
+
+    def _call(self, rows, q, k, v, dk, dv, causal) -> None:
+        start, stop, _ = rows.indices(self.rows)
+        if not rows_fit([(start, stop)], self.rows, q.shape[-1]):
+            raise ValueError(f"QueryRows: a call on rows {start}:{stop} of {self.rows} does not "
+                             f"fit the {self.tile}-row tiles (ask rows_fit first)")
+        if causal and q.shape[1] != k.shape[1]:
+            raise ValueError("QueryRows: a causal call takes as many keys as queries")
+        hd = q.shape[-1]
+        width = _round(hd, self.hdim_multiple)
+        span = _round(stop - start, self.tile)
+        accum = self.accum[:, :, start * width:(start + span) * width]
+        lse_log2, dpsum = (t[:, :, start:start + span] for t in (self.lse_log2, self.dpsum))
+        groups = q.shape[2] // k.shape[2]
+        if groups == 1:
+            self._backward(q, k, v, self.dout[:, start:stop], lse_log2, dpsum, accum, dk, dv,
+                           causal)
+            return
+        # GQA: dK/dV of the query heads of a K/V head summed in fp32, then converted (as FA4)
+        n_tile = self.cfg.n_block_size
+        b, s_k, h_kv, _ = k.shape
+        sums = [torch.zeros(b, h_kv, _round(s_k, n_tile) * _round(d, self.hdim_multiple),
+                            dtype=torch.float32, device=k.device) for d in (hd, v.shape[-1])]
+        self._backward(q, k, v, self.dout[:, start:stop], lse_log2, dpsum, accum, *sums, causal)
+        fi = interface()
+        for acc, grad, scale in zip(sums, (dk, dv), (self.scale, 1.0)):
+            fi._bwd_postprocess_convert(
+                acc, grad, scale, None, None, 90, self.dtype, grad.shape[-1], n_tile,
+                self.cfg.num_wg * 128, self.cfg.AtomLayoutNdKV, self.cfg.dKV_swapAB,
+                cluster_size=1, fake_mode=False, hdim_multiple_of=self.hdim_multiple,
+            )
+
+    def finish(self, dq: torch.Tensor) -> torch.Tensor:
+        """The rows' dQ written into ``dq`` (logical [B, H, S, E]); returns it."""
+        cfg = self.cfg
+        with torch.cuda.device(dq.device):
+            interface()._bwd_postprocess_convert(
+                self.accum, _bshd(dq), self.scale, None, None, 90, self.dtype, dq.shape[-1],
+                self.tile, 128 if cfg.dQ_single_wg else cfg.num_wg * 128, cfg.AtomLayoutMdQ,
+                cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1, fake_mode=False,
+                hdim_multiple_of=self.hdim_multiple,
+            )
+        self.accum = self.dpsum = self.lse_log2 = None
+        return dq
+
+    def _backward(self, q, k, v, dout, lse_log2, dpsum, accum, dk, dv, causal) -> None:
+        """FA4's sm90 backward kernel (compiled once per configuration) on these tensors."""
+        cute, to_cute_tensor, AuxData, Backward = _dsl()
+        cfg, s_q, s_k = self.cfg, q.shape[1], k.shape[1]
+        groups = q.shape[2] // k.shape[2]
+        key = (self.dtype, q.shape[-1], v.shape[-1], groups, causal,
+               _round(s_q, cfg.m_block_size) == cfg.m_block_size,
+               _round(s_k, cfg.n_block_size) == cfg.n_block_size)
+        args = [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, accum, dk, dv,
+                self.scale, None, None, None, None, None, None, None, None, None]
+        if key not in _COMPILED:
+            kernel = Backward(
+                self.dtype, q.shape[-1], v.shape[-1], groups, causal, is_local=False,
+                deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
+                Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO,
+                PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB,
+                dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB,
+                AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+                AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
+                V_in_regs=False, score_mod=None, score_mod_bwd=None, mask_mod=None,
+                has_aux_tensors=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
+            )
+            tensors = [to_cute_tensor(t) for t in args[:9]]
+            _COMPILED[key] = cute.compile(
+                kernel, *tensors, *args[9:], AuxData(None, None), None, None,
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                options="--enable-tvm-ffi",
+            )
+        _COMPILED[key](*args, AuxData(None, None), None, None)
+
+
+def usable(device: torch.device) -> bool:
+    """Whether ``QueryRows`` runs on ``device`` (an sm90 GPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
