@@ -4,14 +4,15 @@ for the calls on a set of query rows).
 
     python -m benchmarks.fa4_backward          # one H200: about a minute
 
-Cases (b = 1, 32 heads of 128, bf16, the same out, lse and dout for both):
-- ``causal s``: one causal backward of s rows. FA4 runs causal calls in 64-row tiles, its
-  non-causal ones in 80-row tiles; ``fa4_rows`` runs both in 80-row tiles.
+Cases (b = 1, heads of 128, bf16, the same out, lse and dout for both):
+- ``causal s, h heads``: one causal backward of s rows. FA4 runs causal calls in 64-row
+  tiles, its non-causal ones in 80-row tiles; ``fa4_rows`` runs both in 80-row tiles.
 - ``full 16K``: one non-causal backward (both in 80-row tiles: the same kernel).
-- ``ring row s``: what a ring of two GPUs does with one rank's rows of a sequence of 2s: a
-  causal square call on its s rows, then a full call of them against s/2 keys of the other
-  rank. FA4: two entry-point calls (each with its own preprocess, dQ accumulator and
-  conversion) and a dQ add; ours: one preprocess, one accumulator, one conversion.
+- ``ring row s``: what a ring of two GPUs does with one rank's rows of a sequence of 2s, on
+  one of its two head groups (16 of 32 heads): a causal square call on its s rows, then a
+  full call of them against s/2 keys of the other rank. FA4: two entry-point calls (each
+  with its own preprocess, dQ accumulator and conversion) and a dQ add; ours: one
+  preprocess, one accumulator, one conversion.
 
 Rounds alternate the two implementations (``--rounds``) so that both meet the same clocks;
 the JSON keeps every round, the summary the median per case. On a machine without FA4 on
@@ -37,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", type=common.int_list, default=common.int_list("4k,8k,16k,32k,64k"))
     p.add_argument("--ring-rows", type=common.int_list, default=common.int_list("8k,16k,64k"),
                    help="rows of one rank in the 'ring row' cases")
-    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads", type=common.int_list, default=[32, 16],
+                   help="head counts of the causal cases")
+    p.add_argument("--ring-heads", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
     common.add_output_args(p)
@@ -115,8 +118,10 @@ def steps(case: str, s: int, heads: int, scale: float):
 
 
 def cases(args):
-    return ([("causal", s) for s in args.seq_lens] + [("full", 16384)]
-            + [("ring row", s) for s in args.ring_rows])
+    """(case, rows, heads) of every measurement."""
+    return ([("causal", s, h) for h in args.heads for s in args.seq_lens]
+            + [("full", 16384, args.heads[0])]
+            + [("ring row", s, args.ring_heads) for s in args.ring_rows])
 
 
 def main(argv=None) -> int:
@@ -125,22 +130,24 @@ def main(argv=None) -> int:
     record = {"title": "FA4 backward: its entry point vs fa4_rows (one GPU)",
               "environment": common.environment("benchmarks.fa4_backward"),
               "settings": {"seq_lens": args.seq_lens, "ring_rows": args.ring_rows,
-                           "heads": args.heads, "head_dim": 128, "dtype": "bf16",
+                           "heads": args.heads, "ring_heads": args.ring_heads,
+                           "head_dim": 128, "dtype": "bf16",
                            "rounds": args.rounds, "iters": args.iters},
               "rows": []}
     reason = unavailable()
-    for case, s in cases(args):
-        panel = f"{case} {common.short(s)}"
+    for case, s, heads in cases(args):
+        panel = f"{case} {common.short(s)}, {heads} heads"
         if reason is not None:
             m = common.Measurement(status="unavailable", error=reason)
             record["rows"] += [common.make_row(panel, impl, s, m, 0.0) for impl in IMPLS]
             continue
-        fa4, ours, flops = steps(case, s, args.heads, 128 ** -0.5)
+        fa4, ours, flops = steps(case, s, heads, 128 ** -0.5)
+        on_gpu = [torch.empty(1, device="cuda")]  # timed with CUDA events
         for round_ in range(args.rounds):
             for impl, step in zip(IMPLS, (fa4, ours)):
-                m = common.measure(step, [None], warmup=2, iters=args.iters)
+                m = common.measure(step, [on_gpu], warmup=2, iters=args.iters)
                 record["rows"].append(common.make_row(panel, impl, s, m, flops, case=case,
-                                                      round=round_ + 1))
+                                                      heads=heads, round=round_ + 1))
         del fa4, ours
         torch.cuda.empty_cache()
         print(f"[{time.monotonic() - start:6.1f}s] {panel} done", flush=True)

@@ -11,9 +11,11 @@ from benchmarks import fa4_backward
 
 
 def test_cases_cover_causal_lengths_one_full_and_ring_rows():
-    args = fa4_backward.parse_args(["--seq-lens", "4k,8k", "--ring-rows", "16k"])
-    assert fa4_backward.cases(args) == [("causal", 4096), ("causal", 8192), ("full", 16384),
-                                        ("ring row", 16384)]
+    args = fa4_backward.parse_args(["--seq-lens", "4k,8k", "--heads", "32,16", "--ring-rows",
+                                    "16k"])
+    assert fa4_backward.cases(args) == [("causal", 4096, 32), ("causal", 8192, 32),
+                                        ("causal", 4096, 16), ("causal", 8192, 16),
+                                        ("full", 16384, 32), ("ring row", 16384, 16)]
 
 
 def test_summary_takes_the_median_round_of_each_implementation():
@@ -31,7 +33,8 @@ def test_summary_takes_the_median_round_of_each_implementation():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the run without a Hopper GPU")
 def test_without_a_hopper_gpu_every_row_says_why(tmp_path):
-    assert fa4_backward.main(["--seq-lens", "4k", "--ring-rows", "8k", "--results-dir",
+    assert fa4_backward.main(["--seq-lens", "4k", "--heads", "32", "--ring-rows", "8k",
+                              "--results-dir",
                               str(tmp_path), "--copy-to", ""]) == 0
     record = json.loads((tmp_path / "fa4_backward.json").read_text())
     assert len(record["rows"]) == 6 and record["summary"] == []
