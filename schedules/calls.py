@@ -78,13 +78,13 @@ class DenseCall:
                  for t, like, span in zip(targets, (q, k, v), (r, c, c))]
         return kernel.backward_into(grads, *args, **mask)
 
-    def backward_rows(self, query_rows, targets, q, k, v) -> list:
+    def backward_rows(self, query_rows, targets, k, v) -> list:
         """[dK, dV] of the call (into the targets' key rows, as ``backward_into``); its dQ
         summed by ``query_rows`` (``Kernel.query_rows``)."""
-        r, c = self.rows, self.keys
+        c = self.keys
         grads = [_empty_like(like[:, :, c]) if t is None else t[:, :, c]
                  for t, like in zip(targets, (k, v))]
-        query_rows.call(r, q[:, :, r], k[:, :, c], v[:, :, c], *grads, causal=self.causal)
+        query_rows.call(self.rows, k[:, :, c], v[:, :, c], *grads, causal=self.causal)
         return grads
 
     def pairs(self, s_q: int, s_kv: int) -> float:
@@ -254,7 +254,7 @@ def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, Non
     lse, written into ``targets`` where not None; its dQ goes into ``dq_sum`` (straight from
     the kernel where it may)."""
     if dq_sum.in_kernel is not None:
-        return call.backward_rows(dq_sum.in_kernel, targets, *args[1:4])
+        return call.backward_rows(dq_sum.in_kernel, targets, *args[2:4])
     dq = dq_sum.into(call.rows)
     dq_b, *grads = call.backward_into(kernel, (dq, *targets), *args, dropout)
     if dq is None:
@@ -323,8 +323,8 @@ def dq_sum_of(kernel, target: torch.Tensor, calls, args, dropout=None) -> "Sum":
     s_q, s_kv = q.shape[2], k.shape[2]
     in_kernel = None
     if calls and dropout is None and all(_rows_in_kernel(c, s_q, s_kv) for c in calls):
-        spans = [c.rows.indices(s_q)[:2] for c in calls]
-        in_kernel = kernel.query_rows(dout, out, lse, scale=scale, spans=spans)
+        spans = [(*c.rows.indices(s_q)[:2], c.causal) for c in calls]
+        in_kernel = kernel.query_rows(q, dout, out, lse, scale=scale, spans=spans)
     return Sum(target, len(calls), in_kernel)
 
 

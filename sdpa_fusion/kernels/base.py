@@ -208,13 +208,13 @@ class Kernel(abc.ABC):
             buffer.copy_(grad)
         return grads
 
-    def query_rows(self, dout, out, lse, *, scale: float, spans):
-        """A backward over several calls on the same query rows (``dout`` and ``out``
+    def query_rows(self, q, dout, out, lse, *, scale: float, spans):
+        """A backward over several calls on the same query rows (``q``, ``dout`` and ``out``
         [B, H, S, E], ``lse`` [B, H, S] of them) that sums their dQ inside the kernel, for
-        calls on rows ``spans`` ((start, stop) each), dense, without a window, causal ones
-        square: ``.call(rows, q, k, v, dk, dv, causal=)`` per call (q: its rows; dK and dV
-        written into dk and dv), then ``.finish(dq)``. None (this default) where the kernel
-        has none: the caller sums each call's dQ."""
+        dense calls without a window on rows ``spans`` ((start, stop, causal) each; causal
+        ones square): ``.call(rows, k, v, dk, dv, causal=)`` per call (dK and dV written into
+        dk and dv), then ``.finish(dq)``. None (this default) where the kernel has none or
+        it would not pay: the caller sums each call's dQ."""
         return None
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal: bool, scale: float,

@@ -166,11 +166,8 @@ class FlashAttention4Kernel(Kernel):
 
     def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
                       window=None):
-        dq, dk, dv = grads
-        if window is None and self._backward_as_rows(grads, dout, q, k, v, out, lse, causal,
-                                                     scale):
-            return grads
         left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
+        dq, dk, dv = grads
         with torch.cuda.device(q.device):
             interface()._flash_attn_bwd(
                 _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse, softmax_scale=scale,
@@ -179,31 +176,17 @@ class FlashAttention4Kernel(Kernel):
             )
         return grads
 
-    def query_rows(self, dout, out, lse, *, scale, spans):
+    def query_rows(self, q, dout, out, lse, *, scale, spans):
         """On Hopper: ``fa4_rows.QueryRows`` (the rows preprocessed once, one fp32 dQ
-        accumulator for every call) when the calls' rows lie on its tiles."""
+        accumulator for every call) for calls it takes (``fa4_rows.rows_fit``) on at least
+        ``fa4_rows.SHARED_FROM_ROWS`` rows (on fewer it was measured slower)."""
         from . import fa4_rows
 
-        if (not fa4_rows.usable(dout.device) or import_error() is not None
-                or not fa4_rows.rows_fit(spans, dout.shape[2], dout.shape[-1])):
+        if (not fa4_rows.usable(q.device) or import_error() is not None
+                or q.shape[2] < fa4_rows.SHARED_FROM_ROWS
+                or not fa4_rows.rows_fit(spans, q.shape[2], q.shape[-1])):
             return None
-        with torch.cuda.device(dout.device):
-            return fa4_rows.QueryRows(dout, out, lse, scale=scale)
-
-    def _backward_as_rows(self, grads, dout, q, k, v, out, lse, causal, scale) -> bool:
-        """Run a call whose backward is faster in ``fa4_rows`` (``faster_alone``) there,
-        writing ``grads``; False when it is not."""
-        from . import fa4_rows
-
-        if not fa4_rows.faster_alone(q.shape[2], k.shape[2], causal):
-            return False
-        rows = self.query_rows(dout, out, lse, scale=scale, spans=[(0, q.shape[2])])
-        if rows is None:
-            return False
-        dq, dk, dv = grads
-        rows.call(slice(None), q, k, v, dk, dv, causal=causal)
-        rows.finish(dq)
-        return True
+        return fa4_rows.QueryRows(q, dout, out, lse, scale=scale)
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window=None):
         shift = varlen_shift(seqlens, causal, window)

@@ -9,9 +9,11 @@ backward add into one accumulator, and converts it once: per row of a ring on tw
 preprocess, one postprocess and one dQ add fewer.
 
 The backward kernel keeps its dQ tiles in its MMA's register order, so the calls share an
-accumulator only when they run one tile configuration and their rows lie on its tiles. ``QueryRows`` runs every call, causal or not, in FA4's non-causal configuration
-(80-row tiles at head dim 128; on an H200 it is also faster than FA4's causal one on causal
-calls), and ``rows_fit`` says which rows it takes.
+accumulator only in one tile configuration (FA4's non-causal one: 80-row tiles at head dim
+128), each call on whole tiles. A call on other rows runs on the tiles around them, the rows
+it leaves out masked by a base-2 lse of +inf for the call (no probability, so neither dQ of
+those rows nor dK/dV from them); the preprocess writes that +inf past the last row itself.
+A causal call is square and on whole tiles (``rows_fit``).
 
 The kernels are FA4's own (``flash_attn.cute``): this module compiles and launches them as
 ``_flash_attn_bwd`` of flash-attn-4 4.0.0b36 does on sm90 for dense tensors without window,
@@ -26,6 +28,7 @@ import torch
 
 from .fa4 import _bshd, interface
 
+SHARED_FROM_ROWS = 16384  # rows from which a ring's calls share (faster from here on: README)
 _COMPILED: dict = {}  # the backward kernel per configuration (as FA4's compile cache)
 
 
@@ -40,29 +43,23 @@ def _dsl():
     return cute, to_cute_tensor, AuxData, FlashAttentionBackwardSm90
 
 
-def config(head_dim: int, head_dim_v: int):
+def config(head_dim: int):
     """FA4's sm90 backward configuration that every call of ``QueryRows`` runs in."""
-    return interface()._tile_size_bwd_sm90(head_dim, head_dim_v, False, False)
+    return interface()._tile_size_bwd_sm90(head_dim, head_dim, False, False)
 
 
 def rows_fit(spans, rows: int, head_dim: int) -> bool:
-    """Whether calls on the query rows ``spans`` ((start, stop) each, of ``rows`` rows) can
-    share one accumulator: each starts on a tile, and ends on one or at the last row (the
-    kernel reads the base-2 lse of the rest of its last tile, which must be the +inf that
-    the preprocess writes past the rows, else those rows' dQ would take its scores)."""
-    tile = config(head_dim, head_dim).m_block_size
-    return all(start % tile == 0 and (stop % tile == 0 or stop == rows) for start, stop in spans)
+    """Whether calls on the query rows ``spans`` ((start, stop, causal) each, of ``rows``
+    rows) can share one accumulator: a causal call starts on a tile and ends on one or at
+    the last row (its mask would not survive a shift); any other call does."""
+    tile = config(head_dim).m_block_size
+    return all(not causal or (start % tile == 0 and (stop % tile == 0 or stop == rows))
+               for start, stop, causal in spans)
 
 
-CAUSAL_ROWS_FASTER = 8192  # from here on a causal call alone runs faster in QueryRows
-
-
-def faster_alone(s_q: int, s_k: int, causal: bool) -> bool:
-    """Whether one call runs faster through ``QueryRows`` than through FA4's entry point:
-    causal square calls of 8K rows or more (FA4 runs them in 64-row tiles: on an H200 the
-    80-row tiles take 2% less time from 16K to 64K rows, as long at 8K, 3% more at 4K;
-    ``benchmarks.fa4_backward``)."""
-    return causal and s_q == s_k and s_q >= CAUSAL_ROWS_FASTER
+def usable(device: torch.device) -> bool:
+    """Whether ``QueryRows`` runs on ``device`` (an sm90 GPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _round(n: int, multiple: int) -> int:
@@ -70,70 +67,52 @@ def _round(n: int, multiple: int) -> int:
 
 
 class QueryRows:
-    """The backward of kernel calls on the query rows of ``dout`` and ``out`` (logical
+    """The backward of kernel calls on the query rows of ``q``, ``dout`` and ``out`` (logical
     [B, H, S, E], BHSE or BSHE) with ``lse`` fp32 [B, H, S]: ``call`` runs one call (dK and
     dV written, dQ accumulated), ``finish`` writes the rows' dQ (zeros in rows no call
     reached)."""
 
-    def __init__(self, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
-                 scale: float):
+    def __init__(self, q, dout, out, lse, *, scale: float):
         fi = interface()
-        dout, out = _bshd(dout), _bshd(out)
-        b, s, h, e_v = dout.shape
-        self.dout, self.scale, self.rows = dout, scale, s
-        self.dtype = fi.torch2cute_dtype_map[dout.dtype]
-        self.cfg = config(e_v, e_v)
+        self.q, self.dout = _bshd(q), _bshd(dout)
+        b, s, h, e = self.q.shape
+        self.scale, self.rows = scale, s
+        self.dtype = fi.torch2cute_dtype_map[q.dtype]
+        self.cfg = config(e)
         self.tile = self.cfg.m_block_size
         self.hdim_multiple = 64 if self.cfg.dKV_swapAB else 32
+        self.width = _round(e, self.hdim_multiple)
         rounded = _round(s, self.tile)
-        kw = dict(dtype=torch.float32, device=dout.device)
+        kw = dict(dtype=torch.float32, device=q.device)
         self.dpsum = torch.empty(b, h, rounded, **kw)
         self.lse_log2 = torch.empty(b, h, rounded, **kw)
-        self.accum = torch.empty(b, h, rounded * _round(e_v, self.hdim_multiple), **kw)
-        with torch.cuda.device(dout.device):
+        self.accum = torch.empty(b, h, rounded * self.width, **kw)
+        with torch.cuda.device(q.device):
             fi._bwd_preprocess(
-                out, dout, self.dpsum, lse.contiguous(), self.lse_log2, self.accum, None, None,
-                None, self.dtype, e_v, e_v, self.tile, fake_mode=False,
+                _bshd(out), self.dout, self.dpsum, lse.contiguous(), self.lse_log2, self.accum,
+                None, None, None, self.dtype, e, e, self.tile, fake_mode=False,
                 hdim_multiple_of=self.hdim_multiple,
             )
 
-    def call(self, rows: slice, q, k, v, dk, dv, *, causal: bool) -> None:
-        """One call: query rows ``rows`` (a slice of the rows that ``rows_fit``), ``q`` [B, H, s, E] of them, vs ``k``, ``v`` [B, H_kv, s_k, E]
-        (causal only when square); its dK and dV written into ``dk``, ``dv`` (shaped like k
-        and v), its dQ accumulated."""
-        with torch.cuda.device(q.device):
-            self._call(rows, *(_bshd(t) for t in (q, k, v, dk, dv)), causal)
-
-    def _call(self, rows, q, k, v, dk, dv, causal) -> None:
+    def call(self, rows: slice, k, v, dk, dv, *, causal: bool) -> None:
+        """One call: the query rows ``rows`` (a slice) vs ``k``, ``v`` [B, H_kv, s_k, E]
+        (causal only when square and on whole tiles: ``rows_fit``); its dK and dV written
+        into ``dk``, ``dv`` (shaped like k and v), its dQ accumulated."""
         start, stop, _ = rows.indices(self.rows)
-        if not rows_fit([(start, stop)], self.rows, q.shape[-1]):
-            raise ValueError(f"QueryRows: a call on rows {start}:{stop} of {self.rows} does not "
-                             f"fit the {self.tile}-row tiles (ask rows_fit first)")
-        if causal and q.shape[1] != k.shape[1]:
-            raise ValueError("QueryRows: a causal call takes as many keys as queries")
-        hd = q.shape[-1]
-        width = _round(hd, self.hdim_multiple)
-        span = _round(stop - start, self.tile)
-        accum = self.accum[:, :, start * width:(start + span) * width]
-        lse_log2, dpsum = (t[:, :, start:start + span] for t in (self.lse_log2, self.dpsum))
-        groups = q.shape[2] // k.shape[2]
-        if groups == 1:
-            self._backward(q, k, v, self.dout[:, start:stop], lse_log2, dpsum, accum, dk, dv,
-                           causal)
-            return
-        # GQA: dK/dV of the query heads of a K/V head summed in fp32, then converted (as FA4)
-        n_tile = self.cfg.n_block_size
-        b, s_k, h_kv, _ = k.shape
-        sums = [torch.zeros(b, h_kv, _round(s_k, n_tile) * _round(d, self.hdim_multiple),
-                            dtype=torch.float32, device=k.device) for d in (hd, v.shape[-1])]
-        self._backward(q, k, v, self.dout[:, start:stop], lse_log2, dpsum, accum, *sums, causal)
-        fi = interface()
-        for acc, grad, scale in zip(sums, (dk, dv), (self.scale, 1.0)):
-            fi._bwd_postprocess_convert(
-                acc, grad, scale, None, None, 90, self.dtype, grad.shape[-1], n_tile,
-                self.cfg.num_wg * 128, self.cfg.AtomLayoutNdKV, self.cfg.dKV_swapAB,
-                cluster_size=1, fake_mode=False, hdim_multiple_of=self.hdim_multiple,
-            )
+        if causal and not (rows_fit([(start, stop, True)], self.rows, self.q.shape[-1])
+                           and stop - start == k.shape[2]):
+            raise ValueError(f"QueryRows: a causal call on rows {start}:{stop} of {self.rows} "
+                             f"with {k.shape[2]} keys is not square on whole "
+                             f"{self.tile}-row tiles (ask rows_fit first)")
+        with torch.cuda.device(self.q.device):
+            first, last = start - start % self.tile, min(_round(stop, self.tile), self.rows)
+            outside = [span for span in ((first, start), (stop, last)) if span[0] < span[1]]
+            kept = [self.lse_log2[:, :, a:b].clone() for a, b in outside]
+            for a, b in outside:  # rows of the call's tiles that are not its own
+                self.lse_log2[:, :, a:b] = float("inf")
+            self._call(first, last, *(_bshd(t) for t in (k, v, dk, dv)), causal)
+            for (a, b), lse_log2 in zip(outside, kept):
+                self.lse_log2[:, :, a:b] = lse_log2
 
     def finish(self, dq: torch.Tensor) -> torch.Tensor:
         """The rows' dQ written into ``dq`` (logical [B, H, S, E]); returns it."""
@@ -145,8 +124,31 @@ class QueryRows:
                 cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1, fake_mode=False,
                 hdim_multiple_of=self.hdim_multiple,
             )
-        self.accum = self.dpsum = self.lse_log2 = None
+        self.q = self.dout = self.accum = self.dpsum = self.lse_log2 = None
         return dq
+
+    def _call(self, first: int, last: int, k, v, dk, dv, causal) -> None:
+        """The kernel on rows first:last (first on a tile) of [B, S, H, E] tensors."""
+        span = _round(last - first, self.tile)
+        accum = self.accum[:, :, first * self.width:(first + span) * self.width]
+        lse_log2, dpsum = (t[:, :, first:first + span] for t in (self.lse_log2, self.dpsum))
+        q, dout = self.q[:, first:last], self.dout[:, first:last]
+        if q.shape[2] == k.shape[2]:
+            self._backward(q, k, v, dout, lse_log2, dpsum, accum, dk, dv, causal)
+            return
+        # GQA: dK/dV of the query heads of a K/V head summed in fp32, then converted (as FA4)
+        n_tile = self.cfg.n_block_size
+        b, s_k, h_kv, _ = k.shape
+        sums = [torch.zeros(b, h_kv, _round(s_k, n_tile) * _round(d, self.hdim_multiple),
+                            dtype=torch.float32, device=k.device) for d in (q.shape[-1],
+                                                                            v.shape[-1])]
+        self._backward(q, k, v, dout, lse_log2, dpsum, accum, *sums, causal)
+        for acc, grad, scale in zip(sums, (dk, dv), (self.scale, 1.0)):
+            interface()._bwd_postprocess_convert(
+                acc, grad, scale, None, None, 90, self.dtype, grad.shape[-1], n_tile,
+                self.cfg.num_wg * 128, self.cfg.AtomLayoutNdKV, self.cfg.dKV_swapAB,
+                cluster_size=1, fake_mode=False, hdim_multiple_of=self.hdim_multiple,
+            )
 
     def _backward(self, q, k, v, dout, lse_log2, dpsum, accum, dk, dv, causal) -> None:
         """FA4's sm90 backward kernel (compiled once per configuration) on these tensors."""
@@ -177,9 +179,3 @@ class QueryRows:
                 options="--enable-tvm-ffi",
             )
         _COMPILED[key](*args, AuxData(None, None), None, None)
-
-
-def usable(device: torch.device) -> bool:
-    """Whether ``QueryRows`` runs on ``device`` (an sm90 GPU)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-

@@ -228,20 +228,20 @@ class _RowsSummingKernel(ReferenceKernel):
     def __init__(self):
         self.spans = []  # the spans of every query_rows it accepted
 
-    def query_rows(self, dout, out, lse, *, scale, spans):
-        if any(start % 2 for start, _ in spans):
+    def query_rows(self, q, dout, out, lse, *, scale, spans):
+        if any(start % 2 for start, _, _ in spans):
             return None
         self.spans.append(spans)
-        return _SummedRows(self, dout, out, lse, scale)
+        return _SummedRows(self, q, dout, out, lse, scale)
 
 
 class _SummedRows:
-    def __init__(self, kernel, dout, out, lse, scale):
-        self.kernel, self.rows_args, self.scale = kernel, (dout, out, lse), scale
-        self.acc = torch.zeros(dout.shape, dtype=torch.float32)
+    def __init__(self, kernel, q, dout, out, lse, scale):
+        self.kernel, self.rows_args, self.scale = kernel, (dout, q, out, lse), scale
+        self.acc = torch.zeros(q.shape, dtype=torch.float32)
 
-    def call(self, rows, q, k, v, dk, dv, *, causal):
-        dout, out, lse = (t[:, :, rows] for t in self.rows_args)
+    def call(self, rows, k, v, dk, dv, *, causal):
+        dout, q, out, lse = (t[:, :, rows] for t in self.rows_args)
         dq_c, dk_c, dv_c = self.kernel.backward(dout, q, k, v, out, lse, causal=causal,
                                                 scale=self.scale)
         self.acc[:, :, rows] += dq_c
@@ -266,5 +266,5 @@ def test_kernel_that_sums_dq_over_calls(mesh, partition, layout, gqa):
     sched = schedules.get("ring", mesh, partition=partition)
     assert_matches(problem, run_schedule(sched, problem, kernel=kernel))
     if partition == "load_balanced":  # calls on rows 0:6 or 3:6; the latter are refused
-        assert all(start % 2 == 0 for spans in kernel.spans for start, _ in spans)
+        assert all(start % 2 == 0 for spans in kernel.spans for start, _, _ in spans)
         assert any(mesh.agree(bool(kernel.spans)))

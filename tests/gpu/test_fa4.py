@@ -186,22 +186,25 @@ def _oracle_over_blocks(q, blocks, dout, scale):
 
 @LAYOUTS
 @pytest.mark.parametrize("kv_heads", [H, 4], ids=["mha", "gqa"])
-def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads, assert_close):
+def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, monkeypatch, layout, kv_heads,
+                                                       assert_close):
     """``query_rows`` on Hopper: 400 query rows against four K/V blocks in four calls that
     share one fp32 dQ accumulator (a causal square call on all rows, a full one, one on the
-    rows from 160 and one on the rows up to 240: row ranges on the 80-row tiles), each
-    call's dK/dV written into given tensors, against fp64 math over all blocks at once."""
+    rows from 170 and one on the rows up to 250: the last two off the 80-row tiles, run on
+    the tiles around them with the other rows masked), each call's dK/dV written into given
+    tensors, against fp64 math over all blocks at once."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("query_rows sums dQ inside FA4 on Hopper (sm90) only")
     from sdpa_fusion.kernels import fa4_rows
 
+    monkeypatch.setattr(fa4_rows, "SHARED_FROM_ROWS", 0)  # short rows: the same kernels
     s = 400
     g = torch.Generator(device="cuda").manual_seed(3)
     q, dout = (randn((B, H, s, 128), layout, generator=g) for _ in range(2))
-    rows_of = [slice(0, s), slice(0, s), slice(160, s), slice(0, 240)]
-    lengths = [s, 256, 128, 128]
+    rows_of = [slice(0, s), slice(0, s), slice(170, s), slice(0, 250)]
+    causal_of = [True, False, False, False]
     blocks = []
-    for rows, n, causal in zip(rows_of, lengths, [True, False, False, False]):
+    for rows, n, causal in zip(rows_of, [s, 256, 128, 128], causal_of):
         k, v = (randn((B, kv_heads, n, 128), layout, generator=g) for _ in range(2))
         seen = torch.zeros(s, n, dtype=torch.bool, device="cuda")
         seen[rows] = torch.ones(s, n, dtype=torch.bool, device="cuda").tril()[rows] if causal \
@@ -209,20 +212,20 @@ def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads,
         blocks.append((k, v, seen))
     scale = scale_for(128)
     want_out, want_lse, want_dq, want_kv = _oracle_over_blocks(q, blocks, dout, scale)
-    out = layout.to(want_out.to(q.dtype))
-    spans = [r.indices(s)[:2] for r in rows_of]
-    assert not fa4_rows.rows_fit([(8, s)], s, 128) and not fa4_rows.rows_fit([(0, 250)], s, 128)
-    assert kernel.query_rows(dout, out, want_lse.float(), scale=scale, spans=[(8, s)]) is None
-    rows = kernel.query_rows(dout, out, want_lse.float(), scale=scale, spans=spans)
+    out, lse = layout.to(want_out.to(q.dtype)), want_lse.float()
+    spans = [(*r.indices(s)[:2], causal) for r, causal in zip(rows_of, causal_of)]
+    assert not fa4_rows.rows_fit([(8, s, True)], s, 128)
+    assert not fa4_rows.rows_fit([(0, 250, True)], s, 128)
+    assert kernel.query_rows(q, dout, out, lse, scale=scale, spans=[(8, s, True)]) is None
+    rows = kernel.query_rows(q, dout, out, lse, scale=scale, spans=spans)
     assert rows is not None
     k, v = blocks[1][:2]
     with pytest.raises(ValueError, match="tiles"):
-        rows.call(slice(0, 250), q[:, :, :250], k, v, torch.empty_like(k), torch.empty_like(v),
-                  causal=False)
-    for (k, v, _), r, causal, (want_dk, want_dv) in zip(blocks, rows_of,
-                                                       [True, False, False, False], want_kv):
+        rows.call(slice(0, 250), k[:, :, :250], v[:, :, :250], torch.empty_like(k[:, :, :250]),
+                  torch.empty_like(v[:, :, :250]), causal=True)
+    for (k, v, _), r, causal, (want_dk, want_dv) in zip(blocks, rows_of, causal_of, want_kv):
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        rows.call(r, q[:, :, r], k, v, dk, dv, causal=causal)
+        rows.call(r, k, v, dk, dv, causal=causal)
         assert_close(dk, want_dk, msg="dk")
         assert_close(dv, want_dv, msg="dv")
     dq = layout.empty(q.shape, dtype=q.dtype, device="cuda")
@@ -230,29 +233,16 @@ def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads,
     assert_close(dq, want_dq, msg="dq")
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
-def test_long_causal_backward_runs_in_fa4_rows(kernel, monkeypatch, kv_heads, assert_close,
-                                               sdpa_oracle):
-    """A causal backward of 8K rows or more runs in ``fa4_rows`` (80-row tiles, faster there
-    than FA4's causal 64) on Hopper, with FA4's results."""
+def test_query_rows_only_from_its_rows(kernel):
+    """Below ``SHARED_FROM_ROWS`` rows (measured slower there) query_rows declines."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("fa4_rows runs FA4's sm90 backward")
+        pytest.skip("query_rows sums dQ inside FA4 on Hopper (sm90) only")
     from sdpa_fusion.kernels import fa4_rows
 
-    finished = []
-    finish = fa4_rows.QueryRows.finish
-    monkeypatch.setattr(fa4_rows.QueryRows, "finish",
-                        lambda self, dq: finished.append(dq) or finish(self, dq))
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, dout = (randn((1, 2, 8192, 128), Layout.BSHE, generator=g) for _ in range(2))
-    k, v = (randn((1, kv_heads, 8192, 128), Layout.BSHE, generator=g) for _ in range(2))
-    scale = scale_for(128)
-    out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
-    grads = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
-    assert len(finished) == 1 and finished[0] is grads[0]
-    want = sdpa_oracle(q, k, v, dout, causal=True, scale=scale)
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, want[2:]):
-        assert_close(got, expected, msg=name)
+    q, _, _, dout = problem(Layout.BSHE)
+    lse = torch.zeros(q.shape[:3], device="cuda")
+    assert q.shape[2] < fa4_rows.SHARED_FROM_ROWS
+    assert kernel.query_rows(q, dout, dout, lse, scale=0.1, spans=[(0, S, True)]) is None
 
 
 # ---- packed sequences ------------------------------------------------------------------------
