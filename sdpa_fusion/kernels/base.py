@@ -213,8 +213,8 @@ class Kernel(abc.ABC):
         [B, H, S, E], ``lse`` [B, H, S] of them) that sums their dQ inside the kernel, for
         dense calls without a window on rows ``spans`` ((start, stop, causal) each; causal
         ones square): ``.call(rows, k, v, dk, dv, causal=)`` per call (dK and dV written into
-        dk and dv), then ``.finish(dq)``. None (this default) where the kernel has none or
-        it would not pay: the caller sums each call's dQ."""
+        dk and dv), then ``.finish(dq)``. None (this default) where the kernel has none:
+        the caller sums each call's dQ."""
         return None
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal: bool, scale: float,

@@ -178,12 +178,10 @@ class FlashAttention4Kernel(Kernel):
 
     def query_rows(self, q, dout, out, lse, *, scale, spans):
         """On Hopper: ``fa4_rows.QueryRows`` (the rows preprocessed once, one fp32 dQ
-        accumulator for every call) for calls it takes (``fa4_rows.rows_fit``) on at least
-        ``fa4_rows.SHARED_FROM_ROWS`` rows (on fewer it was measured slower)."""
+        accumulator for every call) for calls it takes (``fa4_rows.rows_fit``)."""
         from . import fa4_rows
 
         if (not fa4_rows.usable(q.device) or import_error() is not None
-                or q.shape[2] < fa4_rows.SHARED_FROM_ROWS
                 or not fa4_rows.rows_fit(spans, q.shape[2], q.shape[-1])):
             return None
         return fa4_rows.QueryRows(q, dout, out, lse, scale=scale)

@@ -28,7 +28,6 @@ import torch
 
 from .fa4 import _bshd, interface
 
-SHARED_FROM_ROWS = 16384  # rows from which a ring's calls share (faster from here on: README)
 _COMPILED: dict = {}  # the backward kernel per configuration (as FA4's compile cache)
 
 

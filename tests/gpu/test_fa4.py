@@ -186,8 +186,7 @@ def _oracle_over_blocks(q, blocks, dout, scale):
 
 @LAYOUTS
 @pytest.mark.parametrize("kv_heads", [H, 4], ids=["mha", "gqa"])
-def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, monkeypatch, layout, kv_heads,
-                                                       assert_close):
+def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads, assert_close):
     """``query_rows`` on Hopper: 400 query rows against four K/V blocks in four calls that
     share one fp32 dQ accumulator (a causal square call on all rows, a full one, one on the
     rows from 170 and one on the rows up to 250: the last two off the 80-row tiles, run on
@@ -197,7 +196,6 @@ def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, monkeypatch, layo
         pytest.skip("query_rows sums dQ inside FA4 on Hopper (sm90) only")
     from sdpa_fusion.kernels import fa4_rows
 
-    monkeypatch.setattr(fa4_rows, "SHARED_FROM_ROWS", 0)  # short rows: the same kernels
     s = 400
     g = torch.Generator(device="cuda").manual_seed(3)
     q, dout = (randn((B, H, s, 128), layout, generator=g) for _ in range(2))
@@ -231,18 +229,6 @@ def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, monkeypatch, layo
     dq = layout.empty(q.shape, dtype=q.dtype, device="cuda")
     assert rows.finish(dq) is dq
     assert_close(dq, want_dq, msg="dq")
-
-
-def test_query_rows_only_from_its_rows(kernel):
-    """Below ``SHARED_FROM_ROWS`` rows (measured slower there) query_rows declines."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("query_rows sums dQ inside FA4 on Hopper (sm90) only")
-    from sdpa_fusion.kernels import fa4_rows
-
-    q, _, _, dout = problem(Layout.BSHE)
-    lse = torch.zeros(q.shape[:3], device="cuda")
-    assert q.shape[2] < fa4_rows.SHARED_FROM_ROWS
-    assert kernel.query_rows(q, dout, dout, lse, scale=0.1, spans=[(0, S, True)]) is None
 
 
 # ---- packed sequences ------------------------------------------------------------------------

@@ -125,7 +125,6 @@ def test_ring_sums_dq_inside_fa4(request, mesh, monkeypatch):
         rows.append(span)
         return call(self, span, *args, **kwargs)
 
-    monkeypatch.setattr(fa4_rows, "SHARED_FROM_ROWS", 0)  # the same kernels at any length
     monkeypatch.setattr(fa4_rows.QueryRows, "call", counted)
     _check_schedule(mesh, "ring", "fa4", "bshe", True, b=1, s=1024 * mesh.size())
     assert all(mesh.agree(len(rows) >= 2)), "every rank: its own block's call and another"
