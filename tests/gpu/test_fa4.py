@@ -7,7 +7,8 @@ Skips without a GPU or without FlashAttention-4 (``fa4_kernel`` in conftest.py).
 compiles each kernel configuration on its first call (about 5-8 s: dtype, head dim, GQA
 ratio, mask kind, dense or packed; not lengths or batch), so the tests share configurations:
 15 in all, each compiled for forward and backward (MHA at hd 64/128/256, GQA 8:4 at hd 128,
-full and causal; MQA 8:1 and fp16 causal; three more window kinds; packed full and causal).
+full and causal; MQA 8:1 and fp16 causal; three more window kinds; packed full and causal),
+and ``fa4_rows``' backward kernels (causal and full, MHA and GQA 8:4, hd 128).
 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 keeps them on disk for later processes.
 """
 
