@@ -55,7 +55,6 @@ def unavailable() -> str | None:
 def steps(shape: str, s: int, heads: int, scale: float):
     """(FA4's step, our step, backward FLOPs) of one rank's rows of one head group."""
     from sdpa_fusion.kernels import fa4_rows, get
-    from sdpa_fusion.kernels.fa4 import _bshd, interface
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -66,17 +65,14 @@ def steps(shape: str, s: int, heads: int, scale: float):
     q, dout, k, v = rand(s), rand(s), rand(s), rand(s)
     rows = slice(None) if shape == "all rows" else slice(s // 2, None)
     k2, v2 = (rand(s // 2), rand(s // 2)) if shape == "all rows" else (rand(s), rand(s))
-    out, lse = get("fa4").forward(q, k, v, causal=True, scale=scale)
-
-    def entry(q, k, v, out, dout, lse, causal):
-        return interface()._flash_attn_bwd(*(_bshd(t) for t in (q, k, v, out, dout)), lse,
-                                           softmax_scale=scale, causal=causal)
+    kernel = get("fa4")  # its backward: FA4's entry point, one call each
+    out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
 
     def fa4(_):
-        dq, _, _ = entry(q, k, v, out, dout, lse, True)
-        dq2, _, _ = entry(q[:, :, rows], k2, v2, out[:, :, rows], dout[:, :, rows],
-                          lse[:, :, rows].contiguous(), False)
-        dq[:, rows].add_(dq2)  # [B, S, H, E]
+        dq, _, _ = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+        dq2, _, _ = kernel.backward(dout[:, :, rows], q[:, :, rows], k2, v2, out[:, :, rows],
+                                    lse[:, :, rows].contiguous(), causal=False, scale=scale)
+        dq[:, :, rows].add_(dq2)
 
     def ours(_):
         shared = fa4_rows.QueryRows(q, dout, out, lse, scale=scale)

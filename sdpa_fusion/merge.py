@@ -21,11 +21,11 @@ at most two blocks per row the merge writes straight into ``out`` (rounding once
 accumulator followed by a cast would); with more, into an fp32 accumulator cast at the end.
 
 On CUDA tensors the merge runs nvFuser fusions when nvFuser is installed: in place into a
-dense BHSE accumulator or into BSHE memory (views of some rows or heads too), the weights of each row first (``MergeWeights``, a small kernel) and
-then one kernel that reads both blocks and writes the accumulator (``WeightedSum``, an
-aliased output); else ``LseMerge`` out of place, as many heads at a time as
-``FOLD_PART_BYTES`` allows, copied into the accumulator. Without nvFuser the same fp32 math
-in torch, in place.
+dense BHSE accumulator or into BSHE memory (views of some rows or heads too), the weights of
+each row first (``MergeWeights``, a small kernel) and then one kernel that reads both blocks
+and writes the accumulator (``WeightedSum``, an aliased output); else ``LseMerge`` out of
+place, as many heads at a time as ``FOLD_PART_BYTES`` allows, copied into the accumulator.
+Without nvFuser the same fp32 math in torch, in place.
 """
 
 from __future__ import annotations
