@@ -288,6 +288,16 @@ def combine_ranks(per_rank: Sequence[Measurement]) -> Measurement:
                                step_gib=max(m.step_gib or 0.0 for m in per_rank))
 
 
+def times_by(rows: Sequence[dict], key: str) -> dict[str, dict]:
+    """Per panel, the median_ms of its ok rows grouped by ``key`` (both in order of
+    appearance): {panel: {value of key: [ms, ...]}}; panels without ok rows left out."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["status"] == "ok":
+            out.setdefault(r["panel"], {}).setdefault(r[key], []).append(r["median_ms"])
+    return out
+
+
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if not ms else flops / (ms * 1e-3) / 1e12
 

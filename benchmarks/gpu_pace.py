@@ -81,13 +81,7 @@ def step_row(args, s: int, kernel: str, device_index: int | None, turn: int) -> 
 def summary(rows: list[dict]) -> list[dict]:
     """Per panel, every device's mean step time over its turns against the first device's."""
     out = []
-    for panel in dict.fromkeys(r["panel"] for r in rows):
-        times = {}
-        for r in rows:
-            if r["panel"] == panel and r["status"] == "ok":
-                times.setdefault(r["device_index"], []).append(r["median_ms"])
-        if not times:
-            continue
+    for panel, times in common.times_by(rows, "device_index").items():
         first = statistics.mean(next(iter(times.values())))
         for device_index, ms in times.items():
             out.append({"panel": panel, "device_index": device_index,

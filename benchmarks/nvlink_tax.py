@@ -113,11 +113,7 @@ def peer_buffer(mesh, nbytes: int):
 def summary(rows: list[dict]) -> list[dict]:
     """Per panel and pattern, the median step time over rounds against no traffic's."""
     out = []
-    for panel in dict.fromkeys(r["panel"] for r in rows):
-        times = {}
-        for r in rows:
-            if r["panel"] == panel and r["status"] == "ok":
-                times.setdefault(r["pattern"], []).append(r["median_ms"])
+    for panel, times in common.times_by(rows, "pattern").items():
         if "none" not in times:
             continue
         alone = statistics.median(times["none"])
