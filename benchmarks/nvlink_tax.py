@@ -36,6 +36,7 @@ from benchmarks import common
 NAME = "nvlink_tax"
 PATTERNS = {"none": None, "1 MiB / 5 ms": (1 << 20, 0.005), "64 MiB / 8 ms": (64 << 20, 0.008),
             "512 MiB / 100 ms": (512 << 20, 0.1)}
+BUFFER_BYTES = 64 << 20  # the symmetric buffer; larger patterns go in pieces of this size
 
 
 def parse_args(argv=None):
@@ -62,32 +63,49 @@ def parse_args(argv=None):
 
 class Traffic:
     """A thread that copies ``pattern`` (bytes, pause) from ``source`` into ``target`` on its
-    own stream, over and over; ``pattern`` None stops the copies. ``sent`` counts bytes."""
+    own stream, over and over, in pieces of at most the buffers' size; ``pattern`` None stops
+    the copies. ``sent`` counts bytes; ``error`` is what stopped the thread, if anything."""
 
     def __init__(self, source: torch.Tensor, target: torch.Tensor):
         self.source, self.target = source, target
-        self.pattern, self.sent, self._stop = None, 0, False
+        self.pattern, self.sent, self.error, self._stop = None, 0, None, False
         cuda = source.is_cuda
         self._stream = torch.cuda.Stream(source.device) if cuda else None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        if self._stream is not None:
-            torch.cuda.set_device(self.source.device)
-        while not self._stop:
-            if self.pattern is None:
-                time.sleep(0.002)
-                continue
-            nbytes, pause = self.pattern
+        try:
+            if self._stream is not None:
+                torch.cuda.set_device(self.source.device)
+            while not self._stop:
+                if self.pattern is None:
+                    time.sleep(0.002)
+                    continue
+                nbytes, pause = self.pattern
+                self._copy(nbytes)
+                self.sent += nbytes
+                time.sleep(pause)
+        except Exception as e:  # noqa: BLE001 -- reported by check()
+            self.error = e
+
+    def _copy(self, nbytes: int) -> None:
+        size = self.source.numel()
+        for start in range(0, nbytes, size):
+            n = min(size, nbytes - start)
             if self._stream is None:
-                self.target[:nbytes].copy_(self.source[:nbytes])
-            else:
-                with torch.cuda.stream(self._stream):
-                    self.target[:nbytes].copy_(self.source[:nbytes], non_blocking=True)
-                self._stream.synchronize()
-            self.sent += nbytes
-            time.sleep(pause)
+                self.target[:n].copy_(self.source[:n])
+                continue
+            with torch.cuda.stream(self._stream):
+                self.target[:n].copy_(self.source[:n], non_blocking=True)
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def check(self) -> None:
+        """Raise if the copies stopped with an error (a measurement without its traffic)."""
+        if self.error is not None:
+            raise RuntimeError(f"the traffic thread stopped: {type(self.error).__name__}: "
+                               f"{self.error}") from self.error
 
     def close(self) -> None:
         self._stop = True
@@ -105,7 +123,7 @@ def peer_buffer(mesh, nbytes: int):
 
     group = mesh.group("seq")
     flat = symm_mem.empty(nbytes, dtype=torch.uint8, device=mesh.device)
-    handle = symm_mem.rendezvous(flat, group.group_name)
+    handle = symm_mem.rendezvous(flat, group)
     peer = dist.get_group_rank(group, mesh.ranks("seq")[(mesh.rank + 1) % mesh.world_size])
     return source, handle.get_buffer(peer, (nbytes,), torch.uint8, 0)
 
@@ -148,6 +166,7 @@ def case_rows(args, mesh, traffic: Traffic, s: int, kernel: str) -> list[dict]:
                                agree=lambda go: any(mesh.agree(go)), before_timing=dist.barrier)
             gbps = (traffic.sent - sent) / (time.monotonic() - t0) / 1e9
             traffic.pattern = None
+            traffic.check()
             m = common.combine_ranks(mesh.agree(m))
             rows.append(common.make_row(f"{kernel} s={common.short(s)}", f"{kernel}, {pattern}",
                                         s, m, spec.flops(backward=True), kernel=kernel,
@@ -173,7 +192,7 @@ def main(argv=None) -> int:
                            "patterns": {k: v and {"bytes": v[0], "pause_s": v[1]}
                                         for k, v in args.patterns.items()}},
               "rows": []}
-    traffic = Traffic(*peer_buffer(mesh, max(v[0] for v in args.patterns.values() if v)))
+    traffic = Traffic(*peer_buffer(mesh, BUFFER_BYTES >> (7 if args.tiny else 0)))
     deadline = common.Deadline(args.max_seconds)
     try:
         for s in args.seq_lens:

@@ -49,3 +49,24 @@ def test_tiny_run_writes_every_pattern(tmp_path):
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in record["rows"])
     assert [r["gbps"] > 0 for r in record["rows"]] == [False, True, True, True]
     assert {line["pattern"] for line in record["summary"]} == set(nvlink_tax.PATTERNS)
+
+
+def test_traffic_in_pieces_and_its_errors():
+    source = torch.arange(16, dtype=torch.uint8)
+    traffic = nvlink_tax.Traffic(source, torch.zeros_like(source))
+    try:
+        traffic._copy(40)  # 16 + 16 + 8 bytes
+        assert torch.equal(traffic.target, source)
+        traffic.check()
+    finally:
+        traffic.close()
+    broken = nvlink_tax.Traffic(source, torch.zeros(4, dtype=torch.uint8))  # too small
+    try:
+        broken.pattern = (16, 0.0)
+        deadline = time.monotonic() + 5
+        while broken.error is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with pytest.raises(RuntimeError, match="traffic thread stopped"):
+            broken.check()
+    finally:
+        broken.close()
