@@ -66,8 +66,9 @@ class Traffic:
     own stream, over and over, in pieces of at most the buffers' size; ``pattern`` None stops
     the copies. ``sent`` counts bytes; ``error`` is what stopped the thread, if anything."""
 
-    def __init__(self, source: torch.Tensor, target: torch.Tensor):
+    def __init__(self, source: torch.Tensor, target: torch.Tensor, owners=()):
         self.source, self.target = source, target
+        self._owners = owners  # what keeps target mapped (a symmetric buffer and its handle)
         self.pattern, self.sent, self.error, self._stop = None, 0, None, False
         cuda = source.is_cuda
         self._stream = torch.cuda.Stream(source.device) if cuda else None
@@ -113,11 +114,11 @@ class Traffic:
 
 
 def peer_buffer(mesh, nbytes: int):
-    """(this rank's source, the next rank's symmetric buffer mapped here); on a CPU or one
-    rank, a buffer of this rank."""
+    """(this rank's source, the next rank's symmetric buffer mapped here, what keeps it
+    mapped); on a CPU or one rank, a buffer of this rank."""
     source = torch.empty(nbytes, dtype=torch.uint8, device=mesh.device)
     if mesh.device.type != "cuda" or mesh.world_size == 1:
-        return source, torch.empty_like(source)
+        return source, torch.empty_like(source), ()
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -125,7 +126,7 @@ def peer_buffer(mesh, nbytes: int):
     flat = symm_mem.empty(nbytes, dtype=torch.uint8, device=mesh.device)
     handle = symm_mem.rendezvous(flat, group)
     peer = dist.get_group_rank(group, mesh.ranks("seq")[(mesh.rank + 1) % mesh.world_size])
-    return source, handle.get_buffer(peer, (nbytes,), torch.uint8, 0)
+    return source, handle.get_buffer(peer, (nbytes,), torch.uint8, 0), (flat, handle)
 
 
 def summary(rows: list[dict]) -> list[dict]:
