@@ -1,7 +1,7 @@
 """What NVLink traffic costs a GPU's own work: every rank runs one GPU's causal
 forward+backward step while its copy engines write into the next rank's memory.
 
-    mpirun -np 2 python -m benchmarks.nvlink_tax      # 2 H200: about 2 minutes
+    mpirun -np 2 python -m benchmarks.nvlink_tax      # 2 H200: about 2 minutes per kernel
     python -m benchmarks.nvlink_tax --tiny            # seconds on a CPU: checks the script
 
 Every schedule of context parallelism moves K/V (and dK/dV) between GPUs while they compute;
