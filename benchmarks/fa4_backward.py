@@ -126,13 +126,9 @@ def main(argv=None) -> int:
 def summary(rows: list[dict]) -> list[dict]:
     """Per case: each implementation's median time over its rounds, and ours over FA4's."""
     out = []
-    for panel in dict.fromkeys(r["panel"] for r in rows):
-        ms = {impl: statistics.median(r["median_ms"] for r in rows
-                                      if r["panel"] == panel and r["impl"] == impl
-                                      and r["status"] == "ok") for impl in IMPLS
-              if any(r["panel"] == panel and r["impl"] == impl and r["status"] == "ok"
-                     for r in rows)}
-        if len(ms) == len(IMPLS):
+    for panel, times in common.times_by(rows, "impl").items():
+        if all(impl in times for impl in IMPLS):
+            ms = {impl: statistics.median(times[impl]) for impl in IMPLS}
             out.append({"panel": panel, **{f"{impl} ms": round(t, 4) for impl, t in ms.items()},
                         "ours / FA4": round(ms[IMPLS[1]] / ms[IMPLS[0]], 4)})
     return out

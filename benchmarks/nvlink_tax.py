@@ -25,6 +25,7 @@ the copies go into a buffer of this rank. Default problem: b = 1, 32 heads of 12
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import threading
 import time
@@ -57,6 +58,7 @@ def parse_args(argv=None):
         args.kernels, args.rounds, args.hold_seconds = ["reference"], 1, 0.05
     scale = 1 / 128 if args.tiny else 1  # tiny: the same patterns, 128 times smaller and faster
     args.patterns = {k: v and (int(v[0] * scale), v[1] * scale) for k, v in PATTERNS.items()}
+    args.buffer_bytes = int(BUFFER_BYTES * scale)
     args.name = NAME + ("_tiny" if args.tiny else "")
     return args
 
@@ -70,8 +72,7 @@ class Traffic:
         self.source, self.target = source, target
         self._owners = owners  # what keeps target mapped (a symmetric buffer and its handle)
         self.pattern, self.sent, self.error, self._stop = None, 0, None, False
-        cuda = source.is_cuda
-        self._stream = torch.cuda.Stream(source.device) if cuda else None
+        self._stream = torch.cuda.Stream(source.device) if source.is_cuda else None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -92,12 +93,11 @@ class Traffic:
 
     def _copy(self, nbytes: int) -> None:
         size = self.source.numel()
-        for start in range(0, nbytes, size):
-            n = min(size, nbytes - start)
-            if self._stream is None:
-                self.target[:n].copy_(self.source[:n])
-                continue
-            with torch.cuda.stream(self._stream):
+        on_stream = contextlib.nullcontext() if self._stream is None else torch.cuda.stream(
+            self._stream)
+        with on_stream:
+            for start in range(0, nbytes, size):
+                n = min(size, nbytes - start)
                 self.target[:n].copy_(self.source[:n], non_blocking=True)
         if self._stream is not None:
             self._stream.synchronize()
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
                            "patterns": {k: v and {"bytes": v[0], "pause_s": v[1]}
                                         for k, v in args.patterns.items()}},
               "rows": []}
-    traffic = Traffic(*peer_buffer(mesh, BUFFER_BYTES >> (7 if args.tiny else 0)))
+    traffic = Traffic(*peer_buffer(mesh, args.buffer_bytes))
     deadline = common.Deadline(args.max_seconds)
     try:
         for s in args.seq_lens:
