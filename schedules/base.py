@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sdpa_fusion.agreement import agree, canonical
-from sdpa_fusion.kernels import Dropout, Kernel
+from sdpa_fusion.kernels import Dropout, Kernel, spec_extent
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.mesh import Mesh
 from sdpa_fusion.spec import AttentionSpec
@@ -148,6 +148,12 @@ class Schedule(abc.ABC):
     def global_spec(self, spec: AttentionSpec) -> AttentionSpec:
         """The spec of the full problem whose local part on this rank is ``spec``."""
         return spec
+
+    def call_extent(self, spec: AttentionSpec) -> tuple[int, int]:
+        """(rows, keys) per head of the largest kernel call this rank makes for the local
+        ``spec`` (what a kernel's limits are checked against): here those of the whole
+        problem, the most any schedule's call can hold."""
+        return spec_extent(self.global_spec(spec))
 
     def validate(self, spec: AttentionSpec) -> None:
         """Raise ValueError (argument and fix) when this schedule cannot run local ``spec``."""

@@ -56,8 +56,9 @@ class DenseCall:
     def forward_into(self, kernel, outputs, q, k, v, scale, dropout=None):
         """``forward`` written into ``outputs`` (out, lse of the call's rows)."""
         r, c = self.rows, self.keys
-        kernel.forward_into(outputs, q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal,
-                            scale=scale, window=self.window, dropout=dropout)
+        out, lse = outputs
+        kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
+                       window=self.window, dropout=dropout, out=out, lse=lse)
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
@@ -74,9 +75,9 @@ class DenseCall:
         mask = dict(causal=self.causal, scale=scale, window=self.window, dropout=dropout)
         if all(t is None for t in targets):
             return kernel.backward(*args, **mask)
-        grads = [_empty_like(like[:, :, span]) if t is None else t[:, :, span]
-                 for t, like, span in zip(targets, (q, k, v), (r, c, c))]
-        return kernel.backward_into(grads, *args, **mask)
+        dq, dk, dv = (None if t is None else t[:, :, span]
+                      for t, span in zip(targets, (r, c, c)))
+        return kernel.backward(*args, **mask, dq=dq, dk=dk, dv=dv)
 
     def backward_rows(self, query_rows, targets, k, v) -> list:
         """[dK, dV] of the call (into the targets' key rows, as ``backward_into``); its dQ
@@ -324,7 +325,8 @@ def dq_sum_of(kernel, target: torch.Tensor, calls, args, dropout=None) -> "Sum":
     in_kernel = None
     if calls and dropout is None and all(_rows_in_kernel(c, s_q, s_kv) for c in calls):
         spans = [(*c.rows.indices(s_q)[:2], c.causal) for c in calls]
-        in_kernel = kernel.query_rows(q, dout, out, lse, scale=scale, spans=spans)
+        if kernel.query_rows is not None:
+            in_kernel = kernel.query_rows(q, dout, out, lse, scale=scale, spans=spans)
     return Sum(target, len(calls), in_kernel)
 
 

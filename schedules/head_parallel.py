@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sdpa_fusion.kernels.base import head_shards
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.local import local_backward, local_forward
 
@@ -97,7 +98,7 @@ class HeadParallel(Schedule):
         return self if self.size > 1 else None
 
     def _kernel(self, kernel):
-        return kernel.split_heads(self.mesh, self.dim) if self.size > 1 else kernel
+        return head_shards(kernel, self.mesh, self.dim) if self.size > 1 else kernel
 
     def _dropout(self, dropout):
         """Each rank's heads draw their own dropout stream."""

@@ -49,6 +49,7 @@ import math
 import torch
 
 from sdpa_fusion.kernels import Kernel
+from sdpa_fusion.kernels.base import head_shards
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.local import packed_seqlens
 
@@ -95,12 +96,14 @@ class _OuterKernel(Kernel):
     Packed calls take the outer part's [T_o, h, E] tensors (``spec.packing``) whole."""
 
     name = "outer"
+    native_varlen = True  # a packed call runs the outer schedule once
+    limits = None  # the outer schedule's kernel calls stay inside the kernel's own
 
     def __init__(self, outer: Schedule, kernel: Kernel, spec):
         self.outer, self.kernel, self.spec = outer, kernel, spec
 
     def split_heads(self, mesh, dim: str) -> "_OuterKernel":
-        return _OuterKernel(self.outer, self.kernel.split_heads(mesh, dim), self.spec)
+        return _OuterKernel(self.outer, head_shards(self.kernel, mesh, dim), self.spec)
 
     def _local(self, q, k):
         layout = self.spec.layout
@@ -109,18 +112,18 @@ class _OuterKernel(Kernel):
             q_len=q.shape[layout.seq_dim], kv_len=k.shape[layout.seq_dim],
         )
 
-    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
+    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
         return self.outer.forward(q, k, v, self._local(q, k), self.kernel, dropout)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
         return self.outer.backward(dout, q, k, v, out, lse, self._local(q, k), self.kernel,
                                    dropout)
 
-    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         out, lse = self.outer.forward(q, k, v, self._local(q, k), self.kernel)
         return out, lse[0]
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
         return self.outer.backward(dout, q, k, v, out, lse.unsqueeze(0), self._local(q, k),
                                    self.kernel)
 

@@ -180,6 +180,13 @@ class Ring(Transported, SequenceSchedule):
                 f"schedule 'ulysses' (causal with any partition)"
             )
 
+    def call_extent(self, spec) -> tuple[int, int]:
+        """A ring step's calls stay inside this rank's block: its rows against a block of as
+        many keys (packed: each sequence's share)."""
+        if spec.packing is not None:
+            return spec.packing.longest_share, spec.packing.longest_share
+        return spec.q_len, spec.kv_len
+
     def sums_dtype(self, spec) -> torch.dtype:
         """The dtype dK/dV sums of a call on ``spec`` (global or local) travel in."""
         if self.grad_dtype == "input" or (self.grad_dtype == "auto" and self.size == 2

@@ -64,7 +64,8 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     _check_device(q.device, schedule.mesh if schedule is not None else None)
     if schedule is not None:
         schedule.validate(spec)
-    chosen = kernels.select(kernel, spec, q.device)
+    extent = schedule.call_extent(spec) if schedule is not None else None
+    chosen = kernels.select(kernel, spec, q.device, extent=extent)
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
 
 

@@ -127,24 +127,25 @@ def test_which_packed_calls_run_in_one_fa4_call(causal, window, cu_k, shift):
     assert fa4.varlen_shift(seqlens, causal, window) == shift
 
 
-def test_forward_into_given_buffers_copies_by_default(rng, assert_close):
+def test_forward_writes_given_buffers(rng, assert_close):
     kernel = get("reference")
     q, k, v = (torch.randn(1, 2, 6, 8, generator=rng) for _ in range(3))
     want = kernel.forward(q, k, v, causal=True, scale=0.3)
     buffers = (torch.empty_like(q), torch.empty(q.shape[:3]))
-    got = kernel.forward_into(buffers, q, k, v, causal=True, scale=0.3)
+    got = kernel.forward(q, k, v, causal=True, scale=0.3, out=buffers[0], lse=buffers[1])
     assert all(g is b for g, b in zip(got, buffers))
     for g, w in zip(got, want):
         assert_close(g, w)
 
 
-def test_backward_into_given_buffers_copies_by_default(rng, assert_close):
+def test_backward_writes_given_buffers(rng, assert_close):
     kernel = get("reference")
     q, k, v, dout = (torch.randn(1, 2, 6, 8, generator=rng) for _ in range(4))
     out, lse = kernel.forward(q, k, v, causal=True, scale=0.3)
     want = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=0.3)
     buffers = tuple(torch.empty_like(t) for t in (q, k, v))
-    got = kernel.backward_into(buffers, dout, q, k, v, out, lse, causal=True, scale=0.3)
+    got = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=0.3, dq=buffers[0],
+                          dk=buffers[1], dv=buffers[2])
     assert all(g is b for g, b in zip(got, buffers))
     for g, w in zip(got, want):
         assert_close(g, w)

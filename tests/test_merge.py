@@ -182,7 +182,8 @@ def test_merged_into_lets_the_first_block_write_the_result(blocks, dtype, rows, 
     q_rows = q if rows is None else q[:, :, rows]
     if direct:
         assert outputs[0] is out and outputs[1] is lse
-        reference.forward_into(outputs, q, a_k, a_v, causal=False, scale=SCALE)
+        reference.forward(q, a_k, a_v, causal=False, scale=SCALE, out=outputs[0],
+                          lse=outputs[1])
         assert merged.into() is None  # only the first block
     else:
         merged.add(*full(q_rows, a_k, a_v), rows=rows)

@@ -316,7 +316,7 @@ def test_choose_explains_every_estimate(monkeypatch):
     """On a GPU ``auto`` runs this; here the GPU kernels are declared available."""
     for name in ("cudnn", "flash"):
         monkeypatch.setattr(get(name), "unavailable_reason", lambda spec, device: None)
-    way, notes = choice.choose(thd_spec([128] * 2048), "cpu")
+    way, notes = choice.choose(thd_spec([128] * 2048), "cpu", (128, 128))
     assert way.name == "cudnn padded" and isinstance(way, Padded)
     assert notes[0].startswith("auto chose cudnn padded for these packed sequences: ")
     assert any(n.startswith("flash varlen: estimated") for n in notes[1:])

@@ -105,7 +105,7 @@ def test_bad_window_then_a_good_call(window, message, rng):
 class _NoWindow(Kernel):
     name = "plain"
     gpu_only = False
-    forward = backward = None
+    _forward = _backward = None
 
 
 def test_kernels_without_a_window_say_so():

@@ -20,6 +20,7 @@ from ..spec import AttentionSpec
 from .base import (Dropout, Kernel, Seqlens, expand_kv_heads, get, like_layout, on_cuda,
                    reduce_kv_heads, register)
 from .flash_window import flash_call, flash_cut, flash_window
+from .limits import Limits
 
 aten = torch.ops.aten
 
@@ -53,6 +54,10 @@ class FlashKernel(Kernel):
     name = "flash"
     supports_window = True
     supports_dropout = True
+    native_varlen = True
+    # flash-attn 2 pads every sequence's rows to 128 in its dQ accumulator
+    limits = Limits(rows_per_sequence=256, why="past 2^31 elements ATen's varlen flash reads "
+                    "out of bounds; its dense call is tested up to 2^31")
 
     def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
         if spec.head_dim > 256:
@@ -61,7 +66,7 @@ class FlashKernel(Kernel):
             return "kernel 'flash' takes dropout without a sliding window only; use window=None"
         return None
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
+    def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse):
         rows, keys, win = _dense_window(q, k, causal, window)
         if win is None:  # one flash call per sequence would reset the window: go through varlen
             out, lse = self.varlen_forward(*map(_to_packed, (q, k, v)),
@@ -84,8 +89,8 @@ class FlashKernel(Kernel):
         lse[:, :, :rows] = _no_key_to_minus_inf(l)
         return _filled(o.transpose(1, 2), q), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
-                 window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window,
+                  dropout: Dropout | None, dq, dk, dv):
         rows, keys, win = _dense_window(q, k, causal, window)
         if win is None:
             grads = self.varlen_backward(
@@ -105,10 +110,11 @@ class FlashKernel(Kernel):
         )
         return tuple(_filled(g.transpose(1, 2), t) for g, t in zip(grads, (q, k, v)))
 
-    def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window=None):
+    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window):
         call = flash_call(seqlens, q.shape[0], k.shape[0], band(causal, window))
         if call is None or q.shape[0] == 0 or k.shape[0] == 0:
-            return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale, window=window)
+            return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                           window=window)
         cu_q, cu_k = call.seqlens.tensors(q.device)
         out, lse, *_ = aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, call.max_q, call.max_k, 0.0, call.window.causal, False,
@@ -116,12 +122,12 @@ class FlashKernel(Kernel):
         )
         return out, _no_key_to_minus_inf(lse)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
-                        window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
+                         window):
         call = flash_call(seqlens, q.shape[0], k.shape[0], band(causal, window))
         if call is None or q.shape[0] == 0 or k.shape[0] == 0:
-            return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                           scale=scale, window=window)
+            return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                            scale=scale, window=window)
         cu_q, cu_k = call.seqlens.tensors(q.device)
         return aten._flash_attention_backward(
             dout, q, k, v, out, _no_key_to_plus_inf(lse), cu_q, cu_k, call.max_q, call.max_k,
@@ -170,6 +176,7 @@ class CudnnKernel(Kernel):
     sequence, runs on the reference kernel."""
 
     name = "cudnn"
+    limits = Limits(why="past 2^31 elements ATen's cuDNN backward returns a wrong dQ")
 
     def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
         if spec.head_dim > 128:
@@ -178,7 +185,7 @@ class CudnnKernel(Kernel):
             return "kernel 'cudnn' needs torch built with cuDNN"
         return None
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
+    def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse):
         if q.shape[2] == k.shape[2] == 1:
             return get("reference").forward(q, k, v, causal=causal, scale=scale)
         groups = q.shape[1] // k.shape[1]
@@ -188,8 +195,8 @@ class CudnnKernel(Kernel):
         )
         return out, lse.view(lse.shape[:3])
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
-                 window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window,
+                  dropout: Dropout | None, dq, dk, dv):
         if q.shape[2] == k.shape[2] == 1:
             return get("reference").backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         groups = q.shape[1] // k.shape[1]

@@ -2,9 +2,10 @@
 
 Dense tensors, logical [B, H, S, E] in BHSE or BSHE memory order:
 
-    forward(q, k, v, *, causal, scale, dropout=None, window=None) -> (out, lse)
-    backward(dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None)
-        -> (dq, dk, dv)
+    forward(q, k, v, *, causal, scale, window=None, dropout=None, out=None, lse=None)
+        -> (out, lse)
+    backward(dout, q, k, v, out, lse, *, causal, scale, window=None, dropout=None,
+             dq=None, dk=None, dv=None) -> (dq, dk, dv)
 
 Packed sequences (varlen), [T, H, E] tensors delimited by ``Seqlens``:
 
@@ -17,19 +18,21 @@ dense, [H, T_q] packed. ``causal`` and ``window`` are aligned top-left, per sequ
 packed: query i sees key j when j <= i (causal) and i - left <= j <= i + right (window; a
 side that is None is unbounded). A row that sees no key gets out 0 and lse -inf. K/V may
 have fewer heads than Q (GQA). ``backward`` takes the *global* out and lse of the row, so it
-can be applied block by block (ring attention).
+can be applied block by block (ring attention). Output buffers may be given as keywords
+(``out=``, ``lse=``; ``dq=``, ``dk=``, ``dv=``: tensors shaped, typed and laid out like the
+results): the results are written there and returned (a kernel that writes into given
+buffers, such as ``fa4``, saves the copy).
 
-A kernel without a native varlen path runs packed sequences one by one through its dense
-methods (``varlen_forward``/``varlen_backward`` of the base class).
-
-    forward_into(outputs, q, k, v, *, causal, scale, dropout=None, window=None) -> outputs
-    backward_into(grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None)
-        -> grads
-
-write (out, lse) into ``outputs`` and (dq, dk, dv) into ``grads``, preallocated tensors
-shaped, typed and laid out like the results (a caller that has the result's place already,
-such as a schedule whose first block of a row is its result, saves a copy). A kernel that
-can write into given buffers does so (``fa4``); the default copies.
+Every call stays inside the kernel's ``limits`` (``sdpa_fusion.kernels.limits``): a call past
+them runs as calls on head groups, batch elements or packed sequences that are inside, and
+inputs that are views past them are copied first. A kernel implements ``_forward`` and
+``_backward`` (and ``_varlen_forward``/``_varlen_backward`` when it has a varlen call:
+``native_varlen``; without one, packed sequences run one by one through its dense call) for
+calls inside its limits. Capabilities are data: ``gpu_only``, ``supports_dropout``,
+``supports_window``, ``native_varlen``, ``limits``, and the optional ``query_rows`` (a backward
+that sums the dQ of several calls on the same query rows, FA4 on Hopper) and ``split_heads``
+(the kernel for the head shards of a head-parallel mesh, nvFuser's DID split), None where a
+kernel has none.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import torch
 from ..layout import Layout, layout_of  # noqa: F401  (layout_of: used by the kernels)
 from ..mask import Window, band  # noqa: F401  (part of the kernel contract)
 from ..spec import AttentionSpec
+from . import pieces
+from .limits import Limits, too_long
 
 
 class KernelUnavailable(ValueError):
@@ -143,6 +148,10 @@ class Kernel(abc.ABC):
     gpu_only: bool = True
     supports_dropout: bool = False
     supports_window: bool = False
+    native_varlen: bool = False  # runs packed sequences in one call (else one by one)
+    limits: Limits | None = Limits()  # what one call may take; None: no limit
+    query_rows = None  # optional: see the module docstring (FA4 on Hopper)
+    split_heads = None  # optional: (mesh, dim) -> the kernel for head shards (nvFuser)
 
     def unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
         """Why this kernel cannot run ``spec`` on ``device``, or None when it can."""
@@ -168,59 +177,56 @@ class Kernel(abc.ABC):
     def _unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
         return None
 
-    def split_heads(self, mesh, dim: str) -> "Kernel":
-        """This kernel for the local head shards of a head-parallel schedule over ``mesh``'s
-        dim ``dim``: itself by default; the nvFuser kernel returns one whose fusions carry
-        the DID split."""
-        return self
+    def too_long(self, rows: int, keys: int, head_dim: int) -> str | None:
+        """Why a call of ``rows`` queries and ``keys`` keys per head is past this kernel's
+        limits even when split (one head of one sequence is); None when it can run (split
+        where needed)."""
+        return too_long(self.name, self.limits, rows, keys, head_dim)
 
     def check(self, spec: AttentionSpec, device: torch.device) -> None:
         reason = self.unavailable_reason(spec, device)
         if reason is not None:
             raise KernelUnavailable(reason)
 
-    @abc.abstractmethod
-    def forward(self, q, k, v, *, causal: bool, scale: float, dropout: Dropout | None = None,
-                window: Window | None = None):
-        ...
+    # ---- the contract: calls of any size, split to the limits ------------------------------
+    def forward(self, q, k, v, *, causal: bool, scale: float, window: Window | None = None,
+                dropout: Dropout | None = None, out=None, lse=None):
+        """(out, lse) of q, k, v (written into ``out``, ``lse`` when given)."""
+        mask = dict(causal=causal, scale=scale, window=window)
+        return pieces.dense_forward(self, q, k, v, mask, dropout, out, lse)
 
-    @abc.abstractmethod
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float,
-                 dropout: Dropout | None = None, window: Window | None = None):
-        ...
-
-    def forward_into(self, outputs, q, k, v, *, causal: bool, scale: float,
-                     dropout: Dropout | None = None, window: Window | None = None):
-        """``forward`` writing (out, lse) into ``outputs``, preallocated like its results;
-        returns ``outputs``. This default copies the kernel's own results there."""
-        for buffer, result in zip(outputs, self.forward(q, k, v, causal=causal, scale=scale,
-                                                        dropout=dropout, window=window)):
-            buffer.copy_(result)
-        return outputs
-
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal: bool, scale: float,
-                      dropout: Dropout | None = None, window: Window | None = None):
-        """``backward`` writing (dq, dk, dv) into ``grads``; returns ``grads``. This default
-        copies the kernel's own results there."""
-        for buffer, grad in zip(grads, self.backward(dout, q, k, v, out, lse, causal=causal,
-                                                     scale=scale, dropout=dropout,
-                                                     window=window)):
-            buffer.copy_(grad)
-        return grads
-
-    def query_rows(self, q, dout, out, lse, *, scale: float, spans):
-        """A backward over several calls on the same query rows (``q``, ``dout`` and ``out``
-        [B, H, S, E], ``lse`` [B, H, S] of them) that sums their dQ inside the kernel, for
-        dense calls without a window on rows ``spans`` ((start, stop, causal) each; causal
-        ones square): ``.call(rows, k, v, dk, dv, causal=)`` per call (dK and dV written into
-        dk and dv), then ``.finish(dq)``. None (this default) where the kernel has none:
-        the caller sums each call's dQ."""
-        return None
+                 window: Window | None = None, dropout: Dropout | None = None,
+                 dq=None, dk=None, dv=None):
+        """(dq, dk, dv) given the global out and lse of the rows (written into ``dq``, ``dk``,
+        ``dv`` when given)."""
+        mask = dict(causal=causal, scale=scale, window=window)
+        return pieces.dense_backward(self, dout, q, k, v, out, lse, mask, dropout, (dq, dk, dv))
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal: bool, scale: float,
                        window: Window | None = None):
-        """(out [T_q, H, E], lse fp32 [H, T_q]) of packed sequences; this default runs them
-        one by one through ``forward``."""
+        """(out [T_q, H, E], lse fp32 [H, T_q]) of packed sequences."""
+        mask = dict(causal=causal, scale=scale, window=window)
+        return pieces.packed_forward(self, q, k, v, seqlens, mask)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal: bool,
+                        scale: float, window: Window | None = None):
+        """(dq, dk, dv) of packed sequences."""
+        mask = dict(causal=causal, scale=scale, window=window)
+        return pieces.packed_backward(self, dout, q, k, v, out, lse, seqlens, mask)
+
+    # ---- what a kernel implements: calls inside its limits -------------------------------
+    @abc.abstractmethod
+    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
+        """(out, lse) of one call; ``out``/``lse`` are buffers to write into, or None (a kernel
+        may also return buffers of its own: they are copied)."""
+
+    @abc.abstractmethod
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
+        """(dq, dk, dv) of one call; ``dq``/``dk``/``dv`` as ``out`` of ``_forward``."""
+
+    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window):
+        """One varlen call (``native_varlen``); this default runs the sequences one by one."""
         out = torch.zeros_like(q)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
                          device=q.device)
@@ -228,9 +234,8 @@ class Kernel(abc.ABC):
                      window=window)
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal: bool,
-                        scale: float, window: Window | None = None):
-        """(dq, dk, dv) of packed sequences; this default runs them one by one."""
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
+                         window):
         grads = tuple(torch.zeros_like(t) for t in (q, k, v))
         backward_each(self, dout, q, k, v, out, lse, _sequences(seqlens), grads, causal=causal,
                       scale=scale, window=window)
@@ -238,6 +243,12 @@ class Kernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<kernel {self.name}>"
+
+
+def head_shards(kernel: Kernel, mesh, dim: str) -> Kernel:
+    """The kernel for the local head shards of a head-parallel split over ``mesh``'s dim
+    ``dim``: ``kernel.split_heads`` where it has one, else the kernel itself."""
+    return kernel if kernel.split_heads is None else kernel.split_heads(mesh, dim)
 
 
 def _sequences(seqlens: Seqlens):
@@ -252,8 +263,8 @@ def forward_each(kernel: Kernel, q, k, v, spans, out, lse, *, causal, scale, win
         if qb == qa or kb == ka:
             continue
         o, l = kernel.forward(_as_dense(q, qa, qb), _as_dense(k, ka, kb), _as_dense(v, ka, kb),
-                              causal=causal, scale=scale, window=window)
-        _as_dense(out, qa, qb).copy_(o)
+                              causal=causal, scale=scale, window=window,
+                              out=_as_dense(out, qa, qb))
         lse[:, qa:qb] = l[0]
 
 
@@ -265,10 +276,11 @@ def backward_each(kernel: Kernel, dout, q, k, v, out, lse, spans, grads, *, caus
         if qb == qa or kb == ka:
             continue
         qs, ks = (qa, qb), (ka, kb)
-        kernel.backward_into(
-            tuple(_as_dense(grad, *r) for grad, r in zip(grads, (qs, ks, ks))),
+        dq, dk, dv = (_as_dense(grad, *r) for grad, r in zip(grads, (qs, ks, ks)))
+        kernel.backward(
             *(_as_dense(t, *r) for t, r in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))),
             lse[:, qa:qb].unsqueeze(0).contiguous(), causal=causal, scale=scale, window=window,
+            dq=dq, dk=dk, dv=dv,
         )
 
 

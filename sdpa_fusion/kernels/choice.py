@@ -42,14 +42,16 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -
     return Split(kernel, short, best[1])
 
 
-def choose(spec: AttentionSpec, device) -> tuple[Kernel, list[str]]:
-    """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, and notes:
-    why it won, then every other way's estimate (what ``explain`` shows)."""
+def choose(spec: AttentionSpec, device, extent: tuple[int, int]) -> tuple[Kernel, list[str]]:
+    """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, whose
+    largest call per head is ``extent`` (rows, keys), and notes: why it won, then every other
+    way's estimate (what ``explain`` shows)."""
     device = torch.device(device)
     notes, kernels = [], []
     for name in PACKED_KERNELS:
         if name in names():
-            reason = get(name).unavailable_reason(spec, device)
+            reason = get(name).unavailable_reason(spec, device) or \
+                get(name).too_long(*extent, spec.head_dim)
             kernels += [get(name)] if reason is None else []
             notes += [] if reason is None else [reason]
     ways = [w for kernel in kernels for w in

@@ -9,7 +9,7 @@ How the contract maps onto FA4:
 - Layouts, no copies: FA4 takes [B, S, H, D] tensors with any 16-byte aligned strides, so
   q, k, v, out and dout go in as ``.transpose(1, 2)`` views of our logical [B, H, S, E]
   tensors, BHSE or BSHE alike. The output and the gradients are allocated in the layout of
-  the tensor they belong to (or given, ``forward_into``/``backward_into``) and handed to FA4
+  the tensor they belong to (or given as ``out=``, ``dq=``, ...) and handed to FA4
   to write into (``out=``/``lse=``, ``dq=``/``dk=``/``dv=``), so nothing is copied
   afterwards either.
 - GQA: native (FA4 packs the query heads of a K/V head; dK/dV summed in fp32 inside).
@@ -39,6 +39,7 @@ import torch
 
 from ..spec import AttentionSpec
 from .base import Kernel, Seqlens, Window, _sequences, band, layout_of, register
+from .limits import Limits, dense_pieces, fits
 
 FA4_VERSION = "4.0.0b36"
 INSTALL_HINT = f"pip install 'sdpa-fusion[fa4]' (flash-attn-4=={FA4_VERSION})"
@@ -131,6 +132,10 @@ class FlashAttention4Kernel(Kernel):
 
     name = "fa4"
     supports_window = True
+    native_varlen = True
+    # its workspaces round every sequence's rows up to a tile (128, two in some configurations)
+    limits = Limits(rows_per_sequence=256, why="FA4 computes some offsets in 32 bits "
+                    "(flash-attention issue 2611: its varlen backward wraps them past 2^31)")
 
     def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
         reason = limits_reason(spec, torch.cuda.get_device_capability(device))
@@ -141,56 +146,49 @@ class FlashAttention4Kernel(Kernel):
             return f"kernel 'fa4' needs FlashAttention-4 ({INSTALL_HINT}): {error}"
         return None
 
-    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        return self.forward_into((_empty_like(q), lse), q, k, v, causal=causal, scale=scale,
-                                 window=window)
-
-    def forward_into(self, outputs, q, k, v, *, causal, scale, dropout=None, window=None):
-        out, lse = outputs
-        if not lse.is_contiguous():  # FA4 writes a dense lse (out: any 16-byte strides)
-            return super().forward_into(outputs, q, k, v, causal=causal, scale=scale,
-                                        window=window)
+    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
+        out = _empty_like(q) if out is None else out
+        if lse is None or not lse.is_contiguous():  # FA4 writes a dense lse
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
         with torch.cuda.device(q.device):
             interface()._flash_attn_fwd(
                 _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, window_size_left=left,
                 window_size_right=right, return_lse=True, out=_bshd(out), lse=lse,
             )
-        return outputs
+        return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
-        grads = tuple(_empty_like(t) for t in (q, k, v))
-        return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                  window=window)
-
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
-                      window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
         left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
-        dq, dk, dv = grads
+        dq, dk, dv = (_empty_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
         with torch.cuda.device(q.device):
             interface()._flash_attn_bwd(
                 _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse, softmax_scale=scale,
                 window_size_left=left, window_size_right=right,
                 dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv),
             )
-        return grads
+        return dq, dk, dv
 
     def query_rows(self, q, dout, out, lse, *, scale, spans):
         """On Hopper: ``fa4_rows.QueryRows`` (the rows preprocessed once, one fp32 dQ
-        accumulator for every call) for calls it takes (``fa4_rows.rows_fit``)."""
+        accumulator for every call) for calls it takes (``fa4_rows.rows_fit``) whose rows
+        stay inside the limits (QueryRows launches FA4's kernels on them as they are)."""
         from . import fa4_rows
 
+        b, h, s, e = q.shape
+        rounded = (b, h, s + self.limits.rows_per_sequence, e)
         if (not fa4_rows.usable(q.device) or import_error() is not None
+                or not all(fits(t, self.limits) for t in (q, dout, out))
+                or dense_pieces(rounded, rounded, self.limits) != []
                 or not fa4_rows.rows_fit(spans, q.shape[2], q.shape[-1])):
             return None
         return fa4_rows.QueryRows(q, dout, out, lse, scale=scale)
 
-    def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window=None):
+    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window):
         shift = varlen_shift(seqlens, causal, window)
         if shift is None:
-            return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                          window=window)
+            return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                           window=window)
         left, right = fa4_window(causal, window, 0, shift)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         with torch.cuda.device(q.device):
@@ -201,12 +199,12 @@ class FlashAttention4Kernel(Kernel):
         _clear_rows_without_keys(out, lse, seqlens)
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
-                        window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
+                         window):
         shift = varlen_shift(seqlens, causal, window)
         if shift is None:
-            return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                           scale=scale, window=window)
+            return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                            scale=scale, window=window)
         left, right = fa4_window(causal, window, 0, shift)
         with torch.cuda.device(q.device):
             return interface()._flash_attn_bwd(

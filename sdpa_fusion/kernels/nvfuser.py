@@ -18,6 +18,7 @@ from ..layout import exact_strides
 from ..spec import AttentionSpec
 from .base import (Dropout, Kernel, expand_kv_heads, layout_of, on_cuda, reduce_kv_heads,
                    register)
+from .limits import Limits, dense_pieces, fits
 
 INSTALL_HINT = "pip install nvfuser-cu128-torch210 (or nvfuser-cu130-torch210)"
 
@@ -37,6 +38,7 @@ class NvFuserKernel(Kernel):
 
     name = "nvfuser"
     supports_dropout = True
+    limits = Limits(why="tested up to 2^31 (ATen flash inside the fusion)")
 
     def __init__(self, mesh=None, parts: int = 1):
         self.mesh, self.parts = mesh, parts
@@ -56,6 +58,8 @@ class NvFuserKernel(Kernel):
         return None
 
     def split_heads(self, mesh, dim: str) -> "NvFuserKernel":
+        """This kernel for the local head shards of a head-parallel schedule over ``mesh``'s
+        dim ``dim``: its fusions carry the DID split."""
         return NvFuserKernel(mesh.nvfuser_mesh(dim), mesh.size(dim))
 
     def _split_kv(self, q, k, v):
@@ -71,7 +75,7 @@ class NvFuserKernel(Kernel):
             return k, v, 1
         return expand_kv_heads(k, groups), expand_kv_heads(v, groups), groups
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
+    def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse):
         k, v, _ = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         with on_cuda(dropout, q.device):
@@ -82,8 +86,8 @@ class NvFuserKernel(Kernel):
             dropout.state = (outs[2], outs[3])
         return outs[0], outs[1]
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
-                 window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window,
+                  dropout: Dropout | None, dq, dk, dv):
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         inputs = [*self._dense(spec, dout, q, k, v, out), exact_strides(lse.contiguous(), range(3)),
@@ -91,8 +95,15 @@ class NvFuserKernel(Kernel):
         dq, dk, dv = self._fusion("SdpaBackward", spec).execute(inputs, **self._scalars(spec))
         return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
-    def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None, window=None):
-        """(out, lse, dq, dk, dv) from one fusion of forward and backward."""
+    def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None,
+                         window=None):
+        """(out, lse, dq, dk, dv) from one fusion of forward and backward (a call past the
+        limits runs as ``forward`` and ``backward``, which split it)."""
+        if dense_pieces(q.shape, k.shape, self.limits) or not all(
+                fits(t, self.limits) for t in (q, k, v, dout)):
+            mask = dict(causal=causal, scale=scale, dropout=dropout, window=window)
+            out, lse = self.forward(q, k, v, **mask)
+            return (out, lse, *self.backward(dout, q, k, v, out, lse, **mask))
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
         with on_cuda(dropout, q.device):

@@ -36,14 +36,16 @@ from .cost import COPY_BYTES_PER_S, per_sequence_seconds, sequence_work, speed, 
 
 
 def has_varlen(kernel: Kernel) -> bool:
-    """Whether ``kernel`` runs packed sequences in one call (overrides the base-class loop)."""
-    return type(kernel).varlen_forward is not Kernel.varlen_forward
+    """Whether ``kernel`` runs packed sequences in one call (not one by one)."""
+    return kernel.native_varlen
 
 
 class Way(Kernel):
-    """A way of running packed sequences through ``kernel`` (dense calls go straight to it)."""
+    """A way of running packed sequences through ``kernel`` (dense calls go straight to it,
+    and every call of the kernel stays inside its limits)."""
 
     way = ""
+    limits = None  # the kernel's own apply to every call of it
 
     def __init__(self, kernel: Kernel | str):
         self.kernel = get(kernel)
@@ -54,22 +56,16 @@ class Way(Kernel):
     def unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
         return self.kernel.unavailable_reason(spec, device)
 
-    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
-        return self.kernel.forward(q, k, v, causal=causal, scale=scale, dropout=dropout,
-                                   window=window)
+    def too_long(self, rows: int, keys: int, head_dim: int) -> str | None:
+        return self.kernel.too_long(rows, keys, head_dim)
 
-    def forward_into(self, outputs, q, k, v, *, causal, scale, dropout=None, window=None):
-        return self.kernel.forward_into(outputs, q, k, v, causal=causal, scale=scale,
-                                        dropout=dropout, window=window)
+    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
+        return self.kernel.forward(q, k, v, causal=causal, scale=scale, window=window,
+                                   dropout=dropout, out=out, lse=lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
         return self.kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    dropout=dropout, window=window)
-
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
-                      window=None):
-        return self.kernel.backward_into(grads, dout, q, k, v, out, lse, causal=causal,
-                                         scale=scale, dropout=dropout, window=window)
+                                    window=window, dropout=dropout, dq=dq, dk=dk, dv=dv)
 
     def estimate(self, spec: AttentionSpec) -> float:
         """Estimated seconds of a forward+backward of packed ``spec`` (the module's model)."""
@@ -87,11 +83,11 @@ class Varlen(Way):
     def estimate(self, spec):
         return varlen_seconds(self.kernel, sequence_work(spec))
 
-    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
                                           window=window)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
         return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
                                            scale=scale, window=window)
 
@@ -124,7 +120,7 @@ class Split(Way):
         return (per_sequence_seconds(self.kernel, [w for w in work if w[0] >= self.min_long])
                 + varlen_seconds(self.short, [w for w in work if w[0] < self.min_long]))
 
-    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         short, long = split_sequences(seqlens, self.min_long)
         out, lse = self.short.varlen_forward(q, k, v, short, causal=causal, scale=scale,
                                              window=window)
@@ -132,7 +128,7 @@ class Split(Way):
                      window=window)
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
         short, long = split_sequences(seqlens, self.min_long)
         grads = self.short.varlen_backward(dout, q, k, v, out, lse, short, causal=causal,
                                            scale=scale, window=window)
@@ -196,28 +192,28 @@ class Padded(Way):
             copies = 12 * padded_tokens * token_bytes / COPY_BYTES_PER_S
         return s.host_s + len(work) * s.seconds(flops, longest) + copies
 
-    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
         if pad is None:
             return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
                                               window=window)
         if pad.count == 0:
-            return super().varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                          window=window)
+            return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
+                                           window=window)
         out_d, lse_d = self.kernel.forward(pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
                                            causal=causal, scale=scale, window=window)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
         pad.unpad_lse(lse_d, lse)
         return pad.packed(out_d, q, "q"), lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
         pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
         if pad is None:
             return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
                                                scale=scale, window=window)
         if pad.count == 0:
-            return super().varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                           scale=scale, window=window)
+            return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
+                                            scale=scale, window=window)
         grads = self.kernel.backward(
             pad.dense(dout, "q"), pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
             pad.dense(out, "q"), pad.pad_lse(lse), causal=causal, scale=scale, window=window,

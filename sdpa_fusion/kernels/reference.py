@@ -68,14 +68,15 @@ class ReferenceKernel(Kernel):
     gpu_only = False
     supports_window = True
     supports_dropout = True
+    limits = None  # torch's 64-bit indexing
 
-    def forward(self, q, k, v, *, causal, scale, dropout: Dropout | None = None, window=None):
+    def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse):
         p, lse = _probabilities(q, k, None, causal=causal, scale=scale, window=window)
         out = torch.einsum("bhgqk,bhke->bhgqe", p * _kept(p, dropout), v.float())
         return _out(out, q), lse.flatten(1, 2).contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout: Dropout | None = None,
-                 window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window,
+                  dropout: Dropout | None, dq, dk, dv):
         kv_heads = k.shape[1]
         p, _ = _probabilities(q, k, lse, causal=causal, scale=scale, window=window)
         do = _grouped(dout, kv_heads)

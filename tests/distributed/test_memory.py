@@ -99,25 +99,23 @@ class LikeGpuKernels(Kernel):
     gpu_only = False
     supports_window = True
 
-    def forward(self, q, k, v, *, causal, scale, dropout=None, window=None):
-        return _empty_like(q).zero_(), torch.zeros(q.shape[:3])
+    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
+        return _empty_like(q).zero_(), torch.zeros(q.shape[:3])  # given buffers: copied
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, dropout=None, window=None):
-        grads = tuple(_empty_like(t) for t in (q, k, v))
-        return self.backward_into(grads, dout, q, k, v, out, lse, causal=causal, scale=scale)
-
-    def backward_into(self, grads, dout, q, k, v, out, lse, *, causal, scale, dropout=None,
-                      window=None):
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
+        grads = tuple(_empty_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
         workspace = _workspace(q, k, v)
         for g in grads:
             g.zero_()
         del workspace
         return grads
 
-    def varlen_forward(self, q, k, v, seqlens, *, causal, scale, window=None):
+    native_varlen = True
+
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
         grads = tuple(torch.zeros_like(t) for t in (q, k, v))
         workspace = _workspace(q, k, v)
         del workspace

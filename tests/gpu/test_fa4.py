@@ -143,8 +143,8 @@ def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
     qs, dos = q[:, :, late], dout[:, :, late]
     o1, l1 = kernel.forward(qs, k[:, :, early], v[:, :, early], causal=False, scale=scale)
     given = (torch.empty_like(qs), torch.empty(qs.shape[:3], dtype=torch.float32, device="cuda"))
-    o2, l2 = kernel.forward_into(given, qs, k[:, :, late], v[:, :, late], causal=True,
-                                 scale=scale)
+    o2, l2 = kernel.forward(qs, k[:, :, late], v[:, :, late], causal=True, scale=scale,
+                            out=given[0], lse=given[1])
     assert o2 is given[0] and l2 is given[1], "forward written into the buffers"
     lse = torch.logaddexp(l1, l2)
     out = (o1.float() * (l1 - lse).exp().unsqueeze(-1)
@@ -152,8 +152,9 @@ def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
     dq1, dk1, dv1 = kernel.backward(dos, qs, k[:, :, early], v[:, :, early], out, lse,
                                     causal=False, scale=scale)
     buffers = tuple(torch.empty_like(t) for t in (qs, k[:, :, late], v[:, :, late]))
-    dq2, dk2, dv2 = kernel.backward_into(buffers, dos, qs, k[:, :, late], v[:, :, late], out, lse,
-                                         causal=True, scale=scale)
+    dq2, dk2, dv2 = kernel.backward(dos, qs, k[:, :, late], v[:, :, late], out, lse,
+                                    causal=True, scale=scale, dq=buffers[0], dk=buffers[1],
+                                    dv=buffers[2])
     assert all(g is b for g, b in zip((dq2, dk2, dv2), buffers)), "written into the buffers"
 
     dout_late = dout.clone()

@@ -1,0 +1,197 @@
+"""Run a kernel call as the pieces that keep it inside the kernel's limits (``limits``).
+
+A call that fits goes to the kernel as it is. Otherwise every piece (head group, batch
+elements, packed sequences) is one kernel call on views of the call's tensors; a view past
+the limit (a few heads of a [B, S, H, E] buffer span all of its rows) is copied into a
+buffer of its own, and the piece's results are written into the call's outputs: straight
+from the kernel where the output's view fits, else copied. Pieces that share K/V heads (the
+query heads of one K/V head apart) add their dK/dV in fp32. With dropout every piece draws
+its own stream (``Dropout.stream``), the same in forward and backward. Rows of a packed call
+outside every piece's sequences get out 0, lse -inf and gradient 0, as the kernels give them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import layout_of
+from .limits import Piece, dense_pieces, fits, packed_pieces
+
+_WHOLE = Piece(slice(None), slice(None), slice(None))
+
+
+def _split(pieces, tensors, limits, what: str):
+    """The pieces to run: ``pieces`` when the call is split, one piece of everything when it
+    fits but some tensor is a view past the limit, none when all fit; a ValueError when no
+    split fits (the call's planning should have refused it)."""
+    if pieces is None:
+        raise ValueError(what)
+    if pieces or all(fits(t, limits) for t in tensors):
+        return pieces
+    return [_WHOLE]
+
+
+def _own(t: torch.Tensor, limits) -> torch.Tensor:
+    """``t`` as a kernel may take it: itself when it fits, else a copy in its layout."""
+    if fits(t, limits):
+        return t
+    return t.contiguous() if t.dim() != 4 else layout_of(t).to(t)
+
+
+def _target(t: torch.Tensor, limits, contiguous: bool = False):
+    """``t`` as an output buffer the kernel may write, or None (it allocates; we copy)."""
+    if not fits(t, limits) or (contiguous and not t.is_contiguous()):
+        return None
+    return t
+
+
+def _stream(dropout, i: int, p: Piece):
+    """The dropout stream of piece ``i``: its own for the pieces of a split, which depends
+    on the shapes alone (so forward and backward draw alike), the call's otherwise."""
+    if dropout is None or p is _WHOLE:
+        return dropout
+    return dropout.stream("piece", i)
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _too_long(kernel, rows: int, keys: int, e: int) -> str | None:
+    return kernel.too_long(rows, keys, e)
+
+
+# ---- dense ----------------------------------------------------------------------------------
+def dense_forward(kernel, q, k, v, mask, dropout, out, lse):
+    limits = kernel.limits
+    split = _split(dense_pieces(q.shape, k.shape, limits), (q, k, v, out),
+                   limits, _too_long(kernel, q.shape[2], k.shape[2], q.shape[3]))
+    if not split:
+        return _written(kernel._forward(q, k, v, dropout=dropout, out=out, lse=lse, **mask),
+                        (out, lse))
+    out = _empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
+    for i, p in enumerate(split):
+        views = (out[p.batch, p.q], lse[p.batch, p.q])
+        results = kernel._forward(
+            *(_own(t, limits) for t in (q[p.batch, p.q], k[p.batch, p.kv], v[p.batch, p.kv])),
+            dropout=_stream(dropout, i, p),
+            out=_target(views[0], limits), lse=_target(views[1], limits, contiguous=True), **mask)
+        _written(results, views)
+    return out, lse
+
+
+def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
+    limits = kernel.limits
+    split = _split(dense_pieces(q.shape, k.shape, limits), (dout, q, k, v, out, *grads),
+                   limits, _too_long(kernel, q.shape[2], k.shape[2], q.shape[3]))
+    dq, dk, dv = grads
+    if not split:
+        return _written(kernel._backward(dout, q, k, v, out, lse, dropout=dropout, dq=dq, dk=dk,
+                                         dv=dv, **mask), grads)
+    grads = tuple(_empty_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    shared = {}  # fp32 dK/dV sums of K/V heads shared by pieces
+    for i, p in enumerate(split):
+        heads = (p.q, p.q, p.kv, p.kv, p.q)
+        args = [_own(t[p.batch, h], limits) for t, h in zip((dout, q, k, v, out), heads)]
+        views = tuple(g[p.batch, h] for g, h in zip(grads, heads[1:4]))
+        targets = [_target(views[0], limits)] + \
+                  [None if p.shares_kv else _target(t, limits) for t in views[1:]]
+        results = kernel._backward(*args, lse[p.batch, p.q].contiguous(),
+                                   dropout=_stream(dropout, i, p), dq=targets[0],
+                                   dk=targets[1], dv=targets[2], **mask)
+        _written(results[:1], views[:1])
+        if not p.shares_kv:
+            _written(results[1:], views[1:])
+            continue
+        key = (p.batch.start, p.kv.start)
+        if key not in shared:
+            shared[key] = [r.float() for r in results[1:]], views[1:]
+        else:
+            for acc, r in zip(shared[key][0], results[1:]):
+                acc.add_(r)
+    for sums, views in shared.values():
+        for view, total in zip(views, sums):
+            view.copy_(total)
+    return grads
+
+
+def _written(results, targets):
+    """``results`` written into the ``targets`` that are given (where the kernel did not
+    write them itself); returns the targets, or the results where no target was given."""
+    done = []
+    for result, target in zip(results, targets):
+        if target is None:
+            done.append(result)
+            continue
+        if result is not target:
+            target.copy_(result)
+        done.append(target)
+    return tuple(done)
+
+
+# ---- packed ---------------------------------------------------------------------------------
+def _packed_split(kernel, q, k, seqlens, tensors):
+    limits = kernel.limits
+    lengths_q, lengths_k = seqlens.lengths_q, seqlens.lengths_k
+    pieces = packed_pieces(lengths_q, lengths_k, q.shape[1], k.shape[1], q.shape[2], limits)
+    longest = max(zip(lengths_q, lengths_k), key=max, default=(0, 0))
+    return _split(pieces, tensors, limits, _too_long(kernel, *longest, q.shape[2]))
+
+
+def _rows(seqlens, p: Piece):
+    """(query rows, key rows, the piece's Seqlens counted from its first rows)."""
+    if p.sequences is None:
+        return slice(None), slice(None), seqlens
+    a, b = p.sequences.start, p.sequences.stop
+    cu_q, cu_k = seqlens.cu_q[a:b + 1], seqlens.cu_k[a:b + 1]
+    local = type(seqlens)(tuple(c - cu_q[0] for c in cu_q), tuple(c - cu_k[0] for c in cu_k))
+    return slice(cu_q[0], cu_q[-1]), slice(cu_k[0], cu_k[-1]), local
+
+
+def packed_forward(kernel, q, k, v, seqlens, mask):
+    limits = kernel.limits
+    split = _packed_split(kernel, q, k, seqlens, (q, k, v))
+    if not split:
+        return kernel._varlen_forward(q, k, v, seqlens, **mask)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    for p in split:
+        rows, keys, local = _rows(seqlens, p)
+        o, l = kernel._varlen_forward(*(_own(t, limits) for t in (
+            q[rows, p.q], k[keys, p.kv], v[keys, p.kv])), local, **mask)
+        out[rows, p.q] = o
+        lse[p.q, rows] = l
+    return out, lse
+
+
+def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask):
+    limits = kernel.limits
+    split = _packed_split(kernel, q, k, seqlens, (dout, q, k, v, out))
+    if not split:
+        return kernel._varlen_backward(dout, q, k, v, out, lse, seqlens, **mask)
+    grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+    shared = {}
+    for p in split:
+        rows, keys, local = _rows(seqlens, p)
+        dq, dk, dv = kernel._varlen_backward(
+            *(_own(t, limits) for t in (dout[rows, p.q], q[rows, p.q], k[keys, p.kv],
+                                        v[keys, p.kv], out[rows, p.q])),
+            lse[p.q, rows].contiguous(), local, **mask)
+        grads[0][rows, p.q] = dq
+        if not p.shares_kv:
+            grads[1][keys, p.kv] = dk
+            grads[2][keys, p.kv] = dv
+            continue
+        key = (p.sequences and p.sequences.start, p.kv.start)
+        if key not in shared:
+            shared[key] = [dk.float(), dv.float()], keys, p.kv
+        else:
+            for acc, g in zip(shared[key][0], (dk, dv)):
+                acc.add_(g)
+    for (sum_k, sum_v), keys, heads in shared.values():
+        grads[1][keys, heads] = sum_k
+        grads[2][keys, heads] = sum_v
+    return grads

@@ -1,0 +1,201 @@
+"""Kernel limits: which calls split and where, and that split calls are exact.
+
+A ``Bounded`` kernel (tests/bounded.py) is the reference kernel with small limits; it
+records every call that reaches it and any that is past its limits. Its results are compared
+with the reference kernel's on the whole problem.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sdpa_fusion
+from sdpa_fusion.kernels import KernelUnavailable, Limits, Seqlens, get
+from sdpa_fusion.kernels.base import Dropout
+from sdpa_fusion.kernels.limits import dense_pieces, fits, packed_pieces, packed_rows, span
+from sdpa_fusion.layout import Layout
+from sdpa_fusion.mask import Window
+
+from .bounded import Bounded
+from sdpa_fusion.local import packed_seqlens
+
+
+def test_span_counts_strides():
+    t = torch.empty(2, 6, 5, 4)  # BHSE
+    assert span(t) == t.numel()
+    bshe = torch.empty(2, 5, 6, 4).transpose(1, 2)
+    assert span(bshe) == bshe.numel()
+    heads = bshe[:, 1:3]  # two heads of a [B, S, H, E] buffer reach over all its rows
+    # strides (120, 4, 24, 1): 1 + 120 + 4 + 4 * 24 + 3
+    assert heads.numel() == 80 and span(heads) == 224
+    assert span(torch.empty(0, 3)) == 0 and span(torch.empty(3, 4)[:, :1]) == 9
+    assert fits(None, Limits(1)) and fits(torch.empty(10), None)
+    assert fits(torch.empty(10), Limits(10)) and not fits(torch.empty(11), Limits(10))
+
+
+def test_pieces_of_dense_calls():
+    limits = Limits(1000)
+    assert dense_pieces((1, 4, 10, 8), (1, 4, 10, 8), limits) == []  # 320 elements
+    assert dense_pieces((1, 4, 10, 8), (1, 4, 10, 8), None) == []
+    # 4 heads of 40 x 8 = 320 each: groups of 3 do not divide 4, so two of 2
+    pieces = dense_pieces((1, 4, 40, 8), (1, 4, 40, 8), limits)
+    assert [(p.q, p.kv) for p in pieces] == [(slice(0, 2), slice(0, 2)), (slice(2, 4), slice(2, 4))]
+    # the longer side sizes a call (K/V widened to every query head by some kernels)
+    assert len(dense_pieces((1, 4, 10, 8), (1, 4, 40, 8), limits)) == 2
+    # batch elements apart once one K/V head group of every batch element is too much
+    pieces = dense_pieces((4, 2, 30, 8), (4, 1, 30, 8), limits)  # GQA 2:1, 480 per element
+    assert [(p.batch, p.q, p.kv) for p in pieces] == [
+        (slice(0, 2), slice(0, 2), slice(0, 1)), (slice(2, 4), slice(0, 2), slice(0, 1))]
+    assert not any(p.shares_kv for p in pieces)
+    # query heads of one K/V head apart: they share its dK/dV
+    pieces = dense_pieces((1, 4, 100, 8), (1, 1, 100, 8), limits)
+    assert [p.q for p in pieces] == [slice(i, i + 1) for i in range(4)]
+    assert all(p.shares_kv and p.kv == slice(0, 1) for p in pieces)
+    # one head of one sequence past the limit: no split helps
+    assert dense_pieces((1, 1, 200, 8), (1, 1, 200, 8), limits) is None
+
+
+def test_pieces_of_packed_calls():
+    limits = Limits(1000, rows_per_sequence=2)
+    assert packed_rows([3, 5], [3, 5], limits) == 12
+    assert packed_pieces([10, 10], [10, 10], 4, 4, 8, limits) == []  # 24 rows x 4 x 8 = 768
+    pieces = packed_pieces([30, 30], [30, 30], 4, 2, 8, limits)  # 64 rows x 8 = 512 per head
+    assert [(p.q, p.kv, p.sequences) for p in pieces] == [
+        (slice(i, i + 1), slice(i // 2, i // 2 + 1), None) for i in range(4)]
+    assert all(p.shares_kv for p in pieces)
+    # one head of every sequence together past the limit: runs of sequences apart
+    pieces = packed_pieces([60, 70, 50, 20], [60, 70, 50, 20], 2, 2, 8, limits)  # <= 125 rows
+    assert {p.sequences for p in pieces} == {slice(0, 1), slice(1, 3), slice(3, 4)}
+    assert packed_pieces([130], [130], 1, 1, 8, limits) is None
+
+
+def _problem(layout, b=2, h=4, h_kv=2, s=24, e=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layout = Layout.of(layout)
+
+    def rand(heads):
+        return layout.to(torch.randn(b, heads, s, e, generator=g))
+
+    return rand(h), rand(h_kv), rand(h_kv), rand(h)
+
+
+def _run(kernel, q, k, v, dout, **mask):
+    out, lse = kernel.forward(q, k, v, **mask)
+    return (out, lse, *kernel.backward(dout, q, k, v, out, lse, **mask))
+
+
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("elements,calls", [(10_000, 1), (800, 2), (400, 4), (200, 8)],
+                         ids=["whole", "kv-head-groups", "batch", "query-heads"])
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_dense_calls_past_the_limit_split_exactly(layout, elements, calls, window):
+    q, k, v, dout = _problem(layout)  # 2 x 4 heads (2 K/V heads) x 24 x 8
+    mask = dict(causal=True, scale=0.3, window=Window.of(window))
+    bounded = Bounded(elements)
+    got = _run(bounded, q, k, v, dout, **mask)
+    want = _run(get("reference"), q, k, v, dout, **mask)
+    assert sum(1 for c in bounded.calls if c[0] == "forward") == calls and not bounded.past
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape and g.stride() == w.stride(), name
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_views_past_the_limit_are_copied_and_outputs_written_in_place():
+    # a head group of a [B, S, H, E] buffer spans every row: the kernel gets a copy
+    q, k, v, dout = (t[:, :2] for t in _problem("bshe", h=8, h_kv=8))
+    bounded = Bounded(2 * 24 * 8 * 2)  # the group's own elements fit, its view does not
+    assert not fits(q, bounded.limits)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:3], math.nan)
+    got_out, got_lse = bounded.forward(q, k, v, causal=False, scale=0.5, out=out, lse=lse)
+    assert got_out is out and got_lse is lse and len(bounded.calls) == 1 and not bounded.past
+    want_out, want_lse = get("reference").forward(q, k, v, causal=False, scale=0.5)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_dropout_pieces_draw_the_same_masks_in_forward_and_backward():
+    """Pieces draw streams of their own; the backward's gradients are those of the forward
+    that ran (autograd through the reference's math on the same pieces)."""
+    q, k, v, dout = (t.requires_grad_() for t in _problem("bhse"))
+    bounded, dropout = Bounded(400), Dropout(0.3, seed=7)
+    mask = dict(causal=True, scale=0.3)
+    out, lse = bounded.forward(q, k, v, dropout=dropout, **mask)
+    assert len(bounded.calls) == 4 and not bounded.past
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    got = bounded.backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                           dropout=dropout, **mask)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("elements,rows_per_sequence,calls", [
+    (100_000, 0, 1),
+    (2048, 2, 2),  # 70 + 2 x 6 rows x 8 = 656 per head: K/V heads apart, 2 query heads each
+    (700, 4, 8),   # 94 rows per head: runs of sequences of 67 and 27 rows, one head each
+], ids=["whole", "head-groups", "sequence-runs"])
+def test_packed_calls_past_the_limit_split_exactly(elements, rows_per_sequence, calls):
+    cu = (0, 5, 6, 6, 40, 47, 70)  # lengths 5, 1, 0, 34, 7, 23
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(70, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(70, 2, 8, generator=g) for _ in range(2))
+    seqlens = packed_seqlens(cu)
+    mask = dict(causal=True, scale=0.4)
+    bounded = Bounded(elements, rows_per_sequence)
+    out, lse = bounded.varlen_forward(q, k, v, seqlens, **mask)
+    grads = bounded.varlen_backward(dout, q, k, v, out, lse, seqlens, **mask)
+    ref = get("reference")
+    want_out, want_lse = ref.varlen_forward(q, k, v, seqlens, **mask)
+    want = ref.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+    assert sum(1 for c in bounded.calls if c[0] == "varlen_forward") == calls
+    assert not bounded.past
+
+
+def test_rows_outside_every_sequence_stay_empty_when_sequences_split():
+    seqlens = Seqlens((2, 10, 20), (2, 10, 20))  # rows 0-1 and 20-23 in no sequence
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(24, 1, 8, generator=g) for _ in range(4))
+    bounded = Bounded(100, rows_per_sequence=1)
+    out, lse = bounded.varlen_forward(q, k, v, seqlens, causal=False, scale=0.5)
+    assert len(bounded.calls) > 1
+    assert (out[:2] == 0).all() and (out[20:] == 0).all()
+    assert torch.isneginf(lse[:, :2]).all() and torch.isneginf(lse[:, 20:]).all()
+    dq, dk, dv = bounded.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=False,
+                                         scale=0.5)
+    assert (dq[20:] == 0).all() and (dk[:2] == 0).all() and (dv[20:] == 0).all()
+    assert not bounded.past
+
+
+def test_a_head_past_the_limit_is_refused_naming_the_kernels_that_can_run_it():
+    bounded = Bounded(100)
+    q, k, v = (torch.randn(1, 1, 20, 8) for _ in range(3))  # one head: 160 elements
+    with pytest.raises(KernelUnavailable, match=r"kernel 'bounded' takes at most 100 elements "
+                                                r"per tensor per call.*\(20 tokens\) x 8 = 160.*"
+                                                r"kernel 'reference' can run it here"):
+        sdpa_fusion.attention(q, k, v, kernel=bounded)
+    assert bounded.calls == []
+    out = sdpa_fusion.attention(q, k, v, kernel=Bounded(160))  # at the limit: runs
+    torch.testing.assert_close(out, get("reference").forward(q, k, v, causal=False,
+                                                              scale=8 ** -0.5)[0])
+
+
+def test_attention_splits_through_autograd():
+    q, k, v, dout = _problem("bshe")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    bounded = Bounded(300)
+    out = sdpa_fusion.attention(*leaves, causal=True, kernel=bounded)
+    out.backward(dout)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = sdpa_fusion.attention(*ref, causal=True, kernel="reference")
+    want.backward(dout)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for got, w in zip(leaves, ref):
+        torch.testing.assert_close(got.grad, w.grad, atol=1e-5, rtol=1e-5)
+    assert len(bounded.calls) > 2 and not bounded.past
