@@ -47,7 +47,7 @@ def unavailable() -> str | None:
     """Why the comparison cannot run here, or None."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return "needs a Hopper (sm90) GPU: fa4_rows runs FA4's sm90 backward"
-    from sdpa_fusion.kernels.fa4 import import_error
+    from sdpa_fusion.kernels.fa4_entry import import_error
 
     return import_error()
 

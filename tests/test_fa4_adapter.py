@@ -103,6 +103,22 @@ def test_without_flash_attn_4_the_reason_says_how_to_install_it(monkeypatch):
                       f"(flash-attn-4==4.0.0b36)): {missing}")
 
 
+@pytest.mark.parametrize("version,says", [
+    (None, "flash-attn-4 is not installed"),
+    ("4.0.1", "flash-attn-4 4.0.1 is installed, but kernel 'fa4' calls FA4's private entry "
+              "points as release 4.0.0b36 has them"),
+])
+def test_only_the_tested_release_of_fa4_is_used(monkeypatch, version, says):
+    from sdpa_fusion.kernels import fa4_entry
+
+    monkeypatch.setattr(fa4_entry, "installed_version", lambda: version)
+    fa4_entry.import_error.cache_clear()
+    try:
+        assert fa4_entry.import_error() == says
+    finally:
+        fa4_entry.import_error.cache_clear()
+
+
 def test_fa4_has_no_dropout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa4, "import_error", lambda: None)

@@ -33,34 +33,13 @@ How the contract maps onto FA4:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..spec import AttentionSpec
+from . import fa4_rows
 from .base import Kernel, Seqlens, Window, _sequences, band, layout_of, register
+from .fa4_entry import INSTALL_HINT, backward, bshd, forward, import_error
 from .limits import Limits, dense_pieces, fits
-
-FA4_VERSION = "4.0.0b36"
-INSTALL_HINT = f"pip install 'sdpa-fusion[fa4]' (flash-attn-4=={FA4_VERSION})"
-
-
-@functools.cache
-def interface():
-    """FA4's ``flash_attn.cute.interface`` (importing it loads the CUTLASS DSL: seconds)."""
-    from flash_attn.cute import interface as fa4_interface
-
-    return fa4_interface
-
-
-@functools.cache
-def import_error() -> str | None:
-    """Why FA4 cannot be imported here, or None when it can."""
-    try:
-        interface()
-    except Exception as e:  # noqa: BLE001 -- ImportError, or a DSL that fails to load
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def limits_reason(spec: AttentionSpec, capability: tuple[int, int]) -> str | None:
@@ -90,11 +69,6 @@ def fa4_window(causal: bool, window: Window | None, s_q: int, s_k: int):
     left, right = band(causal, window)
     shift = s_k - s_q
     return (None if left is None else left + shift, None if right is None else right - shift)
-
-
-def _bshd(t: torch.Tensor) -> torch.Tensor:
-    """Logical [B, H, S, E] -> the [B, S, H, E] view FA4 takes (no copy)."""
-    return t.transpose(1, 2)
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -150,31 +124,21 @@ class FlashAttention4Kernel(Kernel):
         out = _empty_like(q) if out is None else out
         if lse is None or not lse.is_contiguous():  # FA4 writes a dense lse
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
-        with torch.cuda.device(q.device):
-            interface()._flash_attn_fwd(
-                _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, window_size_left=left,
-                window_size_right=right, return_lse=True, out=_bshd(out), lse=lse,
-            )
+        forward(bshd(q), bshd(k), bshd(v), scale=scale, out=bshd(out), lse=lse,
+                window=fa4_window(causal, window, q.shape[2], k.shape[2]))
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
-        left, right = fa4_window(causal, window, q.shape[2], k.shape[2])
         dq, dk, dv = (_empty_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
-        with torch.cuda.device(q.device):
-            interface()._flash_attn_bwd(
-                _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse, softmax_scale=scale,
-                window_size_left=left, window_size_right=right,
-                dq=_bshd(dq), dk=_bshd(dk), dv=_bshd(dv),
-            )
+        backward(*map(bshd, (q, k, v, out, dout)), lse, scale=scale,
+                 window=fa4_window(causal, window, q.shape[2], k.shape[2]),
+                 dq=bshd(dq), dk=bshd(dk), dv=bshd(dv))
         return dq, dk, dv
 
     def query_rows(self, q, dout, out, lse, *, scale, spans):
         """On Hopper: ``fa4_rows.QueryRows`` (the rows preprocessed once, one fp32 dQ
         accumulator for every call) for calls it takes (``fa4_rows.rows_fit``) whose rows
         stay inside the limits (QueryRows launches FA4's kernels on them as they are)."""
-        from . import fa4_rows
-
         b, h, s, e = q.shape
         rounded = (b, h, s + self.limits.rows_per_sequence, e)
         if (not fa4_rows.usable(q.device) or import_error() is not None
@@ -189,13 +153,9 @@ class FlashAttention4Kernel(Kernel):
         if shift is None:
             return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
                                            window=window)
-        left, right = fa4_window(causal, window, 0, shift)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        with torch.cuda.device(q.device):
-            _, lse, *_ = interface()._flash_attn_fwd(
-                q, k, v, **self._packed(seqlens, q.device), softmax_scale=scale,
-                window_size_left=left, window_size_right=right, return_lse=True, out=out,
-            )
+        lse = forward(q, k, v, scale=scale, window=fa4_window(causal, window, 0, shift), out=out,
+                      packed=self._packed(seqlens, q.device))
         _clear_rows_without_keys(out, lse, seqlens)
         return out, lse
 
@@ -205,12 +165,9 @@ class FlashAttention4Kernel(Kernel):
         if shift is None:
             return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
                                             scale=scale, window=window)
-        left, right = fa4_window(causal, window, 0, shift)
-        with torch.cuda.device(q.device):
-            return interface()._flash_attn_bwd(
-                q, k, v, out, dout, lse, **self._packed(seqlens, q.device), softmax_scale=scale,
-                window_size_left=left, window_size_right=right,
-            )
+        return backward(q, k, v, out, dout, lse, scale=scale,
+                        window=fa4_window(causal, window, 0, shift),
+                        packed=self._packed(seqlens, q.device))
 
     @staticmethod
     def _packed(seqlens: Seqlens, device) -> dict:

@@ -15,31 +15,20 @@ it leaves out masked by a base-2 lse of +inf for the call (no probability, so ne
 those rows nor dK/dV from them); the preprocess writes that +inf past the last row itself.
 A causal call is square and on whole tiles (``rows_fit``).
 
-The kernels are FA4's own (``flash_attn.cute``): this module compiles and launches them as
-``_flash_attn_bwd`` of flash-attn-4 4.0.0b36 does on sm90 for dense tensors without window,
-score or mask mods, and takes nothing else.
+The kernels are FA4's own (``flash_attn.cute``, reached through ``fa4_entry``, which admits
+only the tested release): this module compiles and launches them as ``_flash_attn_bwd`` of
+flash-attn-4 4.0.0b36 does on sm90 for dense tensors without window, score or mask mods, and
+takes nothing else.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .fa4 import _bshd, interface
+from .fa4_entry import backward_internals, interface
+from .fa4_entry import bshd as _bshd
 
 _COMPILED: dict = {}  # the backward kernel per configuration (as FA4's compile cache)
-
-
-@functools.cache
-def _dsl():
-    """(cute, to_cute_tensor, AuxData, FlashAttentionBackwardSm90), imported on first use."""
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
-    from flash_attn.cute.utils import AuxData
-
-    return cute, to_cute_tensor, AuxData, FlashAttentionBackwardSm90
 
 
 def config(head_dim: int):
@@ -151,7 +140,7 @@ class QueryRows:
 
     def _backward(self, q, k, v, dout, lse_log2, dpsum, accum, dk, dv, causal) -> None:
         """FA4's sm90 backward kernel (compiled once per configuration) on these tensors."""
-        cute, to_cute_tensor, AuxData, Backward = _dsl()
+        cute, to_cute_tensor, AuxData, Backward = backward_internals()
         cfg, s_q, s_k = self.cfg, q.shape[1], k.shape[1]
         groups = q.shape[2] // k.shape[2]
         key = (self.dtype, q.shape[-1], v.shape[-1], groups, causal,

@@ -143,7 +143,7 @@ def packed_pieces(lengths_q, lengths_k, heads: int, kv_heads: int, e: int,
     head of one sequence does not fit."""
     if limits is None:
         return []
-    limit, n = limits.elements, len(lengths_q)
+    limit = limits.elements
     if packed_rows(lengths_q, lengths_k, limits) * heads * e <= limit:
         return []
     per_head = packed_rows(lengths_q, lengths_k, limits) * e
