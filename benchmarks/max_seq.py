@@ -24,10 +24,17 @@ with the square of the length, say it takes at most ``--confirm-budget-s``; when
 take longer, the step runs at the longest length that budget allows (a lower bound on the
 limit, marked ``confirmed_full: false``). Its time and memory are recorded. The ratio to one
 GPU is given twice: predicted to predicted, and (``confirmed_ratio_to_one_gpu``) what ran to
-one GPU's prediction, which no confirmation on one GPU can raise.
+one GPU's prediction, which no confirmation on one GPU can raise. ``--confirm-lens`` confirms
+at the lengths given instead ("does 1.6M tokens run right on one GPU": ``--single-gpu
+--confirm-lens 1600k``).
 
-Inputs are made directly as each rank's shard (never the full tensors), except for PyTorch's
-context_parallel, whose buffers are full tensors sharded in place, as its users give them.
+A confirming step counts only when it is right: every rank checks its out, dQ, dK and dV on
+sampled rows against fp32 math (``benchmarks.check``); a step past the tolerance has status
+"wrong" and confirms nothing. Its row records the errors and the kernel that ran (``plan``).
+Inputs are made directly as each rank's shard (never the full tensors), drawn per chunk of
+global tokens from a seed (``check.Generated``), so that the check regenerates any rows of the
+global problem; PyTorch's context_parallel alone gets full tensors, sharded in place, as its
+users give them.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks import common
+from benchmarks import check, common
 from benchmarks.context_parallel import impl_options, torch_cp_api
 
 NAME = "max_seq"
@@ -66,6 +73,13 @@ def parse_args(argv=None):
     p.add_argument("--confirm-budget-s", type=float, default=150,
                    help="the longest a confirming step may be predicted to take (a longer one "
                         "runs at the longest length this allows)")
+    p.add_argument("--confirm-lens", type=common.int_list, default=[],
+                   help="confirm at these global lengths instead of the predicted one, "
+                        "whatever their predicted time (e.g. 1600k; k = 1024)")
+    p.add_argument("--layout", choices=("bhse", "bshe"), default="bhse",
+                   help="memory order of q, k, v, dout (bshe: [B, S, H, E] buffers)")
+    p.add_argument("--seed", type=int, default=0, choices=range(16), metavar="0..15",
+                   help="of the inputs (default: %(default)s)")
     p.add_argument("--single-gpu", action="store_true", help="one GPU (no mpirun)")
     p.add_argument("--merge", default=NAME + "_single",
                    help="results (names, comma-separated) whose rows this run's record "
@@ -75,8 +89,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.impls = [s for s in args.impls.split(",") if s]
     args.merge = [m + ("_tiny" if args.tiny else "") for m in args.merge.split(",") if m]
-    if args.tiny:
+    if args.tiny:  # CPU ranks measure no memory, so predict nothing: confirm at 2K
         args.probe_lens, args.heads, args.head_dim = [256, 512, 1024], 4, 16
+        args.confirm_lens = args.confirm_lens or [2048]
     args.name = NAME + ("_single" if args.single_gpu else "") + args.tag + ("_tiny" if args.tiny else "")
     return args
 
@@ -86,11 +101,31 @@ def wanted(args, impl: str) -> bool:
 
 
 # ---- one step -----------------------------------------------------------------------------
-def local_inputs(args, s_local: int, device):
-    """q, k, v (leaves that require grad) and dout of one rank: [1, H, s_local, E] bf16."""
-    shape = (1, args.heads, s_local, args.head_dim)
-    tensors = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4)]
+def generators(args, device) -> list[check.Generated]:
+    """q, k, v, dout of the global problem, drawn per chunk of tokens (any rank, any rows)."""
+    return [check.Generated(args.heads, args.head_dim, dtype=torch.bfloat16, device=device,
+                            seed=args.seed, index=i) for i in range(4)]
+
+
+def local_inputs(args, positions: torch.Tensor, device):
+    """q, k, v (leaves that require grad) and dout of one rank: the global problem's rows
+    ``positions``, [1, H, n, E] bf16 in ``args.layout``."""
+    from sdpa_fusion.layout import Layout
+
+    shape = (1, args.heads, len(positions), args.head_dim)
+    layout = Layout.of(args.layout)
+    tensors = [g.into(layout.empty(shape, dtype=torch.bfloat16, device=device), positions)
+               for g in generators(args, device)]
     return [t.requires_grad_(i < 3) for i, t in enumerate(tensors)]
+
+
+def checked(args, s: int, positions, out, grads) -> dict:
+    """This rank's check of a step at global length ``s`` (``check.Report.as_dict``)."""
+    problem = check.Problem(*generators(args, out.device), seq_len=s, causal=True,
+                            scale=args.head_dim ** -0.5)
+    start = time.perf_counter()
+    report = check.check_shard(problem, positions, out, *grads).as_dict()
+    return {**report, "seconds": time.perf_counter() - start}
 
 
 def step_memory(step, kept=lambda: 0) -> tuple[float, float]:
@@ -110,31 +145,48 @@ def step_memory(step, kept=lambda: 0) -> tuple[float, float]:
 
 
 def ours(args, mesh, name: str, options: dict):
-    """run(s) -> (seconds, bytes) of one causal fwd+bwd step of schedule ``name`` (or of one
-    device when ``mesh`` is None) at global length s."""
+    """run(s, check) -> {seconds, bytes, kernel[, check]} of one causal fwd+bwd step of
+    schedule ``name`` (or of one device when ``mesh`` is None) at global length s, its
+    results checked when asked."""
     import schedules
     import sdpa_fusion
 
     device = mesh.device if mesh is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     sched = schedules.get(name, mesh, **options) if mesh is not None else None
-    ranks = mesh.world_size if mesh is not None else 1
     kernel = args.kernel if device.type == "cuda" else "reference"
 
-    def run(s):
-        q, k, v, dout = local_inputs(args, s // ranks, device)
+    def run(s, check_results=False):
+        positions = token_positions(sched, s)
+        q, k, v, dout = local_inputs(args, positions, device)
+        results = []
 
         def step():
             out = sdpa_fusion.attention(q, k, v, causal=True, kernel=kernel, schedule=sched)
-            torch.autograd.grad(out, (q, k, v), dout)
+            results[:] = [out.detach(), torch.autograd.grad(out, (q, k, v), dout)]
 
         try:
-            return step_memory(step, lambda: getattr(sched, "kept_bytes", 0))
+            seconds, used = step_memory(step, lambda: getattr(sched, "kept_bytes", 0))
+            plan = sdpa_fusion.plan(q, k, v, causal=True, kernel=kernel, schedule=sched)
+            found = dict(seconds=seconds, bytes=used, kernel=plan.kernel.name)
+            if check_results:
+                found["check"] = checked(args, s, positions, *results)
+            return found
         finally:
-            del q, k, v, dout
+            del q, k, v, dout, results
 
     run.described = None if sched is None else lambda s: described_bytes(args, sched, s)
     return run
+
+
+def token_positions(sched, s: int) -> torch.Tensor:
+    """Global positions of this rank's tokens under ``sched`` (every token on one device)."""
+    if sched is None:
+        return torch.arange(s)
+    if not hasattr(sched, "indices"):
+        raise ValueError(f"schedule {sched.name!r} does not split the sequence; max_seq "
+                         f"measures sequence schedules ({', '.join(SCHEDULES)})")
+    return sched.indices(s)
 
 
 def described_bytes(args, sched, s: int) -> int | None:
@@ -151,17 +203,21 @@ def described_bytes(args, sched, s: int) -> int | None:
 
 
 def torch_cp(args, mesh):
-    """run(s) for PyTorch's context_parallel (alltoall rotation, head-tail load balancing,
-    cuDNN attention): full buffers on every rank, sharded in place."""
+    """run(s, check) for PyTorch's context_parallel (alltoall rotation, head-tail load
+    balancing, cuDNN attention): full buffers on every rank, sharded in place (rank r keeps
+    chunks r and 2P-1-r of 2P, our load-balanced partition)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    context_parallel, _, set_rotate_method, options = torch_cp_api()
+    from schedules.partition import LoadBalanced
 
-    def run(s):
+    context_parallel, _, set_rotate_method, options = torch_cp_api()
+    backend = SDPBackend.CUDNN_ATTENTION if mesh.device.type == "cuda" else SDPBackend.MATH
+
+    def run(s, check_results=False):
         set_rotate_method("alltoall")
         options.enable_load_balance = True
-        buffers = [t.detach() for t in local_inputs(args, s, mesh.device)]
-        backend = SDPBackend.CUDNN_ATTENTION if mesh.device.type == "cuda" else SDPBackend.MATH
+        buffers = [t.detach() for t in local_inputs(args, torch.arange(s), mesh.device)]
+        results = []
 
         def step():
             with sdpa_kernel(backend), context_parallel(
@@ -170,12 +226,17 @@ def torch_cp(args, mesh):
             ):
                 q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                torch.autograd.grad(out, (q, k, v), buffers[3])
+                results[:] = [out.detach(), torch.autograd.grad(out, (q, k, v), buffers[3])]
 
         try:
-            return step_memory(step)
+            seconds, used = step_memory(step)
+            found = dict(seconds=seconds, bytes=used, kernel=f"torch {backend.name}")
+            if check_results:
+                positions = LoadBalanced().indices(s, mesh.world_size, mesh.rank)
+                found["check"] = checked(args, s, positions, *results)
+            return found
         finally:
-            del buffers
+            del buffers, results
 
     run.described = None
     return run
@@ -240,7 +301,7 @@ def free_bytes(mesh) -> float:
 
 
 def measure_impl(args, mesh, impl: str, run, multiple: int) -> list[dict]:
-    """Probe rows, then the prediction and (when asked) the confirming step."""
+    """Probe rows, then the prediction and (when asked) the confirming steps."""
     rows, points = [], []
     ranks = mesh.world_size if mesh is not None else 1
     for s in args.probe_lens:
@@ -248,28 +309,42 @@ def measure_impl(args, mesh, impl: str, run, multiple: int) -> list[dict]:
         if rows[-1]["status"] == "ok":
             points.append((s, rows[-1]["bytes_per_gpu"]))
     free = free_bytes(mesh)
+    predicted = None
     if len(points) < 2:
-        return rows + [dict(impl=impl, phase="predict", status="error", seq_len=0,
-                            error="fewer than two probe steps ran")]
-    intercept, slope = fit(points)
-    described = getattr(run, "described", None)
-    predicted = predict(points, free, multiple, described)
-    rows.append(dict(impl=impl, phase="predict", status="ok", seq_len=predicted,
-                     bytes_per_token=slope, intercept_bytes=intercept, free_bytes=free,
-                     ranks=ranks, by="describe()" if described else "a line through the probes"))
-    if wanted(args, impl) and predicted:
-        full = int(predicted * CONFIRM_FRACTION) // multiple * multiple
-        target = within_budget(rows, full, args.confirm_budget_s, multiple)
-        if target <= max(args.probe_lens):
-            rows.append(dict(impl=impl, phase="confirm", status="skipped", seq_len=full,
-                             ranks=ranks, error=f"a step longer than the probes is predicted to "
-                                                f"take more than --confirm-budget-s "
-                                                f"{args.confirm_budget_s:.0f}"))
-        else:
-            rows.append(attempt(mesh, impl, "confirm", target, run, ranks, predicted=predicted,
-                                full=target == full,
-                                predicted_seconds=predicted_seconds(rows, target)))
+        rows.append(dict(impl=impl, phase="predict", status="error", seq_len=0,
+                         error="fewer than two probe steps ran"))
+    else:
+        intercept, slope = fit(points)
+        described = getattr(run, "described", None)
+        predicted = predict(points, free, multiple, described)
+        rows.append(dict(impl=impl, phase="predict", status="ok", seq_len=predicted,
+                         bytes_per_token=slope, intercept_bytes=intercept, free_bytes=free,
+                         ranks=ranks,
+                         by="describe()" if described else "a line through the probes"))
+    if wanted(args, impl):
+        rows += confirm(args, mesh, impl, run, multiple, rows, predicted)
     return rows
+
+
+def confirm(args, mesh, impl, run, multiple: int, rows, predicted) -> list[dict]:
+    """The confirming step(s), checked: at each ``--confirm-lens`` length (rounded down to
+    ``multiple``), else at 95% of the prediction within ``--confirm-budget-s``."""
+    ranks = mesh.world_size if mesh is not None else 1
+    if args.confirm_lens:
+        return [attempt(mesh, impl, "confirm", s // multiple * multiple, run, ranks,
+                        checked=True, asked=True, predicted=predicted, full=False,
+                        predicted_seconds=predicted_seconds(rows, s // multiple * multiple))
+                for s in args.confirm_lens]
+    if not predicted:
+        return []
+    full = int(predicted * CONFIRM_FRACTION) // multiple * multiple
+    target = within_budget(rows, full, args.confirm_budget_s, multiple)
+    if target <= max(args.probe_lens):
+        return [dict(impl=impl, phase="confirm", status="skipped", seq_len=full, ranks=ranks,
+                     error=f"a step longer than the probes is predicted to take more than "
+                           f"--confirm-budget-s {args.confirm_budget_s:.0f}")]
+    return [attempt(mesh, impl, "confirm", target, run, ranks, checked=True, predicted=predicted,
+                    full=target == full, predicted_seconds=predicted_seconds(rows, target))]
 
 
 def within_budget(rows, target: int, budget_s: float, multiple: int) -> int:
@@ -281,14 +356,16 @@ def within_budget(rows, target: int, budget_s: float, multiple: int) -> int:
     return int(target * (budget_s / seconds) ** 0.5) // multiple * multiple
 
 
-def attempt(mesh, impl, phase, s, run, ranks, steps: int = 1, **extra) -> dict:
+def attempt(mesh, impl, phase, s, run, ranks, steps: int = 1, checked: bool = False,
+            **extra) -> dict:
     """``steps`` steps at global length ``s`` on every rank: a row with the slowest rank's
     time of the last step (the first of a probe pays one-time setup, which would grow with
     the square of the length in a predicted time), the largest memory of any step on any
-    rank, or the first failure."""
+    rank, the kernel, or the first failure. ``checked``: the last step's results are checked
+    on every rank (``check``); a step past the tolerance has status "wrong"."""
     try:
-        runs = [run(s) for _ in range(steps)]
-        mine = dict(status="ok", seconds=runs[-1][0], bytes=max(b for _, b in runs))
+        runs = [run(s, checked and i == steps - 1) for i in range(steps)]
+        mine = dict(runs[-1], status="ok", bytes=max(r["bytes"] for r in runs))
     except Exception as e:  # noqa: BLE001 -- an OOM is a result here
         mine = dict(status=common.failure(e).status, error=f"{type(e).__name__}: {e}"[:300])
     if torch.cuda.is_available():
@@ -300,38 +377,62 @@ def attempt(mesh, impl, phase, s, run, ranks, steps: int = 1, **extra) -> dict:
         row.update(status=failed[0]["status"], error=failed[0]["error"])
     else:
         row.update(status="ok", seconds=max(m["seconds"] for m in everyone),
-                   bytes_per_gpu=max(m["bytes"] for m in everyone))
+                   bytes_per_gpu=max(m["bytes"] for m in everyone), kernel=mine["kernel"])
         row["gib_per_gpu"] = row["bytes_per_gpu"] / common.GIB
+    if checked and not failed:
+        row["check"] = check.merge([m["check"] for m in everyone])
+        row["check"]["seconds"] = max(m["check"]["seconds"] for m in everyone)
+        row["errors"] = row["check"]["errors"]
+        if not row["check"]["right"]:
+            row.update(status="wrong", error="results past the tolerance on sampled rows: "
+                                             + check.line(row["check"]))
     print(f"{impl:>14} {phase:>7} s={common.short(s) if s else s}: "
-          + (f"{row['seconds']:.1f} s, {row['gib_per_gpu']:.1f} GiB" if not failed
-             else row["status"]), flush=True)
+          + (f"{row['seconds']:.1f} s, {row['gib_per_gpu']:.1f} GiB, {row['kernel']}"
+             if not failed else row["status"])
+          + (f"; {check.line(row['check'])}" if "check" in row else ""), flush=True)
     return row
+
+
+def length_multiple(args, ranks: int) -> int:
+    """Lengths are multiples of this: two chunks of 1024 tokens per rank (64 with --tiny)."""
+    return 2 * ranks * (64 if args.tiny else 1024)
 
 
 def implementations(args, mesh):
     """(label, run, length multiple) of every implementation to measure over ``mesh``."""
     for impl in args.impls:
         if impl == "torch-cp":
-            yield impl, torch_cp(args, mesh), 2 * mesh.world_size * 1024
+            yield impl, torch_cp(args, mesh), length_multiple(args, mesh.world_size)
             continue
         name, options = impl_options(impl)
-        yield impl, ours(args, mesh, name, options), 2 * mesh.world_size * 1024
+        yield impl, ours(args, mesh, name, options), length_multiple(args, mesh.world_size)
 
 
 # ---- records --------------------------------------------------------------------------------
 def summary(rows) -> list[dict]:
-    """Per implementation: predicted and confirmed lengths, and the ratio to one GPU's."""
+    """Per implementation: predicted and confirmed lengths (the longest confirming step that
+    ran and was checked right; an unchecked one, from before the check, confirms nothing),
+    and the ratio to one GPU's prediction."""
     out = {}
     for r in rows:
-        entry = out.setdefault(r["impl"], {"impl": r["impl"], "ranks": r.get("ranks")})
+        entry = out.setdefault(r["impl"], {"impl": r["impl"], "ranks": r.get("ranks"),
+                                           "confirmed": None, "confirmed_full": False,
+                                           "confirmed_asked": False})
         if r["phase"] == "predict" and r["status"] == "ok":
             entry["predicted"] = r["seq_len"]
             entry["gib_per_1k_tokens"] = r["bytes_per_token"] * 1024 / common.GIB
-        if r["phase"] == "confirm":
-            entry["confirmed"] = r["seq_len"] if r["status"] == "ok" else None
-            entry["confirmed_full"] = bool(r.get("full")) and r["status"] == "ok"
-            entry["confirm_status"] = r["status"]
-            entry["confirm_seconds"] = r.get("seconds")
+        if r["phase"] != "confirm":
+            continue
+        status = r["status"] if r["status"] != "ok" or "check" in r else "unchecked"
+        entry.setdefault("confirms", []).append(
+            {"seq_len": r["seq_len"], "status": status,
+             **{k: r.get(k) for k in ("kernel", "errors", "seconds")}})
+        if status == "ok" and r["seq_len"] > (entry["confirmed"] or 0):
+            entry.update(confirmed=r["seq_len"], confirmed_full=bool(r.get("full")),
+                         confirmed_asked=bool(r.get("asked")), confirm_seconds=r.get("seconds"),
+                         kernel=r.get("kernel"), confirm_errors=r.get("errors"))
+        if status == "ok" or entry["confirmed"] is None:
+            entry["confirm_status"] = status
     one = next((e.get("predicted") for e in out.values() if e["impl"].startswith("1 GPU")), None)
     for e in out.values():
         e["ratio_to_one_gpu"] = e["predicted"] / one if one and e.get("predicted") else None
@@ -346,12 +447,13 @@ def save(args, record) -> None:
     common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to, plot=False)
     draw(args, record, plot_rows)
     for e in record["summary"]:
-        bound = (" (within the time budget: a lower bound)"
-                 if e.get("confirmed") and not e["confirmed_full"] else "")
+        bound = (" (short of 95% of the prediction: a lower bound)" if e.get("confirmed")
+                 and not e["confirmed_full"] and not e["confirmed_asked"] else "")
+        tried = ", ".join(f"{common.short(c['seq_len'])} {c['status']}"
+                          for c in e.get("confirms", []))
         print(f"{e['impl']:>14}: predicted {e.get('predicted')}, confirmed {e.get('confirmed')}"
-              f"{bound} ({e.get('confirm_status', 'not run')}), predicted "
-              f"x{e['ratio_to_one_gpu'] or 0:.2f} one GPU, confirmed "
-              f"x{e['confirmed_ratio_to_one_gpu'] or 0:.2f}")
+              f"{bound} ({tried or 'not run'}), predicted x{e['ratio_to_one_gpu'] or 0:.2f} "
+              f"one GPU, confirmed x{e['confirmed_ratio_to_one_gpu'] or 0:.2f}")
 
 
 def draw(args, record, rows) -> None:
@@ -407,7 +509,12 @@ def new_record(args, title) -> dict:
             "settings": {"batch": 1, "heads": args.heads, "head_dim": args.head_dim,
                          "dtype": "bf16", "causal": True, "mode": "fwd+bwd",
                          "probe_lens": args.probe_lens, "kernel": args.kernel,
-                         "confirm_fraction": CONFIRM_FRACTION, "headroom": HEADROOM},
+                         "layout": args.layout, "seed": args.seed,
+                         "confirm_lens": args.confirm_lens,
+                         "confirm_fraction": CONFIRM_FRACTION, "headroom": HEADROOM,
+                         "check": f"out, dq, dk, dv on sampled rows against fp32 math "
+                                  f"(benchmarks.check), tolerance "
+                                  f"{check.TOLERANCE[torch.bfloat16]} (bf16)"},
             "rows": []}
 
 
@@ -416,7 +523,8 @@ def main(argv=None) -> int:
     if args.single_gpu:
         record = new_record(args, "longest sequence, one device")
         record["rows"] = measure_impl(args, None, f"1 GPU {args.kernel}",
-                                      ours(args, None, "replicated", {}), 2048)
+                                      ours(args, None, "replicated", {}),
+                                      length_multiple(args, 1))
         save(args, record)
         return 0
     import sdpa_fusion

@@ -5,6 +5,8 @@
     python -m benchmarks.single_gpu --tiny           # seconds on a CPU: checks the script itself
     python -m benchmarks.single_gpu --kernel-table-from benchmarks/results/single_gpu.json
                                                      # rewrite the kernel table from a result
+    python -m benchmarks.single_gpu --preset long    # 512K and 1M tokens, one checked step
+                                                     # each, ~8 min (benchmarks.long_steps)
 
 Implementations (``--impls``):
   auto, cudnn, fa4, flash,     sdpa_fusion.attention(q, k, v, kernel=K)
@@ -13,6 +15,8 @@ Implementations (``--impls``):
                                when the package provides it
   torch-flash, torch-cudnn,    F.scaled_dot_product_attention under
   torch-efficient, torch-math  sdpa_kernel(SDPBackend.<backend>)
+  fa4-direct                   FlashAttention-4's flash_attn_func on [B, S, H, D] views,
+                               backward through its autograd (unavailable without it)
 Above ``--all-impls-up-to`` (32K) only auto, fa4 and cudnn run (the goal's kernels; the
 others are slower and would take most of the time).
 
@@ -55,10 +59,20 @@ TORCH_BACKENDS = {
 }
 GPU_IMPLS = ("auto", "fa4", "cudnn", "flash", "nvfuser", "nvfuser-fused",
              "torch-flash", "torch-cudnn")
+KNOWN_IMPLS = (*OURS, "nvfuser-fused", "fa4-direct", *TORCH_BACKENDS)
 LONG_IMPLS = ("auto", "fa4", "cudnn")  # the only ones above --all-impls-up-to
 TINY_IMPLS = ("auto", "reference", "fa4", "nvfuser", "nvfuser-fused", "torch-math", "torch-flash")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUSPECT_ERROR = 2e-2  # bf16 attention lands near 1e-3..1e-2 of the reference
+PRESETS = {
+    "long": {
+        "doc": "512K and 1M tokens, b = 1, 32 heads of 128, causal fwd+bwd, BSHE: one warm-up "
+               "per impl, one timed step per case, each checked (benchmarks.long_steps)",
+        "seq_lens": common.int_list("512k,1m"), "head_dims": [128], "heads": "128:32",
+        "causal": "yes", "modes": "fwd+bwd", "layout": "bshe",
+        "impls": "torch-cudnn,cudnn,fa4-direct,fa4,auto",
+    },
+}
 
 
 def parse_args(argv=None):
@@ -96,14 +110,24 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes and CPU-capable impls, results as single_gpu_tiny.json")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    p.add_argument("--tag", default="", help="appended to the result name")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="; ".join(f"{k}: {v['doc']}" for k, v in PRESETS.items()))
     common.add_output_args(p)
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        p.set_defaults(**{k: v for k, v in PRESETS[preset].items() if k != "doc"})
     args = p.parse_args(argv)
     if args.no_kernel_table:
         args.kernel_table = None
     elif args.kernel_table is None:
         args.kernel_table = (args.results_dir / "measured_tflops_tiny.json" if args.tiny
                              else ranking.TABLE)
-    if args.tiny:
+    if args.tiny and args.preset == "long":
+        args.seq_lens, args.head_dims, args.heads = [256, 512], [16], "16:4"
+        if args.impls == PRESETS["long"]["impls"]:
+            args.impls = "torch-math,reference,fa4-direct,auto"
+    elif args.tiny:
         args.seq_lens, args.head_dims, args.tokens = [64, 128], [16, 32], [256]
         args.heads = "16:4,32:2"
         args.warmup, args.iters, args.budget_s = 1, 3, None
@@ -114,9 +138,9 @@ def parse_args(argv=None):
     args.impls = args.impls.split(",")
     args.modes = args.modes.split(",")
     args.causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    unknown = [i for i in args.impls if i not in (*OURS, "nvfuser-fused", *TORCH_BACKENDS)]
+    unknown = [i for i in args.impls if i not in KNOWN_IMPLS]
     if unknown:
-        p.error(f"unknown impls {unknown}; choose from {[*OURS, 'nvfuser-fused', *TORCH_BACKENDS]}")
+        p.error(f"unknown impls {unknown}; choose from {list(KNOWN_IMPLS)}")
     return args
 
 
@@ -150,6 +174,8 @@ def spec_of(args, hd, heads, batch, s, causal):
 # ---- what runs ----------------------------------------------------------------------------
 def attention_fn(impl: str, causal: bool, layout: str):
     """(q, k, v) -> out for ``impl``."""
+    if impl == "fa4-direct":
+        return fa4_direct(causal)
     if impl in TORCH_BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -166,6 +192,23 @@ def attention_fn(impl: str, causal: bool, layout: str):
         return sdpa_fusion.attention(q, k, v, causal=causal, layout=layout, kernel=impl)
 
     return ours
+
+
+def fa4_direct(causal: bool):
+    """(q, k, v) -> out of FlashAttention-4 called directly on [B, S, H, D] views."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 -- ImportError, or a CUTLASS DSL that fails to load
+        raise ImportError(f"fa4-direct needs FlashAttention-4 (pip install flash-attn-4): "
+                          f"flash_attn.cute is not importable here ({type(e).__name__}: "
+                          f"{e})") from None
+
+    def fa4(q, k, v):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              causal=causal)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return fa4
 
 
 def fused_forward_backward(spec):
@@ -371,10 +414,14 @@ def main(argv=None) -> int:
         path = write_kernel_table(json.loads(args.kernel_table_from.read_text()), table)
         print(f"wrote {path} from {args.kernel_table_from}")
         return 0
+    if args.preset == "long":
+        from benchmarks import long_steps
+
+        return long_steps.run(args)
     if args.dry_run:
         dry_run(args)
         return 0
-    name = NAME + ("_tiny" if args.tiny else "")
+    name = NAME + args.tag + ("_tiny" if args.tiny else "")
     record = {
         "title": "single GPU attention",
         "environment": common.environment("benchmarks.single_gpu"),

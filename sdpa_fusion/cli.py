@@ -364,7 +364,8 @@ def explain_mesh(args: argparse.Namespace, spec: AttentionSpec) -> int:
 
 
 # ---- bench -----------------------------------------------------------------------------------
-HELPERS = ("common", "kernel_table", "predict", "progress", "telemetry")  # benchmarks/ modules that are no benchmark
+HELPERS = ("check", "common", "kernel_table", "long_steps", "predict", "progress",
+           "telemetry")  # benchmarks/ modules that are no benchmark (long_steps: single_gpu's)
 
 
 def benchmark_names() -> list[str]:

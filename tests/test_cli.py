@@ -172,7 +172,7 @@ def test_bench_names_the_benchmarks(capsys):
     assert main(["bench", "--list"]) == 0
     listed = capsys.readouterr().out.split()
     assert {"single_gpu", "thd", "context_parallel"} <= set(listed)
-    assert not {"common", "telemetry"} & set(listed)
+    assert not {"check", "common", "long_steps", "telemetry"} & set(listed)
     assert main(["bench", "bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: bench 'bogus' is not a benchmark; choose one of [")

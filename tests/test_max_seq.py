@@ -1,5 +1,6 @@
 """benchmarks.max_seq's arithmetic: which length a confirming step runs at within its time
-budget, and what the summary claims from it (pure functions: no GPU).
+budget, and what the summary claims from it (pure functions: no GPU); and its --tiny run on
+CPU, whose confirming step counts only when its results are right.
 
 Run: python -m pytest -q tests/test_max_seq.py
 """
@@ -9,9 +10,14 @@ from __future__ import annotations
 import json
 import types
 
+import pytest
+import torch
+
+from benchmarks import max_seq
 from benchmarks.max_seq import HEADROOM, merge, predict, summary, within_budget
 
 K = 1024
+RIGHT = {"right": True}  # a confirming step's check (check.merge's dict), in short
 
 
 def probe(impl, s, seconds):
@@ -35,7 +41,8 @@ def test_summary_compares_predictions_and_a_lower_bound_with_one_gpu_predicted()
     rows = [
         dict(impl="1 GPU auto", phase="predict", status="ok", seq_len=1000, bytes_per_token=1.0),
         dict(impl="ring", phase="predict", status="ok", seq_len=4000, bytes_per_token=0.5),
-        dict(impl="ring", phase="confirm", status="ok", seq_len=2500, full=False, seconds=400.0),
+        dict(impl="ring", phase="confirm", status="ok", seq_len=2500, full=False, seconds=400.0,
+             check=RIGHT),
         dict(impl="ulysses", phase="predict", status="ok", seq_len=3000, bytes_per_token=0.5),
         dict(impl="ulysses", phase="confirm", status="out of memory", seq_len=2850, full=True),
     ]
@@ -45,6 +52,27 @@ def test_summary_compares_predictions_and_a_lower_bound_with_one_gpu_predicted()
     assert got["ring"]["confirmed_full"] is False
     assert got["ulysses"]["confirmed"] is None and got["ulysses"]["confirmed_ratio_to_one_gpu"] is None
     assert got["ulysses"]["confirmed_full"] is False
+
+
+def test_a_wrong_or_unchecked_confirmation_confirms_nothing_the_longest_right_one_counts():
+    rows = [
+        dict(impl="1 GPU auto", phase="confirm", status="ok", seq_len=1000, asked=True,
+             check=RIGHT),
+        dict(impl="1 GPU auto", phase="confirm", status="wrong", seq_len=3000, asked=True,
+             errors={"dq": 0.4}),
+        dict(impl="1 GPU auto", phase="confirm", status="ok", seq_len=2000, asked=True,
+             kernel="cudnn", errors={"dq": 0.004}, check=RIGHT),
+        dict(impl="ring", phase="confirm", status="wrong", seq_len=4000, full=True),
+        dict(impl="ulysses", phase="confirm", status="ok", seq_len=4000, full=True),  # old
+    ]
+    got = {e["impl"]: e for e in summary(rows)}
+    assert got["1 GPU auto"]["confirmed"] == 2000
+    assert got["1 GPU auto"]["kernel"] == "cudnn"
+    assert got["1 GPU auto"]["confirm_errors"] == {"dq": 0.004}
+    assert [c["status"] for c in got["1 GPU auto"]["confirms"]] == ["ok", "wrong", "ok"]
+    assert got["ring"]["confirmed"] is None and got["ring"]["confirm_status"] == "wrong"
+    assert got["ulysses"]["confirmed"] is None
+    assert got["ulysses"]["confirm_status"] == "unchecked"
 
 
 def test_merge_takes_each_implementation_once_and_never_over_this_run(tmp_path):
@@ -75,3 +103,47 @@ def test_a_fixed_cost_the_description_leaves_out_stays_fixed():
     assert predict(points, free, 4 * K, described) == 4096 * K
     ratio = max(measured / described(s) for s, measured in points)  # 3x at 64K
     assert ratio * described(4096 * K) > free * HEADROOM
+
+
+def tiny(tmp_path, *extra) -> dict:
+    """The --tiny one-device run, confirming at 512 tokens: its summary entry."""
+    assert max_seq.main(["--single-gpu", "--tiny", "--confirm-lens", "512", *extra,
+                         "--results-dir", str(tmp_path), "--copy-to", ""]) == 0
+    record = json.loads((tmp_path / "max_seq_single_tiny.json").read_text())
+    (confirm,) = [r for r in record["rows"] if r["phase"] == "confirm"]
+    return confirm, record["summary"][0]
+
+
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_the_tiny_run_confirms_a_right_step_and_records_its_kernel_and_errors(tmp_path, layout):
+    confirm, entry = tiny(tmp_path, "--layout", layout)
+    assert confirm["status"] == "ok" and confirm["kernel"] == "reference"
+    assert confirm["check"]["right"] and confirm["check"]["rows"]["dk"] > 0
+    assert max(confirm["errors"].values()) < 1e-2
+    assert entry["confirmed"] == 512 and entry["confirm_errors"] == confirm["errors"]
+
+
+def test_a_step_with_a_wrong_dq_is_wrong_and_not_confirmed(tmp_path, monkeypatch):
+    import sdpa_fusion
+
+    right = sdpa_fusion.attention
+
+    def wrong_dq(q, k, v, **kwargs):  # out as it is; dq gains 0.5 dout
+        return right(q, k, v, **kwargs) + 0.5 * (q - q.detach())
+
+    monkeypatch.setattr(sdpa_fusion, "attention", wrong_dq)
+    confirm, entry = tiny(tmp_path)
+    assert confirm["status"] == "wrong" and "dq" in confirm["error"]
+    assert confirm["errors"]["dq"] > 0.1 and confirm["errors"]["out"] < 1e-2
+    assert entry["confirmed"] is None and entry["confirm_status"] == "wrong"
+
+
+def test_shards_are_the_global_problem_s_rows():
+    args = max_seq.parse_args(["--tiny", "--layout", "bshe"])
+    positions = torch.tensor([5, 900, 64, 1023])
+    shard = max_seq.local_inputs(args, positions, "cpu")
+    whole = max_seq.local_inputs(args, torch.arange(1024), "cpu")
+    for part, full in zip(shard, whole):
+        assert torch.equal(part.detach(), full.detach()[:, :, positions])
+        assert part.stride(1) < part.stride(2)  # bshe
+    assert [t.requires_grad for t in shard] == [True, True, True, False]
