@@ -15,7 +15,7 @@ test: setup
 	bash scripts/test.sh
 
 explain: setup
-	$(PYTHON) -m sdpa_fusion explain
+	$(PYTHON) -m schedules explain
 
 clean-venv:
 	rm -rf $(VENV)

@@ -22,7 +22,7 @@ import transformers
 
 import schedules
 import sdpa_fusion
-from sdpa_fusion.integrations import transformers as sdpa_transformers
+from schedules.integrations import transformers as sdpa_transformers
 
 
 def model_config(cuda: bool):

@@ -62,6 +62,7 @@ from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
                     fold_calls, keys_of, packed_call, part_call, row_index)
 from .memory import Memory, Replay, Sizes, backward_call, forward_call
+from .overlap import Overlap
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
@@ -177,6 +178,7 @@ class AllGather(Transported, SequenceSchedule):
     travel (see ``schedules.transport``), ``head_groups`` how many groups run in turn."""
 
     name = "allgather"
+    overlap = Overlap(hidden=lambda p: 1 / p, splits_keys=True)  # the own block hides the gather
 
     def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
                  head_groups="auto"):

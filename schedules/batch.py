@@ -2,7 +2,7 @@
 attention on them.
 
 A training step splits the batch once, runs the model on this rank's tokens and calls
-attention through the batch (``sdpa_fusion.integrations.transformers`` does it for
+attention through the batch (``schedules.integrations.transformers`` does it for
 transformers models):
 
     batch = schedules.batch.split(sched, input_ids.shape)               # [B, S], no padding

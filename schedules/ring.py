@@ -81,6 +81,7 @@ from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
                     dq_sum_of, fold_calls, part_call, put_rows, zero_outside)
 from .memory import Memory, Sizes, backward_call, forward_call
+from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
 from .transport import RingData, Transported, aligned
@@ -162,6 +163,7 @@ class Ring(Transported, SequenceSchedule):
     ``grad_dtype`` the dtype dK/dV sums travel in."""
 
     name = "ring"
+    overlap = Overlap(hidden=lambda p: (p - 1) / p, splits_keys=True, own_transport=True)
 
     def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
                  head_groups="auto", grad_dtype="auto"):

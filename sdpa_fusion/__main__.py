@@ -1,4 +1,4 @@
-"""``python -m sdpa_fusion demo | explain | bench`` (see ``sdpa_fusion.cli``)."""
+"""``python -m sdpa_fusion demo | explain`` (see ``sdpa_fusion.cli``)."""
 
 import sys
 

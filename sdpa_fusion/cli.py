@@ -1,31 +1,25 @@
-"""The command line: ``sdpa-fusion demo | explain | bench`` (also ``python -m sdpa_fusion``).
+"""The core's command line: ``python -m sdpa_fusion demo | explain``, on one device.
 
-    sdpa-fusion demo                      # definitions + a checked fwd/bwd run
-    sdpa-fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
-    sdpa-fusion explain --schedule ring --mesh 4 --seq 131072 --heads 32 --head-dim 128
-    sdpa-fusion bench [NAME] [its args]   # benchmarks.NAME (single_gpu by default)
+    python -m sdpa_fusion demo            # definitions + a checked fwd/bwd run
+    python -m sdpa_fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
 
 ``demo`` on a machine without a GPU prints the nvFuser fusion definitions it would run and
 checks the reference kernel against torch SDPA (forward and backward); with a GPU it runs
 forward and backward through the ``nvfuser`` and ``auto`` kernels, checks them against torch
-SDPA and reports TFLOP/s. ``explain --schedule`` plans every rank of a mesh on virtual
-meshes (no launcher, no process group) with predicted step times (``sdpa_fusion.report``).
-A user's mistake is one line on stderr and exit status 2.
+SDPA and reports TFLOP/s. ``explain`` prints the plan ``attention`` would run. The
+``sdpa-fusion`` command (``schedules.cli``) builds on these and adds meshes. A user's mistake
+is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from . import report
-from .report import spec_text
 from .spec import AttentionSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -34,8 +28,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RELATIVE_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 CPU_SHAPE = dict(batch=2, heads=8, kv_heads=2, seq=256, head_dim=64)
 GPU_SHAPE = dict(batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128)
-# explain --schedule plans for GPUs: the problem of the committed context-parallel benchmarks
-PLAN_SHAPE = dict(batch=1, heads=32, kv_heads=32, seq=32768, head_dim=128)
 
 
 # ---- arguments -------------------------------------------------------------------------------
@@ -84,32 +76,15 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
 
-def _mesh_shape(text: str) -> tuple[int, ...]:
-    sizes = text.lower().split("x")
-    if not all(s.isdigit() and int(s) > 0 for s in sizes) or len(sizes) > 2:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh shape; write 4 or 2x2")
-    return tuple(int(s) for s in sizes)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in text.split(","))
-
-
-def _option(text: str) -> tuple[str, int | str]:
-    from schedules import option_value
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"--option {text!r} must be KEY=VALUE, e.g. transport=p2p")
-    return key.strip(), option_value(value.strip())
-
-
-def build_parser(prog: str = "python -m sdpa_fusion") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m sdpa_fusion",
+                 extend_explain=None) -> argparse.ArgumentParser:
+    """The parser of ``demo`` and ``explain``; ``extend_explain(parser)`` adds options to
+    ``explain`` (the mesh options of ``schedules.cli``)."""
     parser = _Parser(
         prog=prog,
         description="Scaled-dot-product attention as nvFuser fusions, over device meshes.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")
     demo = sub.add_parser("demo", help="print the fusion definitions and run a checked fwd+bwd")
     _add_problem_args(demo)
     demo.add_argument("--kernels", help="comma-separated kernels to run (default: nvfuser,auto "
@@ -119,24 +94,13 @@ def build_parser(prog: str = "python -m sdpa_fusion") -> argparse.ArgumentParser
     _add_problem_args(explain)
     explain.add_argument("--kernel", default="auto",
                          help="auto, cudnn, fa4, flash, nvfuser, reference")
-    explain.add_argument("--schedule", help="a schedule name (schedules.names()), planned per "
-                                            "rank without a launcher")
-    explain.add_argument("--mesh", type=_mesh_shape, help="mesh shape: 4, or 2x2 for 2-D (default: "
-                                                          "the launcher's ranks, else 1)")
-    explain.add_argument("--mesh-dims", type=_names,
-                         help="mesh dim names, comma-separated (default: seq, or heads for "
-                              "head_parallel; heads,seq on 2-D meshes)")
-    explain.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                         help="a schedule option, e.g. transport=p2p or inner=head_parallel "
-                              "(schedules.options(name)); repeat for more")
-    explain.add_argument("--json", action="store_true",
-                         help="print the per-rank numbers as JSON (with --schedule)")
-    sub.add_parser("bench", help="run a benchmark: bench [NAME] [ITS ARGS] (NAME: single_gpu "
-                                 "by default; bench --list names them)", add_help=False)
+    if extend_explain is not None:
+        extend_explain(explain)
     return parser
 
 
-def _device(name: str) -> torch.device:
+def device_of(name: str) -> torch.device:
+    """The device ``--device`` names (``auto``: a GPU when torch sees one)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -144,12 +108,12 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def spec_from_args(args: argparse.Namespace, device: torch.device) -> AttentionSpec:
-    """The AttentionSpec the flags describe, defaults filled in for ``device`` (a ValueError
-    naming the flag's problem when they describe no valid problem)."""
-    d = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-    if getattr(args, "schedule", None) or getattr(args, "mesh", None):
-        d = PLAN_SHAPE
+def spec_from_args(args: argparse.Namespace, device: torch.device,
+                   defaults: dict | None = None) -> AttentionSpec:
+    """The AttentionSpec the flags describe, the others from ``defaults`` (by default those
+    for ``device``); a ValueError naming the flag's problem when they describe no valid
+    problem."""
+    d = defaults or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
 
     def given(value, default):
         return default if value is None else value
@@ -176,6 +140,17 @@ def make_inputs(spec: AttentionSpec, device, *, generator=None, empty=False):
             t.copy_(torch.randn(shape, generator=generator, device=device, dtype=torch.float32))
         tensors.append(t)
     return tensors
+
+
+def spec_text(spec: AttentionSpec) -> str:
+    """A spec in one short line: b=2 h=16 h_kv=4 s_q=4096 s_kv=4096 e=128 bfloat16 bshe causal."""
+    s = (f"b={spec.batch} h={spec.heads} h_kv={spec.kv_heads} s_q={spec.q_len} "
+         f"s_kv={spec.kv_len} e={spec.head_dim} {str(spec.dtype).replace('torch.', '')} "
+         f"{spec.layout}")
+    s += " causal" if spec.causal else ""
+    if spec.window is not None:
+        s += f" window ({spec.window.left}, {spec.window.right})"
+    return s
 
 
 # ---- demo ------------------------------------------------------------------------------------
@@ -259,7 +234,7 @@ def demo(args: argparse.Namespace) -> int:
     import sdpa_fusion
     from .kernels import KernelUnavailable, names
 
-    device = _device(args.device)
+    device = device_of(args.device)
     spec = spec_from_args(args, device)
     kernels = ("reference",) if device.type == "cpu" else ("nvfuser", "auto")
     if args.kernels:
@@ -316,98 +291,25 @@ def _report_speed(spec, kernel, q, k, v, dout, iters) -> None:
 
 # ---- explain ---------------------------------------------------------------------------------
 def explain(args: argparse.Namespace) -> int:
+    """Print what ``attention`` would run on one device for the problem of ``args``."""
     import sdpa_fusion
 
-    device = _device(args.device)
+    device = device_of(args.device)
     spec = spec_from_args(args, device)
-    if args.schedule or args.mesh:
-        return explain_mesh(args, spec)
     q, k, v, _ = make_inputs(spec, device, empty=True)
     print(sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale, layout=spec.layout,
                               window=spec.window, kernel=args.kernel))
     print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
-    print("\n".join(report.prediction_text(report.mesh_report("replicated", spec, (1,),
-                                                              kernel=args.kernel))))
     return 0
 
 
-def explain_mesh(args: argparse.Namespace, spec: AttentionSpec) -> int:
-    """Every rank's plan under ``--schedule`` on a mesh of ``--mesh``, with predicted times,
-    planned on virtual meshes: no process group starts."""
-    import schedules
-
-    from .kernels import names as kernel_names
-    from .mesh import launch_env
-
-    if not args.schedule:
-        raise ValueError("--mesh needs --schedule (a schedule to plan on it); choose one of "
-                         f"{schedules.names()}")
-    if args.schedule not in schedules.names():
-        raise ValueError(f"--schedule {args.schedule!r} is not known; choose one of "
-                         f"{schedules.names()}")
-    if args.kernel not in kernel_names():
-        raise ValueError(f"--kernel {args.kernel!r} is not known; choose one of {kernel_names()}")
-    env = launch_env()
-    shape = args.mesh or ((env.world_size,) if env else (1,))
-    if args.mesh_dims is not None and len(args.mesh_dims) != len(shape):
-        raise ValueError(f"--mesh-dims {','.join(args.mesh_dims)} names {len(args.mesh_dims)} "
-                         f"dims but --mesh {'x'.join(map(str, shape))} has {len(shape)}")
-    options = dict(_option(text) for text in args.option)
-    planned = report.mesh_report(args.schedule, spec, shape, args.mesh_dims, options, args.kernel)
-    if args.json:
-        print(json.dumps({"schedule": args.schedule, "mesh": list(shape),
-                          "names": list(planned.names), "options": options,
-                          "kernel": planned.kernel, "ranks": planned.rows()}, indent=1))
-    else:
-        print(report.text(planned))
-    return 0
-
-
-# ---- bench -----------------------------------------------------------------------------------
-HELPERS = ("check", "common", "kernel_table", "long_steps", "predict", "progress",
-           "telemetry")  # benchmarks/ modules that are no benchmark (long_steps: single_gpu's)
-
-
-def benchmark_names() -> list[str]:
-    """The benchmarks installed with the package (modules of ``benchmarks``)."""
-    import pkgutil
-
-    import benchmarks
-
-    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
-                  if m.name not in HELPERS)
-
-
-def bench(argv: list[str]) -> int:
-    """Run benchmark ``argv[0]`` (single_gpu when absent or an option) with the rest of
-    ``argv``, as ``python -m benchmarks.<name>`` would; results go to --results-dir (from an
-    installed package: the current directory)."""
-    try:
-        names = benchmark_names()
-    except ImportError as e:
-        raise ValueError(f"bench: the benchmarks are not installed with this package ({e}); "
-                         f"reinstall sdpa-fusion") from None
-    if argv[:1] in (["--list"], ["list"]):
-        print("\n".join(names))
-        return 0
-    name, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("single_gpu", argv)
-    if name not in names:
-        raise ValueError(f"bench {name!r} is not a benchmark; choose one of {names}")
-    from benchmarks import common
-
-    module = importlib.import_module(f"benchmarks.{name}")
-    common.run(lambda: module.main(rest))  # ends the process, as the module's own __main__
-    return 0
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m sdpa_fusion") -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run(parser: argparse.ArgumentParser, commands: dict, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: the process's) with ``parser`` and run its command, one of
+    ``commands`` (name -> function of the parsed arguments)."""
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()
     try:
-        if argv and argv[0] == "bench":
-            return bench(argv[1:])
-        args = build_parser(prog).parse_args(argv)
-        rc = {"demo": demo, "explain": explain}[args.command](args)
+        rc = commands[args.command](args)
     except ValueError as e:  # a user's mistake: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -416,6 +318,5 @@ def main(argv: list[str] | None = None, prog: str = "python -m sdpa_fusion") -> 
     return rc
 
 
-def script() -> None:
-    """The ``sdpa-fusion`` command installed with the package."""
-    sys.exit(main(prog="sdpa-fusion"))
+def main(argv: list[str] | None = None, prog: str = "python -m sdpa_fusion") -> int:
+    return run(build_parser(prog), {"demo": demo, "explain": explain}, argv)

@@ -1,19 +1,20 @@
-"""``python -m sdpa_fusion demo | explain`` on CPU, with small shapes.
+"""The command lines on CPU, with small shapes: the core's ``python -m sdpa_fusion demo |
+explain`` (one device), the ``sdpa-fusion`` command (``python -m schedules``: explain on a mesh,
+with predicted times) and ``python -m benchmarks``.
 Run: pytest -q tests/test_cli.py"""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import sdpa_fusion
+from benchmarks.__main__ import main as benchmarks_main
+from schedules import cli as top
 from sdpa_fusion.cli import main
-
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 SMALL = ["--device", "cpu", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--seq", "24",
          "--head-dim", "16"]
@@ -40,9 +41,19 @@ def test_explain_reports_an_unavailable_kernel(capsys):
     (["--kernel", "bogus"], r"^error: kernel='bogus' is not known"),
 ], ids=["head-dim", "scale-inf", "scale-negative", "gqa", "schedule", "kernel"])
 def test_explain_reports_a_bad_problem_in_one_line(capsys, args, message):
-    assert main(["explain", "--device", "cpu", *args]) == 2
+    assert top.main(["explain", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert re.match(message, err) and err.count("\n") == 1, err
+    if "--schedule" not in args:  # the core's explain says the same
+        assert main(["explain", "--device", "cpu", *args]) == 2
+        assert capsys.readouterr().err == err
+
+
+def test_the_core_explains_one_device_only(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--schedule", "ring", "--mesh", "2"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --schedule ring --mesh 2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value", [("--seq", "0"), ("--batch", "0"), ("--heads", "0"),
@@ -75,16 +86,8 @@ ISSUE_COMMAND = ["explain", "--schedule", "ring", "--mesh", "4", "--seq", "13107
                  "32", "--head-dim", "128", "--causal"]
 
 
-def committed_row(file: str, impl: str, ranks: int, seq_len: int, panel: str) -> dict:
-    """A row of a committed benchmark result, read here without the code under test."""
-    record = json.loads((RESULTS / file).read_text())
-    (row,) = [r for r in record["rows"] if r["impl"] == impl and r.get("ranks") == ranks
-              and r["seq_len"] == seq_len and r["panel"] == panel]
-    return row
-
-
 def test_explain_plans_every_rank_of_a_mesh_without_a_process_group(capsys):
-    assert main(ISSUE_COMMAND) == 0
+    assert top.main(ISSUE_COMMAND) == 0
     out = capsys.readouterr().out
     assert not dist.is_initialized()
     assert "planned on a virtual mesh (no process group, no data)" in out
@@ -96,12 +99,13 @@ def test_explain_plans_every_rank_of_a_mesh_without_a_process_group(capsys):
     for ranks in ("0", "1-3"):
         assert re.search(rf"\n +{ranks} +8/8 +1\.50/4\.50 +1\.50/4\.50 +35\.2/88 ", out), out
     assert "predicted on NVIDIA H200 with kernel" in out
-    measured = committed_row("context_parallel.json", "ring", 4, 131072, "causal fwd+bwd")
-    assert f"last measurement, fwd+bwd: {measured['median_ms']:.1f} ms" in out
+    assert "  compute " in out and "at 32K tokens" in out  # each call: 32K keys of one rank
+    assert "ms not hidden: transfers of " in out and "copy_engine ring-shift" in out
+    assert "last measurement" not in out  # explain reads no benchmark results
 
 
 def test_explain_json_per_rank_numbers(capsys):
-    assert main([*ISSUE_COMMAND, "--json"]) == 0
+    assert top.main([*ISSUE_COMMAND, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
     flops = 4 * 32 * 131072 ** 2 * 128 / 2  # causal forward of the whole problem
@@ -110,28 +114,33 @@ def test_explain_json_per_rank_numbers(capsys):
         assert row["predicted_fwd_ms"] < row["predicted_fwd+bwd_ms"]
 
 
-def test_explain_one_device_compares_with_the_one_gpu_measurement(capsys):
-    assert main(["explain", "--device", "cpu", "--batch", "1", "--heads", "32", "--seq", "65536",
-                 "--head-dim", "128"]) == 0
+def test_explain_one_device_adds_the_predicted_time_on_one_gpu(capsys):
+    args = ["explain", "--device", "cpu", "--batch", "1", "--heads", "32", "--seq", "65536",
+            "--head-dim", "128"]
+    assert main(args) == 0
+    core = capsys.readouterr().out
+    assert "kernel: reference" in core and "predicted" not in core
+    assert top.main(args) == 0
     out = capsys.readouterr().out
-    measured = committed_row("context_parallel_single.json", "1 GPU auto", 1, 65536,
-                             "causal fwd+bwd")
-    assert f"last measurement, fwd+bwd: {measured['median_ms']:.1f} ms" in out
+    assert out.startswith(core)
+    assert re.search(r"predicted on NVIDIA H200 with kernel \w+ .*: forward [\d.]+ ms", out)
+    assert "at 64K tokens" in out and "transfers" not in out
 
 
-def test_explain_a_window_plans_it_and_compares_only_windowed_measurements(capsys):
-    """--window: the plan's FLOPs are the band's, and a full-causal measurement is no yardstick."""
+def test_explain_a_window_plans_it(capsys):
+    """--window: the plan's FLOPs are the band's."""
     args = ["explain", "--device", "cpu", "--batch", "1", "--heads", "32", "--seq", "65536",
             "--head-dim", "128"]
     assert main(args + ["--window", "4096"]) == 0
     out = capsys.readouterr().out
     assert "window=Window(left=4096, right=None)" in out
-    assert "last measurement: none of this configuration" in out
     spec = sdpa_fusion.AttentionSpec(1, 32, 32, 65536, 65536, 128, causal=True, window=(4096, None))
     assert f"FLOPs: forward {spec.flops(backward=False):.3e}" in out
-    assert main(args[:1] + ["--schedule", "ring", "--mesh", "2"] + args[3:] + ["--window", "4096"]) == 0
+    assert top.main(args[:1] + ["--schedule", "ring", "--mesh", "2"] + args[3:]
+                    + ["--window", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "causal window (4096, None)" in out and "last measurement: none" in out
+    assert "causal window (4096, None)" in out
+    assert f"FLOPs of the whole problem: forward {spec.flops(backward=False):.3e}" in out
 
 
 def test_explain_refuses_a_window_that_is_no_pair_of_counts(capsys):
@@ -155,7 +164,7 @@ def test_explain_refuses_a_window_that_is_no_pair_of_counts(capsys):
     (["--schedule", "ring", "--mesh", "2", "--kernel", "bogus"], r"^error: --kernel 'bogus'"),
 ], ids=["no-schedule", "option", "unknown-option", "seq", "dims", "hybrid-1d", "kernel"])
 def test_explain_on_a_mesh_reports_a_bad_argument_in_one_line(capsys, args, message):
-    assert main(["explain", *args]) == 2
+    assert top.main(["explain", *args]) == 2
     err = capsys.readouterr().err
     assert re.match(message, err) and err.count("\n") == 1, err
     assert not dist.is_initialized()
@@ -163,17 +172,20 @@ def test_explain_on_a_mesh_reports_a_bad_argument_in_one_line(capsys, args, mess
 
 def test_explain_refuses_a_mesh_that_is_no_shape(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["explain", "--schedule", "ring", "--mesh", "2x"])
+        top.main(["explain", "--schedule", "ring", "--mesh", "2x"])
     assert exit_info.value.code == 2
     assert "argument --mesh: '2x' is not a mesh shape" in capsys.readouterr().err
 
 
-def test_bench_names_the_benchmarks(capsys):
-    assert main(["bench", "--list"]) == 0
-    listed = capsys.readouterr().out.split()
-    assert {"single_gpu", "thd", "context_parallel"} <= set(listed)
-    assert not {"check", "common", "long_steps", "telemetry"} & set(listed)
-    assert main(["bench", "bogus"]) == 2
+# ---- python -m benchmarks ----------------------------------------------------------------
+def test_benchmarks_lists_each_with_a_line_and_refuses_an_unknown_name(capsys):
+    assert benchmarks_main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0] for line in lines if line.startswith("  ")}
+    assert {"single_gpu", "thd", "context_parallel", "cost_table", "prediction_errors"} <= listed
+    assert not {"check", "common", "long_steps", "telemetry", "precision"} & listed
+    assert all(len(line.split()) > 3 for line in lines if line.startswith("  "))  # a description
+    assert benchmarks_main(["bogus"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: bench 'bogus' is not a benchmark; choose one of [")
+    assert err.startswith("error: 'bogus' is not a benchmark; choose one of [")
     assert err.count("\n") == 1

@@ -1,6 +1,6 @@
 """sdpa-fusion installed from its wheel, used away from the checkout: the ``sdpa-fusion``
-command plans a mesh from the packaged benchmark results and runs a benchmark whose results
-go to the current directory.
+command plans a mesh with the packaged cost table (no benchmark results are packaged), and
+``python -m benchmarks`` runs a benchmark whose results go to the current directory.
 Run: pytest -q tests/test_installed.py"""
 
 from __future__ import annotations
@@ -38,27 +38,34 @@ def installed(tmp_path_factory) -> Path:
     return target
 
 
-def sdpa_fusion(installed: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def run(installed: Path, cwd: Path, *command: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(installed)}
-    return subprocess.run([str(installed / "bin" / "sdpa-fusion"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_command_plans_a_mesh_from_the_packaged_results(installed, tmp_path):
-    done = sdpa_fusion(installed, tmp_path, "explain", "--schedule", "ring", "--mesh", "4",
-                       "--seq", "131072", "--heads", "32", "--head-dim", "128", "--causal")
+def test_the_command_plans_a_mesh_with_the_packaged_cost_table(installed, tmp_path):
+    done = run(installed, tmp_path, str(installed / "bin" / "sdpa-fusion"), "explain",
+               "--schedule", "ring", "--mesh", "4", "--seq", "131072", "--heads", "32",
+               "--head-dim", "128", "--causal")
     assert done.returncode == 0, done.stderr
-    record = json.loads((ROOT / "benchmarks/results/context_parallel.json").read_text())
-    (row,) = [r for r in record["rows"] if r["impl"] == "ring" and r["seq_len"] == 131072
-              and r["panel"] == "causal fwd+bwd"]
-    assert f"last measurement, fwd+bwd: {row['median_ms']:.1f} ms" in done.stdout
+    table = json.loads((ROOT / "schedules" / "cost_table.json").read_text())
+    assert f"predicted on {next(iter(table['devices']))} with kernel" in done.stdout
     assert "sdpa-fusion" not in done.stderr
+    assert (installed / "schedules" / "cost_table.json").is_file()
+    assert not (installed / "benchmarks" / "results").exists()
 
 
-def test_bench_writes_its_results_into_the_current_directory(installed, tmp_path):
-    done = sdpa_fusion(installed, tmp_path, "bench", "single_gpu", "--tiny", "--impls",
-                       "reference", "--causal", "yes", "--no-kernel-table", "--copy-to", "")
+def test_the_command_runs_the_demo(installed, tmp_path):
+    done = run(installed, tmp_path, str(installed / "bin" / "sdpa-fusion"), "demo", "--device",
+               "cpu", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16")
+    assert done.returncode == 0, done.stderr
+    assert "demo: all checks passed" in done.stdout
+
+
+def test_a_benchmark_writes_its_results_into_the_current_directory(installed, tmp_path):
+    done = run(installed, tmp_path, sys.executable, "-m", "benchmarks", "single_gpu", "--tiny",
+               "--impls", "reference", "--causal", "yes", "--no-kernel-table", "--copy-to", "")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "single_gpu_tiny.json").is_file()
     assert "[####################] 4/4 100%" in done.stdout
-    assert not list((installed / "benchmarks" / "results").glob("*_tiny.json"))
+    assert not (installed / "benchmarks" / "results").exists()

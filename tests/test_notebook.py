@@ -40,7 +40,7 @@ def test_notebook_runs_on_cpu(path, monkeypatch):
                      for out in cell.outputs)
     assert "fd.ops.sdpfa_fwd(" in text
     assert "load_balanced  0011223333221100" in text
-    assert "planned on a virtual mesh" in text and "last measurement, fwd+bwd" in text
+    assert "planned on a virtual mesh" in text and "predicted on NVIDIA H200" in text
     assert text.count("over 2 ranks on cpu") == 2
     images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
               if "image/png" in out.get("data", {})]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from sdpa_fusion.integrations import transformers as sdpa_transformers  # noqa: E402
+from schedules.integrations import transformers as sdpa_transformers  # noqa: E402
 
 VOCAB, B, S = 97, 2, 16
 TOL = dict(rtol=1e-5, atol=1e-5)

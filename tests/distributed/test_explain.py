@@ -14,7 +14,7 @@ import torch
 
 import schedules
 import sdpa_fusion
-from sdpa_fusion.cli import main
+from schedules.cli import main
 from sdpa_fusion.spec import AttentionSpec
 
 CASES = [("ring", []), ("ring", ["partition=striped"]), ("allgather", []), ("ulysses", []),

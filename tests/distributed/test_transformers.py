@@ -27,7 +27,7 @@ if WORLD > 4:
                 allow_module_level=True)
 
 transformers = pytest.importorskip("transformers")
-from sdpa_fusion.integrations import transformers as sdpa_transformers  # noqa: E402
+from schedules.integrations import transformers as sdpa_transformers  # noqa: E402
 
 STEPS, LR, VOCAB, B, S = 3, 0.1, 97, 2, 16
 TOL = dict(rtol=1e-5, atol=1e-5)

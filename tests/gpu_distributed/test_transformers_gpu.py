@@ -22,7 +22,7 @@ from .conftest import requires_gpus
 pytestmark = requires_gpus
 transformers = pytest.importorskip("transformers")
 from examples.transformers_llama import make_batch, model_config  # noqa: E402
-from sdpa_fusion.integrations import transformers as sdpa_transformers  # noqa: E402
+from schedules.integrations import transformers as sdpa_transformers  # noqa: E402
 
 ROWS, LENGTH = 4, 1024
 GRAD_ERROR = 0.05  # |g - g_one_gpu| / |g_one_gpu| per weight (bf16 through two layers)

@@ -1,5 +1,5 @@
 """Integrations with other libraries, each imported only when used:
 
-- ``sdpa_fusion.integrations.transformers``: an attention backend for transformers models and
+- ``schedules.integrations.transformers``: an attention backend for transformers models and
   their batches sharded over a schedule (``pip install 'sdpa-fusion[transformers]'``).
 """

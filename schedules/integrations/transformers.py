@@ -1,6 +1,6 @@
 """sdpa-fusion as a transformers attention backend, and batches sharded over a schedule.
 
-    from sdpa_fusion.integrations import transformers as sdpa_transformers
+    from schedules.integrations import transformers as sdpa_transformers
 
     sdpa_transformers.register()                       # attn_implementation="sdpa_fusion"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_fusion")

@@ -1,12 +1,16 @@
 """The plan of a schedule on a mesh, per rank, with predicted times: what ``explain --mesh``
 prints. Built by ``schedules.plan.plan_ranks`` on virtual meshes (no process group) and
-``benchmarks.predict`` (a cost model on the committed benchmark results)."""
+``schedules.predict`` (a cost model on measured figures)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .spec import AttentionSpec
+from sdpa_fusion.cli import spec_text
+from sdpa_fusion.spec import AttentionSpec
+
+from . import predict
+from .plan import mesh_names, plan_ranks
 
 GIB = float(1 << 30)
 MODES = ("fwd", "fwd+bwd")
@@ -50,33 +54,18 @@ def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
                 kernel: str = "auto") -> MeshReport:
     """Plan schedule ``name`` on a mesh of ``shape`` for global ``spec`` and predict each
     rank's step (a ValueError when the schedule cannot run it there)."""
-    from schedules.plan import mesh_names, plan_ranks
-
     options = dict(options or {})
     names = tuple(names or mesh_names(name, len(shape)))
     plans = plan_ranks(name, spec, tuple(shape), names, **options)
     try:
-        from benchmarks import predict
-
         chosen = predict.auto_kernel(spec.head_dim, spec.causal) if kernel == "auto" else kernel
         transport = options.get("transport", "auto")
         predicted = [{mode: predict.step_time(p, spec, mode=mode, kernel=chosen,
                                               transport=transport) for mode in MODES}
                      for p in plans]
-    except (ImportError, ValueError) as e:
+    except ValueError as e:
         return MeshReport(name, tuple(shape), names, options, spec, plans, None, None, str(e))
     return MeshReport(name, tuple(shape), names, options, spec, plans, chosen, predicted)
-
-
-def spec_text(spec: AttentionSpec) -> str:
-    """A spec in one short line: b=2 h=16 h_kv=4 s_q=4096 s_kv=4096 e=128 bfloat16 bshe causal."""
-    s = (f"b={spec.batch} h={spec.heads} h_kv={spec.kv_heads} s_q={spec.q_len} "
-         f"s_kv={spec.kv_len} e={spec.head_dim} {str(spec.dtype).replace('torch.', '')} "
-         f"{spec.layout}")
-    s += " causal" if spec.causal else ""
-    if spec.window is not None:
-        s += f" window ({spec.window.left}, {spec.window.right})"
-    return s
 
 
 def _gib(n: float | None) -> str:
@@ -140,11 +129,9 @@ def text(report: MeshReport) -> str:
 
 
 def prediction_text(report: MeshReport) -> list[str]:
-    """The predicted times and the last measurements of the configuration, as lines."""
+    """The predicted times and what they are made of, as lines."""
     if report.predicted is None:
         return [f"no predicted time: {report.why_not}"]
-    from benchmarks import predict
-
     spec, first = report.spec, report.predicted[0]
     slowest = {mode: max(p[mode].seconds for p in report.predicted) for mode in MODES}
     per_gpu = spec.flops(backward=True) / len(report.plans) / slowest["fwd+bwd"] / 1e12
@@ -156,33 +143,4 @@ def prediction_text(report: MeshReport) -> list[str]:
     if step.bandwidth is not None:
         lines.append(f"  transfers {step.transfer_s * 1e3:.3g} ms not hidden: "
                      f"{step.bandwidth.source}")
-    return lines + _last_measurements(report)
-
-
-def _last_measurements(report: MeshReport) -> list[str]:
-    from benchmarks import predict
-
-    lines = []
-    for mode in MODES:
-        found = predict.measurements(report.schedule, report.shape, report.spec, mode,
-                                     report.options)
-        if not found:
-            continue
-        m = found[-1]
-        kernel, transport = m.kernel, m.options.get("transport", "auto")
-        plan = report.plans[0]
-        seconds = max(predict.step_time(p, report.spec, mode=mode, kernel=kernel,
-                                        transport=transport).seconds for p in report.plans)
-        off = seconds * 1e3 / m.median_ms - 1
-        via = f" and transport {transport}" if "transport" in m.options else ""
-        memory = plan.memory.forward if mode == "fwd" else plan.memory.forward_backward
-        peak = "" if m.peak_gib is None or memory is None else \
-            f"; peak memory {m.peak_gib:.1f} GiB per GPU, predicted {memory / GIB:.1f}"
-        lines.append(f"last measurement, {mode}: {m.median_ms:.1f} ms ({m.tflops:.0f} TFLOP/s "
-                     f"per GPU) with {kernel}{via} on {m.device} ({m.file}, "
-                     f"{predict.age(m.date)}); predicted for it {seconds * 1e3:.1f} ms, "
-                     f"{off:+.1%}{peak}")
-    if not lines:
-        lines.append("last measurement: none of this configuration in benchmarks/results "
-                     "(b, heads, head dim, sequence length, causal, window, ranks)")
     return lines

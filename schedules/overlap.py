@@ -1,0 +1,42 @@
+"""What a cost model needs to know of a schedule beyond ``describe()``: how the transfers of
+its mesh dim meet the compute of a rank's step (read by ``schedules.predict``).
+
+A schedule class states it as ``overlap = Overlap(...)``:
+
+    class Ring(...):
+        overlap = Overlap(hidden=lambda p: (p - 1) / p, splits_keys=True, own_transport=True)
+
+A schedule that states nothing (a user's, say) gets ``Overlap()``, the cautious reading: no
+transfer hidden, every kernel call over all the keys, transfers at NCCL send/receive speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+def _none(ranks: int) -> float:
+    return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """How one mesh dim's transfers meet a rank's compute.
+
+    hidden         the share of the step's compute that the dim's transfers can run beside,
+                   given its P ranks: (P - 1) / P for the ring (each step but the last hides
+                   the next shift), 1 / P for allgather (the own block hides the gather)
+    splits_keys    each kernel call sees one rank's block of keys (S / P), not all S keys
+    own_transport  the transfers go by the schedule's ``transport`` option (ring shifts), not
+                   by NCCL collectives
+    """
+
+    hidden: Callable[[int], float] = _none
+    splits_keys: bool = False
+    own_transport: bool = False
+
+
+def overlap_of(cls: type) -> Overlap:
+    """The ``Overlap`` that schedule class ``cls`` states, else the cautious default."""
+    return getattr(cls, "overlap", None) or Overlap()
