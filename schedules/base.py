@@ -176,6 +176,10 @@ class Schedule(abc.ABC):
     def describe(self, spec: AttentionSpec) -> Description:
         """Steps, bytes and FLOPs per rank for the *global* ``spec``."""
 
+    def check_shards(self, q, k, v) -> None:
+        """Raise ValueError (argument and fix) when local q, k, v cannot be this rank's shards
+        of the problem (pure; nothing to check here)."""
+
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None):
         """The ``LocalPacking`` of packed tensors under a schedule that splits tokens; None
         here: the local tensors keep every token and ``cu_seqlens`` is taken as given."""
@@ -205,17 +209,18 @@ class Schedule(abc.ABC):
             return layout.to(t)
         return layout.to(self.gather(t, self.sharded_dim))
 
-    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, dim: int, *, error: Exception | None = None,
+               alike: dict[str, str] | None = None) -> torch.Tensor:
         """Every rank's part ``t`` concatenated along ``dim`` in mesh order, once the ranks
-        agree on its shape, dtype and device type (a ValueError on every rank when not);
+        agree on its shape, dtype and device type and on ``alike`` (what else the call must
+        have alike), and no rank had an ``error`` (a ValueError on every rank when not);
         differentiable, as ``gather_cat``."""
-        error = fields = None
-        try:
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"unshard takes a torch.Tensor, got {type(t).__name__}")
-            fields = {"shape": str(list(t.shape)), "dtype": str(t.dtype), "device": t.device.type}
-        except Exception as e:  # noqa: BLE001 - every failure is agreed on
-            error = e
+        fields = None
+        if not isinstance(t, torch.Tensor):
+            error = error or ValueError(f"unshard takes a torch.Tensor, got {type(t).__name__}")
+        elif error is None:
+            fields = {"shape": str(list(t.shape)), "dtype": str(t.dtype), "device": t.device.type,
+                      **(alike or {})}
         agree(self.control, fields, error, what="unshard",
               fix="unshard on every rank this rank's part of one tensor (e.g. the output of "
                   "attention with this schedule)")

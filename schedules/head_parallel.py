@@ -1,12 +1,21 @@
 """``head_parallel``: q, k, v and their gradients split over heads on one mesh dim.
 
 Rank r of P holds heads [r*H/P, (r+1)*H/P) of q and [r*H_kv/P, (r+1)*H_kv/P) of k and v, so
-every rank attends its own heads over the full sequence with no communication. With fewer
-K/V heads than ranks (P % H_kv == 0) each rank holds a copy of the K/V head its query heads
-use, as ``ulysses`` does; the copy's gradient is that rank's share (``unshard(...,
-heads=H_kv, copies="sum")`` adds the shares). With the ``nvfuser`` kernel the fusions carry
-the split as nvFuser DID annotations (a loop split of the head axis, parallelized on
-``mesh_x``), as nvFuser's own multidevice SDPA tests do.
+every rank attends its own heads over the full sequence with no communication. The query
+heads H must be a multiple of P. With fewer K/V heads than ranks (P % H_kv == 0) each rank
+holds a copy of the K/V head its query heads use, as ``ulysses`` does; the copy's gradient is
+that rank's share, and the gradient of the full K/V tensor is the sum of the shares::
+
+    k_l = sched.shard(k)                      # a copy of one of H_kv heads (it says so)
+    sched.unshard(k_l)                        # k: shard's copies fold back by themselves
+    sched.unshard(k_l.grad, heads=H_kv, copies="sum")      # dK of the full k
+    sched.unshard(out)                        # attention's output: its H heads
+
+Once this schedule has handed out copies, ``unshard`` of any other tensor of one head per
+rank (a copy's gradient, or a tensor computed from a copy, which cannot tell what it is)
+needs ``heads=`` and ``copies=``: a ValueError on every rank says so. With the ``nvfuser``
+kernel the fusions carry the split as nvFuser DID annotations (a loop split of the head
+axis, parallelized on ``mesh_x``), as nvFuser's own multidevice SDPA tests do.
 
 Inside a model whose other layers are replicated (every rank computes the same q, k, v from
 the same weights), ``shard(t, replicated=True)`` splits the heads of such a tensor: identity
@@ -64,12 +73,33 @@ def heads_of(t: torch.Tensor, parts: int, index: int, where: str) -> torch.Tenso
     return t.narrow(1, index * h // parts, max(h // parts, 1))
 
 
+_FULL_HEADS = "_sdpa_fusion_full_heads"  # attribute of a local part: its full tensor's heads
+
+
+def full_heads(t) -> int | None:
+    """The heads of the full tensor of which ``t`` is this rank's part, where ``shard`` (a
+    copy of a K/V head) or ``attention`` (its output) recorded them; None elsewhere."""
+    return getattr(t, _FULL_HEADS, None)
+
+
+def record_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``t``, recorded as this rank's part of a full tensor of ``heads`` heads."""
+    setattr(t, _FULL_HEADS, heads)
+    return t
+
+
 def fold_copies(t: torch.Tensor, heads: int, copies: str | None, where: str) -> torch.Tensor:
     """[B, P, S, E] gathered from P ranks, rank i holding a copy of head i * heads // P ->
     [B, heads, S, E]: ``copies="sum"`` adds the copies (gradients: each is its ranks' share),
     ``copies="first"`` takes one (values: the copies are equal)."""
-    p = t.shape[1]
-    if p % heads:
+    check_copies(t.shape[1], heads, copies, where)
+    grouped = t.unflatten(1, (heads, t.shape[1] // heads))
+    return grouped.sum(2) if copies == "sum" else grouped.select(2, 0)
+
+
+def check_copies(p: int, heads: int, copies: str | None, where: str) -> None:
+    """A ValueError unless ``p`` gathered heads fold into ``heads`` heads by ``copies``."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or p % heads:
         raise ValueError(
             f"heads={heads} does not match the {p} heads gathered from the ranks of {where}; "
             f"pass the full tensor's head count (it differs only for K/V with fewer heads "
@@ -81,14 +111,16 @@ def fold_copies(t: torch.Tensor, heads: int, copies: str | None, where: str) -> 
             f"for gradients (each copy holds its ranks' share) or copies='first' for values "
             f"(the copies are equal), not copies={copies!r}"
         )
-    grouped = t.unflatten(1, (heads, p // heads))
-    return grouped.sum(2) if copies == "sum" else grouped.select(2, 0)
 
 
 class HeadParallel(Schedule):
     name = "head_parallel"
     sharded_dim = 1
     supports_thd = True  # whole packed sequences on every rank
+
+    def __init__(self, mesh, *, dim: str | None = None):
+        super().__init__(mesh, dim=dim)
+        self._copied: set[int] = set()  # head counts of the tensors shard() handed copies of
 
     def global_spec(self, spec):
         return spec.replace(heads=spec.heads * self.size, kv_heads=spec.kv_heads * self.size)
@@ -104,8 +136,23 @@ class HeadParallel(Schedule):
         """Each rank's heads draw their own dropout stream."""
         return dropout.stream("heads", self.index) if dropout is not None else None
 
+    def check_shards(self, q, k, v) -> None:
+        heads = full_heads(q)
+        if self.size > 1 and heads is not None and heads % self.size:
+            raise ValueError(self._indivisible(f"q is a copy of one head of a tensor of {heads}"))
+
+    def _indivisible(self, what: str) -> str:
+        p = self.size
+        return (
+            f"{what} heads, not a multiple of the {p} ranks of {self._where}, which splits "
+            f"the query heads over them (only K/V heads may be fewer than the ranks: each rank "
+            f"then holds a copy of the one its query heads use); use a multiple of {p} query "
+            f"heads, or a sequence schedule such as 'ring' or 'allgather'"
+        )
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        return local_forward(self._kernel(kernel), q, k, v, spec, self._dropout(dropout))
+        out, lse = local_forward(self._kernel(kernel), q, k, v, spec, self._dropout(dropout))
+        return record_heads(out, spec.heads * self.size), lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         return local_backward(self._kernel(kernel), dout, q, k, v, out, lse, spec,
@@ -119,7 +166,7 @@ class HeadParallel(Schedule):
               cu_seqlens_padded=None, replicated: bool = False) -> torch.Tensor:
         """This rank's heads of a full tensor (logical [B, H, S, E], or [T, H, E] with
         ``layout='thd'``), in ``layout``; differentiable. A tensor with fewer heads than ranks
-        (K/V of GQA) gives each rank a copy of the head its query heads use.
+        (K/V of GQA) gives each rank a copy of the head its query heads use (``local_heads``).
         ``replicated=True``: ``t`` is computed alike on every rank (a replicated model's
         activation), so its gradient is summed over the ranks in backward."""
         layout = shard_layout(t, layout)
@@ -127,24 +174,77 @@ class HeadParallel(Schedule):
             return layout.to(t)
         if replicated:
             t = sum_gradients(t, self.group)
-        return layout.to(heads_of(t, self.size, self.index, self._where))
+        return self.local_heads(t, layout)
+
+    def local_heads(self, t: torch.Tensor, layout: Layout, where: str | None = None):
+        """This rank's heads of ``t`` in ``layout``: its 1/P share, or, when ``t`` has fewer
+        heads than ranks (K/V of GQA), a copy of the head its query heads use, which records
+        the full tensor's head count (``unshard`` folds it back, ``attention`` refuses it as
+        q) and makes ``unshard`` ask what other one-head tensors are. ``where`` names the
+        ranks in errors."""
+        heads = t.shape[1]
+        local = layout.to(heads_of(t, self.size, self.index, where or self._where))
+        if heads < self.size:
+            self._copied.add(heads)
+            record_heads(local, heads)
+        return local
 
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None, heads: int | None = None,
                 copies: str | None = None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's heads; differentiable, this
         rank's heads receiving their gradient. ``heads`` < ranks (K/V of GQA): ``t`` is a copy
-        of one of ``heads`` heads, folded by ``copies`` ("sum" for gradients, "first" for
-        values)."""
+        of one of ``heads`` heads, folded by ``copies`` ("sum" for gradients: each copy holds
+        its ranks' share; "first" for values: the copies are equal).
+
+        Without ``heads``: a copy made by ``shard`` folds back by itself ("first"), and so
+        does attention's output (its query heads); any other tensor is gathered as it is,
+        except that once this schedule has handed out copies, a tensor of one head per rank
+        (a copy's gradient, or a tensor of P heads) raises a ValueError on every rank asking
+        for ``heads=`` and ``copies=``."""
         layout = unshard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
-        full = self.gather(t, 1)
-        if heads is not None and heads != full.shape[1]:
-            full = fold_copies(full, heads, copies, self._where)
-        return layout.to(full)
+        fold = error = None
+        try:
+            fold = self._fold(t, heads, copies)
+        except ValueError as e:
+            error = e
+        full = self.gather(t, 1, error=error, alike={"fold": repr(fold)})
+        return layout.to(full if fold is None else fold_copies(full, *fold, self._where))
+
+    def _fold(self, t, heads, copies) -> tuple[int, str] | None:
+        """(heads, copies) that unshard folds the gathered heads of ``t`` into, or None: they
+        are the full tensor's; a ValueError when a tensor of one head per rank may be either."""
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            return None  # the gather reports it
+        gathered = t.shape[1] * self.size
+        if heads is None and full_heads(t) is not None:
+            heads, copies = full_heads(t), copies or "first"  # shard's copy, or an output
+        if heads is None:
+            if t.shape[1] == 1 and self._copied:
+                raise ValueError(self._ambiguous(gathered))
+            return None
+        if heads == gathered:
+            return None
+        check_copies(gathered, heads, copies, self._where)
+        return heads, copies
+
+    def _ambiguous(self, gathered: int) -> str:
+        kv = " or ".join(map(str, sorted(self._copied)))
+        return (
+            f"unshard cannot tell what a tensor of one head per rank is: {self._where} handed "
+            f"out copies of K/V heads (a tensor of {kv} heads), and this may be the gradient of "
+            f"such a copy or a tensor of {gathered} heads. Pass heads={kv}, copies='sum' for "
+            f"the gradient of a copied K/V tensor (each copy holds its ranks' share: their sum "
+            f"is the gradient of the full tensor), heads={kv}, copies='first' for values equal "
+            f"on the ranks that share a head, or heads={gathered} for a tensor of {gathered} "
+            f"heads"
+        )
 
     def describe(self, spec):
+        if spec.heads % self.size:
+            raise ValueError(self._indivisible(f"the problem's {spec.heads} query"))
         return Description(
             self.name, self.size, steps=1, bytes_sent=0, bytes_received=0,
             flops=spec.flops() / self.size, backward_steps=1,

@@ -57,7 +57,7 @@ from .allgather import AllGather
 from .base import Schedule
 from .calls import PackedCall
 from .dim_costs import describe_dims
-from .head_parallel import HeadParallel, fold_copies, heads_of
+from .head_parallel import HeadParallel
 from .packing import LocalPacking, NestedPacking
 from .ring import Ring
 from .sequence import checked_packing, packing_of
@@ -206,6 +206,10 @@ class Hybrid(Schedule):
             line = line.replace(packing=spec.packing.outer)
         return line
 
+    def check_shards(self, q, k, v) -> None:
+        if self.splits_heads:
+            self.inner.check_shards(q, k, v)
+
     def validate(self, spec):
         self._check_configuration()
         for role, sched, local in (("inner", self.inner, spec),
@@ -234,11 +238,12 @@ class Hybrid(Schedule):
                                    dropout)
 
     # ---- packed sequences ------------------------------------------------------------------
-    def pack(self, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+    def pack(self, cu_seqlens, cu_seqlens_padded=None, *, device=None) -> LocalPacking:
         """This rank's part of the GLOBAL packing ``cu_seqlens`` (and ``cu_seqlens_padded``),
         the same on every rank: the outer schedule's part, split again over the inner dim with
-        inner ulysses (a ``NestedPacking``). ``position_ids`` index a RoPE table."""
-        outer = self.outer.pack(cu_seqlens, cu_seqlens_padded)
+        inner ulysses (a ``NestedPacking``). ``position_ids`` index a RoPE table. ``device``
+        as for the outer schedule's ``pack``."""
+        outer = self.outer.pack(cu_seqlens, cu_seqlens_padded, device=device)
         if self.splits_heads:
             return outer
         return outer.cached(("nested", self.inner.size, self.inner.index),
@@ -306,9 +311,9 @@ class Hybrid(Schedule):
         layout = shard_layout(t, layout)
         if layout.is_varlen:
             local = packing_of(self, cu_seqlens, cu_seqlens_padded).shard(t)
-            return layout.to(self._heads_of(local)) if self.splits_heads else local
+            return self._heads_of(local, layout) if self.splits_heads else local
         local = t.index_select(2, self.indices(t.shape[2]).to(t.device))
-        return layout.to(self._heads_of(local) if self.splits_heads else local)
+        return self._heads_of(local, layout) if self.splits_heads else layout.to(local)
 
     def placements(self, shape) -> list:
         """DTensor placements of this rank's shards of a [B, H, S, E] tensor of global ``shape``:
@@ -353,10 +358,10 @@ class Hybrid(Schedule):
             )
         return placements
 
-    def _heads_of(self, t: torch.Tensor) -> torch.Tensor:
-        """This inner rank's heads of ``t`` (a copy of one head when ``t`` has fewer heads
-        than the inner ranks)."""
-        return heads_of(t, self.inner.size, self.inner.index, self._inner_where)
+    def _heads_of(self, t: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This inner rank's heads of ``t`` in ``layout`` (a copy of one head, which says so,
+        when ``t`` has fewer heads than the inner ranks: ``HeadParallel.local_heads``)."""
+        return self.inner.local_heads(t, layout, self._inner_where)
 
     @property
     def _inner_where(self) -> str:
@@ -378,16 +383,19 @@ class Hybrid(Schedule):
 
         ``heads`` < inner ranks (K/V of GQA under inner head_parallel): ``t`` is a copy of
         one of ``heads`` heads; ``copies="sum"`` adds the copies (gradients: each is its
-        ranks' share), ``copies="first"`` takes one (values: the copies are equal)."""
+        ranks' share), ``copies="first"`` takes one (values: the copies are equal). Without
+        them, as ``HeadParallel.unshard`` over the inner dim: shard's copies and attention's
+        output fold back by themselves, other tensors of one head per inner rank raise a
+        ValueError once copies were handed out."""
         layout = unshard_layout(t, layout)
         inner, outer = self._line_packings(layout, cu_seqlens, cu_seqlens_padded)
+        if self.splits_heads:
+            inner.update(heads=heads, copies=copies)
+        elif heads is not None and isinstance(t, torch.Tensor) and heads != t.shape[1]:
+            raise ValueError(
+                f"heads={heads} does not match the {t.shape[1]} heads of the tensor; "
+                f"leave heads out (only K/V copies under inner='head_parallel' need it)")
         line = self.inner.unshard(t, layout=layout, **inner)
-        if heads is not None and heads != line.shape[1]:
-            if not self.splits_heads:
-                raise ValueError(
-                    f"heads={heads} does not match the {line.shape[1]} heads of the tensor; "
-                    f"leave heads out (only K/V copies under inner='head_parallel' need it)")
-            line = fold_copies(line, heads, copies, self._inner_where)
         return self.outer.unshard(line, layout=layout, **outer)
 
     # ---- costs -----------------------------------------------------------------------------

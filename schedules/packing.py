@@ -31,29 +31,24 @@ import functools
 
 import torch
 
-from sdpa_fusion.layout import check_cu_seqlens, check_padding
+from sdpa_fusion.layout import check_offsets, check_padding, cu_seqlens_values
 
 from .partition import Partition
 
 
-def global_packing(cu_seqlens, cu_seqlens_padded=None) -> tuple[tuple, tuple | None]:
-    """The checked global packing as tuples: (cu_seqlens, cu_seqlens_padded or None)."""
-    for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
-        if t is not None and not isinstance(t, (torch.Tensor, list, tuple)):
-            raise ValueError(
-                f"{name} must be an int32/int64 tensor or a list of ints, got {type(t).__name__}"
-            )
-    if cu_seqlens is None:
-        raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths, [N+1])")
-    ends = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-    if isinstance(ends, torch.Tensor):
-        tokens = int(ends[-1]) if ends.dim() == 1 and ends.numel() else 0
-    else:
-        tokens = int(ends[-1]) if len(ends) else 0
+def global_packing(cu_seqlens, cu_seqlens_padded=None, *, device=None
+                   ) -> tuple[tuple, tuple | None]:
+    """The checked global packing as tuples: (cu_seqlens, cu_seqlens_padded or None), read
+    on every call (``cu_seqlens_values``: lists, CPU tensors, or tensors on ``device``)."""
     padded = None
     if cu_seqlens_padded is not None:
-        padded = check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, tokens)
-    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, tokens, exact=padded is None)
+        padded = cu_seqlens_values("cu_seqlens_padded", cu_seqlens_padded, device)
+    cu = cu_seqlens_values("cu_seqlens", cu_seqlens, device)
+    ends = cu if padded is None else padded
+    tokens = ends[-1] if ends else 0
+    if padded is not None:
+        check_offsets("cu_seqlens_padded", padded, tokens)
+    check_offsets("cu_seqlens", cu, tokens, exact=padded is None)
     if padded is not None:
         check_padding(cu, padded)
     return tuple(cu), None if padded is None else tuple(padded)

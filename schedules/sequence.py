@@ -135,14 +135,17 @@ class SequenceSchedule(Schedule):
         return self.positions(seq_len, device or "cpu")[self.index]
 
     # ---- packed sequences ----------------------------------------------------------------
-    def pack(self, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None, *,
-             rank: int | None = None) -> LocalPacking:
+    def pack(self, cu_seqlens, cu_seqlens_padded=None, *, rank: int | None = None,
+             device=None) -> LocalPacking:
         """This rank's (or ``rank``'s) part of the GLOBAL packing ``cu_seqlens`` (and
-        ``cu_seqlens_padded``) of full [T, H, E] tensors, the same on every rank."""
-        cu, padded = global_packing(cu_seqlens, cu_seqlens_padded)
+        ``cu_seqlens_padded``; tensors or lists of ints) of full [T, H, E] tensors, the same on
+        every rank. Its tensors (``cu_seqlens``, ``position_ids`` ...) are on ``device``: the
+        tensors' device; by default ``cu_seqlens``' own when it is a tensor, else the mesh's."""
+        device = packing_device(self, cu_seqlens, device)
+        cu, padded = global_packing(cu_seqlens, cu_seqlens_padded, device=device)
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.size):
             raise ValueError(f"rank={rank!r} must be an integer in [0, {self.size})")
-        return self.split(cu, padded, cu_seqlens.device).part(self.index if rank is None else rank)
+        return self.split(cu, padded, device).part(self.index if rank is None else rank)
 
     def split(self, cu: tuple, padded: tuple | None, device) -> Split:
         """Every rank's part of the packing ``cu``/``padded`` (tuples), made once per packing."""
@@ -188,7 +191,7 @@ class SequenceSchedule(Schedule):
               cu_seqlens_padded=None) -> torch.Tensor:
         layout = shard_layout(t, layout)
         if layout.is_varlen:
-            return packing_of(self, cu_seqlens, cu_seqlens_padded).shard(t)
+            return packing_of(self, cu_seqlens, cu_seqlens_padded, _device(t)).shard(t)
         index = self.indices(t.shape[2]).to(t.device)
         return layout.to(t.index_select(2, index))
 
@@ -196,7 +199,7 @@ class SequenceSchedule(Schedule):
                 cu_seqlens_padded=None) -> torch.Tensor:
         layout = unshard_layout(t, layout)
         if layout.is_varlen:
-            return packing_of(self, cu_seqlens, cu_seqlens_padded).unshard(t)
+            return packing_of(self, cu_seqlens, cu_seqlens_padded, _device(t)).unshard(t)
         return layout.to(self.gather_tokens(t, 2))
 
     @property
@@ -211,12 +214,24 @@ class SequenceSchedule(Schedule):
         return full.index_select(dim, inverse)
 
 
-def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
+def packing_device(schedule, cu_seqlens, device=None) -> torch.device:
+    """The device of a packing's tensors: ``device``, else ``cu_seqlens``' own when it is a
+    tensor, else that of the schedule's mesh (a list of ints has none)."""
+    if device is not None:
+        return torch.device(device)
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens.device
+    mesh = schedule.mesh
+    return mesh.device if mesh is not None else torch.device("cpu")
+
+
+def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None, device=None) -> LocalPacking:
     """The packing of ``schedule``'s rank: ``schedule.pack`` of the global ``cu_seqlens`` (and
-    ``cu_seqlens_padded``), or ``cu_seqlens`` itself, a LocalPacking, when it is that rank's
+    ``cu_seqlens_padded``) with its tensors on ``device`` (the tensors' device), or
+    ``cu_seqlens`` itself, a LocalPacking, when it is that rank's
     (``schedule.packing_owner``); else a ValueError saying whose it is."""
     if not isinstance(cu_seqlens, LocalPacking):
-        return schedule.pack(cu_seqlens, cu_seqlens_padded)
+        return schedule.pack(cu_seqlens, cu_seqlens_padded, device=device)
     if cu_seqlens_padded is not None:
         raise ValueError(
             "cu_seqlens_padded goes with the global cu_seqlens tensor; a LocalPacking "
@@ -234,7 +249,7 @@ def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
 def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
     """``packing_of`` for ``attention(q, ..., layout='thd')``, checking q's device and its
     token count against the packing."""
-    packing = packing_of(schedule, cu_seqlens, cu_seqlens_padded)
+    packing = packing_of(schedule, cu_seqlens, cu_seqlens_padded, _device(q))
     if isinstance(q, torch.Tensor) and q.dim() == 3:
         if q.device != packing.device:
             raise ValueError(
@@ -250,3 +265,8 @@ def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPac
                 f"schedule.pack(cu_seqlens).shard(t)"
             )
     return packing
+
+
+def _device(t) -> torch.device | None:
+    """``t``'s device, or None when it is no tensor (the checks that follow say so)."""
+    return t.device if isinstance(t, torch.Tensor) else None

@@ -52,7 +52,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     """Check this rank's call and choose the kernel, without communicating: the ValueError
     of a bad argument is raised here on this rank (``attention`` raises it on every rank)."""
     q_layout = tensor_layout("q", q, layout)  # "auto": read from q
-    _check_arguments(schedule, causal, q_layout, cu_seqlens, cu_seqlens_padded)
+    _check_arguments(schedule, causal, kernel, q_layout, cu_seqlens, cu_seqlens_padded)
     packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
         if schedule is not None and q_layout.is_varlen else None
     if packing is not None:  # the global packing, split: this rank's lengths
@@ -64,6 +64,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     _check_device(q.device, schedule.mesh if schedule is not None else None)
     if schedule is not None:
         schedule.validate(spec)
+        schedule.check_shards(q, k, v)
     extent = schedule.call_extent(spec) if schedule is not None else None
     chosen = kernels.select(kernel, spec, q.device, extent=extent)
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
@@ -76,7 +77,7 @@ def explain(q, k, v, **kwargs) -> Plan:
     return plan(q, k, v, **kwargs)
 
 
-def _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded) -> None:
+def _check_arguments(schedule, causal, kernel, layout, cu_seqlens, cu_seqlens_padded) -> None:
     if schedule is not None and not hasattr(schedule, "control"):
         raise ValueError(
             f"schedule={schedule!r} must be a schedule object, e.g. schedules.get('ring', mesh), "
@@ -84,6 +85,11 @@ def _check_arguments(schedule, causal, layout, cu_seqlens, cu_seqlens_padded) ->
         )
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be True or False, not a {type(causal).__name__}")
+    if not isinstance(kernel, (str, Kernel)):
+        raise ValueError(
+            f"kernel={kernel!r} must be a kernel's name, one of {kernels.names()}, or a Kernel "
+            f"object, not a {type(kernel).__name__}"
+        )
     varlen = layout.is_varlen
     for name, value in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
         if value is not None and not varlen:

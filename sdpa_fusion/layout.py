@@ -14,9 +14,7 @@ explicit layout that a tensor's shape or strides contradict is a ValueError. A n
 
 from __future__ import annotations
 
-import collections
 import enum
-import weakref
 
 import torch
 
@@ -201,25 +199,30 @@ def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
                      exact: bool = True) -> list[int]:
     """Validate cumulative sequence lengths of a packed tensor; return them as a list.
 
-    ``cu_seqlens`` is an int32/int64 tensor on ``device`` (the tensors' device) or a Python
-    list/tuple of ints (a host copy: no device sync). A tensor's values are read once and
-    remembered while the same tensor, unmodified, comes back (one sync per new tensor).
     ``exact``: the last entry must equal ``total_tokens`` (else it may be smaller, as the
-    real ``cu_seqlens`` of sequences padded by ``cu_seqlens_padded`` are)."""
+    real ``cu_seqlens`` of sequences padded by ``cu_seqlens_padded`` are). See
+    ``cu_seqlens_values`` for what ``cu_seqlens`` may be."""
+    values = cu_seqlens_values(name, cu_seqlens, device)
+    check_offsets(name, values, total_tokens, exact=exact)
+    return values
+
+
+def cu_seqlens_values(name: str, cu_seqlens, device=None) -> list[int]:
+    """The values of ``cu_seqlens``, read on every call (never remembered: a buffer refilled
+    in place must not serve its old packing): a Python list/tuple of ints, or an int32/int64
+    tensor on the CPU (no device sync) or on ``device`` (the tensors' device; reading a GPU
+    tensor costs one device sync per call)."""
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
     if isinstance(cu_seqlens, (list, tuple)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
             raise ValueError(f"{name}={_show(list(cu_seqlens))} must hold Python ints")
-        values = list(cu_seqlens)
-    elif isinstance(cu_seqlens, torch.Tensor):
-        values = _tensor_values(name, cu_seqlens, device)
-    else:
-        raise ValueError(
-            f"{name} must be an int32/int64 tensor or a list of ints, got {type(cu_seqlens).__name__}"
-        )
-    check_offsets(name, values, total_tokens, exact=exact)
-    return values
+        return list(cu_seqlens)
+    if isinstance(cu_seqlens, torch.Tensor):
+        return _tensor_values(name, cu_seqlens, device)
+    raise ValueError(
+        f"{name} must be an int32/int64 tensor or a list of ints, got {type(cu_seqlens).__name__}"
+    )
 
 
 def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
@@ -233,31 +236,12 @@ def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
             f"{name} must hold int32 or int64 offsets, got dtype {t.dtype}; pass "
             f"torch.tensor([0, l0, l0+l1, ...], dtype=torch.int32)"
         )
-    if device is not None and t.device != torch.device(device):
+    if device is not None and t.device.type != "cpu" and t.device != torch.device(device):
         raise ValueError(
             f"{name} is on {t.device} but q, k, v are on {device}; pass {name}.to(q.device) "
-            f"(or a Python list of ints, which needs no device sync)"
+            f"(or a Python list of ints or a CPU tensor, which need no device sync)"
         )
-    return _host_copy(t)
-
-
-_HOST_COPIES: collections.OrderedDict = collections.OrderedDict()
-
-
-def _host_copy(t: torch.Tensor) -> list[int]:
-    """``t.tolist()``, remembered for the same tensor object until it is modified in place (a
-    training step passes one cu_seqlens tensor to every layer: one device sync, not one per
-    layer)."""
-    key = id(t)
-    entry = _HOST_COPIES.get(key)
-    if entry is not None and entry[0]() is t and entry[1] == t._version:
-        _HOST_COPIES.move_to_end(key)
-        return entry[2]
-    values = [int(x) for x in t.tolist()]
-    _HOST_COPIES[key] = (weakref.ref(t), t._version, values)
-    while len(_HOST_COPIES) > 64:
-        _HOST_COPIES.popitem(last=False)
-    return values
+    return [int(x) for x in t.tolist()]
 
 
 def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: bool = True) -> None:

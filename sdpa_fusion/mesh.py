@@ -66,6 +66,19 @@ class Mesh:
         self.world_size = dist.get_world_size()
         self._controls = controls
         self._nvfuser_meshes = {}
+        self._world = dist.group.WORLD  # the torch.distributed this mesh lives in
+
+    @property
+    def closed(self) -> bool:
+        """Whether torch.distributed ended (``close_mesh``) since this mesh was built."""
+        return not dist.is_initialized() or dist.group.WORLD is not self._world
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(
+                f"{self!r} was closed by sdpa_fusion.close_mesh() (torch.distributed ended); "
+                f"build a new mesh with sdpa_fusion.init_mesh(...) and new schedules on it"
+            )
 
     def _dim(self, name: str) -> int:
         if name not in self.names:
@@ -82,6 +95,7 @@ class Mesh:
 
     def group(self, name: str):
         """The torch.distributed process group of this rank's line along dim ``name``."""
+        self._check_open()
         return self.torch_mesh.get_group(self._dim(name)) if len(self.names) > 1 else \
             self.torch_mesh.get_group()
 
@@ -96,6 +110,7 @@ class Mesh:
         None), over which its ranks agree on each call."""
         if name is not None:
             self._dim(name)
+        self._check_open()
         return self._controls[name]
 
     def nvfuser_mesh(self, name: str):
@@ -145,6 +160,8 @@ class VirtualMesh(Mesh):
         self.rank, self.world_size = rank, size
         self._where = [int(i) for i in (self.layout == rank).nonzero()[0]]
         self._controls, self._nvfuser_meshes = {}, {}
+
+    closed = False  # it never opened torch.distributed
 
     def coordinate(self, name: str) -> int:
         return self._where[self._dim(name)]
@@ -332,7 +349,8 @@ def _init_process_group(env: LaunchEnv | None, backend, device, timeout) -> None
 
 
 def close_mesh() -> None:
-    """Leave torch.distributed (call before exit: gloo threads can abort at teardown)."""
+    """Leave torch.distributed (call before exit: gloo threads can abort at teardown). Every
+    mesh is closed then: using one raises a ValueError (``init_mesh`` builds a new one)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

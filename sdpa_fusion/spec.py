@@ -82,11 +82,13 @@ class AttentionSpec:
                 f"dtype={self.dtype} is not supported; use torch.bfloat16 or torch.float16 "
                 f"(torch.float32 for the reference kernel)"
             )
-        if not 0.0 <= self.dropout_p < 1.0:
-            raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
+        if not (_is_number(self.dropout_p) and 0.0 <= self.dropout_p < 1.0):
+            raise ValueError(
+                f"dropout_p={self.dropout_p!r} must be in [0, 1): a Python number, the "
+                f"probability of dropping an attention weight (0.0: no dropout)"
+            )
         if self.scale is not None and not (
-            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
-            and math.isfinite(self.scale) and self.scale > 0
+            _is_number(self.scale) and math.isfinite(self.scale) and self.scale > 0
         ):
             raise ValueError(
                 f"scale={self.scale!r} must be a positive number or None: finite and > 0 "
@@ -190,9 +192,15 @@ class AttentionSpec:
             )
         return cls(
             batch=b, heads=h, kv_heads=h_kv, q_len=t_q, kv_len=t_k, head_dim=e,
-            dtype=q.dtype, causal=bool(causal), scale=scale, dropout_p=float(dropout_p),
+            dtype=q.dtype, causal=bool(causal), scale=scale,
+            dropout_p=float(dropout_p) if _is_number(dropout_p) else dropout_p,
             layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded, window=window,
         ).validate()
+
+
+def _is_number(value) -> bool:
+    """Whether ``value`` is a Python int or float (not a bool, a tensor or a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _common_layout(layouts: list[Layout]) -> Layout:

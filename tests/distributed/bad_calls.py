@@ -144,6 +144,12 @@ def thd_with_string(call, ctx):
     return {**call, **packed, "layout": "thd", "cu_seqlens": f"0,2,{packed['q'].shape[0]}"}
 
 
+def query_copies(ctx: Ctx, bad: bool):
+    """The bad ranks shard q, k, v of one head (fewer than the ranks) with head_parallel."""
+    prob = ctx.problem(h=1, h_kv=1) if bad else ctx.problem()
+    return lambda: check(good_call(ctx.sched, prob), prob)
+
+
 LOCAL_ERRORS = [
     Case("head_dim_12", attention(tensors(lambda n, t: like(t, e=12))),
          r"head_dim=12 must be a multiple of 8"),
@@ -192,6 +198,23 @@ LOCAL_ERRORS = [
          schedule="allgather"),
     Case("head_parallel_meta", attention(tensors(lambda n, t: t.to("meta"))), r"meta device",
          schedule="head_parallel"),
+    Case("dropout_none", attention(arg(dropout_p=None)),
+         r"dropout_p=None must be in \[0, 1\): a Python number"),
+    Case("dropout_string", attention(arg(dropout_p="0.1")), r"dropout_p='0.1' must be in \[0, 1\)"),
+    Case("dropout_bool", attention(arg(dropout_p=True)), r"dropout_p=True must be in \[0, 1\)"),
+    Case("scale_string", attention(arg(scale="0.5")), r"scale='0.5' must be a positive number"),
+    Case("causal_none", attention(arg(causal=None)), r"causal=None must be True or False"),
+    Case("window_number", attention(arg(window=5)), r"window=5 must be a \(left, right\) pair"),
+    Case("window_floats", attention(arg(window=(1.5, 0))),
+         r"window left=1.5 must be a non-negative integer"),
+    Case("kernel_list", attention(arg(kernel=["reference"])),
+         r"kernel=\['reference'\] must be a kernel's name, one of \[.*'reference'.*\], or a "
+         r"Kernel object"),
+    Case("kernel_none", attention(arg(kernel=None)), r"kernel=None must be a kernel's name"),
+    Case("layout_none", attention(arg(layout=None)), r"layout=None is not a known layout"),
+    Case("head_parallel_query_copies", query_copies,
+         r"q is a copy of one head of a tensor of 1 heads, not a multiple of the \d ranks of "
+         r"schedule 'head_parallel'", schedule="head_parallel"),
 ]
 
 
@@ -350,7 +373,48 @@ def alone(bad_argument: bool):
     return act
 
 
+def copies_unsharded(keywords: dict, good: dict):
+    """Under head_parallel with one K/V head (a copy on every rank): attention, backward,
+    then the unshard of dK with ``keywords`` on the bad ranks and ``good`` on the others; it
+    must be the reference's dK."""
+    def act(ctx: Ctx, bad: bool):
+        prob = ctx.problem(h_kv=1)
+
+        def run():
+            q, k, v = (ctx.sched.shard(t, layout=prob.layout).requires_grad_()
+                       for t in (prob.q, prob.k, prob.v))
+            out = sdpa_fusion.attention(q, k, v, causal=prob.causal, layout=prob.layout.value,
+                                        kernel="reference", schedule=ctx.sched)
+            out.backward(ctx.sched.shard(prob.dout, layout=prob.layout))
+            dk = ctx.sched.unshard(k.grad, layout=prob.layout, **(keywords if bad else good))
+            torch.testing.assert_close(dk, prob.dk, **tolerance(dk.dtype))
+        return run
+    return act
+
+
+def copies_folded(ctx: Ctx, bad: bool):
+    """Under head_parallel with one K/V head: the bad ranks unshard shard's copy of k adding
+    the copies (valid on every rank: P times k), the others as it is (k)."""
+    prob = ctx.problem(h_kv=1)
+
+    def run():
+        k = ctx.sched.shard(prob.k, layout=prob.layout)
+        keywords = dict(heads=1, copies="sum") if bad else {}
+        got = ctx.sched.unshard(k, layout=prob.layout, **keywords)
+        torch.testing.assert_close(got, prob.k * (ctx.p if bad else 1))
+    return run
+
+
 OTHERS = [
+    Case("unshard_copy_gradient", copies_unsharded({}, dict(heads=1, copies="sum")),
+         r"unshard cannot tell what a tensor of one head per rank is: .* Pass heads=1, "
+         r"copies='sum' for the gradient of a copied K/V tensor", schedule="head_parallel"),
+    Case("unshard_copy_gradient_heads_only",
+         copies_unsharded(dict(heads=1), dict(heads=1, copies="sum")),
+         r"hold copies of heads=1 heads; pass copies='sum' for gradients", schedule="head_parallel"),
+    Case("unshard_copies_differ", copies_folded,
+         r"unshard needs the same call .* differ in fold \(",
+         all_error=False, schedule="head_parallel"),
     Case("unshard_shapes_differ", unshard(lambda p, bad: [1, 2, (8 if bad else 4) * p, 8]),
          r"unshard needs the same call .* differ in shape \(", all_error=False),
     Case("unshard_not_a_tensor", lambda ctx, bad: lambda: ctx.sched.unshard(

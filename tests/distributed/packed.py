@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 import sdpa_fusion
@@ -129,3 +130,15 @@ def assert_packed_matches(problem: PackedProblem, results, *, rtol=1e-5, atol=1e
         assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
         torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def refill(offsets: torch.Tensor, array: np.ndarray | None, values: list[int]) -> None:
+    """Write ``values`` into the cu_seqlens buffer as a data loader reusing its buffers does:
+    into the NumPy ``array`` it shares memory with, else through ``.data``; neither bumps
+    the tensor's version."""
+    version = offsets._version
+    if array is not None:
+        array[:] = values
+    else:
+        offsets.data.copy_(torch.tensor(values))
+    assert offsets._version == version and offsets.tolist() == values

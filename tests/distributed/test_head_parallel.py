@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -160,3 +162,56 @@ def test_dtensor_with_other_placements_is_refused(mesh):
     with pytest.raises(ValueError, match=r"q has placements \[Shard\(dim=2\)\] but schedule "
                                          r"'head_parallel' needs \[Shard\(dim=1\)\]"):
         sdpa_fusion.attention(q, q, q, schedule=sched, kernel="reference")
+
+
+@pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("heads_per_rank", [1, 2])
+def test_unshard_of_copies_is_exact_or_asks(mesh, kv_heads, heads_per_rank):
+    """Fewer K/V heads than ranks: unshard without keywords gives k, v and out exactly (with
+    one query head per rank too, where out and a copy's gradient both gather P heads); the
+    gradient of a copy raises the same ValueError on every rank naming heads= and copies=,
+    and with them the gradients of q, k, v are the reference gradients of the full tensors."""
+    p = mesh.size()
+    if kv_heads >= p or p % kv_heads:
+        pytest.skip(f"{kv_heads} K/V heads are not fewer than {p} ranks, dividing them")
+    problem = make_problem(b=1, h=heads_per_rank * p, h_kv=kv_heads, s=12, causal=True, scale=0.3)
+    sched = schedules.get("head_parallel", mesh)
+    q, k, v = (sched.shard(t).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    out = sdpa_fusion.attention(q, k, v, causal=True, scale=0.3, schedule=sched, kernel="reference")
+    out.backward(sched.shard(problem.dout))
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for got, want in ((out, problem.out), (k, problem.k), (v, problem.v)):
+        torch.testing.assert_close(sched.unshard(got), want, **tol)
+    ambiguous = [k.grad, v.grad] + ([q.grad] if heads_per_rank == 1 else [])
+    for grad in ambiguous:
+        with pytest.raises(ValueError) as raised:
+            sched.unshard(grad)
+        messages = mesh.agree(str(raised.value))
+        assert len(set(messages)) == 1, messages
+        assert re.search(rf"unshard cannot tell .* Pass heads={kv_heads}, copies='sum' for the "
+                         rf"gradient .* copies='first' for values .* or heads={p} ", messages[0])
+    dq = sched.unshard(q.grad, **({"heads": p} if heads_per_rank == 1 else {}))
+    torch.testing.assert_close(dq, problem.dq, **tol)
+    for name, got, want in (("dk", k.grad, problem.dk), ("dv", v.grad, problem.dv)):
+        torch.testing.assert_close(sched.unshard(got, heads=kv_heads, copies="sum"), want, **tol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_fewer_query_heads_than_ranks_are_refused_on_every_rank(mesh):
+    """Query heads are split, never copied: q of one head sharded over P ranks is a
+    ValueError on every rank (not P copies gathered as P heads); describe says so too."""
+    p = mesh.size()
+    problem = make_problem(b=1, h=1, h_kv=1, s=8)
+    sched = schedules.get("head_parallel", mesh)
+    q, k, v = (sched.shard(t) for t in (problem.q, problem.k, problem.v))
+    fewer = rf"q is a copy of one head of a tensor of 1 heads, not a multiple of the {p} ranks"
+    with pytest.raises(ValueError, match=rf"every rank: {fewer} of schedule 'head_parallel'"):
+        sdpa_fusion.attention(q, k, v, schedule=sched, kernel="reference")
+    torch.testing.assert_close(sched.unshard(q), problem.q, rtol=0, atol=0)
+    spec = sdpa_fusion.AttentionSpec(1, p + 1, 1, 8, 8, 8)
+    with pytest.raises(ValueError, match=rf"the problem's {p + 1} query heads, not a multiple"):
+        sched.describe(spec)
+    good = make_problem(h=2 * p, s=8)
+    assert_matches(good, run_schedule(sched, good))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import schedules
 import sdpa_fusion
@@ -68,4 +70,42 @@ def test_packed(mesh, name, causal, where, value):
             return t[a:b].transpose(0, 1).unsqueeze(0)
         found = found or mismatch([seq(t) for t in got], *(seq(t) for t in (q, k, v, dout)),
                                   causal=causal)
+    assert mesh.agree(found) == [None] * mesh.world_size, found
+
+
+def torch_sdpa(backend, q, k, v):
+    """Causal torch SDPA of q, k, v (GQA) on ``backend``."""
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("name,partition", SCHEDULES, ids=[f"{n}-{p}" for n, p in SCHEDULES])
+def test_inf_key_behind_the_causal_mask(mesh, name, partition):
+    """One +Inf in K, causal (a user saw ring leave 16 outputs finite where torch's math SDPA
+    has NaN): the output rows that see the key and meet it with a +Inf score are NaN, the rows
+    before it finite, exactly as on one device and in torch's flash SDPA. torch's math backend
+    adds the mask (-inf) to the +Inf scores of the rows before the key, which makes those rows
+    NaN too; they do not depend on the key. Gradients obey the rule of tests/nonfinite.py
+    (a kernel's masked blocks, 0 * Inf, may reach more of dQ than the rows that see the key)."""
+    p = mesh.size()
+    sched = schedules.get(name, mesh, **({"partition": partition} if partition else {}))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2 * p, 4 * p, 8, generator=g)
+    k, v = (torch.randn(1, p, 4 * p, 8, generator=g) for _ in range(2))
+    key = 3 * p
+    q[:, :2, :, 0] = q[:, :2, :, 0].abs()  # every query of K/V head 0 meets it with +Inf
+    k[0, 0, key, 0] = float("inf")
+    dout = torch.randn(q.shape, generator=g)
+    leaves = [sched.shard(t).requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, causal=True, kernel="reference", schedule=sched)
+    out.backward(sched.shard(dout))
+    got = [sched.unshard(t) for t in (out.detach(), *(t.grad for t in leaves))]
+    nan = torch.zeros_like(got[0], dtype=torch.bool)
+    nan[:, :2, key:] = True
+    assert torch.equal(got[0].isnan(), nan) and got[0][~nan].isfinite().all()
+    flash = torch_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v)
+    assert torch.equal(got[0].isnan(), flash.isnan()), "out: NaN elsewhere than torch's flash"
+    one = sdpa_fusion.attention(q, k, v, causal=True, kernel="reference")
+    assert torch.equal(got[0].isnan(), one.isnan()), "out: NaN elsewhere than on one device"
+    found = mismatch(got, q, k, v, dout, causal=True)  # gradients: the rule of tests/nonfinite.py
     assert mesh.agree(found) == [None] * mesh.world_size, found

@@ -6,6 +6,8 @@ the full problem: causal and not, GQA, lengths 0, 1 and not divisible by 2P, use
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 import schedules
 
-from .packed import assert_packed_matches, make_packed, run_packed
+from .packed import assert_packed_matches, make_packed, refill, run_packed
 
 SCHEDULES = [("ring", "load_balanced"), ("ring", "contiguous"), ("ring", "striped"),
              ("allgather", "load_balanced"), ("allgather", "contiguous"),
@@ -90,3 +92,39 @@ def test_calls_reused_across_calls_and_packings(mesh):
     for lengths in ([3 * p, 1], [p, 2 * p + 1, 5], [3 * p, 1]):
         problem = make_packed(lengths, h=2, causal=True)
         assert_packed_matches(problem, run_packed(sched, problem))
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses", "head_parallel"])
+@pytest.mark.parametrize("padded", [False, True], ids=["cu_seqlens", "cu_seqlens_padded"])
+def test_cu_seqlens_as_lists(mesh, name, padded):
+    """Python lists of ints give what the tensors give (shard, pack, attention, unshard),
+    which is the reference."""
+    p = mesh.size()
+    problem = make_packed(lengths_for(p), h=2 * p, h_kv=p, causal=True, scale=0.4,
+                          slack=[1, 2, 0, 3, 0] if padded else None)
+    sched = schedules.get(name, mesh)
+    as_tensors = run_packed(sched, problem)
+    listed = dataclasses.replace(problem, cu_seqlens=problem.cu_seqlens.tolist(),
+                                 cu_seqlens_padded=None if problem.cu_seqlens_padded is None
+                                 else problem.cu_seqlens_padded.tolist())
+    as_lists = run_packed(sched, listed)
+    assert_packed_matches(problem, as_lists)
+    for got, want in zip(as_lists, as_tensors):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses", "head_parallel"])
+def test_a_refilled_cu_seqlens_buffer_gives_its_new_packing(mesh, name, how):
+    """A data loader refills one cu_seqlens buffer in place without a version bump (through
+    .data, or a NumPy array sharing its memory): every call uses the packing it holds now."""
+    p = mesh.size()
+    packings = [make_packed(lengths, h=2 * p, h_kv=p, causal=True, seed=3)
+                for lengths in ([4 * p + 1, 3 * p], [p, 6 * p + 1], [4 * p + 1, 3 * p])]
+    array = packings[0].cu_seqlens.numpy().copy() if how == "numpy" else None
+    buffer = torch.from_numpy(array) if array is not None else packings[0].cu_seqlens.clone()
+    sched = schedules.get(name, mesh)
+    for problem in packings:
+        refill(buffer, array, problem.cu_seqlens.tolist())
+        assert_packed_matches(problem, run_packed(sched, dataclasses.replace(problem,
+                                                                             cu_seqlens=buffer)))
