@@ -288,13 +288,41 @@ def combine_ranks(per_rank: Sequence[Measurement]) -> Measurement:
                                step_gib=max(m.step_gib or 0.0 for m in per_rank))
 
 
-def times_by(rows: Sequence[dict], key: str) -> dict[str, dict]:
-    """Per panel, the median_ms of its ok rows grouped by ``key`` (both in order of
-    appearance): {panel: {value of key: [ms, ...]}}; panels without ok rows left out."""
-    out: dict[str, dict] = {}
+def ratios(rows: Sequence[dict], baseline: Callable[[dict], str | Sequence[str] | None], *,
+           same: Sequence[str] = ("panel", "seq_len"), value: str = "tflops",
+           base_value: str | None = None, every: bool = False,
+           entry: Callable[[dict, dict, float | None], dict] | None = None) -> list[dict]:
+    """Each row's ``value`` over its baseline row's ``base_value`` (default: ``value``), the
+    baseline taken among the rows that share the row's fields ``same``.
+
+    ``baseline(row)`` names the impl a row is compared with, or several (the one with the
+    largest ``base_value`` is taken, the first of equals), or None (the row gets no entry).
+    One entry per row, in the order of the rows (a later row of the same fields and impl
+    replaces an earlier one, in its place), made by ``entry(row, baseline row, ratio)``; by
+    default ``{<same fields>, "impl", "ratio", "status": "ok", "baseline": <its impl>}``.
+    Rows and baselines whose value is missing (None or 0) are left out; with ``every`` they
+    are kept (the ratio is then None) as long as the baseline impl has a row.
+    """
+    base_value = base_value or value
+    rows_at: dict[tuple, dict] = {}
     for r in rows:
-        if r["status"] == "ok":
-            out.setdefault(r["panel"], {}).setdefault(r[key], []).append(r["median_ms"])
+        if every or r.get(value) or r.get(base_value):
+            rows_at[tuple(r.get(k) for k in same), r["impl"]] = r
+    out = []
+    for (key, _), r in rows_at.items():
+        wanted = baseline(r)
+        if wanted is None or not (every or r.get(value)):
+            continue
+        names = [wanted] if isinstance(wanted, str) else wanted
+        found = [rows_at[key, n] for n in names if (key, n) in rows_at
+                 and (every or rows_at[key, n].get(base_value))]
+        if not found:
+            continue
+        base = max(found, key=lambda b: b.get(base_value) or 0)
+        ratio = r[value] / base[base_value] if r.get(value) and base.get(base_value) else None
+        out.append(entry(r, base, ratio) if entry is not None else
+                   {**{k: r.get(k) for k in same}, "impl": r["impl"], "ratio": ratio,
+                    "status": "ok", "baseline": base["impl"]})
     return out
 
 

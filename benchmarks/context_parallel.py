@@ -5,10 +5,14 @@
     mpirun -np 4 --oversubscribe python -m benchmarks.context_parallel --tiny   # CPU ranks
 
 The goals of context parallelism on 2 GPUs (ring on FA4 and on cuDNN, Ulysses, allgather,
-torch's context_parallel; one GPU on cuDNN and on FA4), in one run of about 8 minutes:
+torch's context_parallel; one GPU on cuDNN and on FA4), in one run of about 8 minutes
+(add ``--hold-seconds 3`` to both to time every step under sustained load):
 
-    python -m benchmarks.context_parallel --preset goals --single-gpu --tag _goals
-    mpirun -np 2 python -m benchmarks.context_parallel --preset goals --tag _goals
+    python -m benchmarks.context_parallel --preset goals --single-gpu
+    mpirun -np 2 python -m benchmarks.context_parallel --preset goals
+
+Both steps write ``context_parallel.json`` and ``.png``: ``--single-gpu`` the one-GPU rows,
+the run under mpirun its own rows and the one-GPU rows it found there (``baseline``).
 
 The problem: b=1, 32 heads of 128, bf16, s = 32K..256K, causal and not, forward and
 forward+backward. Implementations:
@@ -27,8 +31,8 @@ forward+backward. Implementations:
                                head-tail load balancer when causal
   1 GPU <kernel>               the whole problem on one GPU, once per ``--kernels`` entry
                                (``--single-gpu``, a separate run without mpirun, so no rank
-                               idles inside a collective); the distributed run merges its JSON
-                               when present
+                               idles inside a collective); the distributed run keeps them
+                               when they are of its problem
   every GPU <kernel>           the whole problem on every GPU of the run at once, each rank
                                alone (no communication), once per ``--every-gpu`` entry: what
                                one GPU does beside the others, in the same run as the
@@ -97,7 +101,8 @@ def parse_args(argv=None):
                    help="kernels of 'every GPU <kernel>' rows: the whole problem on every GPU "
                         "at once, each alone ('' for none)")
     p.add_argument("--single-gpu", action="store_true",
-                   help="run the one-GPU baseline (no mpirun) into context_parallel_single.json")
+                   help="run the one-GPU baseline (no mpirun) into context_parallel.json, whose "
+                        "one-GPU rows the run under mpirun then keeps")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="goals: " + PRESETS["goals"]["doc"])
     args = p.parse_args(argv)
@@ -109,8 +114,7 @@ def parse_args(argv=None):
     args.torch_cp = [s for s in args.torch_cp.split(",") if s]
     args.kernels = [k for k in (args.kernels or args.kernel).split(",") if k]
     args.every_gpu = [k for k in args.every_gpu.split(",") if k]
-    args.name = (NAME + ("_single" if args.single_gpu else "") + args.tag
-                 + ("_tiny" if args.tiny else ""))
+    args.name = NAME + args.tag + ("_tiny" if args.tiny else "")
     return args
 
 
@@ -146,7 +150,8 @@ def add_problem_args(p, *, causal: str, modes: str) -> None:
                    help="run each step back to back this long before timing it (the clock "
                         "GPUs keep under sustained load; default 0: time right after warm-up)")
     p.add_argument("--check-max-seq", type=common.int_list, default=[65536])
-    p.add_argument("--tag", default="", help="appended to the result name, e.g. _2gpu")
+    p.add_argument("--tag", default="",
+                   help="appended to the result name, for an ad-hoc run beside the committed one")
     common.add_distributed_args(p)
 
 
@@ -484,9 +489,11 @@ def distributed(args) -> int:
                 rows += every_gpu_rows(args, mesh, kernel, s, causal, ref)
             return rows
 
+        baseline = one_gpu_baseline(args, record) if mesh.rank == 0 else ([], None)
         start = run_cases(args, mesh, record, case_rows)
         if mesh.rank == 0:
-            merge_baseline(args, record)
+            record["rows"] += baseline[0]
+            record["baseline"] = baseline[1]
             finish_record(args, record, start)
     finally:
         sdpa_fusion.close_mesh()
@@ -544,30 +551,25 @@ def new_record(args, title, module, **settings) -> dict:
     }
 
 
-def merge_baseline(args, record) -> None:
-    """Add the one-GPU rows of ``--single-gpu``'s JSON, when it ran on the same problem."""
-    path = args.results_dir / f"{NAME}_single{args.tag}{'_tiny' if args.tiny else ''}.json"
+def one_gpu_baseline(args, record) -> tuple[list[dict], dict | str]:
+    """(rows, where they come from) of the one-GPU baseline in ``<name>.json``: the rows
+    "1 GPU <kernel>" that ``--single-gpu`` wrote there (or that an earlier run merged), when
+    they are of this problem; else no rows and why. Read before this run writes that file."""
+    path = args.results_dir / f"{args.name}.json"
     if not path.exists():
-        record["baseline"] = f"{path.name} not found; run with --single-gpu first"
-        return
+        return [], f"{path.name} not found; run with --single-gpu first"
     base = json.loads(path.read_text())
     keys = ("batch", "heads", "head_dim", "dtype")
     if any(base["settings"].get(k) != record["settings"][k] for k in keys):
-        record["baseline"] = f"{path.name} is for another problem ({keys} differ); not merged"
-        return
-    record["rows"] += [dict(r, baseline_from=path.name) for r in base["rows"]]
-    record["baseline"] = {"file": path.name, "environment": base["environment"]}
-
-
-def ratios(rows) -> list[dict]:
-    """Per-GPU TFLOP/s of each implementation over the first one-GPU baseline's (the first
-    ``--kernels`` entry) at the same size."""
-    t = {(r["panel"], r["seq_len"], r["impl"]): r["tflops"] for r in rows if r["tflops"]}
-    first = next((r["impl"] for r in rows if r["impl"].startswith("1 GPU")), None)
-    base = {(p, s): v for (p, s, impl), v in t.items() if impl == first}
-    return [{"panel": p, "seq_len": s, "impl": impl, "ratio": v / base[(p, s)], "status": "ok",
-             "baseline": first}
-            for (p, s, impl), v in t.items() if (p, s) in base and not impl.startswith("1 GPU")]
+        return [], f"{path.name} is for another problem ({keys} differ); not merged"
+    rows = [r for r in base["rows"] if r["impl"].startswith("1 GPU") and r.get("ranks") == 1]
+    if not rows:
+        return [], f"{path.name} has no one-GPU rows; run with --single-gpu first"
+    merged = base.get("baseline")
+    environment = merged["environment"] if isinstance(merged, dict) else base["environment"]
+    origin = environment.get("command")
+    return ([dict(r, baseline_from=r.get("baseline_from") or origin) for r in rows],
+            {"file": path.name, "environment": environment})
 
 
 def memory_lines(rows, ranks: int) -> list[dict]:
@@ -589,7 +591,11 @@ def progress(start, s, causal, rows) -> None:
 
 def finish_record(args, record, start) -> int:
     rows = record["rows"]
-    record["ratios"] = ratios(rows)
+    # per-GPU TFLOP/s of each implementation over the first one-GPU row's (the first
+    # --kernels entry) at the same size
+    first = next((r["impl"] for r in rows if r["impl"].startswith("1 GPU")), None)
+    record["ratios"] = common.ratios(rows, lambda r: None if r["impl"].startswith("1 GPU")
+                                     else first)
     record["goals"] = cp_goals.evaluate(rows)
     record["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = common.save(args.name, record, results_dir=args.results_dir, plot=False)

@@ -133,18 +133,16 @@ def run_case(args, mesh, sched, s: int, causal: bool) -> list[dict]:
     return rows
 
 
-def ratios(rows) -> list[dict]:
-    """head_parallel per-GPU TFLOP/s over the one-GPU TFLOP/s, per kernel, case and size."""
-    t = {(r["panel"], r["seq_len"], r["impl"]): r["tflops"] for r in rows if r["tflops"]}
-    out = []
-    for (panel, s, impl), v in t.items():
-        if impl.startswith("head_parallel "):
-            kernel = impl.split(" ", 1)[1]
-            one = t.get((panel, s, f"1 GPU {kernel}"))
-            if one:
-                out.append({"panel": panel, "seq_len": s, "impl": f"{kernel}: hp / 1 GPU",
-                            "ratio": v / one, "status": "ok"})
-    return out
+def one_gpu_peer(row) -> str | None:
+    """What a row is compared with: "head_parallel <kernel>" with "1 GPU <kernel>"."""
+    kind, _, kernel = row["impl"].partition(" ")
+    return f"1 GPU {kernel}" if kind == "head_parallel" else None
+
+
+def over_one_gpu(row, base, ratio) -> dict:
+    """A ratio of head_parallel's per-GPU TFLOP/s over one GPU's on the same kernel."""
+    return {"panel": row["panel"], "seq_len": row["seq_len"],
+            "impl": f"{row['impl'].split(' ', 1)[1]}: hp / 1 GPU", "ratio": ratio, "status": "ok"}
 
 
 def main(argv=None) -> int:
@@ -188,7 +186,7 @@ def main(argv=None) -> int:
                           f"{batch_for(args, s)} causal={causal}: {cells}", flush=True)
                     common.save(name, record, results_dir=args.results_dir, plot=False)
         if mesh.rank == 0:
-            record["ratios"] = ratios(record["rows"])
+            record["ratios"] = common.ratios(record["rows"], one_gpu_peer, entry=over_one_gpu)
             record["elapsed_s"] = round(time.monotonic() - start, 1)
             paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to)
             print("\nTFLOP/s per GPU")

@@ -1,8 +1,8 @@
 """The hybrid schedule on 2-D meshes against the 1-D ring and Ulysses on the same GPUs.
 
     mpirun -np 2 python -m benchmarks.hybrid                  # 1x2 and 2x1; ~3 min on 2 H200s
-    mpirun -np 4 python -m benchmarks.hybrid --tag _4gpu      # 1x4, 2x2, 4x1
-    mpirun -np 8 python -m benchmarks.hybrid --tag _8gpu      # 1x8, 2x4, 4x2, 8x1
+    mpirun -np 4 python -m benchmarks.hybrid                  # 1x4, 2x2, 4x1
+    mpirun -np 8 python -m benchmarks.hybrid                  # 1x8, 2x4, 4x2, 8x1
     mpirun -np 4 --oversubscribe python -m benchmarks.hybrid --tiny   # CPU ranks
 
 The problem: b=1, 32 heads of 128, bf16, causal, forward+backward, s = 32K..256K (the

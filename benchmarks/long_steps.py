@@ -1,10 +1,10 @@
 """Long sequences on one GPU: one timed step per case, checked (``single_gpu --preset long``).
 
     python -m benchmarks.single_gpu --preset long            # 512K and 1M, ~8 min on an H200
-    python -m benchmarks.single_gpu --preset long --impls torch-cudnn,cudnn --tag _cudnn
-    python -m benchmarks.single_gpu --preset long --impls fa4-direct,fa4,auto --tag _fa4
-                                                 # the same in two runs of ~3.5 and ~4.5 min
     python -m benchmarks.single_gpu --preset long --tiny     # the script, on CPU
+
+Results: ``single_gpu_long.json`` and ``.png`` (not ``single_gpu.json``, whose sweep feeds
+the kernel table and ``explain``'s cost table).
 
 The problem: b = 1, 32 heads of 128, bf16, causal forward+backward, BSHE by default
 (``--layout``). A step at 1M tokens is 3.2e16 FLOP, about a minute, so each implementation
@@ -39,6 +39,7 @@ from benchmarks.single_gpu import DTYPES, attention_fn, spec_of
 
 NAME = "single_gpu_long"
 GOALS = (("cudnn", "torch-cudnn", 0.9), ("fa4", "fa4-direct", 0.95))
+PEERS = {ours: (peer, goal) for ours, peer, goal in GOALS}
 WARM_LEN = 8192  # the warm-up's length (64 with --tiny)
 ASSUMED_TFLOPS = 500  # for --dry-run's estimate
 
@@ -123,20 +124,20 @@ def fields(args) -> dict:
 
 
 # ---- the goals ----------------------------------------------------------------------------
-def ratios(rows) -> list[dict]:
+def goal_ratios(rows) -> list[dict]:
     """Per length and goal: ours (right only) over the peer as it ran (right or not)."""
-    out = []
-    for s in sorted({r["seq_len"] for r in rows}):
-        at = {r["impl"]: r for r in rows if r["seq_len"] == s}
-        for ours, peer, goal in GOALS:
-            if ours not in at or peer not in at:
-                continue
-            mine, theirs = at[ours]["tflops"], at[peer]["tflops_as_run"]
-            ratio = mine / theirs if mine and theirs else None
-            out.append({"seq_len": s, "ours": ours, "peer": peer, "goal": goal,
-                        "ratio": ratio, "met": ratio is not None and ratio >= goal,
-                        "ours_status": at[ours]["status"], "peer_status": at[peer]["status"]})
-    return out
+    found = common.ratios(rows, lambda r: PEERS[r["impl"]][0] if r["impl"] in PEERS else None,
+                          same=("seq_len",), base_value="tflops_as_run", every=True,
+                          entry=goal_entry)
+    order = [ours for ours, _, _ in GOALS]
+    return sorted(found, key=lambda e: (e["seq_len"], order.index(e["ours"])))
+
+
+def goal_entry(row, peer, ratio) -> dict:
+    goal = PEERS[row["impl"]][1]
+    return {"seq_len": row["seq_len"], "ours": row["impl"], "peer": peer["impl"], "goal": goal,
+            "ratio": ratio, "met": ratio is not None and ratio >= goal,
+            "ours_status": row["status"], "peer_status": peer["status"]}
 
 
 def verdicts(ratio_rows) -> list[str]:
@@ -196,7 +197,7 @@ def run(args) -> int:
         del inputs
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    record["ratios"] = ratios(record["rows"])
+    record["ratios"] = goal_ratios(record["rows"])
     record["goals"] = verdicts(record["ratios"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to)

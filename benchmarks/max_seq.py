@@ -1,11 +1,14 @@
 """The longest sequence one training step fits: one GPU, each schedule, PyTorch's context_parallel.
 
-    python -m benchmarks.max_seq --single-gpu           # one GPU, into max_seq_single.json
-    mpirun -np 2 python -m benchmarks.max_seq           # schedules and torch CP; merges the above
-    mpirun -np 2 python -m benchmarks.max_seq --impls ring --tag _ring     # a long confirming
-    mpirun -np 2 python -m benchmarks.max_seq --impls ulysses,allgather,torch-cp \
-        --merge max_seq_single,max_seq_ring                                # step in its own run
+    python -m benchmarks.max_seq --single-gpu           # one GPU, into max_seq.json
+    mpirun -np 2 python -m benchmarks.max_seq           # schedules and torch CP, into the same
+    mpirun -np 2 python -m benchmarks.max_seq --impls ring                 # a long confirming
+    mpirun -np 2 python -m benchmarks.max_seq --impls ulysses,allgather,torch-cp  # step alone
     mpirun -np 2 --oversubscribe python -m benchmarks.max_seq --tiny   # CPU ranks: the script
+
+Every run writes ``max_seq.json`` and ``.png``; a run under mpirun keeps the rows it found
+there of the implementations it does not measure (``--merge``): one GPU's, and those of
+earlier runs such as a long confirming step of its own.
 
 The problem: b=1, 32 heads of 128, bf16, causal forward+backward (a training step's
 attention). Bisecting near a million tokens would take minutes per step, so the limit is
@@ -81,18 +84,21 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, choices=range(16), metavar="0..15",
                    help="of the inputs (default: %(default)s)")
     p.add_argument("--single-gpu", action="store_true", help="one GPU (no mpirun)")
-    p.add_argument("--merge", default=NAME + "_single",
+    p.add_argument("--merge", default=None,
                    help="results (names, comma-separated) whose rows this run's record "
-                        "starts with: one GPU's, and implementations measured in other runs")
-    p.add_argument("--tag", default="", help="appended to the result name")
+                        "starts with: one GPU's, and implementations measured in other runs "
+                        "(default: this run's own result, as an earlier run left it)")
+    p.add_argument("--tag", default="",
+                   help="appended to the result name, for an ad-hoc run beside the committed one")
     common.add_distributed_args(p)
     args = p.parse_args(argv)
     args.impls = [s for s in args.impls.split(",") if s]
-    args.merge = [m + ("_tiny" if args.tiny else "") for m in args.merge.split(",") if m]
     if args.tiny:  # CPU ranks measure no memory, so predict nothing: confirm at 2K
         args.probe_lens, args.heads, args.head_dim = [256, 512, 1024], 4, 16
         args.confirm_lens = args.confirm_lens or [2048]
-    args.name = NAME + ("_single" if args.single_gpu else "") + args.tag + ("_tiny" if args.tiny else "")
+    args.name = NAME + args.tag + ("_tiny" if args.tiny else "")
+    merge = NAME + args.tag if args.merge is None else args.merge
+    args.merge = [m + ("_tiny" if args.tiny else "") for m in merge.split(",") if m]
     return args
 
 

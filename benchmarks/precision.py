@@ -14,13 +14,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import relative_error
+
 NAMES = ("out", "dq", "dk", "dv")
-
-
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in fp32 (NaN when x has NaNs)."""
-    x, ref = x.detach().float(), ref.detach().float()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def sdpa_step(q, k, v, dout, causal: bool, backend) -> tuple[torch.Tensor, ...]:

@@ -5,9 +5,10 @@ schedules, which the model never sees (its figures are one-GPU kernel rates and 
     python -m benchmarks.prediction_errors                               # the table (markdown)
     python -m benchmarks.prediction_errors --update docs/benchmarks.md   # into the doc
 
-Each measured step is predicted again for the kernel it ran on (``auto`` ran on cuDNN before
-FlashAttention-4 was installed with the benchmarks) and its schedule's transport; the error
-is predicted / measured - 1 (negative: the model is optimistic).
+Each measured step is predicted again for the kernel it ran on (the row's, or for ``auto`` the
+one it picked: cuDNN before FlashAttention-4 was installed with the benchmarks) and its
+schedule's transport; the error is predicted / measured - 1 (negative: the model is
+optimistic).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import torch
 from benchmarks.common import COMMITTED_RESULTS
 from schedules import predict
 from schedules.plan import plan_ranks
+from sdpa_fusion import kernels
 from sdpa_fusion.spec import AttentionSpec
 
-FILES = ("context_parallel_single.json", "head_parallel.json", "context_parallel.json",
-         "context_parallel_2gpu.json", "hybrid.json")  # dense steps of our schedules
+FILES = ("head_parallel.json", "context_parallel.json", "hybrid.json")  # our dense steps
 BEGIN, END = "<!-- prediction_errors: begin -->", "<!-- prediction_errors: end -->"
 COMMAND = "python -m benchmarks.prediction_errors --update docs/benchmarks.md"
 
@@ -52,19 +53,27 @@ class Case:
 
 def configuration(row: dict) -> tuple[str, tuple[int, ...], dict] | None:
     """(schedule, mesh shape, options) a result row measured; None for rows of other things
-    (PyTorch's context_parallel, one GPU's kernels)."""
+    (PyTorch's context_parallel, one GPU's kernels beside a schedule, every GPU alone)."""
     words, ranks = row["impl"].split(), row.get("ranks", 1)
-    if words[0] == "ring":  # the transport named; else copy engines when it held symmetric
-        transport = words[1] if len(words) > 1 else (  # memory, else NCCL send/receive
+    if words[0] == "ring":  # the transport it took; else copy engines when it held symmetric
+        transport = (row.get("options") or {}).get("transport") or (  # memory, else NCCL
             "copy_engine" if row.get("symmetric_gib") else "p2p")
         return "ring", (ranks,), {"transport": transport}
     if words[0] in ("allgather", "ulysses") or row["impl"] == "head_parallel auto":
         return words[0], (ranks,), {}
     if words[0] == "hybrid":
         return "hybrid", tuple(map(int, words[2].split("x"))), {"inner": words[1]}
-    if row["impl"] == "1 GPU auto" and ranks == 1:
+    if row["impl"].startswith("1 GPU ") and ranks == 1:
         return "replicated", (1,), {}
     return None
+
+
+def kernel_of(row: dict, record: dict) -> str:
+    """The kernel a row ran on: its own when it names one, else what ``auto`` picked then
+    (FlashAttention-4 where it was installed, cuDNN before)."""
+    if row.get("kernel") in set(kernels.names()) - {"auto"}:
+        return row["kernel"]
+    return "fa4" if record["environment"].get("flash_attn_4") else "cudnn"
 
 
 def cases(results_dir: Path = COMMITTED_RESULTS) -> list[Case]:
@@ -72,18 +81,17 @@ def cases(results_dir: Path = COMMITTED_RESULTS) -> list[Case]:
     found = []
     for file in FILES:
         record = json.loads((Path(results_dir) / file).read_text())
-        kernel = "fa4" if record["environment"].get("flash_attn_4") else "cudnn"
         for row in record["rows"]:
             config = configuration(row)
-            if config is None or row["status"] != "ok" or "baseline_from" in row:
-                continue  # baseline_from: a copy of another file's measurement
+            if config is None or row["status"] != "ok":
+                continue
             name, shape, options = config
             causal = row.get("causal", row["panel"].startswith("causal"))
             spec = AttentionSpec(batch=row["batch"], heads=row["heads"], kv_heads=row["heads"],
                                  q_len=row["seq_len"], kv_len=row["seq_len"],
                                  head_dim=row["head_dim"], causal=causal, dtype=torch.bfloat16)
             found.append(Case(file, row["impl"], name, shape, tuple(sorted(options.items())),
-                              spec, row["mode"], kernel, row["median_ms"]))
+                              spec, row["mode"], kernel_of(row, record), row["median_ms"]))
     return found
 
 

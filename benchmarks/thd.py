@@ -144,17 +144,13 @@ def run_batch(args, batch: str, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def ratios(rows) -> list[dict]:
+def auto_over_best(rows) -> list[dict]:
     """Per batch: auto / the best other way (goal >= 0.95)."""
-    out = []
-    for batch in dict.fromkeys(r["batch"] for r in rows):
-        t = {r["impl"]: r["tflops"] for r in rows if r["batch"] == batch and r["tflops"]}
-        others = {k: v for k, v in t.items() if k != "auto"}
-        if "auto" in t and others:
-            best = max(others, key=others.get)
-            out.append({"batch": batch, "auto": t["auto"], "best": best, "best_tflops": t[best],
-                        "auto/best": t["auto"] / t[best]})
-    return out
+    others = [impl for impl in dict.fromkeys(r["impl"] for r in rows) if impl != "auto"]
+    return common.ratios(rows, lambda r: others if r["impl"] == "auto" else None, same=("batch",),
+                         entry=lambda r, best, ratio: {
+                             "batch": r["batch"], "auto": r["tflops"], "best": best["impl"],
+                             "best_tflops": best["tflops"], "auto/best": ratio})
 
 
 def main(argv=None) -> int:
@@ -182,7 +178,7 @@ def main(argv=None) -> int:
                           for r in rows)
         print(f"[{time.monotonic() - start:6.1f}s] {batch}: {cells}", flush=True)
         common.save(name, record, results_dir=args.results_dir, plot=False)
-    record["ratios"] = ratios(record["rows"])
+    record["ratios"] = auto_over_best(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to)
     print("\nTFLOP/s on real tokens (causal fwd+bwd)")

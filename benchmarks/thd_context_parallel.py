@@ -20,7 +20,7 @@ divided by what its FLOP count allows (t_full / t_window) / (flops_full / flops_
 its efficiency; goal >= 0.8 under ring.
 
 Outputs are checked against one device (``rel_err``). JSON and PNG go to benchmarks/results/
-(``thd_context_parallel<tag>.json``); ``--tiny`` runs small problems with the reference kernel.
+(``thd_context_parallel.json``); ``--tiny`` runs small problems with the reference kernel.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--window-kernels", default="auto,flash")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--tag", default="", help="appended to the result name, e.g. _2gpu")
+    p.add_argument("--tag", default="",
+                   help="appended to the result name, for an ad-hoc run beside the committed one")
     common.add_distributed_args(p)
     args = p.parse_args(argv)
     args.batches = [b for b in args.batches.split(",") if b]
@@ -209,30 +210,29 @@ def window_rows(args, mesh) -> list[dict]:
 
 
 # ---- results --------------------------------------------------------------------------------
-def ratios(rows) -> list[dict]:
+def goal_ratios(rows) -> list[dict]:
     """Per batch: each schedule's per-GPU TFLOP/s over one GPU's (goal >= 0.85 on a). Per
     kernel, on one GPU and under ring: the window's speed-up over full causal / the speed-up
     its FLOPs allow (goal >= 0.8 under ring)."""
-    out = []
-    for r in rows:
-        if "batch" in r and r["tflops"] and r["ranks"] > 1:
-            base = next((b for b in rows if b.get("batch") == r["batch"] and b["ranks"] == 1
-                         and b["tflops"]), None)
-            if base:
-                out.append({"case": f"batch {r['batch']}", "impl": r["impl"],
-                            "ratio": r["tflops"] / base["tflops"], "goal": 0.85})
-    for r in rows:
-        if r.get("mask", "full causal") == "full causal" or not r["median_ms"]:
-            continue
-        full = next((f for f in rows if f.get("mask") == "full causal" and f["median_ms"]
-                     and (f["kernel"], f["ranks"]) == (r["kernel"], r["ranks"])), None)
-        if full:
-            allowed = (full["tflops"] * full["median_ms"]) / (r["tflops"] * r["median_ms"])
-            speed_up = full["median_ms"] / r["median_ms"]
-            out.append({"case": r["panel"], "impl": r["impl"], "speed_up": speed_up,
-                        "allowed": allowed, "ratio": speed_up / allowed,
-                        "goal": 0.8 if r["ranks"] > 1 else None})
-    return out
+    one_gpu = [r["impl"] for r in rows if "batch" in r and r["ranks"] == 1]
+    full = [r["impl"] for r in rows if r.get("mask") == "full causal"]
+    batches = common.ratios(
+        rows, lambda r: one_gpu if "batch" in r and r["ranks"] > 1 else None, same=("batch",),
+        entry=lambda r, _, ratio: {"case": f"batch {r['batch']}", "impl": r["impl"],
+                                   "ratio": ratio, "goal": 0.85})
+    windows = common.ratios(
+        rows, lambda r: full if r.get("mask", "full causal") != "full causal" else None,
+        same=("kernel", "ranks"), value="median_ms", entry=window_efficiency)
+    return batches + windows
+
+
+def window_efficiency(row, full, _) -> dict:
+    """A window's speed-up over the full causal step of its kernel and ranks, over the one
+    its FLOPs allow."""
+    allowed = (full["tflops"] * full["median_ms"]) / (row["tflops"] * row["median_ms"])
+    speed_up = full["median_ms"] / row["median_ms"]
+    return {"case": row["panel"], "impl": row["impl"], "speed_up": speed_up, "allowed": allowed,
+            "ratio": speed_up / allowed, "goal": 0.8 if row["ranks"] > 1 else None}
 
 
 def main(argv=None) -> int:
@@ -272,7 +272,7 @@ def report(mesh, record, args, start, what) -> None:
 
 
 def finish(args, record, start) -> None:
-    record["ratios"] = ratios(record["rows"])
+    record["ratios"] = goal_ratios(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
                         metrics=("tflops", "peak_gib"), bars=True)

@@ -14,15 +14,14 @@
 #   bench-hp         mpirun -np $NP python -m benchmarks.head_parallel   (~1 min)
 #   bench-cp         bench-cp-single, then bench-cp-dist
 #   bench-cp-single  python -m benchmarks.context_parallel --single-gpu  (~1.5 min)
-#   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min)
+#   bench-cp-dist    mpirun -np $NP python -m benchmarks.context_parallel (~4-5 min; keeps
+#                    the one-GPU rows bench-cp-single wrote into context_parallel.json)
 #   bench-cp-goals   the goals of context parallelism (NP=2): context_parallel --preset goals
-#                    --single-gpu, then under mpirun (--tag _goals; ~2 + ~5 min)
+#                    --single-gpu, then under mpirun (~2 + ~5 min)
 #   profile-ring     mpirun -np $NP python -m benchmarks.profile_ring      (~30 s)
 #   bench-transport  mpirun -np $NP python -m benchmarks.ring_transport    (~1 min)
-#   bench-agree      mpirun -np $NP python -m benchmarks.agreement         (~1 min)
-#   bench-pace       python -m benchmarks.gpu_pace: each GPU alone, in turn (~1.5 min on 2)
-#   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid --tag $CP_TAG  (~3 min on 2)
-#   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel --tag $CP_TAG
+#   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid            (~3 min on 2)
+#   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
@@ -34,9 +33,8 @@
 # and the benchmarks stop starting new cases in time to write their results), PYTHON
 # (python3), MPIRUN (mpirun), MPI_EXTRA (more mpirun options, e.g. --oversubscribe),
 # BENCH_ARGS (more options for every benchmark, e.g. --tiny to try this script on CPU ranks),
-# CP_ARGS (more options for bench-cp-dist, e.g. --seq-lens 32k,128k), CP_TAG (appended to its
-# result name, e.g. _2gpu, so that a run on another GPU count keeps the 4-GPU results),
-# GPU (the GPU of the single-GPU steps; 0).
+# CP_ARGS (more options for bench-cp-dist, e.g. --seq-lens 32k,128k), GPU (the GPU of the
+# single-GPU steps; 0). Each benchmark writes its one result, benchmarks/results/<name>.json.
 #
 # What lands in $OUT: summary.txt (each step's status and time, the benchmarks' tables, the
 # tests' summaries), session.tar.gz (every log and every result JSON/PNG), and the JSON, then
@@ -52,7 +50,6 @@ MPIRUN="${MPIRUN:-mpirun}"
 read -r -a MPI_EXTRA <<< "${MPI_EXTRA:-}"
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"
 read -r -a CP_ARGS <<< "${CP_ARGS:-}"
-CP_TAG="${CP_TAG:-}"
 BUDGET_S="${BUDGET_S:-540}"
 RESERVE_S=20                      # kept back for collecting the results
 START=$(date +%s)
@@ -118,13 +115,20 @@ tests_dist() {
     done
 }
 
-# bench NAME RESULT MAX MARGIN CMD...: a benchmark told to stop starting cases MARGIN s early.
+# bench NAME RESULT MAX MARGIN CMD...: a benchmark told to stop starting cases MARGIN s early,
+# its result RESULT removed first (none of an earlier run is collected as this one's).
 bench() {
+    rm -f "$RESULTS/$2".{json,png} "$RESULTS/${2}_tiny".{json,png}
+    bench_into "$@"
+}
+
+# bench_into NAME RESULT MAX MARGIN CMD...: the same into the result a step before wrote, which
+# the benchmark reads (the one-GPU rows of context_parallel and max_seq).
+bench_into() {
     local name=$1 result=$2 max=$3 margin=$4 t
     shift 4
+    [[ " ${RESULT_NAMES[*]} " == *" $result "* ]] || RESULT_NAMES+=("$result")
     t=$(limit "$max") || { skip "$name" "time budget"; return; }
-    RESULT_NAMES+=("$result")
-    rm -f "$RESULTS/$result".{json,png} "$RESULTS/${result}_tiny".{json,png}
     step "$name" "$t" "$@" --max-seconds $((t - margin > 30 ? t - margin : 30)) --copy-to '' \
         "${BENCH_ARGS[@]}"
 }
@@ -136,47 +140,39 @@ bench_hp() {
     bench bench-hp head_parallel 240 40 "${MPI[@]}" "$PY" -m benchmarks.head_parallel
 }
 bench_cp_single() {
-    bench bench-cp-single context_parallel_single 240 70 \
+    bench bench-cp-single context_parallel 240 70 \
         "${ONE_GPU[@]}" "$PY" -m benchmarks.context_parallel --single-gpu
 }
 bench_cp_dist() {
-    bench bench-cp-dist "context_parallel$CP_TAG" 480 110 "${MPI[@]}" "$PY" -m benchmarks.context_parallel \
-        --tag "$CP_TAG" "${CP_ARGS[@]}"
+    bench_into bench-cp-dist context_parallel 480 110 "${MPI[@]}" "$PY" \
+        -m benchmarks.context_parallel "${CP_ARGS[@]}"
 }
 
 bench_cp_goals() {
-    bench bench-cp-goals-single context_parallel_single_goals 200 40 \
-        "${ONE_GPU[@]}" "$PY" -m benchmarks.context_parallel --preset goals --single-gpu --tag _goals
-    bench bench-cp-goals context_parallel_goals 420 60 "${MPI[@]}" "$PY" -m benchmarks.context_parallel \
-        --preset goals --tag _goals
+    bench bench-cp-goals-single context_parallel 200 40 \
+        "${ONE_GPU[@]}" "$PY" -m benchmarks.context_parallel --preset goals --single-gpu
+    bench_into bench-cp-goals context_parallel 420 60 "${MPI[@]}" "$PY" \
+        -m benchmarks.context_parallel --preset goals
 }
 
 bench_hybrid() {
-    bench bench-hybrid "hybrid$CP_TAG" 330 80 "${MPI[@]}" "$PY" -m benchmarks.hybrid --tag "$CP_TAG"
+    bench bench-hybrid hybrid 330 80 "${MPI[@]}" "$PY" -m benchmarks.hybrid
 }
 
 bench_thd_cp() {
-    bench bench-thd-cp "thd_context_parallel$CP_TAG" 330 60 "${MPI[@]}" "$PY" \
-        -m benchmarks.thd_context_parallel --tag "$CP_TAG"
+    bench bench-thd-cp thd_context_parallel 330 60 "${MPI[@]}" "$PY" \
+        -m benchmarks.thd_context_parallel
 }
 
 bench_max_seq() {
-    bench bench-max-seq-single max_seq_single 200 30 "${ONE_GPU[@]}" "$PY" -m benchmarks.max_seq \
+    bench bench-max-seq-single max_seq 200 30 "${ONE_GPU[@]}" "$PY" -m benchmarks.max_seq \
         --single-gpu --confirm-budget-s "${CONFIRM_S:-120}"
-    bench bench-max-seq max_seq 420 30 "${MPI[@]}" "$PY" -m benchmarks.max_seq \
+    bench_into bench-max-seq max_seq 420 30 "${MPI[@]}" "$PY" -m benchmarks.max_seq \
         --confirm-budget-s "${CONFIRM_S:-120}"
 }
 
 bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
-}
-
-bench_agree() {
-    bench bench-agree agreement 150 30 "${MPI[@]}" "$PY" -m benchmarks.agreement
-}
-
-bench_pace() {
-    bench bench-pace gpu_pace 200 20 "$PY" -m benchmarks.gpu_pace
 }
 
 profile_ring() {
@@ -244,8 +240,6 @@ for part in "${parts[@]}"; do
         bench-cp-goals) bench_cp_goals ;;
         profile-ring) profile_ring ;;
         bench-transport) bench_transport ;;
-        bench-agree) bench_agree ;;
-        bench-pace) bench_pace ;;
         bench-hybrid) bench_hybrid ;;
         bench-thd-cp) bench_thd_cp ;;
         bench-max-seq) bench_max_seq ;;

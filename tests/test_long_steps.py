@@ -32,13 +32,13 @@ def test_ours_counts_only_when_right_and_the_peer_as_it_ran():
     rows = [row("torch-cudnn", K * K, "wrong", 510.0), row("cudnn", K * K, "ok", 470.0),
             row("fa4-direct", K * K, "ok", 560.0), row("fa4", K * K, "wrong", 600.0),
             row("cudnn", 512 * K, "ok", 300.0)]
-    got = {(r["ours"], r["seq_len"]): r for r in long_steps.ratios(rows)}
+    got = {(r["ours"], r["seq_len"]): r for r in long_steps.goal_ratios(rows)}
     assert set(got) == {("cudnn", K * K), ("fa4", K * K)}  # no peer at 512K
     cudnn, fa4 = got["cudnn", K * K], got["fa4", K * K]
     assert abs(cudnn["ratio"] - 470 / 510) < 1e-12 and cudnn["met"]
     assert cudnn["peer_status"] == "wrong"
     assert fa4["ratio"] is None and not fa4["met"] and fa4["ours_status"] == "wrong"
-    lines = long_steps.verdicts(long_steps.ratios(rows))
+    lines = long_steps.verdicts(long_steps.goal_ratios(rows))
     assert lines[0].startswith("goal cudnn/torch-cudnn >= 0.9 at 1M: met (0.92")
     assert lines[1].startswith("goal fa4/fa4-direct >= 0.95 at 1M: NOT met (-")
 

@@ -109,7 +109,7 @@ def tiny(tmp_path, *extra) -> dict:
     """The --tiny one-device run, confirming at 512 tokens: its summary entry."""
     assert max_seq.main(["--single-gpu", "--tiny", "--confirm-lens", "512", *extra,
                          "--results-dir", str(tmp_path), "--copy-to", ""]) == 0
-    record = json.loads((tmp_path / "max_seq_single_tiny.json").read_text())
+    record = json.loads((tmp_path / "max_seq_tiny.json").read_text())
     (confirm,) = [r for r in record["rows"] if r["phase"] == "confirm"]
     return confirm, record["summary"][0]
 

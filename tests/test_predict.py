@@ -141,14 +141,12 @@ def errors():
 
 def test_predictions_of_committed_measurements(errors):
     found = [(c.file, c.impl, c.spec.q_len, c.mode, e) for c, e in errors]
-    assert len(found) > 150
-    two_gpus = [e for e in found if e[0] != "context_parallel.json"]
-    worst = max(two_gpus, key=lambda e: abs(e[-1]))
+    assert len(found) >= 40
+    assert {c.kernel for c, _ in errors} == {"cudnn", "fa4"}
+    worst = max(found, key=lambda e: abs(e[-1]))
     assert abs(worst[-1]) < 0.2, worst
     assert statistics.median(abs(e[-1]) for e in found) < 0.05
-    # 4 GPUs at 32K with NCCL send/receive: the transfers were slower than the 2-GPU link
-    # the model knows, so it predicts too fast there, never by more than 45%
-    assert all(-0.45 < e[-1] < 0.1 for e in found)
+    assert all(-0.2 < e[-1] < 0.1 for e in found)  # the model errs on the optimistic side
 
 
 def test_the_doc_shows_the_prediction_errors_of_the_committed_results(errors):

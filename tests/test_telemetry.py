@@ -81,7 +81,7 @@ def test_context_parallel_records_hold_and_gpus(tmp_path, hold):
                                   "--results-dir", str(tmp_path), "--copy-to", ""]) == 0
     import json
 
-    record = json.loads((tmp_path / "context_parallel_single_tiny.json").read_text())
+    record = json.loads((tmp_path / "context_parallel_tiny.json").read_text())
     assert record["settings"]["hold_seconds"] == float(hold)
     row = record["rows"][0]
     assert row["status"] == "ok" and row["hold_s"] == float(hold) and row["gpus"] is None
