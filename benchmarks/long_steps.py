@@ -30,6 +30,7 @@ ran, wrong or not: it reached 510 TFLOP/s there with its wrong dQ) and fa4 / fa4
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import torch
@@ -182,7 +183,7 @@ def run(args) -> int:
                            "warm_len": 64 if args.tiny else WARM_LEN, "timed_steps": 1,
                            "tolerance": check.TOLERANCE[DTYPES[args.dtype]],
                            "goals": [f"{a}/{b} >= {g}" for a, b, g in GOALS]},
-              "rows": []}
+              "rows": merged_rows(args)}
     start = time.monotonic()
     failed = {impl: warm_up(args, impl) for impl in args.impls}
     for s in args.seq_lens:
@@ -209,6 +210,18 @@ def run(args) -> int:
     common.print_failures(record["rows"])
     print(f"\nwrote {', '.join(str(p) for p in paths)} in {record['elapsed_s']} s")
     return 0
+
+
+def merged_rows(args) -> list[dict]:
+    """The rows of ``--merge`` (a result of this preset) of implementations this run does not
+    measure: one record of two halves run apart."""
+    if not args.merge:
+        return []
+    path = args.results_dir / f"{args.merge}.json"
+    if not path.exists():
+        raise ValueError(f"--merge {args.merge}: no {path}; run that half first")
+    rows = json.loads(path.read_text())["rows"]
+    return [dict(r, merged_from=path.name) for r in rows if r["impl"] not in args.impls]
 
 
 def line(row) -> str:

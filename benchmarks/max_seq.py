@@ -531,6 +531,7 @@ def main(argv=None) -> int:
         record["rows"] = measure_impl(args, None, f"1 GPU {args.kernel}",
                                       ours(args, None, "replicated", {}),
                                       length_multiple(args, 1))
+        merge(args, record)  # one GPU on another kernel, and the schedules, stay
         save(args, record)
         return 0
     import sdpa_fusion

@@ -112,6 +112,10 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--tag", default="",
                    help="appended to the result name, for an ad-hoc run beside the committed one")
+    p.add_argument("--merge", default="",
+                   help="--preset long: a result (name in the results folder) whose rows of "
+                        "implementations not run here this record keeps, e.g. the cuDNN half "
+                        "run before FlashAttention-4 was installed")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="; ".join(f"{k}: {v['doc']}" for k, v in PRESETS.items()))
     common.add_output_args(p)

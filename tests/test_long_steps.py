@@ -79,3 +79,15 @@ def test_a_wrong_step_is_flagged_and_is_no_speed(tmp_path, monkeypatch):
         assert r["status"] == "wrong" and r["tflops"] is None and r["tflops_as_run"] > 0
         assert r["errors"]["dk"] > 0.1 and r["errors"]["out"] < 1e-2
         assert r["layout"] == "bhse" and r["error"].startswith("WRONG")
+
+
+def test_two_halves_run_apart_make_one_record(tmp_path):
+    """The cuDNN half (before FA4 is installed) and the FA4 half merge into one record."""
+    common = ["--preset", "long", "--tiny", "--results-dir", str(tmp_path), "--copy-to", ""]
+    assert single_gpu.main(common + ["--impls", "torch-math", "--tag", "_a"]) == 0
+    assert single_gpu.main(common + ["--impls", "reference", "--merge",
+                                     "single_gpu_long_a_tiny"]) == 0
+    rows = json.loads((tmp_path / "single_gpu_long_tiny.json").read_text())["rows"]
+    assert {(r["impl"], r.get("merged_from")) for r in rows} == {
+        ("torch-math", "single_gpu_long_a_tiny.json"), ("reference", None)}
+    assert all(r["status"] == "ok" and r["check"]["right"] for r in rows)

@@ -67,7 +67,9 @@ def step_bytes(step, kept=lambda: 0) -> int:
 def test_ring_step_memory_under_its_bound(mesh):
     """Causal forward+backward at 32K tokens, 8 heads of 128, bf16, in 4 head groups: the
     ring's step (kept symmetric memory included) is what describe() says, and at most 0.6x
-    the step of one GPU on the whole sequence."""
+    the step of one GPU on the whole sequence (two ranks or more: one is no ring)."""
+    if mesh.size() == 1:
+        pytest.skip("a ring of one rank holds the whole problem: needs two GPUs or more")
     s, h, e = 32 * 1024, 8, 128
     sched = schedules.get("ring", mesh, head_groups=4)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -95,7 +95,8 @@ def check_packed(sched, kernel, causal, kv_heads):
     tokens get zero output and gradients."""
     (q, k, v, dout, cu, cu_padded), expected = _problem(causal, kv_heads, kv_heads != 8)
     kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=cu_padded)
-    q_l, k_l, v_l = (sched.shard(t, **kw).requires_grad_() for t in (q, k, v))
+    # detached: on one rank a shard may be the (cached, shared) full tensor itself
+    q_l, k_l, v_l = (sched.shard(t, **kw).detach().requires_grad_() for t in (q, k, v))
     out_l = sdpa_fusion.attention(q_l, k_l, v_l, causal=causal, kernel=kernel, schedule=sched, **kw)
     out_l.backward(sched.shard(dout, **kw))
     local = (out_l, q_l.grad, k_l.grad, v_l.grad)
