@@ -122,6 +122,8 @@ fi
 
 if [[ "$fresh" == 0 ]] && satisfied; then
   log "reusing $VENV: every requirement of pyproject.toml ([$EXTRAS]) is installed"
+  # the package's own metadata (its command's entry point, its package data) may have changed
+  "$VENV/bin/python" -m pip install --progress-bar off --quiet --no-deps -e "$ROOT"
 else
   log "installing sdpa-fusion[$EXTRAS] into $VENV (torch and nvFuser are large; minutes on first use)"
   start=$SECONDS

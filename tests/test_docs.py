@@ -1,12 +1,15 @@
 """The docs stay true to the code: schedules.md's diagrams are what docs/draw_schedules.py
-computes from the schedules now, its pictures can be drawn, every link resolves, and every
-code block of custom_schedule.md is a piece of the example the tests run.
+computes from the schedules now, its pictures can be drawn, the generated tables of the README
+and docs/benchmarks.md are what docs/tables.py computes now, the README stays a front door
+(at most 300 lines), every link resolves, and every code block of custom_schedule.md is a
+piece of the example the tests run.
 Run: pytest -q tests/test_docs.py"""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,51 @@ def draw_schedules():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def tables():
+    spec = importlib.util.spec_from_file_location("docs_tables", DOCS / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_the_readme_is_a_front_door_of_at_most_300_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_every_generated_table_sits_in_a_doc(tables):
+    marked = {name for doc in tables.DOCS
+              for _, name, _, _ in tables.MARK.findall((ROOT / doc).read_text())}
+    assert marked == set(tables.TABLES)
+
+
+def test_the_memory_table_is_what_the_schedules_describe_now(tables):
+    readme = (ROOT / "README.md").read_text()
+    assert tables.fill(readme, only={"memory"}) == readme, "run python docs/tables.py"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/benchmarks.md"])
+def test_the_tables_from_committed_results_are_current(tables, doc):
+    if tables.file_commit("context_parallel.json") == "?" or not tables.history_available():
+        pytest.skip("needs the git history of benchmarks/results")
+    text = (ROOT / doc).read_text()
+    wanted = tables.fill(text, only=set(tables.TABLES) - {"memory"})
+    assert wanted == text, "run python docs/tables.py"
+
+
+def test_a_goal_is_met_only_when_three_runs_or_more_all_clear_it(tables):
+    assert tables.verdict([0.951, 0.96, 0.97], 0.95, True) == "yes"
+    assert tables.verdict([0.951], 0.95, True) == "not shown: 1 run"
+    assert tables.verdict([0.951, 0.96], 0.95, True) == "not shown: 2 runs"
+    assert tables.verdict([0.949, 0.96, 0.97], 0.95, True) == "no: 2 of 3 runs clear it"
+    assert tables.verdict([0.58, 0.59, 0.6], 0.6, False) == "yes"
 
 
 def test_schedule_diagrams_are_current(draw_schedules):
