@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/transformers_llama.py head_parallel
 
 Needs transformers (pip install 'sdpa-fusion[transformers]'). Every rank builds the same small
-random Llama with attn_implementation="sdpa_fusion" and the same batch (rows padded to one
+random Llama with attn_implementation="fusion_attention" and the same batch (rows padded to one
 length, or packed documents); shard_batch gives each rank its tokens, their positions and its
 share of the loss; sum_gradients adds the replicated weights' gradients over the ranks that
 split the tokens. After a few SGD steps the losses, logits and weights are compared with one

@@ -220,11 +220,12 @@ class TokenBatch:
             raise ValueError(f"{name} ({got}) must start with the dims {list(shape)} of {what}")
 
     def attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                  dropout_p: float = 0.0, kernel="auto") -> torch.Tensor:
+                  dropout_p: float = 0.0, kernel="auto", window=None) -> torch.Tensor:
         """``sdpa_fusion.attention`` of the local tokens' q [B_l, H, S_l, E] over k, v
-        [B_l, H_kv, S_l, E] (logical; any memory order), causal within each sequence; the
-        output like q. Under a head-splitting schedule q, k, v are the model's replicated
-        tensors (all heads); their heads are split here and the output's gathered."""
+        [B_l, H_kv, S_l, E] (logical; any memory order), causal within each sequence, and
+        within ``window=(left, right)`` of it when given; the output like q. Under a
+        head-splitting schedule q, k, v are the model's replicated tensors (all heads);
+        their heads are split here and the output's gathered."""
         if self.packed:
             if any(t.dim() != 4 or t.shape[0] != 1 for t in (q, k, v)):
                 raise ValueError(
@@ -237,7 +238,8 @@ class TokenBatch:
         if heads is not None:
             q, k, v = (heads.shard(t, replicated=True) for t in (q, k, v))
         out = sdpa_fusion.attention(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p,
-                                    kernel=kernel, schedule=self.schedule, **self._packing_kwargs)
+                                    kernel=kernel, schedule=self.schedule, window=window,
+                                    **self._packing_kwargs)
         if heads is not None:
             out = heads.unshard(out)
         return out.transpose(0, 1)[None] if self.packed else out

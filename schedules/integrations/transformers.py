@@ -2,11 +2,13 @@
 
     from schedules.integrations import transformers as sdpa_transformers
 
-    sdpa_transformers.register()                       # attn_implementation="sdpa_fusion"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_fusion")
+    name = sdpa_transformers.register()                # "fusion_attention"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
 
     batch = sdpa_transformers.shard_batch(sched, input_ids, labels=labels,
                                           attention_mask=mask)   # or position_ids= (packed)
+    batch = sdpa_transformers.shard_batch(sched, **DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True)(examples))                 # or the collator's batch
     out = model(**batch.inputs)            # this rank's tokens; out.loss: this rank's share
     out.loss.backward()
     batch.sum_gradients(model.parameters())  # the one-process gradient on every rank
@@ -14,23 +16,59 @@
     loss = batch.total(out.loss)           # the one-process loss
     logits = batch.unshard(out.logits)     # [B, S, V] on every rank
 
+Names: the backend registers as ``"fusion_attention"`` and, for code written before, as
+``"sdpa_fusion"``. transformers takes any name containing "sdpa" for PyTorch's own SDPA and
+refuses, under such a name, the models that do not support SDPA (Gemma 2, GPT-OSS, ...,
+``_supports_sdpa = False``) before the backend runs; ``"fusion_attention"`` builds them all
+(and what the backend then cannot run is its own ValueError).
+
 The backend serves any model that calls attention through transformers' attention interface
-(Llama, Mistral, Qwen, ...). Without ``shard_batch`` it runs on one device and honours what
-transformers gives it: causal or not (``module.is_causal``), a 2-D padding mask (registered
-as this backend's mask, so transformers never drops it), packed ``position_ids`` (documents
-restarting inside a row) and ``cu_seq_lens_q/k`` (``DataCollatorWithFlattening``), a KV cache
-without padding. What it cannot honour is a ValueError: 4-D or additive masks, sliding
-windows, softcapping, attention sinks, position biases, padding with a KV cache, causal
-prefill of a chunk after cached tokens.
+(Llama, Mistral, Qwen2, Gemma 2 and 3, ...). Its mask function, registered with transformers'
+mask interface under the same names, reads the mask function transformers builds for each
+layer type (``transformers_masks``: a band of position differences), and the attention runs
+exactly that mask, checked against the layer, or raises a ValueError naming what it cannot
+run. Without ``shard_batch`` it runs on one device and honours:
+
+- causal or bidirectional attention (the mask's; it must agree with ``module.is_causal``);
+- sliding windows through ``window=``, each layer its own ``sliding_window`` (the kwarg, else
+  the module's attribute, as transformers passes it; it must agree with the layer's mask):
+  transformers' window of w keeps the w most recent keys, the query's own included
+  (``q - kv <= w - 1``), i.e. ``window=(w - 1, 0)``; Mistral, Qwen2's windowed layers,
+  Gemma 2/3's mixed sliding and global layers; a window longer than the call is dropped;
+- a 2-D padding mask (each row's real tokens one sequence; with a window, one run);
+- packed documents: ``position_ids`` restarting, or ``cu_seq_lens_q/k`` (with
+  ``max_length_q/k``) of ``DataCollatorWithFlattening``, read as documents as
+  flash_attention_2 does (transformers' own masks separate them only without a cache);
+- a prepared 4-D mask (bool or additive) that is causal or bidirectional attention with key
+  padding and a window;
+- a KV cache, dynamic or static, sliding caches included, without padding: a static cache's
+  empty slots are trimmed as transformers' SDPA trims them, a chunk after cached tokens
+  attends bottom-right; cross-attention without padding;
+- the parts of a mask that change nothing on the call: image blocks of text-only batches,
+  chunks longer than the sequence.
+
+A ValueError names what it cannot run: bidirectional spans of image tokens (Gemma 3 with
+images, ``token_type_ids`` marking them), chunked attention beyond one chunk (Llama 4's
+``attention_chunk_size``), mask functions transformers does not define (a model's
+prefix-LM or bidirectional overlays such as Gemma 3's ``use_bidirectional_attention``, a
+user's ``or_mask_function``/``and_mask_function``), a 4-D mask that is not causal or
+bidirectional with padding and a window (block-diagonal documents, prefix-LM, per-head
+masks, additive biases), a mask that disagrees with its layer (window or causality),
+softcapping, attention sinks, position biases, padding with a KV cache or over
+cross-attention's keys, a window over a padding mask with holes inside a row.
 
 ``shard_batch`` splits a batch by the schedule (``schedules.batch``): the model sees this
 rank's tokens and their global positions (RoPE), attention runs over the mesh (padded and
-packed batches as packed sequences), and the loss is normalised across ranks: each rank's
-``out.loss`` is the sum of its real tokens' losses divided by the global count of labelled
-tokens (labels other than -100, padding excluded), so the ranks' losses add up to the
-one-process mean, and ``sum_gradients`` adds the replicated weights' gradients over the
-ranks that split the tokens. ``head_parallel`` keeps every token on every rank: each rank
-attends its heads of the replicated q, k, v, the weights' gradients come out whole.
+packed batches as packed sequences, sliding windows per sequence), and the loss is
+normalised across ranks: each rank's ``out.loss`` is the sum of its real tokens' losses
+divided by the global count of labelled tokens (labels other than -100, padding excluded),
+so the ranks' losses add up to the one-process mean, and ``sum_gradients`` adds the
+replicated weights' gradients over the ranks that split the tokens. ``head_parallel`` keeps
+every token on every rank: each rank attends its heads of the replicated q, k, v, the
+weights' gradients come out whole. It takes what the one-device backend takes: a padding
+mask, packed ``position_ids``, or ``DataCollatorWithFlattening``'s keys (``cu_seq_lens_q/k``
+decide the documents, ``position_ids`` the positions, ``max_length_q/k`` and ``seq_idx`` are
+checked against them).
 """
 
 from __future__ import annotations
@@ -39,115 +77,273 @@ import dataclasses
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function,
+                                       prepare_padding_mask)
 
 import schedules.batch
 from schedules.batch import TokenBatch
 
-NAME = "sdpa_fusion"
+from .transformers_masks import Band, BandMask, Call, Unsupported, read, read_dense
+
+NAME = "fusion_attention"
+ALIASES = ("sdpa_fusion",)  # earlier name; transformers takes it for SDPA (module docstring)
 BATCH = "sdpa_fusion_batch"  # the model-call keyword that carries a sharded batch
 IGNORE = -100  # transformers' label of tokens without a loss
 
 
 def register(name: str = NAME, *, kernel="auto") -> str:
-    """Register the backend (attention and mask) with transformers as ``name``; returns it,
-    for ``attn_implementation=name``. ``kernel`` chooses the local kernel ("auto": the
-    fastest on the device)."""
-    AttentionInterface.register(name, _Backend(kernel))
-    AttentionMaskInterface.register(name, padding_mask)
+    """Register the backend (attention and mask) with transformers as ``name`` (the default
+    also as the aliases ``ALIASES``); returns ``name``, for ``attn_implementation=name``.
+    ``kernel`` chooses the local kernel ("auto": the fastest on the device). A name that
+    contains "sdpa" is taken by transformers for PyTorch's SDPA (models without SDPA
+    support are refused under it)."""
+    for each in (name, *ALIASES) if name == NAME else (name,):
+        AttentionInterface.register(each, _Backend(kernel, each))
+        AttentionMaskInterface.register(each, band_mask)
     return name
 
 
-def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs):
-    """What transformers hands the backend as ``attention_mask``: the 2-D padding mask
-    [B, kv_length] (bool), or None when there is no padding."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, -kv_length:]
-    return None if mask.shape[1] == kv_length and bool(mask.all()) else mask
+def band_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+              mask_function=causal_mask_function, attention_mask=None, **kwargs) -> BandMask:
+    """What transformers hands the backend as ``attention_mask``: the keys' padding and the
+    band that ``mask_function`` keeps (``transformers_masks``); a ValueError names a mask the
+    backend cannot run."""
+    call = Call(int(q_length), int(kv_length), int(q_offset), int(kv_offset))
+    try:
+        band = read(mask_function, call)
+    except Unsupported as e:
+        raise ValueError(f"the {NAME!r} attention backend cannot run this mask: {e}; it runs "
+                         f"causal or bidirectional attention with padding, packed documents "
+                         f"and sliding windows. Use attn_implementation='sdpa' or 'eager' for "
+                         f"this model or these inputs") from None
+    padding = prepare_padding_mask(attention_mask, call.kv_len, call.kv_offset)
+    if padding is None:
+        keys = torch.ones(batch_size, call.kv_len, dtype=torch.bool, device=kwargs.get("device"))
+    else:
+        keys = padding[:, call.kv_offset:call.kv_offset + call.kv_len].to(torch.bool)
+    return BandMask.of(keys, band, call)
 
 
 _UNSUPPORTED = {
     "softcap": "softcapping of the scores",
     "s_aux": "attention sinks",
     "position_bias": "a position bias",
-    "sliding_window": "a sliding window",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mask:
+    """A layer's mask in the backend's terms: the band of position differences q - kv, the
+    first query's position minus the first key's (``shift``), the keys' padding ([B, kv_len]
+    bool, None without padding) and whether documents must be separated."""
+
+    band: Band
+    shift: int
+    padding: torch.Tensor | None
+    documents: bool = False
 
 
 class _Backend:
     """The attention function transformers calls: (module, q, k, v, mask, ...) ->
     (out [B, S, H, E], None)."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self._last = (None, None, None)  # (mask, positions, TokenBatch): one per model call
+    def __init__(self, kernel, name: str = NAME):
+        self.kernel, self.name = kernel, name
+        self._batches: list = []  # recent (mask, positions, TokenBatch, contiguous)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                  is_causal=None, **kwargs):
         for name, what in _UNSUPPORTED.items():
-            if kwargs.get(name) is not None or (name == "sliding_window" and
-                                                getattr(module, name, None) is not None):
-                raise ValueError(f"attention backend {NAME!r} does not take {what} ({name}); "
-                                 f"use attn_implementation='sdpa' or 'eager' for this model")
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        options = dict(causal=bool(causal), scale=scaling, dropout_p=dropout, kernel=self.kernel)
+            if kwargs.get(name) is not None:
+                raise ValueError(f"attention backend {self.name!r} does not take {what} "
+                                 f"({name}); use attn_implementation='sdpa' or 'eager' for "
+                                 f"this model")
+        layer = self._layer_band(module, is_causal, kwargs)
+        options = dict(scale=scaling, dropout_p=dropout, kernel=self.kernel)
         batch = kwargs.get(BATCH)
         if batch is not None:
-            if attention_mask is not None:
-                raise ValueError(
-                    "a sharded batch holds its padding: call the model with batch.inputs "
-                    "only, without attention_mask"
-                )
-            out = batch.attention(query, key, value, **options)
+            out = self._sharded(batch, query, key, value, attention_mask, layer, options)
         else:
-            out = self._one_device(query, key, value, attention_mask, kwargs, options)
+            out = self._one_device(query, key, value, attention_mask, layer, kwargs, options)
         return out.transpose(1, 2), None
 
-    def _one_device(self, q, k, v, mask, kwargs, options):
-        """Attention of the whole [B, H, S, E] batch on this device."""
+    def _layer_band(self, module, is_causal, kwargs) -> Band:
+        """The band the layer asks for: causal or not (``is_causal``, else the module's), its
+        sliding window (the ``sliding_window`` kwarg, else the module's attribute)."""
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else \
+            getattr(module, "sliding_window", None)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"sliding_window={window!r} of the layer must be a positive number "
+                             f"of tokens or None")
+        return Band(0 if causal else None, None if window is None else window - 1)
+
+    # ---- the mask of a call --------------------------------------------------------------
+    def _mask(self, mask, layer: Band, batch: int, q_len: int, k_len: int) -> _Mask:
+        """The layer's mask from what transformers passed, checked against the layer."""
+        if isinstance(mask, BandMask):
+            if (mask.q_len, mask.shape[-1]) != (q_len, k_len):
+                raise ValueError(
+                    f"the mask was built for {mask.q_len} queries and {mask.shape[-1]} keys, "
+                    f"attention got {q_len} and {k_len}; build the mask for this call"
+                )
+            self._agree(mask.band, layer, q_len, k_len, mask.shift)
+            return _Mask(mask.band, mask.shift, mask.keys if mask.padded else None,
+                         mask.band.documents)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            try:
+                band, keys = read_dense(mask, q_len, k_len)
+            except Unsupported as e:
+                raise ValueError(f"attention backend {self.name!r} cannot run this 4-D "
+                                 f"attention_mask: {e}; pass the 2-D 0/1 attention_mask, or use "
+                                 f"attn_implementation='sdpa' or 'eager'") from None
+            self._agree(band, layer, q_len, k_len, 0)
+            return _Mask(band, 0, None if bool(keys.all()) else keys.expand(batch, -1))
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"attention backend {self.name!r} takes its own mask, a 2-D "
+                             f"padding mask or a 4-D one, got {got}")
+        padding = None
+        if mask is not None:  # 2-D: the padding of the keys, the last k_len columns
+            padding = mask[:, -k_len:].to(torch.bool)
+            padding = None if padding.shape[1] == k_len and bool(padding.all()) else padding
+        if q_len == k_len:
+            return _Mask(layer, 0, padding)
+        if q_len == 1 and padding is None:  # decoding after a dynamic cache
+            return _Mask(layer, k_len - 1, None)
+        raise ValueError(
+            f"attention backend {self.name!r} got {q_len} queries and {k_len} keys without its "
+            f"own mask ({'padding' if padding is not None else 'none'}): where the queries "
+            f"sit among the keys is unknown; let transformers build the mask (pass the 2-D "
+            f"attention_mask to the model) or use attn_implementation='sdpa'"
+        )
+
+    def _agree(self, band: Band, layer: Band, q_len=None, k_len=None, shift=0) -> None:
+        """Raise unless the mask's band is the layer's: on this call's q_len queries and k_len
+        keys (a window longer than them is none), or exactly when they are not given."""
+        got, want = band, layer
+        if q_len is not None:
+            got, want = (_effective(b, q_len, k_len, shift) for b in (band, layer))
+        if (got.lo, got.hi) != (want.lo, want.hi):
             raise ValueError(
-                f"attention backend {NAME!r} takes a 2-D padding mask, got "
-                f"{list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}; "
-                f"a 4-D or custom mask cannot be honoured: pass the 2-D 0/1 attention_mask"
+                f"the mask transformers built keeps {_describe(band)}, but the layer asks for "
+                f"{_describe(layer)} (module.is_causal, sliding_window); attention backend "
+                f"{self.name!r} runs a mask only with its layer's settings: use "
+                f"attn_implementation='eager' for this model"
             )
-        if q.shape[2] != k.shape[2]:  # a KV cache: queries are the last tokens
-            return self._cached(q, k, v, mask, options)
-        positions = _positions(kwargs, q)
-        batch = self._batch(mask, positions, q)
+
+    # ---- one device ------------------------------------------------------------------------
+    def _one_device(self, q, k, v, mask, layer, kwargs, options):
+        """Attention of the whole [B, H, S, E] batch on this device."""
+        m = self._mask(mask, layer, q.shape[0], q.shape[2], k.shape[2])
+        if m.shift != 0 or q.shape[2] != k.shape[2]:  # a KV cache
+            k, v, m = _trim(k, v, m, q.shape[2], self.name)
+        band = _effective(m.band, q.shape[2], k.shape[2], m.shift)
+        causal, window = _top_left(band, m.shift)
+        options = dict(options, causal=causal, window=window)
+        if m.shift != 0 or q.shape[2] != k.shape[2]:
+            return _sdpa(q, k, v, schedule=None, **options)
+        documents = kwargs.get("cu_seq_lens_q", kwargs.get("position_ids"))
+        if m.documents and documents is None:
+            raise ValueError("the mask separates packed documents but the attention got no "
+                             "position_ids or cu_seq_lens_q to find them; pass position_ids")
+        batch, contiguous = self._batch(mask, documents, m.padding, kwargs, q)
+        if window is not None and not contiguous:
+            raise ValueError(
+                f"attention backend {self.name!r} runs a sliding window over rows of real "
+                f"tokens; the padding mask has padding between real tokens of a row: pad at "
+                f"the ends only"
+            )
         if batch is None:
             return _sdpa(q, k, v, schedule=None, **options)
         local = [batch.shard(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v)]
         return batch.unshard(batch.attention(*local, **options).transpose(1, 2)).transpose(1, 2)
 
-    def _cached(self, q, k, v, mask, options):
-        if mask is not None:
-            raise ValueError(
-                f"attention backend {NAME!r} does not take a padding mask with a KV cache "
-                f"({q.shape[2]} queries, {k.shape[2]} keys); generate unpadded or with "
-                f"attn_implementation='sdpa'"
-            )
-        if options["causal"] and q.shape[2] > 1:
-            raise ValueError(
-                f"attention backend {NAME!r} aligns causal masks top-left; {q.shape[2]} queries "
-                f"after {k.shape[2] - q.shape[2]} cached tokens need it bottom-right: prefill "
-                f"in one call, or use attn_implementation='sdpa'"
-            )
-        return _sdpa(q, k, v, schedule=None, **dict(options, causal=False))
+    def _batch(self, mask, documents, padding, kwargs, q) -> tuple[TokenBatch | None, bool]:
+        """(the packed form of a padded or packed batch, or None; whether the real tokens
+        of every row are one run), made once per model call (``mask`` and ``documents``,
+        the tensor that gives the documents, are the same objects for all its layers)."""
+        for last_mask, last_documents, *made in self._batches:
+            if mask is last_mask and documents is last_documents:
+                return tuple(made)
+        batch, contiguous = None, True
+        positions = _positions(kwargs, q)
+        if padding is not None or (positions is not None and _restarts(positions)):
+            batch = schedules.batch.split(None, (q.shape[0], q.shape[2]),
+                                          attention_mask=padding, position_ids=positions,
+                                          device=q.device)
+            contiguous = padding is None or _contiguous(padding)
+        self._batches = [(mask, documents, batch, contiguous), *self._batches[:3]]
+        return batch, contiguous
 
-    def _batch(self, mask, positions, q) -> TokenBatch | None:
-        """The packed form of a padded or packed batch (made once per model call), or None."""
-        last_mask, last_positions, batch = self._last
-        if mask is last_mask and positions is last_positions and batch is not None:
-            return batch
-        if mask is None and (positions is None or not _restarts(positions)):
-            return None
-        batch = schedules.batch.split(None, (q.shape[0], q.shape[2]), attention_mask=mask,
-                                      position_ids=positions, device=q.device)
-        self._last = (mask, positions, batch)
-        return batch
+    # ---- a sharded batch -------------------------------------------------------------------
+    def _sharded(self, batch: TokenBatch, q, k, v, mask, layer, options):
+        if not (mask is None or (isinstance(mask, BandMask) and not mask.padded)):
+            raise ValueError(
+                "a sharded batch holds its padding: call the model with batch.inputs "
+                "only, without attention_mask"
+            )
+        if mask is not None:
+            self._agree(mask.band, layer)  # exactly: local lengths say nothing of the windows
+        causal, window = _top_left(layer, 0)
+        return batch.attention(q, k, v, causal=causal, window=window, **options)
+
+
+def _effective(band: Band, q_len: int, k_len: int, shift: int) -> Band:
+    """``band`` without the sides that keep every pair of this call (a window longer than
+    the sequence, a lower bound below every difference)."""
+    lo = None if band.lo is not None and band.lo <= shift - (k_len - 1) else band.lo
+    hi = None if band.hi is not None and band.hi >= q_len - 1 + shift else band.hi
+    return dataclasses.replace(band, lo=lo, hi=hi)
+
+
+def _top_left(band: Band, shift: int) -> tuple[bool, tuple | None]:
+    """(causal, window) of ``sdpa_fusion.attention`` (top-left: query i sees key j when
+    i - left <= j <= i + right) for ``band`` of q_pos - kv_pos when query i sits at key
+    position i + shift."""
+    left = None if band.hi is None else band.hi - shift
+    right = None if band.lo is None else shift - band.lo
+    if right == 0:
+        return True, None if left is None else (left, 0)
+    return False, None if left is None and right is None else (left, right)
+
+
+def _trim(k, v, m: _Mask, q_len: int, name: str):
+    """The keys any query sees (a static cache's empty slots and keys behind every window
+    dropped, as transformers' SDPA trims a static cache), and the mask shifted to them."""
+    k_len, band, shift = k.shape[2], m.band, m.shift
+    if shift < 0:
+        raise ValueError(f"the queries start {-shift} positions before the keys; attention "
+                         f"backend {name!r} runs queries at or after the first key")
+    first = 0 if band.hi is None else max(0, shift - band.hi)
+    last = k_len - 1 if band.lo is None else min(k_len - 1, q_len - 1 + shift - band.lo)
+    if m.padding is not None and not bool(m.padding[:, first:last + 1].all()):
+        raise ValueError(
+            f"attention backend {name!r} does not take a padding mask with a KV cache or "
+            f"over other tokens' keys (cross-attention; {q_len} queries, {k_len} keys); "
+            f"generate unpadded or use attn_implementation='sdpa'"
+        )
+    k, v = k[:, :, first:last + 1], v[:, :, first:last + 1]
+    return k, v, _Mask(band, shift - first, None)
+
+
+def _contiguous(padding: torch.Tensor) -> bool:
+    """Whether the real tokens of every row are one run."""
+    starts = padding.int().diff(dim=1, prepend=padding.new_zeros(padding.shape[0], 1).int())
+    return bool(((starts == 1).sum(1) <= 1).all())
+
+
+def _describe(band: Band) -> str:
+    """The pairs a band keeps, in words."""
+    if band.lo is None and band.hi is None:
+        return "every pair (bidirectional)"
+    if band.lo == 0:
+        return "causal pairs" + ("" if band.hi is None else
+                                 f" in a sliding window of {band.hi + 1} tokens")
+    bounds = [f"{band.lo} <="] if band.lo is not None else []
+    bounds += ["q - kv"] + ([f"<= {band.hi}"] if band.hi is not None else [])
+    return "pairs with " + " ".join(bounds)
 
 
 def _sdpa(q, k, v, **kwargs):
@@ -162,18 +358,33 @@ def _restarts(positions: torch.Tensor) -> bool:
 
 def _positions(kwargs, q) -> torch.Tensor | None:
     """The tokens' positions: from ``cu_seq_lens_q`` (one packed row) or ``position_ids``."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None:
+    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:
         return kwargs.get("position_ids")
-    if cu_k is not None and not torch.equal(cu_q, cu_k):
-        raise ValueError(f"attention backend {NAME!r} takes self-attention packs: "
-                         f"cu_seq_lens_k must equal cu_seq_lens_q")
-    if q.shape[0] != 1 or int(cu_q[-1]) != q.shape[2]:
-        raise ValueError(f"cu_seq_lens_q (ending at {int(cu_q[-1])}) must pack the one row of "
-                         f"{q.shape[2]} tokens (batch {q.shape[0]}); flatten the batch to [1, T]")
-    lengths = cu_q.diff().long()
-    starts = torch.repeat_interleave(cu_q[:-1].long(), lengths)
-    return (torch.arange(q.shape[2], device=q.device) - starts.to(q.device))[None]
+    return _document_positions(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+                               kwargs.get("max_length_q"), kwargs.get("max_length_k"),
+                               (q.shape[0], q.shape[2]), q.device)
+
+
+def _document_positions(cu_q, cu_k, max_q, max_k, shape, device) -> torch.Tensor:
+    """Positions [1, T] restarting at every document of ``cu_seq_lens_q`` (as
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them), checked."""
+    if cu_q is None or cu_k is None or not torch.equal(cu_q.cpu(), cu_k.cpu()):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k must both be given and equal "
+                         "(self-attention packs, as DataCollatorWithFlattening makes them)")
+    cu = cu_q.to(device=device, dtype=torch.long)
+    b, t = shape
+    if cu.dim() != 1 or len(cu) < 2 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()) \
+            or b != 1 or int(cu[-1]) != t:
+        shown = cu.tolist() if cu.numel() <= 8 else f"{cu.tolist()[:8]}..."
+        raise ValueError(f"cu_seq_lens_q {shown} must rise from 0 to the {t} tokens of the "
+                         f"one packed row (batch {b}); flatten the batch to [1, T]")
+    longest = int(cu.diff().max())
+    for name, value in (("max_length_q", max_q), ("max_length_k", max_k)):
+        if value is not None and int(value) < longest:
+            raise ValueError(f"{name}={int(value)} is shorter than the longest document "
+                             f"({longest} tokens) of cu_seq_lens_q")
+    starts = torch.repeat_interleave(cu[:-1], cu.diff())
+    return (torch.arange(t, device=device) - starts)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +409,41 @@ class ShardedBatch:
 
 
 def shard_batch(schedule, input_ids: torch.Tensor, *, labels=None, attention_mask=None,
-                position_ids=None) -> ShardedBatch:
+                position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None,
+                max_length_k=None, seq_idx=None) -> ShardedBatch:
     """This rank's part of a causal-LM batch under ``schedule``: ``input_ids`` [B, S], the
     optional ``labels`` [B, S] (shifted here, as transformers does, then sharded),
     ``attention_mask`` (padding) and ``position_ids`` (packed documents, or custom
-    positions), the same full tensors on every rank."""
-    batch = schedules.batch.split(schedule, input_ids.shape, attention_mask=attention_mask,
-                                  position_ids=position_ids, device=input_ids.device)
+    positions), the same full tensors on every rank. ``DataCollatorWithFlattening``'s batch
+    is taken as it comes (``shard_batch(sched, **collated)``): one row [1, T] whose documents
+    are ``cu_seq_lens_q`` (equal to ``cu_seq_lens_k``; ``max_length_q/k`` and ``seq_idx``
+    checked against them), its positions ``position_ids`` (0, 1, ... in the row without
+    them, as the model numbers them)."""
+    shape, device = tuple(input_ids.shape), input_ids.device
+    if cu_seq_lens_q is None and cu_seq_lens_k is None:
+        for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+            if value is not None:
+                raise ValueError(f"{name} is given without cu_seq_lens_q/k; pass the "
+                                 f"collator's cu_seq_lens_q and cu_seq_lens_k as well")
+        batch = schedules.batch.split(schedule, shape, attention_mask=attention_mask,
+                                      position_ids=position_ids, device=device)
+        documents = None
+    else:
+        if attention_mask is not None:
+            raise ValueError("pass either attention_mask (padded rows) or cu_seq_lens_q/k "
+                             "(packed documents), not both")
+        documents = _document_positions(cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                                        max_length_k, shape, device)
+        batch = schedules.batch.split(schedule, shape, position_ids=documents, device=device)
+        rope = position_ids if position_ids is not None else \
+            torch.arange(shape[1], device=device)[None]
+        if rope.shape[-1] != shape[1]:
+            raise ValueError(f"position_ids {list(rope.shape)} must be [1, {shape[1]}] like "
+                             f"input_ids")
+        batch = dataclasses.replace(batch, positions=rope.to(device, torch.long).expand(shape))
+    if seq_idx is not None:
+        _check_seq_idx(seq_idx, documents if cu_seq_lens_q is not None else position_ids,
+                       shape, attention_mask)
     inputs = {"input_ids": batch.shard(input_ids), "position_ids": batch.position_ids,
               "use_cache": False, BATCH: batch}
     if labels is not None:
@@ -213,6 +452,25 @@ def shard_batch(schedule, input_ids: torch.Tensor, *, labels=None, attention_mas
         inputs.update(labels=local, shift_labels=local,
                       num_items_in_batch=_labelled(batch, shifted))
     return ShardedBatch(batch, inputs)
+
+
+def _check_seq_idx(seq_idx, positions, shape, attention_mask) -> None:
+    """``seq_idx`` [B, S] must number the documents of each row 0, 1, ... (as the collator
+    does: they start where ``positions`` do not follow on); attention reads the documents
+    from the batch, so it is not passed on."""
+    b, s = shape
+    if attention_mask is not None:
+        raise ValueError("seq_idx numbers packed documents; a padded batch (attention_mask) "
+                         "has none: leave seq_idx out")
+    if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape[-1:]) != (s,):
+        raise ValueError(f"seq_idx must be a [{b}, {s}] tensor like input_ids")
+    positions = torch.arange(s)[None] if positions is None else positions.cpu()
+    start = torch.ones(positions.shape, dtype=torch.long)
+    start[:, 1:] = (positions[:, 1:] != positions[:, :-1] + 1).long()
+    if not torch.equal(seq_idx.cpu().long().expand(b, s), (start.cumsum(1) - 1).expand(b, s)):
+        raise ValueError("seq_idx does not number the documents that cu_seq_lens_q (or the "
+                         "position_ids) give: 0 for the first document of a row, 1 for the "
+                         "next, ...")
 
 
 def _labelled(batch: TokenBatch, shifted: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,13 @@
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_transformers.py
 
 A tiny random Llama (hidden 64, 4 heads, 2 K/V heads, 2 layers, fp32) trains 3 SGD steps on
-CPU ranks with attn_implementation="sdpa_fusion" and batches sharded by the schedule
+CPU ranks with attn_implementation="fusion_attention" and batches sharded by the schedule
 (``shard_batch``): dense, padded (left and right) and packed (documents restarting inside a
-row). Every rank's losses, logits and weights equal those of one process training the same
-model with transformers' own eager attention on the whole batch, to 1e-5. The model has 4
-heads, so the module runs on 2 and 4 ranks (skipped on more).
+row), and DataCollatorWithFlattening's batch (flash kwargs) as it comes. A Mistral with a
+sliding window of 4 tokens trains the same batches (the window per sequence, through
+``window=``). Every rank's losses, logits and weights equal those of one process training
+the same model with transformers' own eager attention on the whole batch, to 1e-5. The
+models have 4 heads, so the module runs on 2 and 4 ranks (skipped on more).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import schedules
 import sdpa_fusion
 from sdpa_fusion.mesh import launch_env
+from tests.reference import tolerance
 
 _env = launch_env()
 WORLD = _env.world_size if _env else 1
@@ -30,17 +33,26 @@ transformers = pytest.importorskip("transformers")
 from schedules.integrations import transformers as sdpa_transformers  # noqa: E402
 
 STEPS, LR, VOCAB, B, S = 3, 0.1, 97, 2, 16
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL = tolerance(torch.float32)  # fp32 models, compared in the table's fp32 level
 KINDS = ["dense", "padded", "packed"]
 SCHEDULES = ["ring", "allgather", "ulysses", "head_parallel"]
 HYBRIDS = ["ulysses", "head_parallel"]  # inner schedules of a 2 x 2 hybrid (4 ranks)
 
 
-def config(**changes):
-    return transformers.LlamaConfig(
+WINDOW = 4  # the sliding window of the Mistral model, shorter than every sequence
+
+
+def config(cls=None, **changes):
+    return (cls or transformers.LlamaConfig)(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         **changes)
+
+
+def mistral(**changes):
+    """A Mistral model with a sliding window of WINDOW tokens."""
+    return transformers.MistralForCausalLM(config(transformers.MistralConfig,
+                                                  sliding_window=WINDOW, **changes))
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +67,8 @@ def backend():
     return sdpa_transformers.register(kernel="reference")
 
 
-def model_with(weights, attention: str, **changes):
-    model = transformers.LlamaForCausalLM(config(**changes))
+def model_with(weights, attention: str, make=None, **changes):
+    model = make(**changes) if make else transformers.LlamaForCausalLM(config(**changes))
     model.load_state_dict(weights)
     model.set_attn_implementation(attention)
     return model.train()
@@ -85,12 +97,12 @@ def batch_of(kind: str) -> dict:
 
 def real_tokens(batch) -> torch.Tensor:
     mask = batch.get("attention_mask")
-    return torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
+    return torch.ones(batch["input_ids"].shape, dtype=torch.bool) if mask is None else mask.bool()
 
 
-def train_one_process(weights, batch):
+def train_one_process(weights, batch, make=None):
     """(losses, first-step logits, final weights) of transformers' eager attention."""
-    model = model_with(weights, "eager")
+    model = model_with(weights, "eager", make)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, logits = [], None
     for _ in range(STEPS):
@@ -103,9 +115,9 @@ def train_one_process(weights, batch):
     return losses, logits, model.state_dict()
 
 
-def train_sharded(weights, backend, sched, batch):
+def train_sharded(weights, backend, sched, batch, make=None):
     """The same training under ``sched``: (losses, first-step logits, final weights)."""
-    model = model_with(weights, backend)
+    model = model_with(weights, backend, make)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, logits = [], None
     for _ in range(STEPS):
@@ -150,6 +162,41 @@ def test_training_equals_one_process(mesh, weights, backend, one_process, name, 
     batch = batch_of(kind)
     got = train_sharded(weights, backend, schedules.get(name, mesh), batch)
     assert_same_training(got, one_process(kind), batch, f"{name}, {kind} batch")
+
+
+def collated() -> dict:
+    """DataCollatorWithFlattening's batch (flash kwargs, seq_idx) of documents 3, 6, 2 and 9
+    long: one row of 20 tokens."""
+    g = torch.Generator().manual_seed(2)
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+                                                       return_seq_idx=True)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 6, 2, 9)]
+    return collator([{"input_ids": d} for d in docs], return_tensors="pt")
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_collators_batch_trains_as_one_process(mesh, weights, backend, name):
+    """shard_batch(sched, **collated): the documents of cu_seq_lens_q; one process trains
+    on input_ids, labels and position_ids with eager attention."""
+    batch = collated()
+    plain = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    got = train_sharded(weights, backend, schedules.get(name, mesh), batch)
+    assert_same_training(got, train_one_process(weights, plain), plain, f"{name}, collated")
+
+
+@pytest.fixture(scope="module")
+def mistral_weights():
+    torch.manual_seed(0)
+    return mistral().state_dict()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_sliding_window_trains_as_one_process(mesh, mistral_weights, backend, name, kind):
+    batch = batch_of(kind)
+    want = train_one_process(mistral_weights, batch, mistral)
+    got = train_sharded(mistral_weights, backend, schedules.get(name, mesh), batch, mistral)
+    assert_same_training(got, want, batch, f"window {WINDOW}, {name}, {kind} batch")
 
 
 @pytest.mark.parametrize("inner", HYBRIDS)
