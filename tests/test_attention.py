@@ -2,7 +2,8 @@
 (thd) sequences, kernel choice and its errors, ``explain``.
 
 Run: pytest -q tests/test_attention.py
-Oracle: torch SDPA with autograd on fp64 copies (``sdpa_oracle`` in conftest.py).
+Reference: tests/reference.py (torch SDPA in fp64 with autograd); tolerances: its TOLERANCES
+for the dtype of the results.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 import sdpa_fusion
 from sdpa_fusion import KernelUnavailable, Layout
 from sdpa_fusion.kernels import get, names
-from sdpa_fusion.layout import has_layout, sequence_view
+from sdpa_fusion.layout import has_layout
+from tests import reference
+from tests.reference import assert_close
 
 
 def make(shape, layout: Layout, rng, dtype=torch.float32, grad=False) -> torch.Tensor:
@@ -31,7 +34,8 @@ def qkv(rng, layout=Layout.BSHE, b=2, h=4, h_kv=2, s_q=24, s_kv=24, e=16, dtype=
 @pytest.mark.parametrize("kernel", ["reference", "auto"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
-def test_matches_torch_and_keeps_layouts(layout, causal, kernel, rng, assert_close, sdpa_oracle):
+def test_matches_torch_and_keeps_layouts(layout, causal, kernel, rng):
+    """out and gradients equal the reference and keep the layouts of q, k, v."""
     q, k, v = qkv(rng, layout, s_q=24, s_kv=24 if causal else 31)
     dout = make(q.shape, layout, rng)
     out = sdpa_fusion.attention(q, k, v, causal=causal, layout=str(layout), kernel=kernel)
@@ -39,30 +43,29 @@ def test_matches_torch_and_keeps_layouts(layout, causal, kernel, rng, assert_clo
     assert has_layout(out, layout), "the output keeps the query's layout"
     for name, t in zip("qkv", (q, k, v)):
         assert has_layout(t.grad, layout), f"d{name} is in the layout of {name}"
-    want_out, _, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=causal)
-    assert_close(out, want_out, msg="out")
-    for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), (dq, dk, dv)):
-        assert_close(got, want, msg=name)
+    want = reference.attention(q, k, v, dout, causal=causal)
+    reference.assert_results((out, q.grad, k.grad, v.grad), want)
 
 
-def test_bf16_with_scale_and_gqa(rng, assert_close, sdpa_oracle):
+def test_bf16_with_scale_and_gqa(rng):
+    """bf16 results (and gradients) within bf16's tolerance, GQA 8:2, a given scale."""
     q, k, v = qkv(rng, Layout.BSHE, h=8, h_kv=2, s_q=37, s_kv=37, dtype=torch.bfloat16)
     dout = make(q.shape, Layout.BSHE, rng, torch.bfloat16)
     out = sdpa_fusion.attention(q, k, v, causal=True, scale=0.2, layout="bshe")
     out.backward(dout)
-    want_out, _, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=True, scale=0.2)
+    want = reference.attention(q, k, v, dout, causal=True, scale=0.2)
     assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
-    for got, want in zip((out, q.grad, k.grad, v.grad), (want_out, dq, dk, dv)):
-        assert_close(got, want)
+    reference.assert_results((out, q.grad, k.grad, v.grad), want)
 
 
-def test_gradient_in_another_layout_is_accepted(rng, assert_close, sdpa_oracle):
+def test_gradient_in_another_layout_is_accepted(rng):
+    """A dout in another layout than out: dq keeps q's layout and equals the reference."""
     q, k, v = qkv(rng, Layout.BSHE)
     dout = make(q.shape, Layout.BHSE, rng)
     sdpa_fusion.attention(q, k, v, layout="bshe", kernel="reference").backward(dout)
-    *_, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=False)
+    want = reference.attention(q, k, v, dout, causal=False)
     assert has_layout(q.grad, Layout.BSHE)
-    assert_close(q.grad, dq)
+    assert_close(q.grad, want.dq)
 
 
 def test_claimed_layout_is_checked(rng):
@@ -78,7 +81,9 @@ def cu(*values):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
-def test_thd_matches_torch_per_sequence(padded, causal, rng, assert_close, sdpa_oracle):
+def test_thd_matches_torch_per_sequence(padded, causal, rng):
+    """Packed sequences (in user padding or not) equal the reference run sequence by
+    sequence; padding tokens get zero output and gradients."""
     lengths = [7, 1, 13, 9]
     room = [8, 4, 16, 12] if padded else lengths
     starts = [sum(room[:i]) for i in range(len(room))]
@@ -98,11 +103,8 @@ def test_thd_matches_torch_per_sequence(padded, causal, rng, assert_close, sdpa_
     real = torch.zeros(total, dtype=torch.bool)
     for start, n in zip(starts, lengths):
         real[start:start + n] = True
-        views = [sequence_view(t.detach(), start, start + n) for t in (q, k, v, dout)]
-        want = sdpa_oracle(*views, causal=causal)
-        got = [sequence_view(t, start, start + n) for t in (out.detach(), q.grad, k.grad, v.grad)]
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want[0], *want[2:])):
-            assert_close(g, w, msg=f"{name} of the sequence at {start}")
+    want = reference.packed(q, k, v, dout, cu_seqlens, cu_seqlens_padded=cu_padded, causal=causal)
+    reference.assert_results((out, q.grad, k.grad, v.grad), want)
     if padded:
         for name, t in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad)):
             assert t[~real].abs().max().item() == 0, f"{name} is zero on padding tokens"
@@ -140,7 +142,8 @@ def test_kernel_names():
     assert {"auto", "cudnn", "fa4", "flash", "nvfuser", "reference"} <= set(names())
 
 
-def test_a_kernel_object_can_be_passed(rng, assert_close):
+def test_a_kernel_object_can_be_passed(rng):
+    """A kernel object runs what its registered name runs."""
     q, k, v = qkv(rng)
     ref = get("reference")
     assert_close(sdpa_fusion.attention(q, k, v, layout="bshe", kernel=ref),

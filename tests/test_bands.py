@@ -6,7 +6,7 @@ packed call one varlen call of flash and of FA4 (one shift).
 
 Run: pytest -q tests/test_bands.py
 Oracle: the band written out on global positions (a - left <= b <= a + right), and the
-windows of the calls read through ``tests.conftest.visible``.
+windows of the calls read through ``tests.reference.visible``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from schedules.partition import Contiguous, LoadBalanced, Striped
 from sdpa_fusion.kernels.fa4 import varlen_shift
 from sdpa_fusion.kernels.flash_window import flash_call
 from sdpa_fusion.mask import Window, band
-from tests.conftest import visible
+from tests.reference import visible
 
 LB, CO, ST = LoadBalanced(), Contiguous(), Striped()
 WINDOWS = [(0, 0), (1, 0), (3, 2), (None, 1), (2, None), (5, 0), (0, 3), (100, 100)]
@@ -42,7 +42,7 @@ def seen(a: torch.Tensor, b: torch.Tensor, mask) -> torch.Tensor:
 
 
 def call_mask(n_q: int, n_k: int, call) -> torch.Tensor:
-    """What a call's kernel computes on its n_q x n_k block (the oracle's top-left mask)."""
+    """What a call's kernel computes on its n_q x n_k block (the reference's top-left mask)."""
     m = visible(n_q, n_k, call.causal, call.window)
     return torch.ones(n_q, n_k, dtype=torch.bool) if m is None else m
 

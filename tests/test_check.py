@@ -1,5 +1,5 @@
-"""benchmarks.check against torch SDPA in fp64 with autograd: right steps pass, wrong ones
-are caught (BHSE and BSHE, GQA, causal and not, packed, shards of regenerated inputs).
+"""benchmarks.check against the test reference (tests/reference.py: torch SDPA in fp64 with
+autograd): right steps pass, wrong ones are caught (BHSE and BSHE, GQA, causal and not, packed, shards of regenerated inputs).
 
 Run: python -m pytest -q tests/test_check.py
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from benchmarks import check
 from benchmarks.check import Generated, Problem, check_packed, check_shard, merge
+from tests import reference
 
 FP32 = check.TOLERANCE[torch.float32]
 
@@ -28,17 +28,10 @@ def inputs(b, h, h_kv, s, e, layout="bhse", dtype=torch.float32, seed=0):
     return one(h), one(h_kv), one(h_kv), one(h)
 
 
-def sdpa64(q, k, v, dout, causal, scale=None):
-    """(out, dq, dk, dv) of torch SDPA in fp64 with autograd."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double()))
-
-
 def step(q, k, v, dout, causal, dtype=torch.float32, scale=None):
-    """A right step's results in ``dtype``."""
-    return [t.to(dtype) for t in sdpa64(q, k, v, dout, causal, scale)]
+    """A right step's results in ``dtype``: the reference's, rounded."""
+    want = reference.attention(q, k, v, dout, causal=causal, scale=scale)
+    return [t.to(dtype) for t in want.results]
 
 
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
@@ -114,16 +107,12 @@ def test_nan_is_wrong():
 
 
 def packed(lengths, h, h_kv, e, causal):
-    """Packed inputs and per-sequence fp64 results (fp32), and cu_seqlens."""
+    """Packed inputs and per-sequence reference results (rounded to fp32), and cu_seqlens."""
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     q, k, v, dout = (t[0].transpose(0, 1).contiguous()
                      for t in inputs(1, h, h_kv, int(cu[-1]), e))  # [T, H, E]
-    results = [[], [], [], []]
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        seq = (t[a:b].transpose(0, 1)[None] for t in (q, k, v, dout))
-        for acc, r in zip(results, sdpa64(*seq, causal)):
-            acc.append(r[0].transpose(0, 1).float())
-    return (q, k, v, dout), [torch.cat(r) for r in results], cu
+    want = reference.packed(q, k, v, dout, cu, causal=causal)
+    return (q, k, v, dout), [t.float() for t in want.results], cu
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

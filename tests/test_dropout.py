@@ -11,14 +11,16 @@ import torch
 
 import sdpa_fusion
 from sdpa_fusion.kernels import Dropout, get
+from tests import reference
 
 P_DROP = 0.3
 
 
 def test_reference_dropout_is_the_explicit_formula(rng):
     """out = (softmax * M / (1 - p)) v with M drawn from a generator seeded with the stream's
-    seed, and the gradients of that formula (autograd, fp64): the backward replays the
-    forward's mask. GQA: 4 query heads over 2 K/V heads."""
+    seed, and the gradients of that formula (the test reference with that keep-mask, fp64
+    autograd): the backward replays the forward's mask. GQA: 4 query heads over 2 K/V
+    heads."""
     q, dout = (torch.randn(2, 4, 12, 8, generator=rng) for _ in range(2))
     k, v = (torch.randn(2, 2, 12, 8, generator=rng) for _ in range(2))
     dropout = Dropout(P_DROP, seed=1234)
@@ -26,16 +28,9 @@ def test_reference_dropout_is_the_explicit_formula(rng):
     out, lse = ref.forward(q, k, v, causal=True, scale=0.3, dropout=dropout)
     grads = ref.backward(dout, q, k, v, out, lse, causal=True, scale=0.3, dropout=dropout)
 
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    scores = (q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
-    scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
     keep = torch.rand((2, 4, 12, 12), generator=torch.Generator().manual_seed(1234)) >= P_DROP
-    want = (scores.softmax(-1) * keep / (1 - P_DROP)) @ v64.repeat_interleave(2, 1)
-    want.backward(dout.double())
-    for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                   (want, q64.grad, k64.grad, v64.grad)):
-        torch.testing.assert_close(got.double(), expected.detach(), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+    want = reference.attention(q, k, v, dout, causal=True, scale=0.3, dropout=(keep, P_DROP))
+    reference.assert_results((out, *grads), want)
 
 
 def test_attention_dropout_is_seeded_by_torch(rng):

@@ -3,8 +3,7 @@ run sequence by sequence, and the pure pieces of the GPU paths (flash's mask con
 padding plan, the cost model).
 
 Run: pytest -q tests/test_varlen.py
-Oracle: ``sdpa_oracle`` (conftest.py; imported, as hypothesis tests take no function-scoped
-fixtures), torch SDPA with autograd in fp64 on each sequence;
+Reference: tests/reference.py's ``packed``, torch SDPA with autograd in fp64 on each sequence;
 random lengths (hypothesis) include 0, 1 and queries != keys per sequence (top-left masks).
 """
 
@@ -23,11 +22,10 @@ from sdpa_fusion.kernels import KernelUnavailable, Padded, PerSequence, Seqlens,
 from sdpa_fusion.kernels import choice, cost, packed
 from sdpa_fusion.kernels.aten import _dense_window
 from sdpa_fusion.kernels.flash_window import flash_call, flash_cut
-from sdpa_fusion.layout import sequence_view
 from sdpa_fusion.local import packed_seqlens
 from sdpa_fusion.mask import Window, band
-from tests.conftest import _assert_close as assert_close
-from tests.conftest import _sdpa_oracle as sdpa_oracle
+from tests import reference
+from tests.reference import assert_close
 
 H, E, SCALE = 4, 16, 0.3
 length = st.one_of(st.integers(0, 2), st.integers(0, 20), st.just(41))
@@ -58,8 +56,8 @@ def run_varlen(kernel, q, k, v, dout, seqlens, causal, window):
     return out, lse, *grads
 
 
-def check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close, oracle):
-    """Each sequence of the packed results against torch SDPA on that sequence alone."""
+def check_per_sequence(got, q, k, v, dout, seqlens, causal, window):
+    """Each sequence of the packed results against the reference on that sequence alone."""
     out, lse, dq, dk, dv = got
     assert out.shape == q.shape and lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
     for (qa, qb), (ka, kb) in zip(zip(seqlens.cu_q, seqlens.cu_q[1:]),
@@ -68,16 +66,12 @@ def check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close
             assert out[qa:qb].abs().sum() == 0 and dq[qa:qb].abs().sum() == 0
             assert torch.all(lse[:, qa:qb] == -math.inf)
             assert dk[ka:kb].abs().sum() == 0 and dv[ka:kb].abs().sum() == 0
-            continue
-        views = [sequence_view(t, a, b) for t, (a, b) in
-                 zip((q, k, v, dout), ((qa, qb), (ka, kb), (ka, kb), (qa, qb)))]
-        w_out, w_lse, w_dq, w_dk, w_dv = oracle(*views, causal=causal, scale=SCALE, window=window)
-        seen = torch.isfinite(w_lse[0])
-        assert torch.equal(torch.isfinite(lse[:, qa:qb]), seen), "rows that see no key: lse -inf"
-        assert_close(lse[:, qa:qb][seen], w_lse[0][seen], msg=f"lse of sequence at {qa}")
-        for name, g, w, (a, b) in (("out", out, w_out, (qa, qb)), ("dq", dq, w_dq, (qa, qb)),
-                                   ("dk", dk, w_dk, (ka, kb)), ("dv", dv, w_dv, (ka, kb))):
-            assert_close(sequence_view(g, a, b), w, msg=f"{name} of sequence at {qa}")
+    want = reference.packed(q, k, v, dout, seqlens.cu_q, cu_seqlens_k=seqlens.cu_k,
+                            causal=causal, scale=SCALE, window=window)
+    seen = torch.isfinite(want.lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key: lse -inf"
+    assert_close(lse[seen], want.lse[seen], msg="lse")
+    reference.assert_results((out, dq, dk, dv), want)
 
 
 # ---- the reference kernel (and the per-sequence way) ------------------------------------------
@@ -89,7 +83,7 @@ def test_reference_varlen_matches_torch_per_sequence(pairs, causal, window, kv_h
     q, k, v, dout = packed_inputs(seqlens, kv_heads, seed)
     for kernel in (get("reference"), PerSequence("reference")):
         got = run_varlen(kernel, q, k, v, dout, seqlens, causal, window)
-        check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close, sdpa_oracle)
+        check_per_sequence(got, q, k, v, dout, seqlens, causal, window)
 
 
 # ---- the padded way (one dense call), run here on the reference kernel -------------------------
@@ -102,7 +96,7 @@ def test_padded_way_matches_torch_per_sequence(lengths, left, kv_heads, seed):
     seqlens = packed_seqlens(cumulative(lengths))
     q, k, v, dout = packed_inputs(seqlens, kv_heads, seed)
     got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, True, window)
-    check_per_sequence(got, q, k, v, dout, seqlens, True, window, assert_close, sdpa_oracle)
+    check_per_sequence(got, q, k, v, dout, seqlens, True, window)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -112,7 +106,7 @@ def test_padded_way_without_copies_when_sequences_share_one_length(causal):
     assert plan.slots["q"] is None and (plan.count, plan.length) == (3, {"q": 6, "k": 6})
     q, k, v, dout = packed_inputs(seqlens, 2, 0)
     got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, causal, None)
-    check_per_sequence(got, q, k, v, dout, seqlens, causal, None, assert_close, sdpa_oracle)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, None)
 
 
 def test_padded_way_refuses_what_padding_would_get_wrong():
@@ -125,7 +119,7 @@ def test_padded_way_refuses_what_padding_would_get_wrong():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("cu_k", [(0, 5, 10, 15), (0, 5, 7, 12)], ids=["one-shape", "uneven"])
-def test_padded_way_runs_the_calls_of_a_schedule(causal, cu_k, assert_close, sdpa_oracle):
+def test_padded_way_runs_the_calls_of_a_schedule(causal, cu_k):
     """Calls with other shapes than the problem's (a ring block: 3 queries, 5 keys each) pad
     to one dense call when they share one shape, else go through the kernel's varlen call."""
     seqlens = Seqlens((0, 3, 6, 9), cu_k)
@@ -133,7 +127,7 @@ def test_padded_way_runs_the_calls_of_a_schedule(causal, cu_k, assert_close, sdp
     one_shape = packed.padding(seqlens, 9, 15, band(causal, None), torch.device("cpu"))
     assert (one_shape is not None) == (cu_k == (0, 5, 10, 15))
     got = run_varlen(Padded("reference"), q, k, v, dout, seqlens, causal, None)
-    check_per_sequence(got, q, k, v, dout, seqlens, causal, None, assert_close, sdpa_oracle)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, None)
 
 
 # ---- the split way: long sequences one by one, short ones in one varlen call --------------------
@@ -145,7 +139,7 @@ def test_split_way_matches_torch_per_sequence(pairs, causal, window, min_long, s
     q, k, v, dout = packed_inputs(seqlens, 2, seed)
     got = run_varlen(Split("reference", "reference", min_long), q, k, v, dout, seqlens, causal,
                      window)
-    check_per_sequence(got, q, k, v, dout, seqlens, causal, window, assert_close, sdpa_oracle)
+    check_per_sequence(got, q, k, v, dout, seqlens, causal, window)
 
 
 def test_split_sequences_cuts_long_ones_into_pieces_of_the_longest_short_one():
@@ -177,13 +171,9 @@ def test_thd_with_padding_window_and_gqa(lengths, extra, causal, window, seed):
     real = torch.zeros(total, dtype=torch.bool)
     for start, n in zip(starts, lengths):
         real[start:start + n] = True
-        if n == 0:
-            continue
-        views = [sequence_view(t.detach(), start, start + n) for t in (q, k, v, dout)]
-        want = sdpa_oracle(*views, causal=causal, scale=SCALE, window=window)
-        for name, t, w in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
-                              (want[0], *want[2:])):
-            assert_close(sequence_view(t.detach(), start, start + n), w, msg=f"{name} at {start}")
+    want = reference.packed(q, k, v, dout, cumulative(lengths), cu_seqlens_padded=starts,
+                            causal=causal, scale=SCALE, window=window)
+    reference.assert_results((out, q.grad, k.grad, v.grad), want)
     for name, t in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad)):
         assert t[~real].abs().sum() == 0, f"{name} is 0 on padding tokens"
 

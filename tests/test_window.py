@@ -2,7 +2,7 @@
 packed against torch SDPA with an explicit mask, the band helpers, FLOPs, and bad windows.
 
 Run: pytest -q tests/test_window.py
-Oracle: ``sdpa_oracle(..., window=)`` (conftest.py): torch SDPA in fp64 with the top-left mask
+Reference: tests/reference.py with ``window=``: torch SDPA in fp64 with the top-left mask
 i - left <= j <= i + right built there (``visible``), independently of sdpa_fusion.mask.
 """
 
@@ -17,14 +17,16 @@ import sdpa_fusion
 from sdpa_fusion import AttentionSpec, Layout
 from sdpa_fusion.kernels import Kernel, KernelUnavailable, get
 from sdpa_fusion.mask import Window, band, visible, visible_pairs
-from tests.conftest import visible as oracle_visible
+from tests import reference
+from tests.reference import assert_close
 
 WINDOWS = [(3, 0), (0, 0), (2, 5), (None, 1), (4, None), (None, None)]
 
 
 def window_mask(n_q, n_k, left, right):
-    """The oracle's mask of a window alone (conftest.visible; None there when all may see)."""
-    seen = oracle_visible(n_q, n_k, False, (left, right))
+    """The reference's mask of a window alone (reference.visible; None there when all may
+    see)."""
+    seen = reference.visible(n_q, n_k, False, (left, right))
     return torch.ones(n_q, n_k, dtype=torch.bool) if seen is None else seen
 
 
@@ -37,27 +39,24 @@ def make(shape, layout, rng, grad=True):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("s_q, s_kv", [(19, 19), (12, 19), (19, 12)], ids=str)
 @pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
-def test_dense_window_matches_torch(layout, s_q, s_kv, causal, window, rng, assert_close,
-                                    sdpa_oracle):
+def test_dense_window_matches_torch(layout, s_q, s_kv, causal, window, rng):
+    """Every window kind, causal or not, queries fewer, as many or more than keys."""
     q = make((2, 4, s_q, 16), layout, rng)
     k, v = (make((2, 2, s_kv, 16), layout, rng) for _ in range(2))
     dout = make(q.shape, layout, rng, grad=False)
     out = sdpa_fusion.attention(q, k, v, layout=str(layout), causal=causal, window=window)
     out.backward(dout)
-    want_out, _, dq, dk, dv = sdpa_oracle(q, k, v, dout, causal=causal, window=window)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
-                               (want_out, dq, dk, dv)):
-        assert_close(got, want, msg=name)
+    want = reference.attention(q, k, v, dout, causal=causal, window=window)
+    reference.assert_results((out, q.grad, k.grad, v.grad), want)
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-def test_reference_lse_with_window(window, rng, assert_close, sdpa_oracle):
+def test_reference_lse_with_window(window, rng):
     """Rows a window leaves without keys: lse -inf, out 0 (s_q > s_kv + left)."""
     q = make((1, 2, 20, 8), Layout.BHSE, rng, grad=False)
     k, v = (make((1, 2, 6, 8), Layout.BHSE, rng, grad=False) for _ in range(2))
     out, lse = get("reference").forward(q, k, v, causal=False, scale=0.5, window=Window.of(window))
-    want_out, want_lse, *_ = sdpa_oracle(q, k, v, torch.zeros_like(q), causal=False, scale=0.5,
-                                         window=window)
+    want_out, want_lse, *_ = reference.attention(q, k, v, causal=False, scale=0.5, window=window)
     assert torch.equal(torch.isfinite(lse), torch.isfinite(want_lse))
     assert_close(lse[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], torch.float32)
     assert_close(out, want_out)

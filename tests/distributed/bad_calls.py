@@ -23,7 +23,9 @@ from schedules.ring import Ring
 from sdpa_fusion.kernels import register
 from sdpa_fusion.kernels.reference import ReferenceKernel
 
-from .conftest import Problem, make_problem, tolerance
+from tests.reference import tolerance
+
+from .conftest import Problem, make_problem
 
 
 class TwinKernel(ReferenceKernel):
@@ -79,14 +81,14 @@ def check(call: dict, prob: Problem, *, backward: bool = True, grad_mode: bool =
     local = out.to_local() if isinstance(out, DTensor) else out
     tol = tolerance(local.dtype)
     shard = lambda t: sched.shard(t, layout=prob.layout)  # noqa: E731
-    torch.testing.assert_close(local.float(), shard(prob.out).float(), **tol)
+    torch.testing.assert_close(local.double(), shard(prob.out), **tol)
     if not backward:
         assert not out.requires_grad
         return
     dout = shard(prob.dout).to(local.dtype)
     out.backward(DTensor.from_local(dout, out.device_mesh, out.placements) if out is not local else dout)
     for name, want in zip("qkv", (prob.dq, prob.dk, prob.dv)):
-        torch.testing.assert_close(leaves[name].grad.float(), shard(want).float(), **tol,
+        torch.testing.assert_close(leaves[name].grad.double(), shard(want), **tol,
                                    msg=lambda m, n=name: f"d{n}: {m}")
 
 
@@ -387,7 +389,7 @@ def copies_unsharded(keywords: dict, good: dict):
                                         kernel="reference", schedule=ctx.sched)
             out.backward(ctx.sched.shard(prob.dout, layout=prob.layout))
             dk = ctx.sched.unshard(k.grad, layout=prob.layout, **(keywords if bad else good))
-            torch.testing.assert_close(dk, prob.dk, **tolerance(dk.dtype))
+            torch.testing.assert_close(dk.double(), prob.dk, **tolerance(dk.dtype))
         return run
     return act
 

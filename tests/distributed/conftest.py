@@ -4,8 +4,11 @@
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed
 
 Every rank seeds the same generator, builds the same full tensors, computes the reference on
-them with the fp32 reference kernel, and checks its own shard. On CPU ranks the backend is
-gloo and the local kernel ``reference``; on GPUs, NCCL.
+them (tests/reference.py: torch SDPA in fp64), and checks the gathered results within the
+tolerance of their dtype (its TOLERANCES). On CPU ranks the backend is gloo and the local
+kernel ``reference``; on GPUs, NCCL. Every test starts from a barrier of all ranks
+(``barrier``). Tests of pure functions (plans, tables, describe() on a VirtualMesh) live in
+tests/, not here: they need no process group.
 """
 
 from __future__ import annotations
@@ -14,17 +17,18 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import schedules
 import sdpa_fusion
-from sdpa_fusion.kernels.reference import ReferenceKernel
 from sdpa_fusion.layout import Layout, has_layout
-from sdpa_fusion.spec import AttentionSpec
+from tests import reference
 
 
 @dataclasses.dataclass
 class Problem:
-    """Full q, k, v, dout in one layout and the reference out/gradients of the whole problem."""
+    """Full q, k, v, dout in one layout and the reference out/gradients (fp64) of the whole
+    problem."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -42,7 +46,7 @@ class Problem:
 
 def make_problem(b=2, h=4, h_kv=None, s=32, e=16, *, s_kv=None, layout="bhse", causal=False,
                  scale=None, dtype=torch.float32, device="cpu", seed=0, window=None) -> Problem:
-    """Random inputs (same on every rank) and the single-process fp32 reference results;
+    """Random inputs (same on every rank) and the reference's results on the whole problem;
     ``s_kv`` keys per sequence (``s`` by default); ``window`` a sliding window (left, right)."""
     layout = Layout.of(layout)
     h_kv = h_kv or h
@@ -54,18 +58,9 @@ def make_problem(b=2, h=4, h_kv=None, s=32, e=16, *, s_kv=None, layout="bhse", c
 
     q, dout = rand(h, s), rand(h, s)
     k, v = rand(h_kv, s_kv or s), rand(h_kv, s_kv or s)
-    spec = AttentionSpec.from_tensors(q, k, v, layout=layout, causal=causal, scale=scale,
-                                      window=window)
-    ref = ReferenceKernel()
-    masks = dict(causal=causal, scale=spec.softmax_scale, window=spec.window)
-    out, lse = ref.forward(q, k, v, **masks)
-    dq, dk, dv = ref.backward(dout, q, k, v, out, lse, **masks)
+    want = reference.attention(q, k, v, dout, causal=causal, scale=scale, window=window)
+    out, dq, dk, dv = (layout.to(t) for t in want.results)  # in the layout, as shard takes them
     return Problem(q, k, v, dout, out, dq, dk, dv, layout, causal, scale, window)
-
-
-def tolerance(dtype):
-    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-            torch.float16: dict(rtol=2e-3, atol=2e-3)}[dtype]
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +69,27 @@ def mesh():
     m = sdpa_fusion.init_mesh((-1,), ("seq",))
     yield m
     sdpa_fusion.close_mesh()
+
+
+@pytest.fixture(autouse=True)
+def barrier(mesh):
+    """Every test starts when every rank has arrived: a barrier of torch.distributed's WORLD
+    group, so that one test's leftover traffic or a rank's early failure does not run into
+    the next test. gloo: ``monitored_barrier``, which names the ranks that did not come,
+    bounded by twice the mesh's timeout (ranks that a rank's early failure left waiting in
+    the last test leave it after one timeout, with a MeshTimeout, and still meet here; a rank
+    stuck for good fails the barrier instead of hanging); NCCL: the WORLD group's own timeout
+    (the mesh's)."""
+    if mesh.closed:
+        pytest.fail(f"{mesh!r} was closed by an earlier test; tests under mpirun share the "
+                    f"session's mesh, none may call sdpa_fusion.close_mesh()")
+    if mesh.size() > 1:
+        world = dist.group.WORLD
+        if dist.get_backend(world) == "gloo":
+            dist.monitored_barrier(world, timeout=2 * mesh.timeout, wait_all_ranks=True)
+        else:
+            dist.barrier(world, device_ids=[mesh.device.index])
+    yield
 
 
 @pytest.fixture
@@ -110,9 +126,9 @@ def run_schedule(schedule, problem: Problem, *, kernel="reference", shard_kwargs
     return tuple(schedule.unshard(t, layout=layout) for t in (out, q.grad, k.grad, v.grad))
 
 
-def assert_matches(problem: Problem, results, dtype=torch.float32):
-    """Full results of a schedule equal the reference (within the dtype's tolerance) and keep
-    the layout of the inputs."""
-    for name, got, want in zip(("out", "dq", "dk", "dv"), results, (problem.out, problem.dq, problem.dk, problem.dv)):
-        assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
-        torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype), msg=lambda m: f"{name}: {m}")
+def assert_matches(problem: Problem, results):
+    """Full results (out, dq, dk, dv) of a schedule equal the reference within the tolerance
+    of the problem's dtype."""
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results,
+                               (problem.out, problem.dq, problem.dk, problem.dv)):
+        reference.assert_close(got, want, problem.q.dtype, msg=name)

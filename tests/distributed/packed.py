@@ -1,5 +1,6 @@
-"""Packed (THD) problems for tests under mpirun: random sequences, the single-process
-reference run sequence by sequence on the full tensors, and a schedule's run of them.
+"""Packed (THD) problems for tests under mpirun: random sequences, the reference
+(tests/reference.py) run sequence by sequence on the full tensors, and a schedule's run of
+them.
 
 Every rank builds the same full tensors (same seed); the global padding slots of
 ``cu_seqlens_padded`` hold random values that no result may depend on.
@@ -13,13 +14,12 @@ import numpy as np
 import torch
 
 import sdpa_fusion
-from sdpa_fusion.kernels.reference import ReferenceKernel
-from sdpa_fusion.mask import Window
+from tests import reference
 
 
 @dataclasses.dataclass
 class PackedProblem:
-    """Full packed q, k, v, dout [T, H, E], their packing, and the reference results."""
+    """Full packed q, k, v, dout [T, H, E], their packing, and the reference results (fp64)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -57,7 +57,10 @@ def make_packed(lengths, *, h=4, h_kv=None, e=8, slack=None, causal=False, scale
     problem = PackedProblem(rand(h), rand(h_kv or h), rand(h_kv or h), rand(h), cu.to(device),
                             None if padded is None else padded.to(device), causal, scale,
                             window)
-    _reference(problem)
+    want = reference.packed(problem.q, problem.k, problem.v, problem.dout, problem.cu_seqlens,
+                            cu_seqlens_padded=problem.cu_seqlens_padded, causal=causal,
+                            scale=scale, window=window)
+    problem.out, problem.dq, problem.dk, problem.dv = want.results
     return problem
 
 
@@ -76,23 +79,6 @@ def global_positions(problem: PackedProblem) -> torch.Tensor:
     for start, n in sequences(problem):
         positions[start:start + n] = torch.arange(n)
     return positions
-
-
-def _reference(p: PackedProblem) -> None:
-    """Out and gradients of the reference kernel, sequence by sequence (zero in padding)."""
-    ref = ReferenceKernel()
-    scale = p.scale if p.scale is not None else p.q.shape[-1] ** -0.5
-    masks = dict(causal=p.causal, scale=scale, window=Window.of(p.window))
-    p.out, p.dq, p.dk, p.dv = (torch.zeros_like(t) for t in (p.q, p.q, p.k, p.v))
-    for start, n in sequences(p):
-        if n == 0:
-            continue
-        view = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (p.q, p.k, p.v, p.dout)]
-        q, k, v, dout = view
-        out, lse = ref.forward(q, k, v, **masks)
-        grads = ref.backward(dout, q, k, v, out, lse, **masks)
-        for full, got in zip((p.out, p.dq, p.dk, p.dv), (out, *grads)):
-            full[start:start + n] = got[0].transpose(0, 1)
 
 
 def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=False,
@@ -123,13 +109,12 @@ def run_packed(schedule, problem: PackedProblem, *, kernel="reference", local=Fa
             *(schedule.unshard(t, **kw, **copies) for t in results[2:]))
 
 
-def assert_packed_matches(problem: PackedProblem, results, *, rtol=1e-5, atol=1e-5):
-    """Full results equal the reference (zero in the global padding slots)."""
+def assert_packed_matches(problem: PackedProblem, results):
+    """Full results equal the reference (zero in the global padding slots) within the
+    tolerance of the problem's dtype."""
     expected = (problem.out, problem.dq, problem.dk, problem.dv)
     for name, got, want in zip(("out", "dq", "dk", "dv"), results, expected):
-        assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
-        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{name}: {m}")
+        reference.assert_close(got, want, problem.q.dtype, msg=name)
 
 
 def refill(offsets: torch.Tensor, array: np.ndarray | None, values: list[int]) -> None:

@@ -26,10 +26,6 @@ def example():
         yield importlib.reload(module)
 
 
-def test_the_example_registers_its_schedule():
-    assert "gather_kv" in schedules.names() and schedules.options("gather_kv") == ["dim"]
-
-
 @pytest.mark.parametrize("layout", ["bhse", "bshe"])
 def test_gather_kv_matches_the_reference(mesh, example, layout):
     p = mesh.size()

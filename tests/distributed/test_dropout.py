@@ -5,8 +5,8 @@ stream, the forward's mask is the one the backward replays.
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_dropout.py
 
 With v the identity (head dim = sequence length), out is the dropped attention matrix itself:
-every entry must be 0 or P / (1 - p), P the softmax of the full problem (fp64 oracle), about
-a fraction p of them 0, and the masks of different ranks' blocks (and head groups) must
+every entry must be 0 or P / (1 - p), P the softmax of the full problem (the reference of
+tests/reference.py with v the identity), about a fraction p of them 0, and the masks of different ranks' blocks (and head groups) must
 differ. The gradients
 are checked against the forward with the same seed: dV exactly (out is linear in v), dQ and
 dK by central differences.
@@ -19,6 +19,7 @@ import torch
 
 import schedules
 import sdpa_fusion
+from tests import reference
 
 P_DROP, B, S = 0.4, 2, 16
 NAMES = ["ring", "allgather", "ulysses", "head_parallel", "hybrid"]
@@ -69,9 +70,13 @@ def across(value: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_causal(q, k) -> torch.Tensor:
-    scores = (q.double() @ k.double().transpose(-1, -2)) * S ** -0.5
-    scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(-1)
+    """The attention matrix of the full causal problem (fp64): the reference with v = I."""
+    return reference.attention(q, k, torch.eye(S).expand(*q.shape[:2], S, S), causal=True).out
+
+
+# Kept entries are P / (1 - p) of fp32 softmaxes over 16 keys: the table's fp32 rtol, and an
+# atol of 1e-6, tighter than its 1e-5 (probabilities, off by about 1e-7 in fp32).
+KEPT = dict(rtol=reference.TOLERANCES[torch.float32][1], atol=1e-6)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -83,8 +88,7 @@ def test_dropped_attention_matrix(mesh, name):
     kept = attention.double().abs() > 0
     visible = probs > 0
     assert not bool((kept & ~visible).any()), "a masked (future) key got weight"
-    torch.testing.assert_close(attention.double()[kept], probs[kept] / (1 - P_DROP), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(attention.double()[kept], probs[kept] / (1 - P_DROP), **KEPT)
     dropped = 1 - kept[visible].double().mean().item()
     assert abs(dropped - P_DROP) < 0.1, f"dropped a fraction {dropped:.3f}, expected {P_DROP}"
     again, _ = run(sched, q, k, v, seed=7)
@@ -122,8 +126,7 @@ def test_head_groups_draw_their_own_masks(mesh, name):
     probs = softmax_causal(q, k)
     kept = attention.double().abs() > 0
     assert not bool((kept & ~(probs > 0)).any()), "a masked (future) key got weight"
-    torch.testing.assert_close(attention.double()[kept], probs[kept] / (1 - P_DROP), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(attention.double()[kept], probs[kept] / (1 - P_DROP), **KEPT)
     half = kept.shape[1] // 2
     assert not torch.equal(kept[:, :half], kept[:, half:]), "both head groups drew one mask"
     assert_gradients_replay_the_forward_mask(sched, mesh)
@@ -146,6 +149,8 @@ def assert_gradients_replay_the_forward_mask(sched, mesh):
 
     u_q, u_k, u_v = directions
     linear = f(q, k, v + u_v) - f(q, k, v)
+    # sums of fp32 results over the whole tensor (not a comparison with the reference): the
+    # difference of two fp32 forwards, and below central differences with an O(eps^2) error
     torch.testing.assert_close(linear, along(2, u_v), rtol=1e-4, atol=1e-4)
     eps = 1e-2
     for i, (x, u) in enumerate(((q, u_q), (k, u_k))):

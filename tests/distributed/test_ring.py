@@ -1,4 +1,5 @@
-"""Ring attention vs the single-process reference, its mask cases, and its traffic.
+"""Ring attention vs the reference, its buffers and its kernel calls (its mask cases and
+errors of pure planning: tests/test_plans.py; its traffic: test_traffic.py).
 
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_ring.py
 """
@@ -12,8 +13,6 @@ import schedules
 import sdpa_fusion
 from schedules import heads
 from schedules.comm import Pending
-from schedules.partition import Contiguous, LoadBalanced, Striped
-from schedules.ring import Block, block_case
 from sdpa_fusion.kernels.reference import ReferenceKernel
 
 from .conftest import assert_matches, make_problem, run_schedule
@@ -44,67 +43,7 @@ def test_ring_index_map_non_causal(mesh):
 def test_ring_bf16(mesh):
     problem = make_problem(b=1, h=4, s=16 * mesh.size(), e=16, causal=True, dtype=torch.bfloat16)
     sched = schedules.get("ring", mesh)
-    assert_matches(problem, run_schedule(sched, problem), torch.bfloat16)
-
-
-# Each rank's view of the block owned by each source rank, P = 4, causal (pure decisions).
-LB, CO, ST = LoadBalanced(), Contiguous(), Striped()
-CASES = [
-    (LB, 2, 2, Block.CAUSAL), (LB, 2, 0, Block.EARLY_KEYS), (LB, 2, 3, Block.LATE_QUERIES),
-    (LB, 0, 3, Block.LATE_QUERIES), (LB, 3, 0, Block.EARLY_KEYS),
-    (CO, 1, 1, Block.CAUSAL), (CO, 1, 0, Block.FULL), (CO, 1, 3, Block.SKIP),
-    (ST, 2, 2, Block.CAUSAL), (ST, 2, 1, Block.CAUSAL), (ST, 2, 3, Block.SHIFTED),
-]
-
-
-@pytest.mark.parametrize("partition,rank,source,expected", CASES,
-                         ids=[f"{c[0].name}-r{c[1]}-from{c[2]}" for c in CASES])
-def test_block_case_table(partition, rank, source, expected):
-    assert block_case(rank, source, True, partition) is expected
-    assert block_case(rank, source, False, partition) is Block.FULL
-
-
-def test_load_balanced_steps_cost_the_same(mesh):
-    """Every step after the first computes half a block on every rank: the query x key
-    pairs of each case are equal."""
-    s = 8
-    for rank in range(4):
-        for source in range(4):
-            if source == rank:
-                continue
-            case = block_case(rank, source, True, LB)
-            q_rows = s // 2 if case is Block.LATE_QUERIES else s
-            k_rows = s // 2 if case is Block.EARLY_KEYS else s
-            assert q_rows * k_rows == s * s // 2
-
-
-def test_ring_traffic_matches_describe(mesh):
-    p = mesh.size()
-    problem = make_problem(b=1, h=4, h_kv=2, s=8 * p, e=8, causal=True, layout="bshe")
-    sched = schedules.get("ring", mesh)
-    q, k, v = (sched.shard(t, layout="bshe").requires_grad_() for t in (problem.q, problem.k, problem.v))
-    full = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, layout="bshe", causal=True))
-    promised = sched.describe(full)
-    sched.comm.stats.reset()
-    out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference", schedule=sched)
-    assert (sched.comm.stats.bytes_sent, sched.comm.stats.bytes_received) == (promised.bytes_sent, promised.bytes_received)
-    sched.comm.stats.reset()
-    out.backward(sched.shard(problem.dout, layout="bshe"))
-    assert sched.comm.stats.bytes_sent == promised.backward_bytes_sent
-    assert sched.comm.stats.bytes_received == promised.backward_bytes_received
-    kv_elements = 2 * k.numel()
-    assert promised.bytes_sent == (p - 1) * kv_elements * k.element_size()  # P-1 K/V blocks
-    # backward: the K/V blocks again, plus their fp32 dK/dV, P-1 hops each
-    assert promised.backward_bytes_sent == (p - 1) * kv_elements * (k.element_size() + 4)
-    assert promised.flops == pytest.approx(full.flops() / p)
-
-
-def test_sequence_not_divisible(mesh):
-    p = mesh.size()
-    sched = schedules.get("ring", mesh)
-    t = torch.randn(1, 2, 2 * p + 1, 8)
-    with pytest.raises(ValueError, match=rf"sequence length {2 * p + 1} must be divisible by {2 * p} for load_balanced"):
-        sched.shard(t)
+    assert_matches(problem, run_schedule(sched, problem))
 
 
 def test_odd_local_length_rejected_on_every_rank(mesh):
@@ -123,11 +62,6 @@ def test_causal_with_unordered_index_map_rejected(mesh):
     with pytest.raises(ValueError, match="causal attention needs each rank's tokens in increasing order"):
         sdpa_fusion.attention(q, q, q, causal=True, kernel="reference", schedule=sched)
 
-
-
-def test_unknown_transport_rejected(mesh):
-    with pytest.raises(ValueError, match=r"transport='pigeon' is not known; choose one of"):
-        schedules.get("ring", mesh, transport="pigeon")
 
 
 def test_copy_engine_transport_needs_cuda(mesh):

@@ -1,8 +1,9 @@
-"""Sliding windows under every schedule vs the reference kernel on the full problem (per
-sequence when packed): dense and packed, causal and not, GQA, windows within a chunk, past a
+"""Sliding windows under every schedule vs the reference (tests/reference.py) on the full
+problem (per sequence when packed): dense and packed, causal and not, GQA, windows within a chunk, past a
 chunk, past the sequence, left-only, right-only and asymmetric, random lengths (0, 1, not
 divisible by 2P). Blocks outside the window make no kernel call, and the ring shifts no
-block that no rank needs. Bad windows fail on every rank.
+block that no rank needs (counted as torch.distributed sees it, tests/comms.py). Bad windows
+fail on every rank.
 
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_sliding_window.py
 """
@@ -20,6 +21,8 @@ import schedules
 import sdpa_fusion
 from schedules.comm import Pending
 from sdpa_fusion.kernels.reference import ReferenceKernel
+from tests.comms import counting
+from tests.reference import assert_close
 
 from .conftest import assert_matches, make_problem, run_schedule
 from .packed import assert_packed_matches, make_packed, run_packed
@@ -125,7 +128,7 @@ def test_bf16(mesh):
     p = mesh.size()
     problem = make_problem(b=1, h=4, h_kv=2, s=32 * p, e=16, causal=True, window=(5, 0),
                            dtype=torch.bfloat16, layout="bshe")
-    assert_matches(problem, run_schedule(schedules.get("ring", mesh), problem), torch.bfloat16)
+    assert_matches(problem, run_schedule(schedules.get("ring", mesh), problem))
 
 
 # ---- skipped blocks: no kernel call, no transfer ---------------------------------------------
@@ -207,19 +210,21 @@ def test_skipped_blocks_make_no_call_and_no_transfer(mesh, partition, monkeypatc
     monkeypatch.setattr(Pending, "wait", lambda self: (waits.append(1), original(self))[1])
     problem = make_problem(b=1, h=2, s=s, e=8, causal=True, window=window, layout="bshe")
     kernel = Counting()
-    sched.comm.stats.reset()
     q, k, v = (sched.shard(t, layout="bshe").requires_grad_()
                for t in (problem.q, problem.k, problem.v))
-    out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", window=window, kernel=kernel,
-                                schedule=sched)
-    assert (kernel.forwards, sched.comm.stats.transfers, len(waits)) == (pieces, steps, steps)
-    forward_bytes = sched.comm.stats.bytes_sent
-    out.backward(sched.shard(problem.dout, layout="bshe"))
-    backward_bytes = sched.comm.stats.bytes_sent - forward_bytes
+    with counting() as forward:
+        out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", window=window,
+                                    kernel=kernel, schedule=sched)
+    shifts = forward.calls("batch_isend_irecv", sched.group)
+    assert (kernel.forwards, shifts, len(waits)) == (pieces, steps, steps)
+    assert set(forward.ops(sched.group)) == {"batch_isend_irecv"}
+    with counting() as backward:
+        out.backward(sched.shard(problem.dout, layout="bshe"))
+    forward_bytes, backward_bytes = forward.sent(sched.group), backward.sent(sched.group)
     # backward: K/V to every needed step, and the dK/dV sums along them and home
     hops = 2 * steps
-    assert (kernel.backwards, sched.comm.stats.transfers, len(waits)) == (pieces, steps + hops,
-                                                                          steps + hops)
+    shifts += backward.calls("batch_isend_irecv", sched.group)
+    assert (kernel.backwards, shifts, len(waits)) == (pieces, steps + hops, steps + hops)
     if p > 2 and partition == "load_balanced":
         assert steps == 2  # steps 1 and P-1, not the P-1 steps of a full ring
     full = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(
@@ -232,7 +237,6 @@ def test_skipped_blocks_make_no_call_and_no_transfer(mesh, partition, monkeypatc
     assert (d.steps, d.bytes_sent) == (1 + steps, steps * kv_bytes)
     assert d.backward_bytes_sent == steps * kv_bytes + steps * 2 * k.numel() // k.shape[2] * rows * 4
     assert (forward_bytes, backward_bytes) == (d.bytes_sent, d.backward_bytes_sent)  # as moved
-    sched.comm.stats.reset()
 
 
 @pytest.mark.parametrize("partition", ["contiguous", "load_balanced"])
@@ -274,7 +278,7 @@ def test_bad_window_on_one_rank_fails_everywhere(mesh, name):
             sdpa_fusion.attention(q, k, v, causal=True, schedule=sched, **kwargs)
     out = sdpa_fusion.attention(q, k, v, causal=True, schedule=sched, kernel="reference",
                                 window=(2, 0))
-    torch.testing.assert_close(sched.unshard(out), problem.out, rtol=1e-5, atol=1e-5)
+    assert_close(sched.unshard(out), problem.out)
 
 
 def test_too_many_runs_is_refused(mesh):

@@ -1,5 +1,5 @@
-"""Packed and custom partitions under mpirun: shard/unshard, positions for RoPE, video tiles,
-and bad input raised on every rank.
+"""Packed and custom partitions under mpirun: shard/unshard, video tiles, and bad input raised
+on every rank (positions for RoPE, planned per rank: tests/test_plans.py).
 
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_thd_partitions.py
 """
@@ -15,37 +15,6 @@ from schedules.partition import VideoTiles
 
 from .conftest import assert_matches, make_problem, run_schedule
 from .packed import assert_packed_matches, global_positions, make_packed, run_packed, sequences
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of x [..., N, H, E] whose dim -3 rows sit at integer ``positions``."""
-    e = x.shape[-1]
-    angles = positions.double()[:, None] * base ** (-torch.arange(0, e, 2).double() / e)
-    cos, sin = (f(angles)[:, None, :].to(x.dtype) for f in (torch.cos, torch.sin))
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-
-
-@pytest.mark.parametrize("partition", ["load_balanced", "contiguous", "striped"])
-def test_rope_after_shard_equals_rope_before(mesh, partition):
-    """Packed: RoPE at local.position_ids on the shard = the shard of RoPE on the full tensor."""
-    p = mesh.size()
-    problem = make_packed([2 * p + 1, 0, 1, 3 * p], h=2, slack=[0, 2, 1, 0])
-    local = schedules.get("ring", mesh, partition=partition).pack(problem.cu_seqlens,
-                                                                  problem.cu_seqlens_padded)
-    before = local.shard(rope(problem.q, global_positions(problem)))
-    torch.testing.assert_close(rope(local.shard(problem.q), local.position_ids), before)
-
-
-@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
-def test_dense_position_ids_give_rope_of_the_full_sequence(mesh, name):
-    p = mesh.size()
-    sched = schedules.get(name, mesh)
-    x = torch.randn(1, 4 * p, 2, 8)  # [B, S, H, E]: RoPE along S
-    full = rope(x, torch.arange(4 * p)).transpose(1, 2)
-    local = sched.shard(x.transpose(1, 2), layout="bshe").transpose(1, 2)
-    torch.testing.assert_close(rope(local, sched.position_ids(4 * p)).transpose(1, 2),
-                               sched.shard(full, layout="bshe"))
 
 
 def test_shard_unshard_round_trip_is_differentiable(mesh):
@@ -67,22 +36,6 @@ def test_shard_unshard_round_trip_is_differentiable(mesh):
     index = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded).token_index
     mine[index[index >= 0]] = True
     torch.testing.assert_close(x.grad, torch.where(mine[:, None, None], problem.dout, 0.0))
-
-
-def test_ring_traffic_matches_describe(mesh):
-    """The ring moves this rank's whole local K/V (padding included) P - 1 times."""
-    p = mesh.size()
-    problem = make_packed([2 * p + 1, 3, 4 * p], h=4, h_kv=2, causal=True)
-    sched = schedules.get("ring", mesh)
-    local = sched.pack(problem.cu_seqlens)
-    q, k, v = (local.shard(t) for t in (problem.q, problem.k, problem.v))
-    spec = sdpa_fusion.explain(q, k, v, layout="thd", cu_seqlens=local, causal=True,
-                               kernel="reference", schedule=sched).spec
-    promised = sched.describe(sched.global_spec(spec))
-    sched.comm.stats.reset()
-    sdpa_fusion.attention(q, k, v, layout="thd", cu_seqlens=local, causal=True, kernel="reference",
-                          schedule=sched)
-    assert sched.comm.stats.bytes_sent == promised.bytes_sent == (p - 1) * 2 * k.numel() * 4
 
 
 @pytest.mark.parametrize("name, causal", [("ring", False), ("allgather", False), ("ulysses", True)])

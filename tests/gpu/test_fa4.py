@@ -1,4 +1,5 @@
-"""The fa4 kernel (FlashAttention-4) on a CUDA GPU against torch SDPA in fp64.
+"""The fa4 kernel (FlashAttention-4) on a CUDA GPU against the test reference (tests/reference.py:
+torch SDPA in fp64), within its TOLERANCES for the inputs' dtype.
 
     python -m pytest -q tests/gpu/test_fa4.py
     SDPA_FUSION_REQUIRE_FA4=1 python -m pytest -q tests/gpu/test_fa4.py   # FA4 missing: fail
@@ -21,14 +22,18 @@ import torch
 
 import sdpa_fusion
 from sdpa_fusion.kernels.base import Seqlens
-from sdpa_fusion.layout import Layout, has_layout, sequence_view
+from sdpa_fusion.layout import Layout, has_layout
 from sdpa_fusion.mask import Window
+from tests import reference
+from tests.reference import assert_close
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 B, H, S = 2, 8, 256  # lengths above one FA4 tile (128): short ones compile other kernels
 LAYOUTS = pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
+# lse is fp32 from the first product on: tighter than the table's bf16 and fp16 levels
+LSE = dict(atol=1e-3, rtol=1e-3)
 
 
 @pytest.fixture(autouse=True)
@@ -52,18 +57,17 @@ def scale_for(e: int) -> float:
     return 0.7 / math.sqrt(e)  # not the default: the scale must reach the kernel
 
 
-def check(kernel, q, k, v, dout, *, causal, window=None, assert_close, sdpa_oracle):
-    """Forward, then backward from its out and lse, against the oracle; layouts kept."""
+def check(kernel, q, k, v, dout, *, causal, window=None):
+    """Forward, then backward from its out and lse, against the reference; layouts kept."""
     scale = scale_for(q.shape[-1])
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, window=window)
     grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window)
-    want = sdpa_oracle(q, k, v, dout, causal=causal, scale=scale, window=window)
+    want = reference.attention(q, k, v, dout, causal=causal, scale=scale, window=window)
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
-    torch.testing.assert_close(lse, want[1].float(), atol=1e-3, rtol=1e-3,
-                               msg=lambda m: f"lse: {m}")
-    for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (want[0], *want[2:])):
+    torch.testing.assert_close(lse.double(), want.lse, **LSE, msg=lambda m: f"lse: {m}")
+    for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
         assert got.dtype == q.dtype, name
-        assert_close(got, expected, msg=name)
+    reference.assert_results((out, *grads), want)
     layout = Layout.BSHE if has_layout(q, Layout.BSHE) else Layout.BHSE
     for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
         assert has_layout(got, layout), f"{name} strides {got.stride()} are not {layout} like q"
@@ -86,18 +90,18 @@ CASES = [
 
 @LAYOUTS
 @pytest.mark.parametrize("shape,causal", CASES)
-def test_matches_sdpa(kernel, layout, shape, causal, assert_close, sdpa_oracle):
+def test_matches_sdpa(kernel, layout, shape, causal):
+    """Head dims 64 to 256, MHA, GQA, MQA, bf16 and fp16, full and causal."""
     q, k, v, dout = problem(layout, **shape)
-    check(kernel, q, k, v, dout, causal=causal, assert_close=assert_close, sdpa_oracle=sdpa_oracle)
+    check(kernel, q, k, v, dout, causal=causal)
 
 
 @LAYOUTS
 @pytest.mark.parametrize("s_q,s_k", [(256, 384), (384, 256)])
-def test_causal_is_top_left_when_lengths_differ(kernel, layout, s_q, s_k, assert_close,
-                                                sdpa_oracle):
+def test_causal_is_top_left_when_lengths_differ(kernel, layout, s_q, s_k):
     """FA4 aligns causal bottom-right; the kernel shifts its window to our top-left mask."""
     q, k, v, dout = problem(layout, s_q=s_q, s_k=s_k)
-    check(kernel, q, k, v, dout, causal=True, assert_close=assert_close, sdpa_oracle=sdpa_oracle)
+    check(kernel, q, k, v, dout, causal=True)
 
 
 WINDOWS = [
@@ -111,28 +115,27 @@ WINDOWS = [
 
 
 @pytest.mark.parametrize("causal,window,s_q,s_k", WINDOWS)
-def test_windows(kernel, causal, window, s_q, s_k, assert_close, sdpa_oracle):
+def test_windows(kernel, causal, window, s_q, s_k):
+    """Every window kind, also with rows that see no key (out 0, lse -inf, dq 0)."""
     q, k, v, dout = problem(Layout.BSHE, s_q=s_q, s_k=s_k)
-    out, lse, (dq, _, _) = check(kernel, q, k, v, dout, causal=causal, window=window,
-                                 assert_close=assert_close, sdpa_oracle=sdpa_oracle)
+    out, lse, (dq, _, _) = check(kernel, q, k, v, dout, causal=causal, window=window)
     if window.left is not None and s_k + window.left < s_q:  # rows that see no key
         empty = slice(s_k + window.left, None)
         assert torch.isneginf(lse[:, :, empty]).all(), "rows without keys: lse -inf"
         assert (out[:, :, empty] == 0).all() and (dq[:, :, empty] == 0).all()
 
 
-def test_attention_runs_fa4_end_to_end(assert_close, sdpa_oracle):
+def test_attention_runs_fa4_end_to_end():
+    """attention(kernel="fa4") forward and backward through autograd."""
     q, k, v, dout = problem(Layout.BSHE, kv_heads=4)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = sdpa_fusion.attention(*leaves, causal=True, layout="bshe", kernel="fa4")
     out.backward(dout)
-    want = sdpa_oracle(q, k, v, dout, causal=True)
-    for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)),
-                                   (want[0], *want[2:])):
-        assert_close(got, expected, msg=name)
+    want = reference.attention(q, k, v, dout, causal=True)
+    reference.assert_results((out, *(t.grad for t in leaves)), want)
 
 
-def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
+def test_backward_from_a_merged_out_and_lse(kernel):
     """Ring attention's use: the last 256 of 512 queries against two K/V blocks (the first
     without mask, the second causal, its out and lse written into given buffers), their
     outputs merged by log-sum-exp, then each block's backward from the merged out and lse,
@@ -159,9 +162,9 @@ def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
 
     dout_late = dout.clone()
     dout_late[:, :, early] = 0  # the first 256 queries are not part of this problem
-    want_out, want_lse, want_dq, want_dk, want_dv = sdpa_oracle(q, k, v, dout_late, causal=True,
-                                                                scale=scale)
-    torch.testing.assert_close(lse, want_lse[:, :, late].float(), atol=1e-3, rtol=1e-3)
+    want_out, want_lse, want_dq, want_dk, want_dv = reference.attention(
+        q, k, v, dout_late, causal=True, scale=scale)
+    torch.testing.assert_close(lse.double(), want_lse[:, :, late], **LSE)
     assert_close(out, want_out[:, :, late], msg="merged out")
     assert_close(dq1.float() + dq2.float(), want_dq[:, :, late], dtype=q.dtype, msg="dq")
     assert_close(torch.cat([dk1, dk2], dim=2), want_dk, msg="dk")
@@ -169,26 +172,21 @@ def test_backward_from_a_merged_out_and_lse(kernel, assert_close, sdpa_oracle):
 
 
 # ---- one dQ accumulator over the calls of a ring's rows (Hopper) ----------------------------
-def _oracle_over_blocks(q, blocks, dout, scale):
+def _reference_over_blocks(q, blocks, dout, scale):
     """fp64 (out, lse, dq, [(dk, dv) per block]) of queries ``q`` over key blocks ``blocks``
-    = [(k, v, visible [s_q, s_k] bool)], their scores softmaxed together."""
-    groups = q.shape[1] // blocks[0][0].shape[1]
-    qd = q.detach().double().requires_grad_()
-    kvs = [(k.detach().double().requires_grad_(), v.detach().double().requires_grad_())
-           for k, v, _ in blocks]
-    scores = torch.cat([(qd @ k.repeat_interleave(groups, 1).transpose(-1, -2) * scale)
-                        .masked_fill(~seen, float("-inf")) for (k, _), (_, _, seen)
-                        in zip(kvs, blocks)], dim=-1)
-    lse = torch.logsumexp(scores, dim=-1)
-    values = torch.cat([v.repeat_interleave(groups, 1) for _, v in kvs], dim=2)
-    out = (scores - lse.unsqueeze(-1)).exp() @ values
-    out.backward(dout.double())
-    return out, lse, qd.grad, [(k.grad, v.grad) for k, v in kvs]
+    = [(k, v, visible [s_q, s_k] bool)], their scores softmaxed together: the reference on
+    the blocks' keys side by side."""
+    k, v, seen = (torch.cat(parts, dim=-1 if i == 2 else 2)
+                  for i, parts in enumerate(zip(*blocks)))
+    want = reference.attention(q, k, v, dout, scale=scale, mask=seen)
+    sizes = [b[0].shape[2] for b in blocks]
+    return want.out, want.lse, want.dq, list(zip(want.dk.split(sizes, 2),
+                                                 want.dv.split(sizes, 2)))
 
 
 @LAYOUTS
 @pytest.mark.parametrize("kv_heads", [H, 4], ids=["mha", "gqa"])
-def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads, assert_close):
+def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads):
     """``query_rows`` on Hopper: 400 query rows against four K/V blocks in four calls that
     share one fp32 dQ accumulator (a causal square call on all rows, a full one, one on the
     rows from 170 and one on the rows up to 250: the last two off the 80-row tiles, run on
@@ -211,7 +209,7 @@ def test_query_rows_sum_dq_of_calls_in_one_accumulator(kernel, layout, kv_heads,
             else True
         blocks.append((k, v, seen))
     scale = scale_for(128)
-    want_out, want_lse, want_dq, want_kv = _oracle_over_blocks(q, blocks, dout, scale)
+    want_out, want_lse, want_dq, want_kv = _reference_over_blocks(q, blocks, dout, scale)
     out, lse = layout.to(want_out.to(q.dtype)), want_lse.float()
     spans = [(*r.indices(s)[:2], causal) for r, causal in zip(rows_of, causal_of)]
     assert not fa4_rows.rows_fit([(8, s, True)], s, 128)
@@ -255,8 +253,8 @@ PACKED = [
 
 
 @pytest.mark.parametrize("causal,lengths_q,lengths_k,kv_heads", PACKED)
-def test_packed_sequences(kernel, causal, lengths_q, lengths_k, kv_heads, assert_close,
-                          sdpa_oracle):
+def test_packed_sequences(kernel, causal, lengths_q, lengths_k, kv_heads):
+    """Sequences of 0 and 1 token, queries and keys differing in number per sequence."""
     q, k, v, dout, seqlens = packed(lengths_q, lengths_k, kv_heads)
     scale = scale_for(q.shape[-1])
     out, lse = kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale)
@@ -268,15 +266,12 @@ def test_packed_sequences(kernel, causal, lengths_q, lengths_k, kv_heads, assert
         if kb == ka:  # queries without keys
             assert (out[qa:qb] == 0).all() and torch.isneginf(lse[:, qa:qb]).all(), f"seq {i}"
             assert (dq[qa:qb] == 0).all(), f"seq {i}"
-            continue
-        if qb == qa:  # keys without queries
+        elif qb == qa:  # keys without queries
             assert (dk[ka:kb] == 0).all() and (dv[ka:kb] == 0).all(), f"seq {i}"
-            continue
-        queries = [sequence_view(t, qa, qb) for t in (q, dout, out, dq)]
-        keys = [sequence_view(t, ka, kb) for t in (k, v, dk, dv)]
-        want = sdpa_oracle(queries[0], keys[0], keys[1], queries[1], causal=causal, scale=scale)
-        torch.testing.assert_close(lse[:, qa:qb], want[1][0].float(), atol=1e-3, rtol=1e-3,
-                                   msg=lambda m: f"seq {i} lse: {m}")
-        got = (queries[2], queries[3], keys[2], keys[3])
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want[0], *want[2:])):
-            assert_close(g, w, msg=f"seq {i} {name}")
+    want = reference.packed(q, k, v, dout, seqlens.cu_q, cu_seqlens_k=seqlens.cu_k,
+                            causal=causal, scale=scale)
+    seen = torch.isfinite(want.lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key: lse -inf"
+    torch.testing.assert_close(lse[seen].double(), want.lse[seen], **LSE,
+                               msg=lambda m: f"lse: {m}")
+    reference.assert_results((out, dq, dk, dv), want)

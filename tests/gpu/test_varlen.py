@@ -1,11 +1,12 @@
 """Packed (THD) attention and sliding windows on one CUDA GPU: every way of running packed
 sequences (flash varlen, cuDNN per sequence, one padded dense call, long sequences per
 sequence with the short ones in one varlen call, ``auto``) and
-flash's windows against torch SDPA run sequence by sequence in fp64 (math backend), forward
-and backward, with empty and one-token sequences, padded packs and GQA.
+flash's windows against the test reference (tests/reference.py: torch SDPA in fp64, math
+backend) run sequence by sequence, forward and backward, with empty and one-token sequences,
+padded packs and GQA.
 
 Run on a GPU machine: python -m pytest -q tests/gpu/test_varlen.py
-Tolerances: TOLERANCES in tests/conftest.py for the inputs' dtype.
+Tolerances: TOLERANCES in tests/reference.py for the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import torch
 
 import sdpa_fusion
 from sdpa_fusion.kernels import KernelUnavailable, Padded, PerSequence, Seqlens, Split, Varlen, get
-from sdpa_fusion.layout import sequence_view
 from sdpa_fusion.mask import Window
-from tests.conftest import _assert_close as assert_close
-from tests.conftest import _sdpa_oracle as sdpa_oracle
+from tests import reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,20 +48,12 @@ def packed(total, dtype, seed, kv_total=None, grad=True):
     return randn(total, H), randn(kv_total, H_KV), randn(kv_total, H_KV), randn(total, H).detach()
 
 
-def check_sequences(out, grads, q, k, v, dout, spans, causal, window):
-    """``spans``: (query start, key start, queries, keys) of each sequence, checked against
-    torch SDPA on that sequence alone."""
-    dq, dk, dv = grads
-    for qa, ka, n_q, n_k in spans:
-        if n_q == 0 or n_k == 0:
-            continue
-        views = [sequence_view(t.detach(), a, a + n) for t, a, n in
-                 ((q, qa, n_q), (k, ka, n_k), (v, ka, n_k), (dout, qa, n_q))]
-        want = sdpa_oracle(*views, causal=causal, scale=SCALE, window=window)
-        for name, t, w, a, n in (("out", out, want[0], qa, n_q), ("dq", dq, want[2], qa, n_q),
-                                 ("dk", dk, want[3], ka, n_k), ("dv", dv, want[4], ka, n_k)):
-            assert_close(sequence_view(t.detach(), a, a + n), w.to(t.dtype),
-                         msg=f"{name} of the sequence at {qa}")
+def check_sequences(out, grads, q, k, v, dout, causal, window, **packing):
+    """out and ``grads`` (dq, dk, dv) against the reference run on each sequence alone;
+    ``packing``: the sequences (``cu_seqlens`` and ``cu_seqlens_k`` or
+    ``cu_seqlens_padded`` of ``reference.packed``); 0 outside them."""
+    want = reference.packed(q, k, v, dout, causal=causal, scale=SCALE, window=window, **packing)
+    reference.assert_results((out, *grads), want)
 
 
 def way(name):
@@ -86,8 +77,8 @@ def test_thd_matches_torch_per_sequence(kernel, causal, dtype):
                                 kernel=way(kernel), cu_seqlens=torch.tensor(cumulative(LENGTHS),
                                                                             device="cuda"))
     out.backward(dout)
-    spans = [(a, a, n, n) for a, n in zip(cumulative(LENGTHS), LENGTHS)]
-    check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, dout, spans, causal, None)
+    check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, dout, causal, None,
+                    cu_seqlens=cumulative(LENGTHS))
 
 
 @pytest.mark.parametrize("kernel", ["flash", "cudnn", "auto", "cudnn padded", "split"])
@@ -108,8 +99,8 @@ def test_padded_pack_keeps_padding_out_of_everything(kernel):
     out.backward(dout)
     for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert torch.all(t.detach()[~real] == 0), f"{name} is 0 on padding"
-    spans = [(a, a, n, n) for a, n in zip(starts, lengths)]
-    check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, dout, spans, True, None)
+    check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, dout, True, None,
+                    cu_seqlens=cumulative(lengths), cu_seqlens_padded=starts)
 
 
 # ---- flash: windows, and queries != keys per sequence --------------------------------------------
@@ -121,8 +112,8 @@ def test_flash_varlen_window(causal, window):
     out = sdpa_fusion.attention(q, k, v, layout="thd", causal=causal, scale=SCALE, kernel="flash",
                                 window=window, cu_seqlens=cumulative(LENGTHS))
     out.backward(dout)
-    spans = [(a, a, n, n) for a, n in zip(cumulative(LENGTHS), LENGTHS)]
-    check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, dout, spans, causal, window)
+    check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, dout, causal, window,
+                    cu_seqlens=cumulative(LENGTHS))
 
 
 @pytest.mark.parametrize("pairs, window", [
@@ -144,9 +135,9 @@ def test_flash_varlen_queries_and_keys_of_different_lengths(pairs, window):
     grads = flash.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal, scale=SCALE,
                                   window=w)
     assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
-    spans = [(a, b, n, m) for a, b, (n, m) in zip(seqlens.cu_q, seqlens.cu_k, pairs)]
-    check_sequences(out, grads, q, k, v, dout, spans, causal, window)
-    for a, b, n, m in spans:
+    check_sequences(out, grads, q, k, v, dout, causal, window, cu_seqlens=seqlens.cu_q,
+                    cu_seqlens_k=seqlens.cu_k)
+    for a, b, (n, m) in zip(seqlens.cu_q, seqlens.cu_k, pairs):
         if n and not m:
             assert torch.all(lse[:, a:a + n] == -math.inf) and torch.all(out[a:a + n] == 0)
         if m and not n:
@@ -175,10 +166,8 @@ def test_flash_dense_top_left_masks(layout, s_q, s_kv, causal, window):
                                 window=window)
     out.backward(dout)
     assert lay.to(out) is out and lay.to(q.grad) is q.grad, "outputs keep the inputs' layout"
-    want = sdpa_oracle(q, k, v, dout, causal=causal, scale=SCALE, window=window)
-    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
-                            (want[0], *want[2:])):
-        assert_close(got.detach(), w.to(got.dtype), msg=name)
+    want = reference.attention(q, k, v, dout, causal=causal, scale=SCALE, window=window)
+    reference.assert_results((out, q.grad, k.grad, v.grad), want)
 
 
 # ---- choice and refusals ---------------------------------------------------------------------

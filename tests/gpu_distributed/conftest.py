@@ -2,7 +2,8 @@
 
     mpirun -np 4 python -m pytest tests/gpu_distributed
 
-Without CUDA every test here is skipped.
+Without CUDA every test here is skipped. Every test starts from a barrier of all ranks
+(``barrier`` of tests/distributed/conftest.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import sdpa_fusion
+from tests.distributed.conftest import barrier  # noqa: F401  (autouse: every test starts together)
 
 requires_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,

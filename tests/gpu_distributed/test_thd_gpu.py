@@ -1,5 +1,6 @@
-"""Packed sequences (THD) under every schedule with each GPU kernel vs torch SDPA (fp32 math)
-run sequence by sequence on the full tensors.
+"""Packed sequences (THD) under every schedule with each GPU kernel vs the test reference
+(tests/reference.py: torch SDPA in fp64) run sequence by sequence on the full tensors, within
+the bf16 level of its TOLERANCES.
 
     mpirun -np 2 python -m pytest -q tests/gpu_distributed/test_thd_gpu.py
 
@@ -9,16 +10,14 @@ the GQA cases also give cu_seqlens_padded with padding slots holding random valu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention
 
 import schedules
 import sdpa_fusion
+from tests import reference
 
 from .conftest import requires_gpus
 
@@ -32,8 +31,8 @@ SLACK = [3, 0, 5, 0, 1, 0]
 
 @functools.lru_cache(maxsize=4)
 def _problem(causal: bool, kv_heads: int, padded: bool, h=8, e=128):
-    """(q, k, v, dout, cu_seqlens, cu_seqlens_padded) bf16 on this GPU, and the fp32 torch SDPA
-    results (out, dq, dk, dv), zero in the padding slots."""
+    """(q, k, v, dout, cu_seqlens, cu_seqlens_padded) bf16 on this GPU, and the reference
+    (fp64, zero in the padding slots)."""
     slack = SLACK if padded else [0] * len(LENGTHS)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32).cuda()
     room = torch.tensor([n + x for n, x in zip(LENGTHS, slack)]).cumsum(0).tolist()
@@ -41,28 +40,8 @@ def _problem(causal: bool, kv_heads: int, padded: bool, h=8, e=128):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(room[-1], heads, e, device="cuda", generator=g,
                                  dtype=torch.bfloat16) for heads in (h, kv_heads, kv_heads, h))
-    starts = (cu_padded if padded else cu)[:-1].tolist()
-    expected = torch_sdpa_per_sequence(q, k, v, dout, starts, LENGTHS, causal)
+    expected = reference.packed(q, k, v, dout, cu, cu_seqlens_padded=cu_padded, causal=causal)
     return (q, k, v, dout, cu, cu_padded), expected
-
-
-def torch_sdpa_per_sequence(q, k, v, dout, starts, lengths, causal, *, fp32=True):
-    """(out, dq, dk, dv) of torch SDPA run sequence by sequence on packed [T, H, E] tensors
-    (zero outside the sequences): fp32 math on the upcast inputs, or with ``fp32=False`` torch's
-    own kernel choice on the inputs' dtype."""
-    dtype = torch.float32 if fp32 else q.dtype
-    expected = [torch.zeros(t.shape, device=t.device, dtype=dtype) for t in (q, q, k, v)]
-    for start, n in zip(starts, lengths):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        leaves = [t[rows].to(dtype).transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
-        with sdpa_kernel(SDPBackend.MATH) if fp32 else contextlib.nullcontext():
-            out = scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
-        out.backward(dout[rows].to(dtype).transpose(0, 1).unsqueeze(0))
-        for full, got in zip(expected, (out, *(t.grad for t in leaves))):
-            full[rows] = got[0].transpose(0, 1)
-    return expected
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -105,6 +84,4 @@ def check_packed(sched, kernel, causal, kv_heads):
         padding = sched.pack(cu, cu_padded).token_index < 0
         for name, t in zip(("out", "dq", "dk", "dv"), local):
             assert not t[padding].any(), f"{name} is not zero on padding tokens"
-    for name, g, want in zip(("out", "dq", "dk", "dv"), got, expected):
-        torch.testing.assert_close(g.float(), want, rtol=2e-2, atol=2e-2,
-                                   msg=lambda m: f"{name}: {m}")
+    reference.assert_results(got, expected)
