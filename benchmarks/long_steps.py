@@ -213,15 +213,19 @@ def run(args) -> int:
 
 
 def merged_rows(args) -> list[dict]:
-    """The rows of ``--merge`` (a result of this preset) of implementations this run does not
-    measure: one record of two halves run apart."""
+    """The rows of ``--merge`` (a result of this preset) of (implementation, length) pairs this
+    run does not measure, each naming the file and commit it comes from: one record of parts
+    run apart (the cuDNN half before FlashAttention-4 was installed, or one length later)."""
     if not args.merge:
         return []
     path = args.results_dir / f"{args.merge}.json"
     if not path.exists():
         raise ValueError(f"--merge {args.merge}: no {path}; run that half first")
-    rows = json.loads(path.read_text())["rows"]
-    return [dict(r, merged_from=path.name) for r in rows if r["impl"] not in args.impls]
+    merged = json.loads(path.read_text())
+    commit = merged.get("environment", {}).get("git")
+    return [dict(r, merged_from=path.name, merged_git=r.get("merged_git", commit))
+            for r in merged["rows"]
+            if r["impl"] not in args.impls or r["seq_len"] not in args.seq_lens]
 
 
 def line(row) -> str:

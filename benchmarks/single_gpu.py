@@ -114,8 +114,8 @@ def parse_args(argv=None):
                    help="appended to the result name, for an ad-hoc run beside the committed one")
     p.add_argument("--merge", default="",
                    help="--preset long: a result (name in the results folder) whose rows of "
-                        "implementations not run here this record keeps, e.g. the cuDNN half "
-                        "run before FlashAttention-4 was installed")
+                        "(implementation, length) pairs not run here this record keeps, e.g. "
+                        "the cuDNN half run before FlashAttention-4 was installed")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="; ".join(f"{k}: {v['doc']}" for k, v in PRESETS.items()))
     common.add_output_args(p)
@@ -129,7 +129,9 @@ def parse_args(argv=None):
         args.kernel_table = (args.results_dir / "measured_tflops_tiny.json" if args.tiny
                              else ranking.TABLE)
     if args.tiny and args.preset == "long":
-        args.seq_lens, args.head_dims, args.heads = [256, 512], [16], "16:4"
+        if args.seq_lens == PRESETS["long"]["seq_lens"]:
+            args.seq_lens = [256, 512]
+        args.head_dims, args.heads = [16], "16:4"
         if args.impls == PRESETS["long"]["impls"]:
             args.impls = "torch-math,reference,fa4-direct,auto"
     elif args.tiny:

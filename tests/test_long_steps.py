@@ -91,3 +91,14 @@ def test_two_halves_run_apart_make_one_record(tmp_path):
     assert {(r["impl"], r.get("merged_from")) for r in rows} == {
         ("torch-math", "single_gpu_long_a_tiny.json"), ("reference", None)}
     assert all(r["status"] == "ok" and r["check"]["right"] for r in rows)
+
+
+def test_one_length_run_later_replaces_only_its_rows(tmp_path):
+    """A rerun of one length keeps the other length's rows, naming the file they come from."""
+    common = ["--preset", "long", "--tiny", "--results-dir", str(tmp_path), "--copy-to", "",
+              "--impls", "torch-math"]
+    assert single_gpu.main(common + ["--tag", "_a"]) == 0
+    assert single_gpu.main(common + ["--seq-lens", "256", "--merge", "single_gpu_long_a_tiny"]) == 0
+    rows = json.loads((tmp_path / "single_gpu_long_tiny.json").read_text())["rows"]
+    assert sorted((r["seq_len"], r.get("merged_from")) for r in rows) == [
+        (256, None), (512, "single_gpu_long_a_tiny.json")]
