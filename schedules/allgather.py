@@ -65,6 +65,7 @@ from .memory import Memory, Replay, Sizes, backward_call, forward_call
 from .overlap import Overlap
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
+from .whole import whole_documents
 
 MAX_RUNS = 2  # causal: kernel calls per rank over the gathered K/V (one per run of tokens)
 
@@ -173,6 +174,7 @@ def _dense_window_plan(mask, partition, parts, rank, s_q, s_kv):
                  for call in dense_calls(runs_q, rank, runs_k, j, mask, key_base=slot * s_kv)]
 
 
+@whole_documents
 class AllGather(Transported, SequenceSchedule):
     """K/V all-gathered per head group; ``transport`` picks how packed K/V and dK/dV sums
     travel (see ``schedules.transport``), ``head_groups`` how many groups run in turn."""

@@ -18,6 +18,9 @@ to its own chunk); load-balanced pairs an early chunk with a late one so every r
 same work at every ring step. These three keep each rank's tokens in increasing order, so a
 causal mask over a rank's own tokens is the ordinary top-left mask.
 
+Packed batches: ``documents`` gives whole documents to ranks and cuts only those it must
+(``Documents``, ``schedules.assign``).
+
 Custom partitions: ``IndexMap`` (any placement, one row of positions per rank) and
 ``VideoTiles`` (video tokens of [F, H, W] grids in raster order, each rank keeping an intact
 tile, with the (f, h, w) ``coordinates`` of its tokens for 3-D RoPE).
@@ -111,6 +114,30 @@ class LoadBalanced(Partition):
         c = length // (2 * parts)
         late = (2 * parts - 1 - rank) * c + slot - c
         return torch.where(slot < c, rank * c + slot, late)
+
+
+class Documents(LoadBalanced):
+    """Packed batches: each document goes whole to one rank where that balances the ranks'
+    tokens and attention work, and only the others are cut (``schedules.assign``); a cut
+    document, and a dense sequence, is split as ``load_balanced``. Ranks then hold different
+    numbers of tokens (balanced, not equal). ``tolerance``: how far above the mean a rank's
+    tokens or work may be before one more document is cut."""
+
+    name = "documents"
+
+    def __init__(self, tolerance: float = 0.05):
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) \
+                or not tolerance >= 0:
+            raise ValueError(f"tolerance={tolerance!r} must be a number >= 0 (0.05: a rank may "
+                             f"hold 5% more tokens or work than the mean)")
+        self.tolerance = float(tolerance)
+
+    @property
+    def key(self):
+        return (self.name, self.tolerance)
+
+    def __repr__(self) -> str:
+        return self.name if self.tolerance == 0.05 else f"{self.name}(tolerance={self.tolerance})"
 
 
 class Striped(Partition):
@@ -236,7 +263,7 @@ class VideoTiles(_Fixed):
         return (self.name, self.frame, self.tiles)
 
 
-_NAMED = {cls.name: cls for cls in (Contiguous, LoadBalanced, Striped)}
+_NAMED = {cls.name: cls for cls in (Contiguous, LoadBalanced, Striped, Documents)}
 
 
 def get(partition: "str | Partition | list") -> Partition:

@@ -85,6 +85,7 @@ from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
 from .transport import RingData, Transported, aligned
+from .whole import whole_documents
 
 GRAD_DTYPES = ("auto", "fp32", "input")
 
@@ -157,6 +158,7 @@ def check_grad_dtype(grad_dtype: str) -> str:
                          f"(the dtype the dK/dV sums travel in)")
     return grad_dtype
 
+@whole_documents
 class Ring(Transported, SequenceSchedule):
     """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``),
     ``head_groups`` how many K/V head groups run in turn (see ``schedules.heads``),

@@ -1,0 +1,226 @@
+"""A packed batch split by whole documents (partition ``documents``): each rank's tokens.
+
+``schedules.assign`` gives some documents whole to one rank and cuts the others. The cut
+documents form a packing of their own (the "cut packing", their tokens in batch order),
+split by the load-balanced partition (``schedules.packing.Split``): the same number of
+tokens on every rank, as ring blocks need. Rank r stores its whole documents first, in batch
+order, then its part of the cut packing:
+
+    documents a (2 tokens), b (8), c (3), d (1), P = 2; b is cut, chunks of 2
+    rank 0   a0 a1 d0 | b0 b1 b6 b7          cu_seqlens        [0, 2, 3, 7]
+    rank 1   c0 c1 c2 | b2 b3 b4 b5          cu_seqlens        [0, 3, 7]
+
+Ranks hold different numbers of tokens (balanced, not equal): whole documents never travel;
+only the cut part does (K/V, dK/dV), one size on every rank. ``position_ids`` are positions
+inside each document (RoPE); ``unshard`` pads every rank's part to the longest before it
+gathers them, then restores the batch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .assign import Assignment, assign
+from .packing import LocalPacking, Split
+from .partition import LoadBalanced, Partition
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DocumentSplit:
+    """Every rank's part of one global packing under partition ``documents`` (host tensors):
+    the ``assignment``, and ``cut``, the load-balanced ``Split`` of the cut packing (None when
+    no document is cut)."""
+
+    partition: Partition
+    parts: int
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: tuple[int, ...] | None
+    device: torch.device
+    gather: object = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        cu = torch.tensor(self.cu_seqlens)
+        lengths = cu.diff()
+        starts = torch.tensor(self.cu_seqlens_padded or self.cu_seqlens)[:-1]
+        plan = assign(lengths.tolist(), self.parts, tolerance=self.partition.tolerance)
+        cut_docs = torch.tensor(plan.cut, dtype=torch.long)
+        cut = None
+        if len(plan.cut):
+            cut_cu = (0, *torch.cumsum(lengths[cut_docs], 0).tolist())
+            cut = Split(LoadBalanced(), self.parts, cut_cu, None, self.device)
+        key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
+        fields = dict(lengths=lengths, starts=starts, assignment=plan, cut=cut,
+                      cut_docs=cut_docs, key=key, key_hash=hash(key))
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_parts", {})
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of the global packed tensor."""
+        return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
+
+    @property
+    def cut_tokens(self) -> int:
+        """Tokens every rank stores of the cut packing (padding included)."""
+        return 0 if self.cut is None else self.cut.tokens
+
+    def whole(self, rank: int) -> torch.Tensor:
+        """The documents ``rank`` holds whole, in batch order (host)."""
+        return torch.tensor(self.assignment.whole(rank), dtype=torch.long)
+
+    def tokens_of(self, rank: int) -> int:
+        """Tokens ``rank`` stores: its whole documents' and its part of the cut packing."""
+        return int(self.lengths[self.whole(rank)].sum()) + self.cut_tokens
+
+    @functools.cached_property
+    def most_tokens(self) -> int:
+        """The most tokens a rank stores (what ``unshard`` pads every part to)."""
+        return max(self.tokens_of(r) for r in range(self.parts))
+
+    @functools.cached_property
+    def longest_share(self) -> int:
+        """The most real tokens one rank holds of one document."""
+        whole = [int(self.lengths[i]) for i, o in enumerate(self.assignment.owner) if o >= 0]
+        return max([*whole, self.cut.longest_share if self.cut is not None else 0], default=0)
+
+    def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part: its whole documents, then its
+        real tokens of each cut document in slots of the cut split's storage."""
+        whole = torch.cumsum(self.lengths[self.whole(rank)], 0).tolist()
+        base = whole[-1] if whole else 0
+        if self.cut is None:
+            return (0, *whole), (0, *whole)
+        cut_cu, cut_padded = self.cut.part_packing(rank)
+        return ((0, *whole, *(base + n for n in cut_cu[1:])),
+                (0, *whole, *(base + n for n in cut_padded[1:])))
+
+    def rows(self, rank: int) -> torch.Tensor:
+        """Row of each of ``rank``'s tokens in the global packed tensor (-1: padding), host."""
+        docs = self.whole(rank)
+        n = self.lengths[docs]
+        first = torch.repeat_interleave(self.starts[docs] - (torch.cumsum(n, 0) - n), n)
+        whole = first + torch.arange(int(n.sum()))
+        if self.cut is None:
+            return whole
+        cut = self.cut
+        rows = self.starts[self.cut_docs][cut.seq] + cut.positions[rank]
+        return torch.cat([whole, torch.where(cut.real[rank], rows, -1)])
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Position of each of ``rank``'s tokens inside its document (0 for padding), host."""
+        n = self.lengths[self.whole(rank)]
+        whole = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        if self.cut is None:
+            return whole
+        cut = self.cut
+        return torch.cat([whole, torch.where(cut.real[rank], cut.positions[rank], 0)])
+
+    def part(self, rank: int) -> "DocumentPacking":
+        """Rank ``rank``'s view (made once)."""
+        if rank not in self._parts:
+            self._parts[rank] = DocumentPacking(self, rank)
+        return self._parts[rank]
+
+    @functools.cached_property
+    def _unshard_index(self):
+        """(rows of the real tokens in all ranks' parts, each padded to ``most_tokens`` and
+        concatenated, their global rows), on the device."""
+        rows = [self.rows(r) for r in range(self.parts)]
+        flat = torch.cat([(r >= 0).nonzero().flatten() + j * self.most_tokens
+                          for j, r in enumerate(rows)])
+        tokens = torch.cat([r[r >= 0] for r in rows])
+        return flat.to(self.device), tokens.to(self.device)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DocumentPacking(LocalPacking):
+    """One rank's part of a global packing under partition ``documents``: its whole documents
+    (``whole_tokens`` rows, one sequence each), then its part of the cut packing (``cut``, a
+    ``LocalPacking`` of the load-balanced split of the cut documents, or None). ``tokens``
+    differs from rank to rank; the rest reads as ``LocalPacking``."""
+
+    @property
+    def tokens(self) -> int:
+        """T_local: this rank's tokens, padding of the cut part included."""
+        return self.split.tokens_of(self.rank)
+
+    @property
+    def assignment(self) -> Assignment:
+        return self.split.assignment
+
+    @functools.cached_property
+    def whole_lengths(self) -> tuple[int, ...]:
+        """Lengths of the documents this rank holds whole, in batch order."""
+        return tuple(self.split.lengths[self.split.whole(self.rank)].tolist())
+
+    @property
+    def whole_tokens(self) -> int:
+        """Rows of the whole documents (the first rows of the local part)."""
+        return sum(self.whole_lengths)
+
+    @property
+    def cut(self) -> LocalPacking | None:
+        """This rank's part of the cut packing (its last rows), or None."""
+        return None if self.split.cut is None else self.split.cut.part(self.rank)
+
+    @property
+    def longest_share(self) -> int:
+        return self.split.longest_share
+
+    @functools.cached_property
+    def _local(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.split.part_packing(self.rank)
+
+    @functools.cached_property
+    def counts(self) -> torch.Tensor:
+        """Real tokens of each local sequence (whole documents, then cut ones), [N_local]."""
+        return torch.tensor(self._local[0]).diff()
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self._on_device(torch.tensor(self._local[0]), torch.int32)
+
+    @functools.cached_property
+    def cu_seqlens_padded(self) -> torch.Tensor:
+        return self._on_device(torch.tensor(self._local[1]), torch.int32)
+
+    @functools.cached_property
+    def seqlens(self) -> torch.Tensor:
+        return self._on_device(self.counts, torch.int32)
+
+    @functools.cached_property
+    def position_ids(self) -> torch.Tensor:
+        return self._on_device(self.split.positions(self.rank))
+
+    @functools.cached_property
+    def token_index(self) -> torch.Tensor:
+        return self._on_device(self.split.rows(self.rank))
+
+    @functools.cached_property
+    def _real_rows(self):
+        rows = (self.split.rows(self.rank) >= 0).nonzero().flatten()
+        return self._on_device(rows), self.token_index[self._on_device(rows)]
+
+    def unshard(self, t: torch.Tensor) -> torch.Tensor:
+        """The global [T, ...] tensor, the same on every rank, from every rank's part (padded
+        to the longest part to be gathered); differentiable as ``LocalPacking.unshard``."""
+        self._check_rows("t", t, self.tokens, "this rank's part")
+        most = self.split.most_tokens
+        if self.parts == 1:
+            full = t
+        else:
+            pad = t.new_zeros((most - t.shape[0], *t.shape[1:]))
+            full = self.split.gather(torch.cat([t, pad]))
+        flat, tokens = self.split._unshard_index
+        whole = t.new_zeros((self.split.total_tokens, *t.shape[1:]))
+        return whole.index_copy(0, tokens, full.index_select(0, flat))
+
+    def __repr__(self) -> str:
+        cut = len(self.assignment.cut)
+        return (f"DocumentPacking(rank {self.rank} of {self.parts}, "
+                f"{len(self.whole_lengths)} whole documents, {cut} cut, {self.tokens} of "
+                f"{self.total_tokens} tokens)")

@@ -1,0 +1,210 @@
+"""Running a packed batch split by whole documents (partition ``documents``) in a sequence
+schedule (``ring``, ``allgather``, and the outer schedule of ``hybrid``).
+
+A rank's local tokens are its whole documents, then its part of the cut documents
+(``schedules.documents``); the two sets of rows are disjoint, so no merge joins them:
+
+    forward    rows [0, W)   one local varlen kernel call over the whole documents
+               rows [W, T)   the schedule's own packed path on the cut packing (its
+                             load-balanced split: K/V travel, one block size on every rank)
+    backward   the same, dQ/dK/dV of each set written into its rows
+
+The cut packing runs on the schedule's *twin*: the same schedule, mesh, communicator and
+transport buffers, with the load-balanced partition. ``describe`` adds the whole documents'
+kernel call (no bytes) to the twin's description of the cut packing.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import torch
+
+from sdpa_fusion.local import local_backward, local_forward
+
+from .base import Description, Schedule
+from .documents import DocumentPacking, DocumentSplit
+from .memory import Memory, Sizes, kernel_call
+from .partition import Documents, LoadBalanced
+
+
+def whole_spec(spec):
+    """The local problem of the whole documents of ``spec`` (its packing a DocumentPacking)."""
+    lengths = spec.packing.whole_lengths
+    cu = (0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist())
+    return spec.replace(packing=None, q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu,
+                        cu_seqlens_padded=None)
+
+
+def cut_spec(spec):
+    """The local problem of the cut packing of ``spec`` (None when no document is cut)."""
+    cut = spec.packing.cut
+    if cut is None:
+        return None
+    cu, padded = cut.split.part_packing(cut.rank)
+    return spec.replace(packing=cut, q_len=cut.tokens, kv_len=cut.tokens, cu_seqlens=cu,
+                        cu_seqlens_padded=padded)
+
+
+def whole_documents(cls: type) -> type:
+    """Schedule class ``cls`` that runs packed batches under partition ``documents`` as the
+    module docstring says (everything else as ``cls`` does), under the same name."""
+    return type(cls.__name__, (WholeDocuments, cls),
+                {"__doc__": cls.__doc__, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__})
+
+
+class WholeDocuments:
+    """What ``whole_documents`` puts before a sequence schedule class."""
+
+    def split(self, cu: tuple, padded: tuple | None, device):
+        if not isinstance(self.partition, Documents):
+            return super().split(cu, padded, device)
+        key = (cu, padded, torch.device(device))
+        if key in self._splits:
+            self._splits.move_to_end(key)
+            return self._splits[key]
+        split = DocumentSplit(self.partition, self.size, cu, padded, key[2],
+                              gather=self._gather_tokens)
+        self._splits[key] = split
+        while len(self._splits) > 4:
+            self._splits.popitem(last=False)
+        return split
+
+    def local_tokens(self, spec) -> int:
+        if spec.layout.is_varlen and isinstance(self.partition, Documents):
+            return self.local_spec(spec).packing.tokens
+        return super().local_tokens(spec)
+
+    def twin(self):
+        """This schedule with the load-balanced partition, sharing its mesh, communicator and
+        transport buffers (made once): what runs the cut packing."""
+        twin = self.__dict__.get("_twin")
+        if twin is None:
+            twin = copy.copy(self)
+            twin.partition = LoadBalanced()
+            twin._splits, twin._positions, twin._contiguous = collections.OrderedDict(), {}, {}
+            for name in ("_configuration_fields", "comm"):
+                twin.__dict__.pop(name, None)
+            self._twin = twin
+        return twin
+
+    def _running_twin(self):
+        """``twin()`` about to run: it takes this schedule's communicator."""
+        twin = self.twin()
+        if self.mesh is not None and "comm" not in twin.__dict__:
+            twin.__dict__["comm"] = self.comm
+        return twin
+
+    def validate(self, spec):
+        if not isinstance(spec.packing, DocumentPacking):
+            return super().validate(spec)
+        Schedule.validate(self, spec)
+        cut = cut_spec(spec)
+        if cut is not None:
+            self.twin().validate(cut)
+
+    def call_extent(self, spec) -> tuple[int, int]:
+        if not isinstance(spec.packing, DocumentPacking):
+            return super().call_extent(spec)
+        longest = max(spec.packing.whole_lengths, default=0)
+        cut = cut_spec(spec)
+        rows, keys = (0, 0) if cut is None else self.twin().call_extent(cut)
+        return max(rows, longest), max(keys, longest)
+
+    def forward(self, q, k, v, spec, kernel, dropout=None):
+        if not isinstance(spec.packing, DocumentPacking):
+            return super().forward(q, k, v, spec, kernel, dropout)
+        w = spec.packing.whole_tokens
+        out = torch.empty_like(q)
+        lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        parts = []
+        if w:
+            parts.append((slice(0, w), local_forward(kernel, q[:w], k[:w], v[:w],
+                                                     whole_spec(spec))))
+        cut = cut_spec(spec)
+        if cut is not None:
+            parts.append((slice(w, None), self._running_twin().forward(
+                q[w:], k[w:], v[w:], cut, kernel)))
+        for rows, (o, l) in parts:
+            out[rows] = o
+            lse[:, :, rows] = l
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+        if not isinstance(spec.packing, DocumentPacking):
+            return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout)
+        w = spec.packing.whole_tokens
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        parts = []
+        if w:
+            parts.append((slice(0, w), local_backward(
+                kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
+                whole_spec(spec))))
+        cut = cut_spec(spec)
+        if cut is not None:
+            parts.append((slice(w, None), self._running_twin().backward(
+                dout[w:], q[w:], k[w:], v[w:], out[w:], lse[:, :, w:].contiguous(), cut,
+                kernel)))
+        for rows, results in parts:
+            for grad, result in zip(grads, results):
+                grad[rows] = result
+        return tuple(grads)
+
+    # ---- costs -----------------------------------------------------------------------------
+    def describe(self, spec):
+        if not (spec.layout.is_varlen and isinstance(self.partition, Documents)):
+            return super().describe(spec)
+        local = self.local_spec(spec)
+        packing, whole = local.packing, whole_spec(local)
+        cut = self._cut_global(spec)
+        part = self.twin().describe(cut) if cut is not None else Description(
+            self.name, self.size, steps=0, bytes_sent=0, bytes_received=0, flops=0.0)
+        call = 1 if packing.whole_tokens else 0
+        forward = whole.flops() if call else 0.0
+        backward = whole.flops(backward=True) - forward if call else 0.0
+        plan = packing.assignment
+        notes = (f"partition {self.partition!r}: {len(packing.whole_lengths)} whole documents "
+                 f"({packing.whole_tokens} tokens, one local kernel call, nothing travels), "
+                 f"{len(plan.cut)} cut over every rank ({packing.tokens - packing.whole_tokens} "
+                 f"tokens here)")
+        if cut is not None:
+            notes += f"; cut documents: {part.notes}"
+        return Description(
+            self.name, self.size, steps=part.steps + call, bytes_sent=part.bytes_sent,
+            bytes_received=part.bytes_received, flops=part.flops + forward,
+            backward_steps=part.backward_steps + call,
+            backward_bytes_sent=part.backward_bytes_sent,
+            backward_bytes_received=part.backward_bytes_received,
+            backward_flops=part.backward_flops + backward, notes=notes,
+            memory=self.memory(spec),
+        )
+
+    def memory(self, spec):
+        if not (spec.layout.is_varlen and isinstance(self.partition, Documents)):
+            return super().memory(spec)
+        local = self.local_spec(spec)
+        rows, w = local.packing.tokens, local.packing.whole_tokens
+        mine = Sizes(spec, rows)
+        whole = kernel_call(Sizes(spec, w), w) if w else Memory(0, 0, 0)
+        cut = self._cut_global(spec)
+        part = self.twin().memory(cut) if cut is not None else Memory(0, 0, 0)
+        cut_rows = rows - w
+        # forward: the whole call's out and lse, or the cut packing's, before they are copied
+        forward = max(whole.outputs, part.outputs + part.forward)
+        # backward: dq, dk, dv of every row, beside the whole call's, or the cut packing's
+        # and the copy of its lse rows
+        backward = mine.q() + 2 * mine.kv() + max(whole.backward,
+                                                  part.backward + mine.lse(cut_rows))
+        return Memory(outputs=mine.q() + mine.lse(), forward=forward, backward=backward,
+                      kept=part.kept)
+
+    def _cut_global(self, spec):
+        """The global problem of the cut packing of the global ``spec`` (None: none cut)."""
+        split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
+        if split.cut is None:
+            return None
+        cu = split.cut.cu_seqlens
+        return spec.replace(q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None,
+                            packing=None)
