@@ -41,12 +41,11 @@ import functools
 
 import torch
 
-from sdpa_fusion.mask import Window, band
+from sdpa_fusion.mask import _UNBOUNDED, Cut, Window, band, cut
 
 from .calls import DenseCall, packed_call, ranges
 
 MAX_RUNS = 2  # runs of one sequence a rank may hold under a window (calls grow as its square)
-_UNBOUNDED = 1 << 60  # an unbounded side, as a number the band arithmetic keeps unbounded
 
 
 def window_band(spec) -> tuple[int | None, int | None] | None:
@@ -123,40 +122,6 @@ def packed_runs(split) -> Runs:
     """The ``Runs`` of every sequence of a packing ``split`` (``schedules.packing.Split``)."""
     return find_runs(split.positions, split.real, split.seq, len(split.lengths),
                      split.partition.stride(split.parts))
-
-
-@dataclasses.dataclass(frozen=True)
-class Cut:
-    """What a band leaves of runs of queries and keys (tensors, elementwise): the first
-    ``row_cut`` rows and ``key_cut`` keys go, ``rows`` and ``keys`` stay (0: nothing, no call),
-    seen through the window (``left``, ``right``) in their own rows, or without a mask where
-    ``full``."""
-
-    row_cut: torch.Tensor
-    rows: torch.Tensor
-    key_cut: torch.Tensor
-    keys: torch.Tensor
-    left: torch.Tensor
-    right: torch.Tensor
-    full: torch.Tensor
-
-
-def cut(n_q, n_k, offset, stride: int, mask) -> Cut:
-    """The ``Cut`` of runs of ``n_q`` queries and ``n_k`` keys whose first positions differ by
-    ``offset`` (query minus key; int64 tensors, elementwise) in steps of ``stride``, under
-    the global band ``mask`` (left, right; None unbounded)."""
-    left, right = (_UNBOUNDED if side is None else side for side in mask)
-    low = torch.div(left - offset, stride, rounding_mode="floor")    # j >= i - low
-    high = torch.div(right + offset, stride, rounding_mode="floor")  # j <= i + high
-    empty = low + high < 0
-    key_cut, row_cut = (-low).clamp(min=0), (-high).clamp(min=0)  # at most one is not 0
-    low, high = low + key_cut - row_cut, high - key_cut + row_cut
-    rows = torch.minimum(n_q - row_cut, n_k - key_cut + low).clamp(min=0)
-    keys = torch.minimum(n_k - key_cut, rows + high).clamp(min=0)
-    empty |= (rows == 0) | (keys == 0)
-    rows, keys = rows.masked_fill(empty, 0), keys.masked_fill(empty, 0)
-    full = (low >= rows - 1) & (high >= keys - 1)
-    return Cut(row_cut, rows, key_cut, keys, low, high, full)
 
 
 def _pair_cut(runs_q: Runs, rank_q, runs_k: Runs, rank_k, mask) -> Cut:

@@ -1,5 +1,6 @@
 """sdpa-fusion: scaled-dot-product attention as nvFuser fusions, over a device mesh."""
 
+from . import masks
 from .api import Plan, attention, explain, plan
 from .kernels import KernelUnavailable
 from .layout import Layout
@@ -13,7 +14,7 @@ __all__ = [
     "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "MeshTimeout", "Plan",
     "SdpaBackward",
     "SdpaForward", "SdpaForwardBackward", "VirtualMesh", "attention", "close_mesh", "explain",
-    "init_mesh", "plan",
+    "init_mesh", "masks", "plan",
 ]
 
 

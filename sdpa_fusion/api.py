@@ -13,12 +13,13 @@ import logging
 
 import torch
 
-from . import kernels
+from . import kernels, masks
 from .agreement import agree
 from .kernels import Dropout, Kernel
 from .kernels.base import like_layout
 from .layout import Layout, tensor_layout
 from .local import local_backward, local_forward
+from .mask import Window
 from .spec import AttentionSpec
 
 log = logging.getLogger("sdpa_fusion")
@@ -48,11 +49,12 @@ class Plan:
 
 
 def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", schedule=None,
-         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None) -> Plan:
+         dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None, mask=None) -> Plan:
     """Check this rank's call and choose the kernel, without communicating: the ValueError
     of a bad argument is raised here on this rank (``attention`` raises it on every rank)."""
     q_layout = tensor_layout("q", q, layout)  # "auto": read from q
     _check_arguments(schedule, causal, kernel, q_layout, cu_seqlens, cu_seqlens_padded)
+    causal, window, mask = _composed(causal, window, mask)
     packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
         if schedule is not None and q_layout.is_varlen else None
     if packing is not None:  # the global packing, split: this rank's lengths
@@ -60,11 +62,13 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     spec = AttentionSpec.from_tensors(
         q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
         cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, window=window,
-    ).replace(packing=packing)
+    ).replace(packing=packing, mask=mask)
     _check_device(q.device, schedule.mesh if schedule is not None else None)
     if schedule is not None:
         schedule.validate(spec)
         schedule.check_shards(q, k, v)
+    if mask is not None:
+        _check_mask(schedule.global_spec(spec) if schedule is not None else spec)
     extent = schedule.call_extent(spec) if schedule is not None else None
     chosen = kernels.select(kernel, spec, q.device, extent=extent)
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
@@ -97,6 +101,34 @@ def _check_arguments(schedule, causal, kernel, layout, cu_seqlens, cu_seqlens_pa
                 f"{name}= is given but layout={str(layout)!r} is dense; pass layout='thd' for "
                 f"packed sequences, or leave {name} out"
             )
+
+
+def _composed(causal: bool, window, mask):
+    """(causal, window, mask): a mask with causal and window folded in, or, when the whole is
+    only causal and a window, those (the plain paths) and no mask."""
+    if mask is None:
+        return causal, window, None
+    if not isinstance(mask, masks.Mask):
+        raise ValueError(f"mask={mask!r} must be built with sdpa_fusion.masks, e.g. "
+                         f"masks.causal() & masks.document_ids(ids), or None")
+    if causal:
+        mask = masks.causal() & mask
+    if window is not None:
+        window = Window.of(window)
+        mask = masks.window(window.left, window.right) & mask
+    plain = mask.band()
+    if plain is not None:
+        return plain[0], plain[1], None
+    return False, None, mask
+
+
+def _check_mask(spec: AttentionSpec) -> None:
+    """A ValueError when the mask cannot describe the global problem of ``spec``."""
+    if spec.layout.is_varlen:
+        sequences = spec.sequences()
+        spec.mask.check(len(sequences), max((n for _, n in sequences), default=0))
+    else:
+        spec.mask.check(spec.batch, max(spec.q_len, spec.kv_len))
 
 
 def _check_device(device: torch.device, mesh) -> None:
@@ -154,7 +186,7 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
               layout: Layout | str = "auto", kernel: str | Kernel = "auto", schedule=None,
               dropout_p: float = 0.0, cu_seqlens=None, cu_seqlens_padded=None,
-              window=None) -> torch.Tensor:
+              window=None, mask=None) -> torch.Tensor:
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
 
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
@@ -164,7 +196,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     key j for query i when ``i - left <= j <= i + right`` (top-left aligned, per sequence when
     packed; None on a side is unbounded). ``layout="auto"`` reads each tensor's memory order
     (k and v are copied to q's when they differ); an explicit layout that a tensor contradicts
-    is a ValueError. Differentiable in q, k, v.
+    is a ValueError. ``mask`` is a composed mask (``sdpa_fusion.masks``, e.g.
+    ``masks.causal() | masks.bidirectional_spans(spans)``), and-ed with ``causal`` and
+    ``window``. Differentiable in q, k, v.
     DTensors whose placements describe the schedule's shards are accepted and a DTensor is
     returned.
     """
@@ -175,7 +209,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
         (q, k, v), rewrap = unwrap_dtensors((q, k, v), schedule)
         p = plan(q, k, v, causal=causal, scale=scale, layout=layout, kernel=kernel,
                  schedule=schedule, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
-                 cu_seqlens_padded=cu_seqlens_padded, window=window)
+                 cu_seqlens_padded=cu_seqlens_padded, window=window, mask=mask)
         if schedule is not None and schedule.mesh is not None:
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             fields = call_fields(p, needs_grad, rewrap is not None, q.device)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from .kernels import Dropout, Kernel, Seqlens
+from .masked import spec_call
 from .spec import AttentionSpec
 
 
@@ -39,6 +42,8 @@ def spec_seqlens(spec: AttentionSpec) -> Seqlens:
 def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None):
     """(out, lse) of the whole local problem; lse is fp32 [B, H, S] ([1, H, T] for THD)."""
     scale = spec.softmax_scale
+    if spec.mask is not None:
+        return _masked(spec, kernel, "forward", (q, k, v), scale)
     if not spec.layout.is_varlen:
         return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout,
                               window=spec.window)
@@ -51,8 +56,32 @@ def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
                    dropout: Dropout | None = None):
     """(dq, dk, dv) of the whole local problem, given its out and lse."""
     scale = spec.softmax_scale
+    if spec.mask is not None:
+        return _masked(spec, kernel, "backward", (dout, q, k, v, out), scale, lse)
     if not spec.layout.is_varlen:
         return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
                                dropout=dropout, window=spec.window)
     return kernel.varlen_backward(dout, q, k, v, out, lse[0], spec_seqlens(spec),
                                   causal=spec.causal, scale=scale, window=spec.window)
+
+
+def _masked(spec: AttentionSpec, kernel: Kernel, what: str, tensors, scale, lse=None):
+    """``forward`` (out, lse) or ``backward`` (dq, dk, dv) of a masked problem
+    (``masked.spec_call``); packed [T, H, E] tensors go as [1, H, T, E] views."""
+    packed = spec.layout.is_varlen
+    if packed:
+        tensors = [t.unsqueeze(0).transpose(1, 2) for t in tensors]
+    call = spec_call(spec)
+    if what == "forward":
+        q, k, v = tensors
+        if call is None:
+            out = torch.zeros_like(q)
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            out, lse = call.forward(kernel, q, k, v, scale)
+        return (out[0].transpose(0, 1) if packed else out), lse
+    if call is None:
+        grads = tuple(torch.zeros_like(t) for t in tensors[1:4])
+    else:
+        grads = call.backward(kernel, *tensors, lse, scale)
+    return tuple(g[0].transpose(0, 1) for g in grads) if packed else grads

@@ -1,8 +1,9 @@
-"""Attention masks beyond causal: the sliding-window band.
+"""Bands: the sliding window, and what a band leaves of runs of queries and keys (``cut``).
 
 Masks are aligned top-left (per sequence when packed): query i sees key j when j <= i
 (causal) and ``i - left <= j <= i + right`` (window). Kernels take the band that a causal
-flag and a window make together, ``band(causal, window)``.
+flag and a window make together, ``band(causal, window)``. Composed masks are
+``sdpa_fusion.masks``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+_UNBOUNDED = 1 << 60  # an unbounded side, as a number the band arithmetic keeps unbounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +80,37 @@ def visible_pairs(n_q: int, n_k: int, band_: tuple[int | None, int | None]) -> i
     low = (i - left).clamp_min(0) if left is not None else torch.zeros_like(i)
     high = (i + right).clamp_max(n_k - 1) if right is not None else torch.full_like(i, n_k - 1)
     return int((high - low + 1).clamp_min(0).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """What a band leaves of runs of queries and keys (tensors, elementwise): the first
+    ``row_cut`` rows and ``key_cut`` keys go, ``rows`` and ``keys`` stay (0: nothing, no call),
+    seen through the window (``left``, ``right``) in their own rows, or without a mask where
+    ``full``."""
+
+    row_cut: torch.Tensor
+    rows: torch.Tensor
+    key_cut: torch.Tensor
+    keys: torch.Tensor
+    left: torch.Tensor
+    right: torch.Tensor
+    full: torch.Tensor
+
+
+def cut(n_q, n_k, offset, stride: int, mask) -> Cut:
+    """The ``Cut`` of runs of ``n_q`` queries and ``n_k`` keys whose first positions differ by
+    ``offset`` (query minus key; int64 tensors, elementwise) in steps of ``stride``, under
+    the global band ``mask`` (left, right; None unbounded)."""
+    left, right = (_UNBOUNDED if side is None else side for side in mask)
+    low = torch.div(left - offset, stride, rounding_mode="floor")    # j >= i - low
+    high = torch.div(right + offset, stride, rounding_mode="floor")  # j <= i + high
+    empty = low + high < 0
+    key_cut, row_cut = (-low).clamp(min=0), (-high).clamp(min=0)  # at most one is not 0
+    low, high = low + key_cut - row_cut, high - key_cut + row_cut
+    rows = torch.minimum(n_q - row_cut, n_k - key_cut + low).clamp(min=0)
+    keys = torch.minimum(n_k - key_cut, rows + high).clamp(min=0)
+    empty |= (rows == 0) | (keys == 0)
+    rows, keys = rows.masked_fill(empty, 0), keys.masked_fill(empty, 0)
+    full = (low >= rows - 1) & (high >= keys - 1)
+    return Cut(row_cut, rows, key_cut, keys, low, high, full)

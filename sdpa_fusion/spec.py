@@ -26,7 +26,8 @@ class AttentionSpec:
     ``q_len``/``kv_len`` are the packed token counts and ``cu_seqlens`` (and
     ``cu_seqlens_padded``) delimit sequences; under a schedule that splits tokens they are
     this rank's, and ``packing`` is the rank's part of the global packing
-    (``schedules.packing.LocalPacking``).
+    (``schedules.packing.LocalPacking``). ``mask`` is a composed mask (``sdpa_fusion.masks``)
+    over positions of each sequence; ``attention`` folds causal and window into it.
     """
 
     batch: int
@@ -44,6 +45,7 @@ class AttentionSpec:
     cu_seqlens_padded: tuple[int, ...] | None = None
     window: Window | None = None
     packing: object = None
+    mask: object = None  # an ``sdpa_fusion.masks.Mask`` (with causal and window in it)
 
     def __post_init__(self):
         object.__setattr__(self, "layout", Layout.of(self.layout))
@@ -96,7 +98,22 @@ class AttentionSpec:
             )
         if self.layout.is_varlen:
             self._validate_varlen()
+        if self.mask is not None:
+            self._validate_mask()
         return self
+
+    def _validate_mask(self) -> None:
+        from .masks import Mask
+
+        if not isinstance(self.mask, Mask):
+            raise ValueError(f"mask={self.mask!r} must be built with sdpa_fusion.masks, e.g. "
+                             f"masks.causal() & masks.document_ids(ids)")
+        if self.dropout_p > 0:
+            raise ValueError(f"dropout_p={self.dropout_p} is not supported with mask=; use "
+                             f"dropout_p=0")
+        if self.causal or self.window is not None:
+            raise ValueError("a spec with mask= has causal and window inside the mask; use "
+                             "masks.causal() & masks.window(left, right) & mask")
 
     def _validate_varlen(self) -> None:
         if self.batch != 1:
@@ -131,7 +148,11 @@ class AttentionSpec:
             lengths = [(n, n) for _, n in self.sequences()]
         else:
             lengths = [(self.q_len, self.kv_len)] * self.batch
-        if self.window is None:
+        if self.mask is not None:
+            from .mask_plan import spec_pairs
+
+            pairs = spec_pairs(self)
+        elif self.window is None:
             pairs = sum(n_q * n_k for n_q, n_k in lengths) * (0.5 if self.causal else 1.0)
         else:
             mask = band(self.causal, self.window)
@@ -154,6 +175,7 @@ class AttentionSpec:
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_padded: torch.Tensor | None = None,
         window=None,
+        mask=None,
     ) -> "AttentionSpec":
         """Build and validate the spec of q, k, v, checking that each has ``layout``; with
         ``"auto"`` each tensor's own layout is read and the spec takes the query's (the caller
@@ -194,7 +216,7 @@ class AttentionSpec:
             batch=b, heads=h, kv_heads=h_kv, q_len=t_q, kv_len=t_k, head_dim=e,
             dtype=q.dtype, causal=bool(causal), scale=scale,
             dropout_p=float(dropout_p) if _is_number(dropout_p) else dropout_p,
-            layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded, window=window,
+            layout=layout, cu_seqlens=cu, cu_seqlens_padded=padded, window=window, mask=mask,
         ).validate()
 
 

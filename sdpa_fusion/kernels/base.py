@@ -29,7 +29,9 @@ inputs that are views past them are copied first. A kernel implements ``_forward
 ``_backward`` (and ``_varlen_forward``/``_varlen_backward`` when it has a varlen call:
 ``native_varlen``; without one, packed sequences run one by one through its dense call) for
 calls inside its limits. Capabilities are data: ``gpu_only``, ``supports_dropout``,
-``supports_window``, ``native_varlen``, ``limits``, and the optional ``query_rows`` (a backward
+``supports_window``, ``supports_mask`` (``masked_forward``/``masked_backward`` with an explicit
+bool mask: the reference; other kernels' partial tiles of a mask go through it),
+``native_varlen``, ``limits``, and the optional ``query_rows`` (a backward
 that sums the dQ of several calls on the same query rows, FA4 on Hopper) and ``split_heads``
 (the kernel for the head shards of a head-parallel mesh, nvFuser's DID split), None where a
 kernel has none.
@@ -149,6 +151,7 @@ class Kernel(abc.ABC):
     supports_dropout: bool = False
     supports_window: bool = False
     native_varlen: bool = False  # runs packed sequences in one call (else one by one)
+    supports_mask: bool = False  # masked_forward/backward: an explicit bool mask (partial tiles)
     limits: Limits | None = Limits()  # what one call may take; None: no limit
     query_rows = None  # optional: see the module docstring (FA4 on Hopper)
     split_heads = None  # optional: (mesh, dim) -> the kernel for head shards (nvFuser)
@@ -172,6 +175,9 @@ class Kernel(abc.ABC):
                     f"'reference') for dropout_p > 0")
         if spec.window is not None and not self.supports_window:
             return f"kernel {self.name!r} has no sliding window; use kernel={_window_kernels()}"
+        if spec.mask is not None and spec.mask.needs_window and not self.supports_window:
+            return (f"kernel {self.name!r} has no sliding window, which mask {spec.mask!r} "
+                    f"needs (a window or ~); use kernel={_window_kernels()}")
         return self._unavailable_reason(spec, device)
 
     def _unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:

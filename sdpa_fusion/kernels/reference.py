@@ -1,7 +1,8 @@
 """The reference kernel: attention written out in fp32 on any device, forward and backward.
 
 It is the oracle of the test suite and the kernel of CPU ranks. Masks (causal, sliding window)
-are the top-left band of ``sdpa_fusion.mask``. Packed sequences run one by one (the base
+are the top-left band of ``sdpa_fusion.mask``; ``masked_forward``/``masked_backward`` take an
+explicit bool mask instead (the partial tiles of a ``masks.mask_mod``, on any device). Packed sequences run one by one (the base
 class's ``varlen_forward``/``varlen_backward``). The backward is the explicit softmax-attention
 gradient (no autograd), given the global out and lse of each query row:
 
@@ -29,14 +30,16 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
 
 
-def _probabilities(q, k, lse, *, causal, scale, window):
-    """P [B, H_kv, G, S_q, S_kv] in fp32 from the given lse; masked entries are 0."""
+def _probabilities(q, k, lse, *, causal, scale, window, seen=None):
+    """P [B, H_kv, G, S_q, S_kv] in fp32 from the given lse; masked entries are 0 (``seen``:
+    an explicit bool mask [S_q, S_kv] instead of the band)."""
     kv_heads = k.shape[1]
     scores = torch.einsum("bhgqe,bhke->bhgqk", _grouped(q, kv_heads), k.float()) * scale
     mask = band(causal, window)
-    if mask != (None, None):
+    if seen is None and mask != (None, None):
         seen = visible(q.shape[2], k.shape[2], mask, q.device)
-        scores = scores.masked_fill(~seen, float("-inf"))
+    if seen is not None:
+        scores = scores.masked_fill(~seen.to(q.device), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
         # a row with a +inf score has no softmax (inf / inf): NaN for the whole row, as torch's
@@ -68,17 +71,19 @@ class ReferenceKernel(Kernel):
     gpu_only = False
     supports_window = True
     supports_dropout = True
+    supports_mask = True
     limits = None  # torch's 64-bit indexing
 
-    def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse):
-        p, lse = _probabilities(q, k, None, causal=causal, scale=scale, window=window)
+    def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse,
+                 seen=None):
+        p, lse = _probabilities(q, k, None, causal=causal, scale=scale, window=window, seen=seen)
         out = torch.einsum("bhgqk,bhke->bhgqe", p * _kept(p, dropout), v.float())
         return _out(out, q), lse.flatten(1, 2).contiguous()
 
     def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window,
-                  dropout: Dropout | None, dq, dk, dv):
+                  dropout: Dropout | None, dq, dk, dv, seen=None):
         kv_heads = k.shape[1]
-        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale, window=window)
+        p, _ = _probabilities(q, k, lse, causal=causal, scale=scale, window=window, seen=seen)
         do = _grouped(dout, kv_heads)
         delta = (do * _grouped(out, kv_heads)).sum(-1, keepdim=True)
         kept = _kept(p, dropout)
@@ -93,6 +98,17 @@ class ReferenceKernel(Kernel):
             kv_layout.to(dk.to(k.dtype)),
             kv_layout.to(dv.to(v.dtype)),
         )
+
+
+    def masked_forward(self, q, k, v, seen, scale):
+        """(out, lse) of q, k, v under the explicit bool mask ``seen`` [S_q, S_kv]."""
+        return self._forward(q, k, v, causal=False, scale=scale, window=None, dropout=None,
+                             out=None, lse=None, seen=seen)
+
+    def masked_backward(self, dout, q, k, v, out, lse, seen, scale):
+        """(dq, dk, dv) under the explicit bool mask ``seen``, given the global out and lse."""
+        return self._backward(dout, q, k, v, out, lse, causal=False, scale=scale, window=None,
+                              dropout=None, dq=None, dk=None, dv=None, seen=seen)
 
 
 register(ReferenceKernel())

@@ -1,0 +1,242 @@
+"""A composed mask on a block of queries and a block of keys, compiled to kernel calls
+(pure decisions, no kernel and no data; ``sdpa_fusion.masked`` runs them).
+
+The rows of a block are ``Tokens``: each row's sequence (the batch element, or the packed
+sequence; -1 for padding, which sees nothing) and position. A structured mask
+(``sdpa_fusion.masks``) is evaluated per pair of *segments*, runs of rows whose positions
+step by the partition's stride and whose classes (document, span, chunk, prefix) do not
+change: there it keeps a few disjoint intervals of k - q, each a band that ``mask.cut``
+turns into a call in the segments' own rows (nothing: no call; every pair: no mask; causal
+or a window otherwise):
+
+    causal | bidirectional_spans([(4, 8)]) over 12 tokens: segments 0-3 | 4-7 | 8-11
+    rows 0-3   keys 0-3 causal
+    rows 4-7   keys 0-7 full          (joined: keys 0-3 full, keys 4-7 the span)
+    rows 8-11  keys 0-7 full, keys 8-11 causal
+
+A band without a left edge and a right edge r > 0 runs as keys [0, r) without a mask and
+the rest causal, so kernels without windows run every mask without ``masks.window`` or
+``~``. A ``mask_mod`` is evaluated per tile of ``TILE`` x ``TILE`` rows: empty tiles make no
+call, full ones run without a mask (neighbours joined), partial ones with the explicit mask
+through a kernel that ``supports_mask`` (the reference; others' partial tiles go through
+the reference's fp32 math, exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .mask import Window, cut, visible_pairs
+from .masks import INF, Mask
+
+TILE = 128  # rows and keys of a tile of a mask_mod
+_FAR = INF >> 8  # a side this far is unbounded (cut divides sides by the stride)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokens:
+    """Sequence (-1: padding) and position of every row of a block; positions of a run
+    step by ``stride``."""
+
+    seq: torch.Tensor
+    pos: torch.Tensor
+    stride: int = 1
+
+    @classmethod
+    def dense(cls, positions: torch.Tensor, stride: int = 1) -> "Tokens":
+        return cls(torch.zeros_like(positions), positions, stride)
+
+    def of(self, b: int) -> "Tokens":
+        """These rows as rows of batch element ``b``."""
+        return Tokens(torch.where(self.seq >= 0, b, -1), self.pos, self.stride)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Piece:
+    """One kernel call: query ``rows`` vs ``keys`` (slices) with ``causal`` and ``window``
+    (top-left in its own rows), or the explicit bool mask ``seen``."""
+
+    rows: slice
+    keys: slice
+    causal: bool = False
+    window: Window | None = None
+    seen: torch.Tensor | None = None
+
+    def pairs(self, n_q: int, n_k: int) -> int:
+        rows, keys = len(range(n_q)[self.rows]), len(range(n_k)[self.keys])
+        if self.seen is not None:
+            return int(self.seen.sum())
+        if self.causal:
+            return visible_pairs(rows, keys, (None, 0))
+        if self.window is not None:
+            return visible_pairs(rows, keys, (self.window.left, self.window.right))
+        return rows * keys
+
+
+def pieces(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
+    """The kernel calls of queries ``q`` vs keys ``k`` under ``mask``."""
+    if not len(q.pos) or not len(k.pos):
+        return []
+    found = _banded(mask, q, k) if mask.structured else _tiled(mask, q, k)
+    return _joined(found, len(q.pos), len(k.pos))
+
+
+def packed_tokens(sequences, tokens: int) -> Tokens:
+    """The ``Tokens`` of ``tokens`` packed rows holding ``sequences`` = [(start, length)]."""
+    seq = torch.full((tokens,), -1, dtype=torch.long)
+    pos = torch.zeros(tokens, dtype=torch.long)
+    for i, (start, n) in enumerate(sequences):
+        seq[start:start + n] = i
+        pos[start:start + n] = torch.arange(n)
+    return Tokens(seq, pos)
+
+
+def spec_tokens(spec) -> tuple[Tokens, Tokens]:
+    """(query, key) ``Tokens`` of the whole problem of ``spec`` (packed: one block of T rows)."""
+    if spec.layout.is_varlen:
+        tokens = packed_tokens(spec.sequences(), spec.q_len)
+        return tokens, tokens
+    return Tokens.dense(torch.arange(spec.q_len)), Tokens.dense(torch.arange(spec.kv_len))
+
+
+def batch_pieces(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> tuple:
+    """((batch slice, pieces), ...) of queries ``q`` vs keys ``k`` on ``batch`` elements (one
+    part for all when the mask is the same for all), parts without pieces left out."""
+    if mask.batched and batch > 1:
+        parts = [(slice(b, b + 1), pieces(mask, q.of(b), k.of(b))) for b in range(batch)]
+    else:
+        parts = [(slice(None), pieces(mask, q, k))]
+    return tuple((b, tuple(p)) for b, p in parts if p)
+
+
+def spec_pairs(spec) -> int:
+    """Query-key pairs the mask of ``spec`` keeps, over the whole problem."""
+    q, k = spec_tokens(spec)
+    batch = 1 if spec.layout.is_varlen else spec.batch
+    parts = batch_pieces(spec.mask, q, k, batch)
+    every = 1 if spec.mask.batched else batch
+    return every * sum(p.pairs(len(q.pos), len(k.pos)) for _, found in parts for p in found)
+
+
+# ---- structured masks: segments and bands ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    row: torch.Tensor
+    count: torch.Tensor
+    first: torch.Tensor
+    seq: torch.Tensor
+    classes: list
+
+
+def _segments(leaves, t: Tokens) -> _Segments:
+    real = t.seq >= 0
+    b = t.seq.clamp(min=0)
+    classes = [leaf.classes(b, t.pos) for leaf in leaves]
+    start = real.clone()
+    if len(start) > 1:
+        change = (t.seq[1:] != t.seq[:-1]) | (t.pos[1:] != t.pos[:-1] + t.stride) | ~real[:-1]
+        for c in classes:
+            change |= c[1:] != c[:-1]
+        start[1:] &= change
+    first = start.nonzero()[:, 0]
+    segment = torch.cumsum(start.long(), 0) - 1
+    count = torch.bincount(segment[real], minlength=len(first))
+    return _Segments(first, count, t.pos[first], t.seq[first], [c[first] for c in classes])
+
+
+def _banded(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
+    leaves = [leaf for leaf in mask.leaves() if leaf.classed]
+    sq, sk = _segments(leaves, q), _segments(leaves, k)
+    cls = {id(leaf): (cq.unsqueeze(1), ck.unsqueeze(0))
+           for leaf, cq, ck in zip(leaves, sq.classes, sk.classes)}
+    lo, hi = mask.intervals(cls)
+    shape = (len(sq.row), len(sk.row), lo.shape[-1])
+    lo, hi = lo.expand(shape), hi.expand(shape)
+    same = (sq.seq.unsqueeze(1) == sk.seq.unsqueeze(0)).unsqueeze(-1)
+    a, b, s = (same & (lo <= hi)).nonzero().unbind(1)
+    c = cut(sq.count[a], sk.count[b], sq.first[a] - sk.first[b], q.stride,
+            (-lo[a, b, s], hi[a, b, s]))
+    row0, key0 = sq.row[a] + c.row_cut, sk.row[b] + c.key_cut
+    found = []
+    for i in (c.rows > 0).nonzero()[:, 0].tolist():
+        rows = slice(int(row0[i]), int(row0[i] + c.rows[i]))
+        keys = slice(int(key0[i]), int(key0[i] + c.keys[i]))
+        found += _lowered(rows, keys, bool(c.full[i]), int(c.left[i]), int(c.right[i]))
+    return found
+
+
+def _lowered(rows: slice, keys: slice, full: bool, left: int, right: int) -> list[Piece]:
+    """The pieces of a band (left, right) on ``rows`` x ``keys``: one call, or keys [0, r)
+    without a mask and the rest causal for a band (unbounded, r)."""
+    if full:
+        return [Piece(rows, keys)]
+    left = None if left >= _FAR else left
+    right = None if right >= _FAR else right
+    if left is None and right == 0:
+        return [Piece(rows, keys, causal=True)]
+    if left is None and right is not None:
+        split = keys.start + right
+        return [Piece(rows, slice(keys.start, split)), Piece(rows, slice(split, keys.stop), True)]
+    return [Piece(rows, keys, window=Window(left, right))]
+
+
+# ---- mask_mod: tiles ------------------------------------------------------------------------
+def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
+    n_k = len(k.pos)
+    tiles = -(-n_k // TILE)
+    found = []
+    for r0 in range(0, len(q.pos), TILE):
+        rows = slice(r0, min(r0 + TILE, len(q.pos)))
+        sq, pq = q.seq[rows].unsqueeze(1), q.pos[rows].unsqueeze(1)
+        seen = (sq == k.seq.unsqueeze(0)) & (sq >= 0) & \
+            mask.visible(sq.clamp(min=0), pq, k.pos.unsqueeze(0))
+        padded = torch.zeros(seen.shape[0], tiles * TILE, dtype=torch.long)
+        padded[:, :n_k] = seen
+        counts = padded.view(seen.shape[0], tiles, TILE).sum((0, 2))
+        widths = torch.full((tiles,), TILE)
+        widths[-1] = n_k - (tiles - 1) * TILE
+        kind = torch.where(counts == 0, 0, torch.where(counts == widths * seen.shape[0], 1, 2))
+        t = 0
+        while t < tiles:
+            end = t + 1
+            while end < tiles and kind[end] == kind[t]:
+                end += 1
+            keys = slice(t * TILE, min(end * TILE, n_k))
+            if kind[t] == 1:
+                found.append(Piece(rows, keys))
+            elif kind[t] == 2:
+                found.append(Piece(rows, keys, seen=seen[:, keys].clone()))
+            t = end
+    return found
+
+
+# ---- fewer, larger calls --------------------------------------------------------------------
+def _joined(found: list[Piece], n_q: int, n_k: int) -> list[Piece]:
+    """Unmasked pieces that meet joined: along the keys of one row range, then along the rows
+    of one key range; a range of every row or key as ``slice(None)``."""
+    found = _join(found, lambda p: (p.rows.start, p.rows.stop), lambda p: p.keys, "keys")
+    found = _join(found, lambda p: (p.keys.start, p.keys.stop), lambda p: p.rows, "rows")
+    return [dataclasses.replace(p, rows=_whole(p.rows, n_q), keys=_whole(p.keys, n_k))
+            for p in found]
+
+
+def _join(found, group, span, field):
+    plain = sorted((p for p in found if _plain(p)), key=lambda p: (group(p), span(p).start))
+    joined = []
+    for p in plain:
+        last = joined[-1] if joined else None
+        if last is not None and group(last) == group(p) and span(last).stop == span(p).start:
+            joined[-1] = dataclasses.replace(last, **{field: slice(span(last).start, span(p).stop)})
+        else:
+            joined.append(p)
+    return joined + [p for p in found if not _plain(p)]
+
+
+def _plain(p: Piece) -> bool:
+    return not p.causal and p.window is None and p.seen is None
+
+
+def _whole(span: slice, n: int) -> slice:
+    return slice(None) if (span.start, span.stop) == (0, n) else span
