@@ -7,8 +7,8 @@ tokens on every rank, as ring blocks need. Rank r stores its whole documents fir
 order, then its part of the cut packing:
 
     documents a (2 tokens), b (8), c (3), d (1), P = 2; b is cut, chunks of 2
-    rank 0   a0 a1 d0 | b0 b1 b6 b7          cu_seqlens        [0, 2, 3, 7]
-    rank 1   c0 c1 c2 | b2 b3 b4 b5          cu_seqlens        [0, 3, 7]
+    rank 0   c0 c1 c2 | b0 b1 b6 b7          cu_seqlens        [0, 3, 7]
+    rank 1   a0 a1 d0 | b2 b3 b4 b5          cu_seqlens        [0, 2, 3, 7]
 
 Ranks hold different numbers of tokens (balanced, not equal): whole documents never travel;
 only the cut part does (K/V, dK/dV), one size on every rank. ``position_ids`` are positions

@@ -413,7 +413,8 @@ class Hybrid(Schedule):
             return spec.replace(q_len=spec.q_len // outer.size, kv_len=spec.kv_len // outer.size)
         split = outer.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
         cu, padded = split.part_packing(outer.index)
-        return spec.replace(q_len=split.tokens, kv_len=split.tokens, cu_seqlens=cu,
+        tokens = split.part(outer.index).tokens  # one count per rank, or per rank's documents
+        return spec.replace(q_len=tokens, kv_len=tokens, cu_seqlens=cu,
                             cu_seqlens_padded=padded)
 
     def __repr__(self) -> str:

@@ -1,0 +1,148 @@
+"""Packed batches split by whole documents (partition ``documents``) under ring, allgather and
+hybrid vs the reference per document: random packings, empty and one-token documents, every
+document short (nothing travels), one longer than a rank's share, windows, GQA; positions and
+unshard with ranks holding different numbers of tokens (the planner's table and bounds:
+tests/test_documents.py).
+
+    mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_thd_documents.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import schedules
+from schedules.partition import Documents
+
+from .packed import assert_packed_matches, global_positions, make_packed, run_packed, sequences
+from .test_hybrid import meshes, shapes  # noqa: F401  (the 2-D meshes of this world)
+from .test_thd import SAME_ON_EVERY_RANK
+from .test_traffic import assert_bytes, step
+
+KEEP_WHOLE = Documents(tolerance=100.0)  # cuts only what must be cut: small tests keep documents
+
+
+@st.composite
+def packings(draw, p: int):
+    """(lengths, padding slack or None, window or None, causal, GQA, tolerance)."""
+    n = draw(st.integers(1, 2 * p + 2))
+    lengths = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    if draw(st.booleans()):  # one document longer than a rank's share
+        lengths.insert(draw(st.integers(0, n)), sum(lengths) + draw(st.integers(1, 4 * p)))
+    if sum(lengths) == 0:
+        lengths[0] = 1
+    slack = draw(st.none() | st.lists(st.integers(0, 2), min_size=len(lengths),
+                                      max_size=len(lengths)))
+    window = draw(st.none() | st.tuples(st.integers(0, 3), st.none() | st.integers(0, 2)))
+    return (lengths, slack, window, draw(st.booleans()), draw(st.booleans()),
+            draw(st.sampled_from([0.05, 100.0])))
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_random_packings_match_reference(mesh, name):
+    """Forward and backward exact per document, zero on padding; positions are those inside
+    each document; every token unshards to its place."""
+    p = mesh.size()
+
+    @settings(max_examples=6, **SAME_ON_EVERY_RANK)
+    @given(packings(p))
+    def check(drawn):
+        lengths, slack, window, causal, gqa, tolerance = drawn
+        problem = make_packed(lengths, h=2, h_kv=1 if gqa else 2, slack=slack, causal=causal,
+                              window=window, scale=0.5)
+        sched = schedules.get(name, mesh, partition=Documents(tolerance=tolerance))
+        assert_packed_matches(problem, run_packed(sched, problem))
+        local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+        assert torch.equal(local.position_ids, local.shard(global_positions(problem)))
+
+    check()
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["causal", "window"])
+def test_one_long_document_and_short_ones(mesh, name, window):
+    """The long document is cut (its K/V travel), the short ones stay whole; ranks hold
+    different numbers of tokens."""
+    p = mesh.size()
+    lengths = [1, 3, 0, 8 * p + 3, 2, 5, 1, 4]
+    problem = make_packed(lengths, h=4, h_kv=2, causal=True, window=window)
+    sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
+    local = sched.pack(problem.cu_seqlens)
+    assert local.assignment.cut == (3,)
+    assert local.whole_tokens == sum(lengths[i] for i in local.assignment.whole(mesh.rank))
+    assert_packed_matches(problem, run_packed(sched, problem, local=True))
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_short_documents_move_nothing(mesh, name):
+    """Every document whole: the call sends and receives nothing (the agreement aside), as
+    describe() says, and each rank's tokens are within one document of the mean."""
+    p = mesh.size()
+    lengths = [3, 1, 4, 1, 5, 2, 6, 2, 3, 5] * p
+    problem = make_packed(lengths, h=2, causal=True)
+    sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
+    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
+    assert d.bytes_sent == d.backward_bytes_sent == 0
+    assert_bytes(d, forward, backward, sched.group)
+    local = sched.pack(problem.cu_seqlens)
+    assert not local.assignment.cut
+    assert abs(local.tokens - sum(lengths) / p) <= max(lengths)
+
+
+@pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_cut_documents_move_what_describe_says(mesh, name):
+    p = mesh.size()
+    problem = make_packed([6 * p + 1, 2, 0, 3, 1, 9 * p], h=4, h_kv=2, causal=True)
+    sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
+    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
+    assert d.bytes_sent > 0
+    assert_bytes(d, forward, backward, sched.group)
+
+
+def test_unshard_of_uneven_parts_is_differentiable(mesh):
+    """unshard(shard(x)) is x (zero in the global padding slots); the gradient of the full
+    result reaches this rank's tokens only."""
+    p = mesh.size()
+    problem = make_packed([4, 0, 1, 7, 2, 6 * p, 3], h=2, slack=[1, 0, 2, 0, 0, 1, 0])
+    sched = schedules.get("ring", mesh, partition=KEEP_WHOLE)
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
+    x = problem.q.clone().requires_grad_()
+    back = sched.unshard(sched.shard(x, **kw), **kw)
+    real = torch.zeros(x.shape[0], dtype=torch.bool)
+    for start, n in sequences(problem):
+        real[start:start + n] = True
+    torch.testing.assert_close(back, torch.where(real[:, None, None], problem.q, 0.0))
+    (back * problem.dout).sum().backward()
+    index = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded).token_index
+    mine = torch.zeros_like(real)
+    mine[index[index >= 0]] = True
+    torch.testing.assert_close(x.grad, torch.where(mine[:, None, None], problem.dout, 0.0))
+
+
+@shapes
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+@pytest.mark.parametrize("outer", ["ring", "allgather"])
+def test_hybrid_outer(meshes, shape, inner, outer):  # noqa: F811
+    """Documents over the outer dim, split again (ulysses) or by heads (head_parallel)."""
+    pi, po = shape
+    problem = make_packed([2, 5, 0, 8 * pi * po + 1, 3, 1], h=2 * pi, h_kv=pi, causal=True,
+                          slack=[0, 1, 0, 2, 0, 0])
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer=outer,
+                          partition=KEEP_WHOLE)
+    assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
+    local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+    assert torch.equal(local.position_ids, local.shard(global_positions(problem)))
+
+
+def test_dense_sequences_split_as_load_balanced(mesh):
+    """A dense batch has no documents: each sequence is split as ``load_balanced``."""
+    sched = schedules.get("ring", mesh, partition="documents")
+    balanced = schedules.get("ring", mesh)
+    assert torch.equal(sched.position_ids(8 * mesh.size()), balanced.position_ids(8 * mesh.size()))

@@ -1,0 +1,122 @@
+"""Partition ``documents``: the planner as a table and its bounds, every rank's tokens and
+positions, and describe() on a VirtualMesh (the runs under mpirun:
+tests/distributed/test_thd_documents.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import schedules
+import sdpa_fusion
+from schedules.assign import CUT, assign, work
+from schedules.documents import DocumentSplit
+from schedules.partition import Documents
+
+
+@pytest.mark.parametrize("lengths, parts, tolerance, owner", [
+    ([9, 7, 3, 3, 2, 2, 1, 1], 2, 0.05, (CUT, CUT, 0, 1, 0, 1, 0, 1)),
+    ([9, 7, 3, 3, 2, 2, 1, 1], 2, 10.0, (CUT, 0, 1, 1, 1, 1, 1, 0)),  # 9 has a share's work
+    ([4, 4, 4, 4], 2, 0.05, (0, 1, 0, 1)),
+    ([4, 4, 4, 4], 4, 0.0, (0, 1, 2, 3)),
+    ([0, 0, 5], 2, 0.05, (0, 0, CUT)),  # empty documents: anywhere
+    ([30, 1], 2, 100.0, (CUT, 0)),  # longer than a rank's share: cut whatever the tolerance
+    ([3, 3, 3], 1, 0.0, (0, 0, 0)),  # one rank holds everything whole
+])
+def test_assignment_table(lengths, parts, tolerance, owner):
+    assert assign(lengths, parts, tolerance=tolerance).owner == owner
+
+
+@settings(max_examples=60, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=40), st.sampled_from([2, 3, 4, 8]),
+       st.sampled_from([0.0, 0.05, 0.2]))
+def test_bounds(lengths, parts, tolerance):
+    """Each rank's tokens and work within (1 + tolerance) of the mean, or every document cut;
+    shares add up; no document longer than a rank's share stays whole."""
+    a = assign(lengths, parts, tolerance=tolerance)
+    total = sum(lengths)
+    assert sum(a.tokens) == pytest.approx(total)
+    assert sum(a.work) == pytest.approx(sum(work(n) for n in lengths))
+    if any(o != CUT for o, n in zip(a.owner, lengths) if n):
+        tokens, loads = a.imbalance
+        assert tokens <= 1 + tolerance + 1e-9 and loads <= 1 + tolerance + 1e-9
+    assert all(o == CUT for o, n in zip(a.owner, lengths) if n > total / parts)
+    assert assign(lengths, parts, tolerance=tolerance) == a  # deterministic
+
+
+def test_short_documents_stay_whole_and_balanced():
+    """2048 documents of 128 tokens: none cut, every rank the same tokens."""
+    for parts in (2, 4, 8):
+        a = assign([128] * 2048, parts)
+        assert not a.cut and a.imbalance == (1.0, 1.0)
+
+
+def split_of(lengths, parts, slack=None, tolerance=100.0) -> DocumentSplit:
+    cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    padded = None if slack is None else (
+        0, *torch.tensor([n + s for n, s in zip(lengths, slack)]).cumsum(0).tolist())
+    return DocumentSplit(Documents(tolerance), parts, cu, padded, torch.device("cpu"))
+
+
+def test_every_token_once_whole_documents_first():
+    """a = 2, b = 8 (cut), c = 3, d = 1 over 2 ranks (schedules.documents' picture)."""
+    split = split_of([2, 8, 3, 1], 2)
+    assert split.assignment.owner == (1, CUT, 0, 1)
+    assert split.rows(0).tolist() == [10, 11, 12, 2, 3, 8, 9]
+    assert split.rows(1).tolist() == [0, 1, 13, 4, 5, 6, 7]
+    assert split.positions(1).tolist() == [0, 1, 0, 2, 3, 4, 5]
+    assert split.part_packing(1) == ((0, 2, 3, 7), (0, 2, 3, 7))
+    assert [split.part(r).tokens for r in (0, 1)] == [7, 7]
+
+
+@settings(max_examples=40, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([2, 3, 4, 8]),
+       st.booleans(), st.sampled_from([0.05, 100.0]))
+def test_rows_cover_the_batch(lengths, parts, padded, tolerance):
+    """Every real token is on exactly one rank, at its position inside its document; local
+    cu_seqlens delimit each rank's tokens."""
+    slack = [n % 3 for n in lengths] if padded else None
+    split = split_of(lengths, parts, slack, tolerance)
+    starts = split.starts.tolist()
+    rows = torch.cat([split.rows(r) for r in range(parts)])
+    real = rows[rows >= 0]
+    want = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    assert torch.equal(torch.sort(real).values, want)
+    for r in range(parts):
+        local = split.part(r)
+        assert len(split.rows(r)) == local.tokens == local.cu_seqlens_padded[-1]
+        doc = torch.searchsorted(torch.tensor(starts), split.rows(r), right=True) - 1
+        at = split.rows(r) >= 0
+        assert torch.equal(split.positions(r)[at], split.rows(r)[at] - split.starts[doc[at]])
+        assert int(local.seqlens.sum()) == int(at.sum())
+
+
+def test_describe_counts_each_rank_and_only_cut_documents_travel():
+    """On every rank of a VirtualMesh: FLOPs add up to the batch's, bytes come from the cut
+    documents only."""
+    p, lengths = 4, [1, 3, 0, 40, 2, 5, 1, 4, 6, 2]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, kv = torch.randn(int(cu[-1]), 4, 8), torch.randn(int(cu[-1]), 2, 8)
+    spec = sdpa_fusion.AttentionSpec.from_tensors(q, kv, kv, layout="thd",
+                                                  cu_seqlens=cu, causal=True)
+    flops, sent = 0.0, []
+    for r in range(p):
+        mesh = sdpa_fusion.VirtualMesh((p,), ("seq",), rank=r)
+        for name in ("ring", "allgather"):
+            d = schedules.get(name, mesh, partition=Documents(100.0)).describe(spec)
+            flops += d.flops if name == "ring" else 0.0
+            sent.append(d.bytes_sent)
+            assert "whole documents" in d.notes and d.memory.outputs > 0
+    assert flops == pytest.approx(spec.flops(), rel=0.02)  # cut parts: padding rounds
+    assert min(sent) > 0
+    whole = spec.replace(cu_seqlens=(0, 2, 4, 6, 8), q_len=8, kv_len=8)
+    mesh = sdpa_fusion.VirtualMesh((p,), ("seq",))
+    d = schedules.get("ring", mesh, partition="documents").describe(whole)
+    assert (d.bytes_sent, d.backward_bytes_sent, d.steps) == (0, 0, 1)
+
+
+def test_bad_tolerance():
+    with pytest.raises(ValueError, match=r"tolerance=-1 must be a number >= 0"):
+        Documents(tolerance=-1)
