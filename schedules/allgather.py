@@ -40,6 +40,9 @@ causal over each sequence's local real tokens; call k takes the k-th run of ever
 local tokens against the other ranks' real tokens of that sequence before the run (full
 mask, so the keys may stay in the gathered order: rank, then local slot).
 
+Composed masks (``mask=``): the own block and the gathered keys (rank order) are one
+``MaskedCall`` each (``schedules.mask_plans``), none where no local query sees a key.
+
 Sliding windows: the own block and every other rank's block (``others`` then in rank order)
 are split into the calls of ``schedules.bands``, each a window in its own coordinates; blocks
 the window does not reach make no call.
@@ -54,7 +57,7 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
-from . import heads
+from . import heads, mask_plans
 from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
                     window_band)
 from .base import Description
@@ -216,6 +219,9 @@ class AllGather(Transported, SequenceSchedule):
         local ``spec``: ``others`` holds the other ranks' tokens in global order, or in rank
         order under a window. Packed plans are made once per packing."""
         mask, packing = window_band(spec), spec.packing
+        if spec.mask is not None:  # a composed mask: the MaskedCalls, others in rank order
+            rank = self.index if packing is None else packing.rank
+            return (*mask_plans.allgather_plan(spec, self.partition, self.size, rank), True)
         if mask is not None:  # packed: the calls of the rank the packing is of
             build = functools.partial(window_plan, spec, mask, self.partition, self.size,
                                       self.index if packing is None else packing.rank)
@@ -606,7 +612,7 @@ class AllGather(Transported, SequenceSchedule):
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
         local = self.local_spec(spec)
         own, calls, _ = self._plan(local)
-        if spec.layout.is_varlen:
+        if spec.layout.is_varlen or spec.mask is not None:
             return len(own) + len(calls), sum(c.pairs for c in own + calls)
         pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
             sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)

@@ -62,6 +62,11 @@ the rank of its first step. A row may then get more blocks than steps (a block s
 calls), so out and dQ of 16-bit inputs are summed in fp32 whenever a rank makes more than
 two calls.
 
+Composed masks (``mask=``): each step is the block's ``MaskedCall`` (``schedules.mask_plans``:
+band calls merged inside it; none for a block no query of the rank sees), and the ring takes
+only the steps at which some rank's queries see a key of the block: whole blocks travel, a
+skipped step moves nothing.
+
 Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
 head group and the call's place in its step, the same in forward and backward.
 """
@@ -75,7 +80,7 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
-from . import heads
+from . import heads, mask_plans
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
@@ -204,6 +209,8 @@ class Ring(Transported, SequenceSchedule):
         the steps at which some rank's queries see a key, and ``travel`` the rows of each
         block that travel (``bands.ring_plan``; None: whole blocks). Packed calls are made
         once per packing."""
+        if spec.mask is not None:  # a composed mask: its steps and calls, whole blocks
+            return mask_plans.ring_plan(spec, self.partition, self.size, self.index), None
         mask = window_band(spec)
         if mask is not None:
             return ring_plan(spec, mask, self.partition, self.size, self.index)
@@ -242,7 +249,7 @@ class Ring(Transported, SequenceSchedule):
 
     def _step_count(self, spec) -> int:
         """Steps every rank takes for the global ``spec`` (the own block's included)."""
-        if window_band(spec) is None:
+        if window_band(spec) is None and spec.mask is None:
             return self.size
         local = self.local_spec(spec)
         return len(self._plan(local, local.q_len, local.kv_len)[0])

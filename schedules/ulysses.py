@@ -46,7 +46,7 @@ import torch
 
 from sdpa_fusion.layout import Layout
 
-from . import heads
+from . import heads, mask_plans
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
@@ -188,6 +188,9 @@ class Ulysses(Transported, SequenceSchedule):
 
     def _call(self, spec):
         """The kernel call over the whole sequence of this rank's heads (None: no token)."""
+        if spec.mask is not None:
+            lengths = None if spec.packing is None else spec.packing.split.lengths
+            return mask_plans.whole_call(spec, self.size, lengths)
         if spec.packing is not None:
             return self._packed_plan(spec)[1]
         return DenseCall(slice(None), slice(None), spec.causal, spec.window)
