@@ -68,7 +68,7 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
         schedule.validate(spec)
         schedule.check_shards(q, k, v)
     if mask is not None:
-        _check_mask(schedule.global_spec(spec) if schedule is not None else spec)
+        _check_mask(schedule.global_spec(spec) if schedule is not None else spec, schedule)
     extent = schedule.call_extent(spec) if schedule is not None else None
     chosen = kernels.select(kernel, spec, q.device, extent=extent)
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
@@ -122,8 +122,12 @@ def _composed(causal: bool, window, mask):
     return False, None, mask
 
 
-def _check_mask(spec: AttentionSpec) -> None:
-    """A ValueError when the mask cannot describe the global problem of ``spec``."""
+def _check_mask(spec: AttentionSpec, schedule) -> None:
+    """A ValueError when the mask cannot describe the global problem of ``spec``, or the
+    schedule cannot run it."""
+    if schedule is not None and schedule.name == "hybrid":
+        raise ValueError("mask= runs under schedules 'ring', 'allgather', 'ulysses' and "
+                         "'head_parallel' (and on one device), not 'hybrid'; use one of those")
     if spec.layout.is_varlen:
         sequences = spec.sequences()
         spec.mask.check(len(sequences), max((n for _, n in sequences), default=0))

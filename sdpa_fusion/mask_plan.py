@@ -11,8 +11,9 @@ or a window otherwise):
 
     causal | bidirectional_spans([(4, 8)]) over 12 tokens: segments 0-3 | 4-7 | 8-11
     rows 0-3   keys 0-3 causal
-    rows 4-7   keys 0-7 full          (joined: keys 0-3 full, keys 4-7 the span)
+    rows 4-7   keys 0-7 full          (keys 0-3 full and keys 4-7 the span, joined)
     rows 8-11  keys 0-7 full, keys 8-11 causal
+    calls: rows 0-3 x keys 0-3 causal, rows 4-11 x keys 0-7 full, rows 8-11 x 8-11 causal
 
 A band without a left edge and a right edge r > 0 runs as keys [0, r) without a mask and
 the rest causal, so kernels without windows run every mask without ``masks.window`` or

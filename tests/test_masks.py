@@ -1,0 +1,83 @@
+"""Composed masks on one device (sdpa_fusion.masks): random masks against the reference with
+the boolean mask built from the definitions (tests/masks.py), the calls a mask compiles to,
+bad masks, and benchmarks/masks.py --tiny as a smoke test.
+Run: pytest -q tests/test_masks.py"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import sdpa_fusion
+from benchmarks import masks as bench
+from sdpa_fusion import mask_plan, masks
+from sdpa_fusion.mask_plan import Tokens, pieces
+from tests import masks as described
+from tests import reference
+
+S = 40
+
+
+@settings(max_examples=30, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(d=described.description(S, 2))
+def test_random_masks_match_the_reference(monkeypatch, d):
+    monkeypatch.setattr(mask_plan, "TILE", 8)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, S, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, S, 8, generator=g) for _ in range(2))
+    seen = torch.stack([described.boolean(d, b, S, S) for b in range(2)]).unsqueeze(1)
+    want = reference.attention(q, k, v, dout, mask=seen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, mask=described.built(d), kernel="reference")
+    out.backward(dout)
+    reference.assert_results((out, *(t.grad for t in leaves)), want, msg=str(d))
+
+
+def test_image_spans_compile_to_unmasked_and_causal_calls():
+    """causal | spans over 12 tokens: rows 0-3 causal; rows 4-11 all of keys 0-7 (the span's
+    rows and the later rows' earlier keys joined); rows 8-11 keys 8-11 causal. No call needs
+    a window or an explicit mask."""
+    every = Tokens.dense(torch.arange(12))
+    found = pieces(masks.causal() | masks.bidirectional_spans([(4, 8)]), every, every)
+    got = sorted((p.rows.indices(12)[:2], p.keys.indices(12)[:2], p.causal) for p in found)
+    assert got == [((0, 4), (0, 4), True), ((4, 12), (0, 8), False), ((8, 12), (8, 12), True)]
+    assert all(p.window is None and p.seen is None for p in found)
+
+
+def test_plain_masks_take_the_plain_path():
+    q = torch.randn(1, 2, 16, 8)
+    plan = sdpa_fusion.plan(q, q, q, mask=masks.causal() & masks.window(4, 0))
+    assert (plan.spec.mask, plan.spec.causal, plan.spec.window.left) == (None, True, 4)
+
+
+def test_documents_count_only_visible_pairs():
+    q = torch.randn(1, 2, 16, 8)
+    ids = torch.tensor([0] * 8 + [1] * 8)
+    plan = sdpa_fusion.plan(q, q, q, mask=masks.causal() & masks.document_ids(ids))
+    assert plan.spec.flops() == 4 * 2 * 8 * (2 * 36)
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: masks.document_ids([0, 1]), "document_ids has 2 positions"),
+    (lambda: masks.bidirectional_spans([(3, 1)]), "0 <= start < stop"),
+    (lambda: masks.chunked(0), "positive integer"),
+    (lambda: masks.causal() & 3, "masks combine with masks"),
+    (lambda: masks.mask_mod(lambda b, h, q, k: h > 0), "depends on the head"),
+])
+def test_bad_masks_are_value_errors(build, match):
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(ValueError, match=match):
+        sdpa_fusion.attention(q, q, q, mask=build())
+
+
+def test_benchmark_tiny(tmp_path):
+    assert bench.main(["--tiny", "--results-dir", str(tmp_path), "--copy-to", ""]) == 0
+    rows = json.loads((tmp_path / "masks.json").read_text())["rows"]
+    assert {r["panel"] for r in rows} == {"causal", "spans", "spans+docs"}
+    assert all(r["right"] for r in rows)
+    docs = next(r for r in rows if r["panel"] == "spans+docs")
+    assert docs["ring_bytes"] < next(r for r in rows if r["panel"] == "causal")["ring_bytes"]
