@@ -138,12 +138,14 @@ def test_packed_batch_past_2_31_elements(kernel):
 
 def test_fa4_varlen_with_a_strided_dout():
     """FA4's varlen backward wraps ``cu_seqlens[i] * dout.stride(0)`` in 32 bits (upstream
-    issue 2611): a dout that is a view of some heads of a wider tensor is copied first."""
-    (q, k, v, _), cu = _packed_batch(seed=1)
+    issue 2611): a dout that is a view of some heads of a wider tensor is copied first. The
+    batch and dout are those of the packed test above (seed 0), dout now a strided view."""
+    (q, k, v, dout), cu = _packed_batch(seed=0)
     _available("fa4", dict(batch=1, heads=32, kv_heads=32, q_len=q.shape[0], kv_len=q.shape[0],
                            head_dim=E, dtype=torch.bfloat16, causal=True, layout="thd",
                            cu_seqlens=tuple(cu.tolist())))
-    wide = torch.randn(q.shape[0], 40, E, device="cuda", dtype=torch.bfloat16)
+    wide = torch.zeros(q.shape[0], 40, E, device="cuda", dtype=torch.bfloat16)
+    wide[:, 4:36] = dout
     dout = wide[:, 4:36]  # 32 heads, row stride 40 x 128
     assert dout.stride(0) * q.shape[0] > 2**31
     out = sdpa_fusion.attention(q, k, v, causal=True, layout="thd", cu_seqlens=cu.cuda(),
