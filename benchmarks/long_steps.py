@@ -222,7 +222,7 @@ def merged_rows(args) -> list[dict]:
     if not path.exists():
         raise ValueError(f"--merge {args.merge}: no {path}; run that half first")
     merged = json.loads(path.read_text())
-    commit = merged.get("environment", {}).get("git")
+    commit = merged.get("environment", {}).get("git_commit")
     return [dict(r, merged_from=path.name, merged_git=r.get("merged_git", commit))
             for r in merged["rows"]
             if r["impl"] not in args.impls or r["seq_len"] not in args.seq_lens]

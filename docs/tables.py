@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.common import short
+
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,7 +224,7 @@ def packed_goals(record: dict) -> dict:
 
 
 def long_goals(record: dict) -> dict:
-    return {(f"{r['ours']} / {r['peer']} as it ran, {r['seq_len'] // (K * K)}M "
+    return {(f"{r['ours']} / {r['peer']} as it ran, {short(r['seq_len'])} "
              f"({r['ours']} {r['ours_status']}, {r['peer']} {r['peer_status']})", r["goal"],
              True): r["ratio"] for r in record.get("ratios", []) if r.get("ratio") is not None}
 
