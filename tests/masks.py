@@ -59,8 +59,8 @@ def boolean(d, b: int, n_q: int, n_k: int) -> torch.Tensor:
         if d[2] is not None:
             seen &= k <= q + d[2]
         return seen
-    if kind == "docs":
-        ids = d[1][b]
+    if kind == "docs":  # one row of ids: the same for every batch element
+        ids = d[1][b if len(d[1]) > 1 else 0]
         return (ids[:n_q].unsqueeze(1) == ids[:n_k].unsqueeze(0)) & (ids[:n_q] >= 0).unsqueeze(1)
     if kind == "prefix":
         return (q < d[1]) & (k < d[1])

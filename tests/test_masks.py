@@ -37,6 +37,23 @@ def test_random_masks_match_the_reference(monkeypatch, d):
     reference.assert_results((out, *(t.grad for t in leaves)), want, msg=str(d))
 
 
+def test_one_row_of_document_ids_serves_every_batch_element():
+    """document_ids [1, S] broadcast over a batch of 2 (as tests/gpu/test_masks.py gives
+    them); rows of another count are a ValueError naming the fix."""
+    d = ("and", ("causal",), ("docs", torch.tensor([[0] * 15 + [1] * 25])))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 2, S, 8, generator=g) for _ in range(4))
+    seen = torch.stack([described.boolean(d, b, S, S) for b in range(2)]).unsqueeze(1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, mask=described.built(d), kernel="reference")
+    out.backward(dout)
+    reference.assert_results((out, *(t.grad for t in leaves)),
+                             reference.attention(q, k, v, dout, mask=seen))
+    with pytest.raises(ValueError, match="document_ids has 3 rows but the call has 2 batch "
+                                         "elements.*give one row, or one per batch element"):
+        sdpa_fusion.attention(q, k, v, mask=masks.document_ids(torch.zeros(3, S, dtype=torch.long)))
+
+
 def test_image_spans_compile_to_unmasked_and_causal_calls():
     """causal | spans over 12 tokens: rows 0-3 causal; rows 4-11 all of keys 0-7 (the span's
     rows and the later rows' earlier keys joined); rows 8-11 keys 8-11 causal. No call needs
