@@ -17,6 +17,8 @@ Ways (``--impls``), each ``sdpa_fusion.attention(q, k, v, layout="thd", kernel=.
   cudnn+flash split    long documents one by one through cuDNN, the short ones in one flash
                        varlen call (the split the cost model finds best; none for batch b)
   fa4 varlen           FlashAttention-4's varlen call, when a kernel "fa4" is registered
+  fa4 per-sequence     one FlashAttention-4 call per document
+  fa4 padded           one dense FlashAttention-4 call on the documents padded to the longest
   auto                 what kernel="auto" picks (kernels/choice.py, by the cost model of
                        kernels/cost.py)
 
@@ -43,7 +45,7 @@ BATCHES = {
 }
 TINY_BATCHES = {"a": [64, 32, 48], "b": [8] * 32, "mix": [64, 16] + [4] * 24}
 GPU_IMPLS = ("cudnn per-sequence", "flash varlen", "cudnn varlen", "cudnn padded",
-             "cudnn+flash split", "fa4 varlen", "auto")
+             "cudnn+flash split", "fa4 varlen", "fa4 per-sequence", "fa4 padded", "auto")
 TINY_IMPLS = ("reference per-sequence", "reference padded", "reference+reference split", "auto")
 
 
