@@ -9,10 +9,13 @@ Masks (bf16, 32 heads, head dim 128, forward+backward, ``sdpa_fusion.attention(m
   spans          causal | 8 bidirectional image spans of 4K tokens
   spans+docs     the same within 16 documents
 
-TFLOP/s count the visible pairs (``AttentionSpec.flops``); ``vs_causal`` is a mask's TFLOP/s
-over causal dense of the same kernel in the same run (goal >= 0.8). Every step's out and dQ
-are checked on sampled rows against fp32 math with the explicit mask; a figure counts only
-when right. ``ring_bytes``: the K/V bytes a rank sends in forward+backward under the ring
+TFLOP/s count the visible pairs (``AttentionSpec.flops``). Each kernel warms every mask up
+once (that step's out and dQ are checked on sampled rows against fp32 math with the explicit
+mask; a figure counts only when right), then times ``--runs`` rounds, each round every mask
+once (``--iters`` steps back to back): a row keeps every run (``runs_ms``, ``tflops_runs``)
+and reports the median with ``tflops_min``/``tflops_max``. ``vs_causal_runs`` is a mask's
+TFLOP/s over causal dense of the same kernel in the same round; the goal (>= 0.8) is met
+(``goal_met``) only when every round clears it. ``ring_bytes``: the K/V bytes a rank sends in forward+backward under the ring
 over ``--ring-ranks`` ranks (``describe()``), beside causal dense's: the blocks no rank's
 queries see make no step and move nothing.
 """
@@ -20,6 +23,7 @@ queries see make no step and move nothing.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -42,14 +46,15 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--ring-ranks", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--runs", type=int, default=3, help="timed rounds (the spread)")
+    p.add_argument("--iters", type=int, default=1, help="steps per timed run")
+    p.add_argument("--goal", type=float, default=0.8, help="vs_causal every run must clear")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, reference kernel")
     common.add_output_args(p)
     args = p.parse_args(argv)
     if args.tiny:
         args.seq, args.span_len, args.heads, args.head_dim = 512, 16, 2, 16
-        args.kernels, args.warmup, args.iters, args.ring_ranks = "reference", 1, 2, 4
+        args.kernels, args.ring_ranks = "reference", 4
     return args
 
 
@@ -66,6 +71,7 @@ def mask_of(name: str, args) -> masks.Mask | None:
     return mask
 
 
+@torch.no_grad()
 def sampled_error(q, k, v, dout, out, dq, mask, rows: int = 32) -> float:
     """The relative error (norm of the differences over the norm of the expected values) of
     out and dQ on ``rows`` sampled query rows against fp32 math with the explicit mask (the
@@ -99,56 +105,95 @@ def ring_bytes(args, mask, spec) -> int:
     return d.bytes_sent + d.backward_bytes_sent
 
 
+NAMES = ("causal", "spans", "spans+docs")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     q, k, v, dout = common.random_inputs(1, args.heads, args.seq, args.head_dim, dtype=dtype,
                                          device=device, layout="bshe")
-    rows, tolerance = [], 2e-2 if dtype == torch.bfloat16 else 1e-4
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    chosen = {name: mask_of(name, args) for name in NAMES}
+    spec = sdpa_fusion.plan(q, k, v, kernel="reference").spec
+    moved = {name: ring_bytes(args, mask, spec) for name, mask in chosen.items()}
+    rows = []
     for kernel in args.kernels.split(","):
-        for name in ("causal", "spans", "spans+docs"):
-            mask = mask_of(name, args)
-            kw = dict(causal=True) if mask is None else dict(mask=mask)
-            try:
-                spec = sdpa_fusion.plan(q, k, v, kernel=kernel, **kw).spec
-            except ValueError as e:
-                rows.append({"panel": name, "impl": kernel, "seq_len": args.seq,
-                             "status": f"unavailable: {e}"})
-                continue
-
-            def step(inputs, kw=kw):
-                a, b, c, d = inputs
-                out = sdpa_fusion.attention(a, b, c, kernel=kernel, **kw)
-                return torch.autograd.grad(out, (a, b, c), d)
-
-            m = common.measure(step, [(q, k, v, dout)], warmup=args.warmup, iters=args.iters)
-            row = common.make_row(name, kernel, args.seq, m, spec.flops(backward=True),
-                                  visible_pairs=spec.flops() / (4 * args.heads * args.head_dim),
-                                  ring_bytes=ring_bytes(args, mask, spec.replace(
-                                      mask=None, causal=False)))
-            if m.status == "ok":
-                out = sdpa_fusion.attention(q, k, v, kernel=kernel, **kw)
-                (dq,) = torch.autograd.grad(out, (q,), dout)
-                error = sampled_error(q, k, v, dout, out, dq, mask)
-                row.update(error=error, right=error <= tolerance)
-                if not row["right"]:
-                    row["tflops"] = None
-            rows.append(row)
-    for row in rows:
-        causal = next((r for r in rows if r["impl"] == row["impl"] and r["panel"] == "causal"
-                       and r.get("tflops")), None)
-        if causal and row.get("tflops"):
-            row["vs_causal"] = row["tflops"] / causal["tflops"]
+        rows += kernel_rows(kernel, chosen, moved, (q, k, v, dout), args, tolerance)
     record = {"title": "Composed masks: TFLOP/s on visible pairs vs causal dense",
               "environment": common.environment(__name__), "settings": vars(args) | {
                   "results_dir": str(args.results_dir)}, "rows": rows}
     print(common.format_table(rows, row_keys=("panel",), col_key="impl"))
     for row in rows:
-        print(f"{row['impl']:10s} {row['panel']:11s} vs_causal {row.get('vs_causal')} "
+        print(f"{row['impl']:10s} {row['panel']:11s} tflops_runs {row.get('tflops_runs')} "
+              f"vs_causal_runs {row.get('vs_causal_runs')} goal_met {row.get('goal_met')} "
               f"ring_bytes {row.get('ring_bytes')} error {row.get('error')}")
     common.save(NAME, record, results_dir=args.results_dir, copy_to=args.copy_to, bars=True)
     return 0 if all(r.get("right", False) for r in rows if r.get("status") == "ok") else 1
+
+
+def kernel_rows(kernel: str, chosen: dict, moved: dict, inputs, args, tolerance) -> list:
+    """The rows of one kernel: each mask warmed up and checked, then ``args.runs`` rounds
+    of every mask."""
+    q, k, v, dout = inputs
+    rows, steps = {}, {}
+    for name, mask in chosen.items():
+        kw = dict(causal=True) if mask is None else dict(mask=mask)
+        try:
+            spec = sdpa_fusion.plan(q, k, v, kernel=kernel, **kw).spec
+        except ValueError as e:
+            rows[name] = {"panel": name, "impl": kernel, "seq_len": args.seq,
+                          "status": f"unavailable: {e}"}
+            continue
+
+        def step(tensors, kw=kw):
+            a, b, c, d = tensors
+            out = sdpa_fusion.attention(a, b, c, kernel=kernel, **kw)
+            return out, torch.autograd.grad(out, (a, b, c), d)
+
+        try:
+            out, (dq, _, _) = step(inputs)  # the warm-up, checked
+        except Exception as e:  # noqa: BLE001 -- a failing kernel is a row
+            rows[name] = common.make_row(name, kernel, args.seq, common.failure(e), 0)
+            continue
+        error = sampled_error(q, k, v, dout, out, dq, mask)
+        del out, dq
+        rows[name] = dict(flops=spec.flops(backward=True), error=error, right=error <= tolerance,
+                          visible_pairs=spec.flops() / (4 * args.heads * args.head_dim))
+        steps[name] = step
+    runs = {name: [] for name in steps}
+    for _ in range(args.runs):
+        for name, step in steps.items():
+            runs[name].append(common.measure(step, [inputs], warmup=0, iters=args.iters))
+    for name, measured in runs.items():
+        rows[name] = timed_row(name, kernel, measured, rows[name], moved[name], args)
+    causal = rows.get("causal", {}).get("tflops_runs")
+    for row in rows.values():
+        if causal and row.get("tflops_runs") and len(causal) == len(row["tflops_runs"]):
+            row["vs_causal_runs"] = [m / c for m, c in zip(row["tflops_runs"], causal)]
+            row["vs_causal"] = statistics.median(row["vs_causal_runs"])
+            row["goal_met"] = min(row["vs_causal_runs"]) >= args.goal
+    return list(rows.values())
+
+
+def timed_row(name, kernel, measured, found: dict, ring: int, args) -> dict:
+    """The row of ``measured`` runs: the median run's measurement, every run's time and
+    TFLOP/s, their min and max; no TFLOP/s when a run failed or the check did not pass."""
+    failed = next((m for m in measured if m.status != "ok"), None)
+    flops, checked = found.pop("flops"), dict(error=found.pop("error"), right=found.pop("right"))
+    if failed is not None:
+        return common.make_row(name, kernel, args.seq, failed, flops, ring_bytes=ring, **found)
+    ms = [m.median_ms for m in measured]
+    middle = measured[ms.index(statistics.median_low(ms))]
+    row = common.make_row(name, kernel, args.seq, middle, flops, ring_bytes=ring, **found,
+                          runs_ms=ms, tflops_runs=[common.tflops(flops, t) for t in ms])
+    row.update(checked)
+    row["tflops"] = common.tflops(flops, statistics.median(ms))
+    row["tflops_min"], row["tflops_max"] = min(row["tflops_runs"]), max(row["tflops_runs"])
+    if not row["right"]:
+        row["tflops"] = row["tflops_min"] = row["tflops_max"] = row["tflops_runs"] = None
+    return row
 
 
 if __name__ == "__main__":

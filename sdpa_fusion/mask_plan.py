@@ -26,6 +26,7 @@ the reference's fp32 math, exact).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -112,8 +113,10 @@ def batch_pieces(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> tuple:
     return tuple((b, tuple(p)) for b, p in parts if p)
 
 
+@functools.lru_cache(maxsize=32)
 def spec_pairs(spec) -> int:
-    """Query-key pairs the mask of ``spec`` keeps, over the whole problem."""
+    """Query-key pairs the mask of ``spec`` keeps, over the whole problem (once per spec:
+    ``flops`` asks for it often)."""
     q, k = spec_tokens(spec)
     batch = 1 if spec.layout.is_varlen else spec.batch
     parts = batch_pieces(spec.mask, q, k, batch)

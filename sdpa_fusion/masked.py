@@ -1,8 +1,9 @@
 """Running a composed mask's kernel calls (``sdpa_fusion.mask_plan``) on one block of
 queries and one of keys: ``MaskedCall``, one call of the schedules' loops.
 
-The calls of a row are merged by their log-sum-exp (``Merged``), their gradients summed in
-fp32. Partial tiles of a ``mask_mod`` run through a kernel that ``supports_mask`` (the
+The calls of a row are merged by their log-sum-exp (``Merged``); where calls share rows (dQ)
+or keys (dK, dV) their gradients are summed in fp32, else each call's gradient is written
+in place (no fp32 buffer). Partial tiles of a ``mask_mod`` run through a kernel that ``supports_mask`` (the
 reference); other kernels' go through the reference's fp32 math (exact, on any device).
 """
 
@@ -51,7 +52,7 @@ class MaskedCall:
             out.zero_()
             lse.fill_(float("-inf"))
         for b, pieces in self.parts:
-            merged = Merged(out[b], lse[b], _most(pieces, q.shape[2]))
+            merged = Merged(out[b], lse[b], _most([p.rows for p in pieces], q.shape[2]))
             for p in pieces:
                 into = merged.into(p.rows)
                 result = _forward(p, kernel, q[b], k[b], v[b], scale, into)
@@ -63,22 +64,30 @@ class MaskedCall:
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale)
 
+    @functools.cached_property
+    def shared(self) -> tuple[bool, bool]:
+        """(whether two calls of a part reach one row, one key)."""
+        return tuple(any(_most([getattr(p, side) for p in pieces], n) > 1
+                         for _, pieces in self.parts)
+                     for side, n in (("rows", self.shape[0]), ("keys", self.shape[1])))
+
     def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
-        """(dq, dk, dv), summed over the calls in fp32, written into the given targets."""
+        """(dq, dk, dv) written into the given targets: summed over the calls in fp32 where
+        calls share rows or keys, else each call's written in place."""
+        done = [layout_of(like).empty(like.shape, dtype=like.dtype, device=like.device)
+                if t is None else t for t, like in zip(targets, (q, k, v))]
+        rows, keys = self.shared
         sums = [layout_of(t).empty(t.shape, dtype=torch.float32, device=t.device).zero_()
-                for t in (q, k, v)]
+                if shared else t.zero_() for t, shared in zip(done, (rows, keys, keys))]
         for b, pieces in self.parts:
             for p in pieces:
                 grads = _backward(p, kernel, dout[b], q[b], k[b], v[b], out[b], lse[b], scale)
                 for acc, span, g in zip(sums, (p.rows, p.keys, p.keys), grads):
                     acc[b][:, :, span].add_(g)
                 del grads
-        done = []
-        for acc, target, like in zip(sums, targets, (q, k, v)):
-            if target is None:
-                target = layout_of(like).empty(like.shape, dtype=like.dtype, device=like.device)
-            target.copy_(acc)
-            done.append(target)
+        for acc, target in zip(sums, done):
+            if acc is not target:
+                target.copy_(acc)
         return tuple(done)
 
 
@@ -89,14 +98,14 @@ def spec_call(spec) -> MaskedCall | None:
     return block_call(spec.mask, *spec_tokens(spec), 1 if spec.layout.is_varlen else spec.batch)
 
 
-def _most(pieces, rows: int) -> int:
-    """The most pieces that reach one row."""
-    depth = torch.zeros(rows + 1, dtype=torch.long)
-    for p in pieces:
-        start, stop, _ = p.rows.indices(rows)
+def _most(spans, n: int) -> int:
+    """The most of the slices ``spans`` of range(n) that reach one index."""
+    depth = torch.zeros(n + 1, dtype=torch.long)
+    for span in spans:
+        start, stop, _ = span.indices(n)
         depth[start] += 1
         depth[stop] -= 1
-    return int(depth.cumsum(0).max()) if rows else 0
+    return int(depth.cumsum(0).max()) if n else 0
 
 
 def block_call(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> MaskedCall | None:

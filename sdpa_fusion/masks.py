@@ -283,8 +283,8 @@ class _Documents(_Classes):
 
 class _Spans(_Classes):
     def __init__(self, spans):
-        rows = spans if spans and isinstance(spans[0], (list, tuple)) and spans[0] and \
-            isinstance(spans[0][0], (list, tuple)) else [spans]
+        rows = spans if any(isinstance(r, (list, tuple)) and (not r or isinstance(
+            r[0], (list, tuple))) for r in spans) else [spans]  # one list per b (some empty)
         width = max((len(r) for r in rows), default=0) or 1
         self.starts = torch.full((len(rows), width), INF)
         self.stops = torch.full((len(rows), width), INF)

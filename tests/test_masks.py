@@ -15,6 +15,7 @@ import sdpa_fusion
 from benchmarks import masks as bench
 from sdpa_fusion import mask_plan, masks
 from sdpa_fusion.mask_plan import Tokens, pieces
+from sdpa_fusion.masked import block_call
 from tests import masks as described
 from tests import reference
 
@@ -65,6 +66,26 @@ def test_image_spans_compile_to_unmasked_and_causal_calls():
     assert all(p.window is None and p.seen is None for p in found)
 
 
+def test_spans_in_documents_compile_to_a_call_per_piece_without_merges():
+    """benchmarks/masks.py's spans+docs at 1/4096 scale: 4 documents of 8 tokens, image
+    spans in the second halves of documents 0 and 2. Each row is reached by one call (no
+    log-sum-exp merge, dQ written in place); keys 0-3 and 16-19 by two (dK, dV summed in
+    fp32)."""
+    every = Tokens.dense(torch.arange(32))
+    mask = (masks.causal() | masks.bidirectional_spans([(4, 8), (20, 24)])) & \
+        masks.document_ids(torch.arange(32) // 8)
+    call = block_call(mask, every, every)
+    got = sorted((p.rows.indices(32)[:2], p.keys.indices(32)[:2], p.causal)
+                 for _, found in call.parts for p in found)
+    assert got == [((0, 4), (0, 4), True), ((4, 8), (0, 8), False), ((8, 16), (8, 16), True),
+                   ((16, 20), (16, 20), True), ((20, 24), (16, 24), False),
+                   ((24, 32), (24, 32), True)]
+    assert call.shared == (False, True)
+    only_documents = block_call(masks.causal() & masks.document_ids(torch.arange(32) // 8),
+                                every, every)
+    assert only_documents.pieces == 4 and only_documents.shared == (False, False)
+
+
 def test_plain_masks_take_the_plain_path():
     q = torch.randn(1, 2, 16, 8)
     plan = sdpa_fusion.plan(q, q, q, mask=masks.causal() & masks.window(4, 0))
@@ -95,6 +116,8 @@ def test_benchmark_tiny(tmp_path):
     assert bench.main(["--tiny", "--results-dir", str(tmp_path), "--copy-to", ""]) == 0
     rows = json.loads((tmp_path / "masks.json").read_text())["rows"]
     assert {r["panel"] for r in rows} == {"causal", "spans", "spans+docs"}
-    assert all(r["right"] for r in rows)
+    assert all(r["right"] and len(r["tflops_runs"]) == 3 for r in rows)
+    assert all(len(r["vs_causal_runs"]) == 3 and r["tflops_min"] <= r["tflops"] <= r["tflops_max"]
+               for r in rows)
     docs = next(r for r in rows if r["panel"] == "spans+docs")
     assert docs["ring_bytes"] < next(r for r in rows if r["panel"] == "causal")["ring_bytes"]
