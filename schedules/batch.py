@@ -220,10 +220,12 @@ class TokenBatch:
             raise ValueError(f"{name} ({got}) must start with the dims {list(shape)} of {what}")
 
     def attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                  dropout_p: float = 0.0, kernel="auto", window=None) -> torch.Tensor:
+                  dropout_p: float = 0.0, kernel="auto", window=None, mask=None) -> torch.Tensor:
         """``sdpa_fusion.attention`` of the local tokens' q [B_l, H, S_l, E] over k, v
         [B_l, H_kv, S_l, E] (logical; any memory order), causal within each sequence, and
-        within ``window=(left, right)`` of it when given; the output like q. Under a
+        within ``window=(left, right)`` of it when given, and-ed with the composed ``mask``
+        (``sdpa_fusion.masks``, over the batch's sequences: dense rows, or the packed ones
+        in order, positions from 0 in each); the output like q. Under a
         head-splitting schedule q, k, v are the model's replicated tensors (all heads);
         their heads are split here and the output's gathered."""
         if self.packed:
@@ -239,7 +241,7 @@ class TokenBatch:
             q, k, v = (heads.shard(t, replicated=True) for t in (q, k, v))
         out = sdpa_fusion.attention(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p,
                                     kernel=kernel, schedule=self.schedule, window=window,
-                                    **self._packing_kwargs)
+                                    mask=mask, **self._packing_kwargs)
         if heads is not None:
             out = heads.unshard(out)
         return out.transpose(0, 1)[None] if self.packed else out

@@ -9,8 +9,12 @@ from, against transformers' own attention on the same weights (tiny models from 
   and global layers mixed); dense, padded, packed batches, gradient checkpointing, greedy
   generation with dynamic and static (sliding) caches: logits, loss and gradients against
   "eager" (and "sdpa" where eager misreads a bool mask).
-- ValueErrors naming what the backend cannot run: a Gemma 3 with image tokens (its plain
-  text batches run), Llama 4's chunked attention, a model's own mask function, a mask that
+- Overlays run exactly (``exact``): transformers' own boolean masks against the composed
+  mask's (Gemma 3's image blocks on global and sliding layers, PaliGemma's prompt as a
+  prefix, Llama 4's chunks with left padding); a Gemma 3 with images and a Llama 4 with
+  chunks of 8 on 16 tokens against eager (logits at the image positions, gradients).
+- ValueErrors naming what the backend cannot run: a model's own mask function, image blocks
+  inside packed documents' remapped positions, overlays with a KV cache, a mask that
   disagrees with its layer.
 """
 
@@ -19,19 +23,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.transformers_models import (assert_same, assert_same_generation, config, ids,
-                                       twins)
+from tests.transformers_models import (IMAGE, TOL, assert_same, assert_same_generation, config,
+                                       gemma3_config, ids, twins)
 
 transformers = pytest.importorskip("transformers")
 from transformers import masking_utils as mu  # noqa: E402
 
-from schedules.integrations.transformers import _top_left  # noqa: E402
-from schedules.integrations.transformers_masks import (Band, Call, Unsupported,  # noqa: E402
-                                                       read, read_dense)
+import schedules.batch  # noqa: E402
+from schedules.integrations.transformers import _sequences, _top_left  # noqa: E402
+from schedules.integrations.transformers_masks import (Band, Call, Sequences,  # noqa: E402
+                                                       Unsupported, exact, read, read_dense)
 
 S = 16
 CALL = Call(q_len=S, kv_len=S)
-IMAGE = 90  # the image token of the Gemma 3 test model
 
 
 def padded_mask():
@@ -96,13 +100,14 @@ BANDS = {
 @pytest.mark.parametrize("what", list(BANDS))
 def test_read_gives_the_band(what):
     fn, call, want = BANDS[what]
-    assert read(fn, call) == want
+    reading = read(fn, call)
+    assert reading.band == want and not reading.matter
 
 
 def test_the_band_is_the_mask_transformers_makes():
     """A sliding window of w keeps q - kv in [0, w - 1], as transformers' sdpa_mask."""
     for w in (1, 3, 4, 16):
-        band = read(mu.sliding_window_causal_mask_function(w), CALL)
+        band = read(mu.sliding_window_causal_mask_function(w), CALL).band
         made = mu.sdpa_mask(1, S, S, mask_function=mu.sliding_window_causal_mask_function(w),
                             allow_is_causal_skip=False)[0, 0]
         d = torch.arange(S)[:, None] - torch.arange(S)[None]
@@ -114,12 +119,6 @@ def custom(batch_idx, head_idx, q_idx, kv_idx):
 
 
 REFUSED = {
-    "image tokens see each other": (
-        mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks((3, 7)))), CALL,
-        "bidirectional attention within blocks of image tokens"),
-    "chunks shorter than the sequence": (
-        mu.chunked_causal_mask_function(8, torch.zeros(2, dtype=torch.long)), CALL,
-        r"chunked attention \(chunks of 8 tokens"),
     "a custom or_mask_function": (mu.or_masks(mu.causal_mask_function, custom), CALL,
                                   r"a custom mask function \(tests\.test_transformers_masks\."
                                   r"custom\)"),
@@ -142,6 +141,84 @@ def test_bands_meet_and_join():
     assert Band(0, 1) | Band(2, None) == Band(0, None)  # adjacent
     with pytest.raises(Unsupported, match="a union of two disjoint bands"):
         Band(0, 1) | Band(5, None)
+
+
+# ---- overlays: the exact mask --------------------------------------------------------------
+IMAGES = torch.cat([blocks((3, 7)), blocks((1, 5), (9, 14))])  # two rows of image blocks
+PROMPT = torch.where(torch.arange(S) < 6, 0, -1).expand(2, S)  # PaliGemma: prompt = block 0
+PADDING = padded_mask()
+LEFT = torch.tensor([3, 0])  # PADDING's left padding, as create_chunked_causal_mask counts it
+EXACT = {  # (transformers' function, attention_mask, position_ids, what the mask should be)
+    "gemma3 global layer": (
+        mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(IMAGES)), None, None,
+        "bidirectional_spans"),
+    "gemma3 sliding layer (blocks in the window)": (
+        mu.and_masks(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(IMAGES)),
+                     mu.sliding_window_overlay(4)), None, None, "bidirectional_spans"),
+    "sliding window, blocks beyond it": (
+        mu.or_masks(mu.sliding_window_causal_mask_function(3), mu.blockwise_overlay(IMAGES)),
+        None, None, "bidirectional_spans"),
+    "images in padded rows": (
+        mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(IMAGES)), PADDING, None,
+        "bidirectional_spans"),
+    "paligemma prompt": (
+        mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(PROMPT)), None, None,
+        "prefix"),
+    "llama4 chunks of 4, padded rows": (
+        mu.chunked_causal_mask_function(4, LEFT), PADDING, None, "chunked"),
+    "chunks of 4 in packed documents": (
+        packed(mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))), None,
+        PACKED, "chunked"),
+    "images in packed documents": (
+        mu.and_masks(mu.or_masks(mu.remap_positions_for_packed_sequence(
+            mu.causal_mask_function, PACKED), mu.blockwise_overlay(IMAGES)),
+            mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(PACKED))),
+        None, PACKED, "bidirectional_spans"),
+}
+
+
+def exact_boolean(fn, padding, positions) -> torch.Tensor:
+    """[2, S, S] bool: the pairs ``exact`` keeps over the sequences the backend runs."""
+    batch = schedules.batch.split(None, (2, S), attention_mask=padding, position_ids=positions)
+    seqs = _sequences(batch if batch.packed else None, (2, S), sharded=False)
+    mask = exact(fn, seqs)
+    got = torch.zeros(2, S, S, dtype=torch.bool)
+    for i, (b, cols) in enumerate(zip(seqs.row, seqs.columns)):
+        n = torch.arange(len(cols))
+        got[b, cols[:, None], cols[None]] = mask.visible(torch.tensor(i), n[:, None], n[None])
+    return got, mask
+
+
+@pytest.mark.parametrize("what", list(EXACT))
+def test_exact_is_the_mask_transformers_makes(what):
+    fn, padding, positions, kind = EXACT[what]
+    assert read(fn, CALL).matter
+    want = mu.sdpa_mask(2, S, S, mask_function=fn, allow_is_causal_skip=False,
+                        attention_mask=None if padding is None else padding.bool())[:, 0]
+    got, mask = exact_boolean(fn, padding, positions)
+    real = torch.ones(2, S, dtype=torch.bool) if padding is None else padding.bool()
+    assert torch.equal(got[real], want[real]), what
+    assert kind in repr(mask)
+
+
+def test_exact_names_what_it_cannot_run():
+    """Gemma 3's sliding layers on packed documents put the image blocks inside the remapped
+    positions (transformers then reads block ids by position in the document)."""
+    fn = packed(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(IMAGES)))
+    with pytest.raises(Unsupported, match="image blocks inside packed documents' remapped "
+                                          "positions"):
+        exact_boolean(fn, None, PACKED)
+    holes = torch.ones(2, S, dtype=torch.long)
+    holes[0, 5:7] = 0
+    with pytest.raises(Unsupported, match=r"chunked attention \(chunked_overlay\) over a "
+                                          r"sequence whose tokens are not at positions"):
+        exact_boolean(mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)),
+                      holes, None)
+    twice = torch.cat([blocks((1, 3)), blocks()])
+    twice[0, 6:8] = 0  # block 0 again, after text
+    with pytest.raises(Unsupported, match="an image block .* not one run"):
+        exact_boolean(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(twice)),
+                      None, None)
 
 
 TOP_LEFT = [  # (band of q - kv, shift: the first query's position minus the first key's)
@@ -270,42 +347,89 @@ def test_a_prepared_4d_mask_with_a_window():
 
 # ---- what the backend cannot run ------------------------------------------------------------
 def gemma3_with_images():
-    text = config(transformers.Gemma3TextConfig, sliding_window=4, query_pre_attn_scalar=16)
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2,
-                                             image_size=16, patch_size=4)
-    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                    mm_tokens_per_image=4, image_token_id=IMAGE,
-                                    boi_token_id=IMAGE - 2, eoi_token_id=IMAGE - 1)
-    return twins(transformers.Gemma3ForConditionalGeneration, cfg)
+    return twins(transformers.Gemma3ForConditionalGeneration, gemma3_config())
 
 
-def test_image_tokens_are_a_value_error_and_text_runs():
-    """Gemma 3's image tokens see each other (a bidirectional block): a ValueError, never
-    plain causal attention; a text batch of the same model runs, with or without
-    token_type_ids."""
-    theirs, ours = gemma3_with_images()
-    row = ids(b=1, s=12)
+def image_batch(b=2, s=12, padding=None):
+    """Rows with an image of 4 tokens at 3-6 (row 0) and 6-9 (row 1), their pixels and
+    token_type_ids; labels -100 on padding and its predictions."""
+    row = ids(b=b, s=s)
     row[0, 3:7] = IMAGE
-    images = dict(input_ids=row, pixel_values=torch.randn(1, 3, 16, 16),
-                  token_type_ids=(row == IMAGE).long())
-    theirs(**images, use_cache=False)  # transformers runs it
-    with pytest.raises(ValueError, match="cannot run this mask: bidirectional attention within "
-                                         "blocks of image tokens"):
-        ours(**images, use_cache=False)
+    row[1, 6:10] = IMAGE
+    batch = dict(input_ids=row, pixel_values=torch.randn(b, 3, 16, 16,
+                                                         generator=torch.Generator().manual_seed(3)),
+                 token_type_ids=(row == IMAGE).long())
+    if padding is not None:
+        labels = row.masked_fill(padding == 0, -100)
+        labels[:, 1:][padding[:, :-1] == 0] = -100
+        batch.update(attention_mask=padding, labels=labels)
+    return batch
+
+
+def assert_same_step(models, real=None, **inputs):
+    """Logits (of the ``real`` tokens) and loss to the fp32 tolerance, and the gradients of
+    one training step to it relative to each gradient's largest entry (the random vision
+    tower makes the projector's gradients ~1e7)."""
+    inputs.setdefault("labels", inputs["input_ids"])
+    got = []
+    for model in models:
+        model.train()
+        model.zero_grad()
+        out = model(**inputs, use_cache=False)
+        out.loss.backward()
+        got.append((out.logits.detach(), out.loss.detach(),
+                    {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (want_logits, want_loss, want_grads), (logits, loss, grads) = got
+    real = torch.ones(logits.shape[:2], dtype=torch.bool) if real is None else real
+    torch.testing.assert_close(logits[real], want_logits[real], **TOL)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    assert grads.keys() == want_grads.keys() and grads
+    for name, want in want_grads.items():
+        top = want.abs().max().clamp_min(1)
+        torch.testing.assert_close(grads[name] / top, want / top, **TOL,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_gemma3_with_images_is_transformers_own():
+    """Gemma 3's image tokens see each other (bidirectional blocks, windowed on the sliding
+    layers): logits at every position, the image's included, loss and one step's gradients
+    against eager; left-padded rows; a text batch with and without token_type_ids."""
+    models = gemma3_with_images()
+    assert_same_step(models, **image_batch())
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[0, :2] = padding[1, 11:] = 0
+    assert_same_step(models, padding.bool(), **image_batch(padding=padding))
     text = ids(b=2, s=12)
-    assert_same((theirs, ours), input_ids=text)
-    assert_same((theirs, ours), input_ids=text, token_type_ids=torch.zeros_like(text))
+    assert_same(models, input_ids=text)
+    assert_same(models, input_ids=text, token_type_ids=torch.zeros_like(text))
 
 
-def test_chunked_attention_is_a_value_error_beyond_a_chunk():
-    cfg = config(transformers.Llama4TextConfig, attention_chunk_size=8, intermediate_size_mlp=128,
-                 num_local_experts=2, no_rope_layers=[1, 0])
-    models = twins(transformers.Llama4ForCausalLM, cfg)
+def test_image_blocks_with_a_kv_cache_are_a_value_error():
+    """A chunk of queries after cached tokens whose image block sees later keys."""
+    _, ours = gemma3_with_images()
+    first = image_batch()
+    out = ours(input_ids=first["input_ids"][:, :4], token_type_ids=first["token_type_ids"][:, :4],
+               use_cache=True)
+    with pytest.raises(ValueError, match="runs image blocks and chunked attention without a "
+                                         "KV cache"):
+        ours(input_ids=first["input_ids"][:, 4:], token_type_ids=first["token_type_ids"],
+             cache=out.past_key_values, use_cache=True)
+
+
+def llama4(chunk=8):
+    cfg = config(transformers.Llama4TextConfig, attention_chunk_size=chunk,
+                 intermediate_size_mlp=128, num_local_experts=2, no_rope_layers=[1, 0])
+    return twins(transformers.Llama4ForCausalLM, cfg)
+
+
+def test_llama4_chunked_attention_is_transformers_own():
+    """Chunks of 8 on 16 tokens (masks.chunked): dense, left- and right-padded rows."""
+    models = llama4()
     assert_same(models, input_ids=ids(s=8))  # one chunk: causal
-    with pytest.raises(ValueError, match=r"chunked attention \(chunks of 8 tokens, "
-                                         r"attention_chunk_size"):
-        models[1](input_ids=ids(s=S), use_cache=False)
+    assert_same(models, input_ids=ids(s=S))
+    mask = padded_mask()
+    assert_same(models, mask.bool(), input_ids=ids(s=S), attention_mask=mask,
+                labels=padded_labels(mask))
 
 
 def test_a_models_own_mask_function_is_a_value_error():

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from schedules.integrations import transformers as sdpa_transformers  # noqa: E402
 
 VOCAB = 97
+IMAGE = 90  # the image token of the Gemma 3 model (its pixels become 4 such tokens)
 TOL = tolerance(torch.float32)  # fp32 models, compared in the table's fp32 level
 
 
@@ -30,6 +31,19 @@ def config(cls=None, **changes):
                   max_position_embeddings=64)
     fields.update(changes)
     return cls(**fields)
+
+
+def gemma3_config(**changes):
+    """A tiny Gemma 3 with a vision tower: a sliding layer (window 4) then a global one,
+    images of 16 pixels as 4 tokens ``IMAGE``."""
+    text = config(transformers.Gemma3TextConfig, sliding_window=4, sliding_window_pattern=2,
+                  query_pre_attn_scalar=16, **changes)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=16, patch_size=4)
+    return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                     mm_tokens_per_image=4, image_token_id=IMAGE,
+                                     boi_token_id=IMAGE - 2, eoi_token_id=IMAGE - 1)
 
 
 def twins(model_cls, cfg, reference="eager", name=None):

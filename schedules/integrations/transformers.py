@@ -44,12 +44,17 @@ run. Without ``shard_batch`` it runs on one device and honours:
 - a KV cache, dynamic or static, sliding caches included, without padding: a static cache's
   empty slots are trimmed as transformers' SDPA trims them, a chunk after cached tokens
   attends bottom-right; cross-attention without padding;
-- the parts of a mask that change nothing on the call: image blocks of text-only batches,
-  chunks longer than the sequence.
+- image blocks that see each other (Gemma 3's images, PaliGemma's prompt: transformers'
+  ``blockwise_overlay`` of ``token_type_ids``) and chunked attention (Llama 4's
+  ``attention_chunk_size``): the whole mask as a composed one (``masks.bidirectional_spans``,
+  ``masks.prefix``, ``masks.chunked`` with its causality and window; ``transformers_masks.
+  exact``) passed as ``mask=``, on one device and under ``shard_batch`` (the image blocks of
+  every rank's call gathered: each maximal run of image tokens one block); where they change
+  nothing on the call (text-only batches, chunks longer than the sequence) the band path.
 
-A ValueError names what it cannot run: bidirectional spans of image tokens (Gemma 3 with
-images, ``token_type_ids`` marking them), chunked attention beyond one chunk (Llama 4's
-``attention_chunk_size``), mask functions transformers does not define (a model's
+A ValueError names what it cannot run: image blocks or chunks that matter with a KV cache,
+image blocks inside packed documents' remapped positions (Gemma 3's sliding layers on
+packed rows), mask functions transformers does not define (a model's
 prefix-LM or bidirectional overlays such as Gemma 3's ``use_bidirectional_attention``, a
 user's ``or_mask_function``/``and_mask_function``), a 4-D mask that is not causal or
 bidirectional with padding and a window (block-diagonal documents, prefix-LM, per-head
@@ -83,7 +88,8 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
 import schedules.batch
 from schedules.batch import TokenBatch
 
-from .transformers_masks import Band, BandMask, Call, Unsupported, read, read_dense
+from .transformers_masks import (Band, BandMask, Call, Sequences, Unsupported, exact, read,
+                                 read_dense)
 
 NAME = "fusion_attention"
 ALIASES = ("sdpa_fusion",)  # earlier name; transformers takes it for SDPA (module docstring)
@@ -110,18 +116,22 @@ def band_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     backend cannot run."""
     call = Call(int(q_length), int(kv_length), int(q_offset), int(kv_offset))
     try:
-        band = read(mask_function, call)
+        reading = read(mask_function, call)
     except Unsupported as e:
-        raise ValueError(f"the {NAME!r} attention backend cannot run this mask: {e}; it runs "
-                         f"causal or bidirectional attention with padding, packed documents "
-                         f"and sliding windows. Use attn_implementation='sdpa' or 'eager' for "
-                         f"this model or these inputs") from None
+        raise _cannot(e) from None
     padding = prepare_padding_mask(attention_mask, call.kv_len, call.kv_offset)
     if padding is None:
         keys = torch.ones(batch_size, call.kv_len, dtype=torch.bool, device=kwargs.get("device"))
     else:
         keys = padding[:, call.kv_offset:call.kv_offset + call.kv_len].to(torch.bool)
-    return BandMask.of(keys, band, call)
+    return BandMask.of(keys, reading, call, mask_function)
+
+
+def _cannot(e: Unsupported) -> ValueError:
+    return ValueError(f"the {NAME!r} attention backend cannot run this mask: {e}; it runs "
+                      f"causal or bidirectional attention with padding, packed documents, "
+                      f"sliding windows, image blocks and chunks. Use attn_implementation="
+                      f"'sdpa' or 'eager' for this model or these inputs")
 
 
 _UNSUPPORTED = {
@@ -135,12 +145,14 @@ _UNSUPPORTED = {
 class _Mask:
     """A layer's mask in the backend's terms: the band of position differences q - kv, the
     first query's position minus the first key's (``shift``), the keys' padding ([B, kv_len]
-    bool, None without padding) and whether documents must be separated."""
+    bool, None without padding), whether documents must be separated, and the ``BandMask``
+    whose overlays (image blocks, chunks) change pairs of the call (``overlaid``)."""
 
     band: Band
     shift: int
     padding: torch.Tensor | None
     documents: bool = False
+    overlaid: BandMask | None = None
 
 
 class _Backend:
@@ -190,7 +202,7 @@ class _Backend:
                 )
             self._agree(mask.band, layer, q_len, k_len, mask.shift)
             return _Mask(mask.band, mask.shift, mask.keys if mask.padded else None,
-                         mask.band.documents)
+                         mask.band.documents, mask if mask.matter else None)
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
             try:
                 band, keys = read_dense(mask, q_len, k_len)
@@ -237,6 +249,12 @@ class _Backend:
     def _one_device(self, q, k, v, mask, layer, kwargs, options):
         """Attention of the whole [B, H, S, E] batch on this device."""
         m = self._mask(mask, layer, q.shape[0], q.shape[2], k.shape[2])
+        if m.overlaid is not None and (m.shift != 0 or q.shape[2] != k.shape[2]):
+            raise ValueError(
+                f"attention backend {self.name!r} runs image blocks and chunked attention "
+                f"without a KV cache ({q.shape[2]} queries after {k.shape[2] - q.shape[2]} "
+                f"cached keys): call the model with use_cache=False, or generate with "
+                f"attn_implementation='sdpa'")
         if m.shift != 0 or q.shape[2] != k.shape[2]:  # a KV cache
             k, v, m = _trim(k, v, m, q.shape[2], self.name)
         band = _effective(m.band, q.shape[2], k.shape[2], m.shift)
@@ -255,6 +273,9 @@ class _Backend:
                 f"tokens; the padding mask has padding between real tokens of a row: pad at "
                 f"the ends only"
             )
+        if m.overlaid is not None:
+            options = dict(options, causal=False, window=None,
+                           mask=_exact(m.overlaid, batch, (q.shape[0], q.shape[2])))
         if batch is None:
             return _sdpa(q, k, v, schedule=None, **options)
         local = [batch.shard(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v)]
@@ -287,7 +308,51 @@ class _Backend:
         if mask is not None:
             self._agree(mask.band, layer)  # exactly: local lengths say nothing of the windows
         causal, window = _top_left(layer, 0)
+        if mask is not None and mask.function is not None:  # overlays: over the whole batch
+            return batch.attention(q, k, v, causal=False, window=None, **options,
+                                   mask=_exact(mask, batch, batch.shape, sharded=True))
         return batch.attention(q, k, v, causal=causal, window=window, **options)
+
+
+def _exact(mask: BandMask, batch: TokenBatch | None, shape, sharded: bool = False):
+    """The composed mask of ``mask``'s function over the sequences of ``batch`` (None: the
+    rows of ``shape``), made once per mask (the layers of one type share it)."""
+    if mask.exact is None:
+        try:
+            mask.exact = exact(mask.function, _sequences(batch, shape, sharded))
+        except Unsupported as e:
+            raise _cannot(e) from None
+    return mask.exact
+
+
+def _sequences(batch: TokenBatch | None, shape, sharded: bool) -> Sequences:
+    """The sequences attention runs: the rows of a dense batch, else the packed ones of
+    ``batch``; a sharded batch gathers the image blocks of its local calls (each maximal run
+    of image tokens one block, as Gemma 3 and PaliGemma number them)."""
+    b, s = shape
+    if batch is None or not batch.packed:
+        columns = torch.arange(s)
+        positions = (batch.positions.cpu() if batch is not None else columns.expand(b, s))
+        return Sequences(list(range(b)), [columns] * b, list(positions),
+                         _gathered(batch) if sharded else None, sharded)
+    cu = batch.packing.split.cu_seqlens
+    rows, flat = batch.rows.cpu(), batch.positions.cpu().flatten()
+    pieces = [rows[a:z] for a, z in zip(cu[:-1], cu[1:])]
+    return Sequences([int(p[0]) // s for p in pieces], [p % s for p in pieces],
+                     [flat[p] for p in pieces], _gathered(batch) if sharded else None, sharded)
+
+
+def _gathered(batch: TokenBatch):
+    """block_sequence_ids of the local call -> [B, S] ids of the whole batch: the image
+    tokens (ids >= 0) of every rank, each maximal run numbered."""
+    def blocks(ids: torch.Tensor) -> torch.Tensor:
+        local = (ids[:, :batch.tokens.shape[1]] >= 0).float()
+        image = batch.unshard(local[..., None])[..., 0].cpu() > 0.5
+        new = image.clone()
+        new[:, 1:] &= ~image[:, :-1]
+        return torch.where(image, new.long().cumsum(1) - 1, -1)
+
+    return blocks
 
 
 def _effective(band: Band, q_len: int, k_len: int, shift: int) -> Band:

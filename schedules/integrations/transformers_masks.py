@@ -13,12 +13,25 @@ returns the ``Band`` it keeps, a range of position differences ``lo <= q - kv <=
     bidirectional_mask_function                  every pair
     packed_sequence_mask_function (+ remap)      within each document (``documents``)
 
-Every other part is a ValueError naming it: bidirectional spans of image tokens
-(``blockwise_overlay``, Gemma 3's images), chunked attention (``chunked_overlay``, Llama 4),
-and any function transformers does not define (a model's own prefix-LM or bidirectional
-overlay, a user's ``or_mask_function``). A part that changes nothing on this call's tokens
-is read as absent: image blocks whose tokens see no later token of their block, chunks
-longer than the sequence.
+The overlays that are not bands are read as absent from the band (the layer's causality,
+window and documents) and, where they change a pair of the call, run exactly: ``exact``
+turns the whole function into a composed mask (``sdpa_fusion.masks``) over the call's
+sequences (rows, or their real tokens, or packed documents; positions from 0 in each):
+
+    causal_mask_function                         masks.causal()
+    sliding_window_overlay(w)                    masks.window(w - 1, None)
+    blockwise_overlay(block_sequence_ids)        masks.bidirectional_spans (each run of one
+                                                 id), masks.prefix where the run starts the
+                                                 sequence (PaliGemma's prompt); Gemma 3's
+                                                 images
+    chunked_overlay(size, left_padding)          masks.chunked(size) (Llama 4), chunks
+                                                 counted from each sequence's first token
+    and_masks / or_masks                         & / |
+
+What stays a ValueError names itself: any function transformers does not define (a model's
+own prefix-LM or bidirectional overlay, a user's ``or_mask_function``), image blocks inside
+packed documents' remapped positions, a block id spread over several runs, chunks over rows
+with padding between real tokens.
 
 ``BandMask`` carries a band to the attention function: a [B, 1, 1, kv_len] bool tensor of
 the keys' padding (True: a real key) with the band, the query's offset in the keys and
@@ -33,6 +46,8 @@ import dataclasses
 import inspect
 
 import torch
+
+from sdpa_fusion import masks
 
 _TRANSFORMERS = "transformers.masking_utils"
 
@@ -79,12 +94,25 @@ class Call:
 
 
 _NOTHING = None  # a part that adds no pair on this call (an inert or_mask_function)
+OVERLAYS = ("blockwise_overlay", "chunked_overlay")  # run through ``exact``, not as a band
 
 
-def read(mask_function, call: Call) -> Band:
-    """The band that ``mask_function`` (built by transformers) keeps on ``call``'s tokens;
-    ValueError (``Unsupported``) naming a part that is not a band."""
-    band = _read(mask_function, call)
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What a transformers mask function keeps on a call: the ``band`` of the layer (its
+    overlays left out), whether it has overlays (``overlaid``: image blocks, chunks) and
+    whether they change a pair of this call (``matter``)."""
+
+    band: Band
+    overlaid: bool = False
+    matter: bool = False
+
+
+def read(mask_function, call: Call) -> Reading:
+    """What ``mask_function`` (built by transformers) keeps on ``call``'s tokens; a
+    ValueError (``Unsupported``) naming a part it cannot read."""
+    found: dict = {}
+    band = _read(mask_function, call, found)
     if band is _NOTHING:
         raise Unsupported("a mask that keeps no pair")
     if band.documents != band.remapped:
@@ -93,10 +121,12 @@ def read(mask_function, call: Call) -> Band:
     if (band.lo is not None and band.lo > 0) or (band.hi is not None and band.hi < 0):
         raise Unsupported(f"a mask where a token does not see itself (q - kv in "
                           f"[{band.lo}, {band.hi}])")
-    return band
+    return Reading(band, bool(found), any(found.values()))
 
 
-def _read(fn, call: Call) -> Band | None:
+def _read(fn, call: Call, found: dict) -> Band | None:
+    """The band of ``fn`` with its overlays left out; ``found[name]``: whether an overlay
+    changes a pair of ``call``."""
     name, free = _identify(fn)
     if name == "causal_mask_function":
         return Band(0, None)
@@ -108,7 +138,7 @@ def _read(fn, call: Call) -> Band | None:
         w = int(free["sliding_window"])
         return Band(-w, w)
     if name == "and_masks":
-        parts = [_read(f, call) for f in free["mask_functions"]]
+        parts = [_read(f, call, found) for f in free["mask_functions"]]
         if any(p is _NOTHING for p in parts):
             return _NOTHING
         band = Band()
@@ -116,7 +146,8 @@ def _read(fn, call: Call) -> Band | None:
             band = band & p
         return band
     if name == "or_masks":
-        parts = [p for p in (_read(f, call) for f in free["mask_functions"]) if p is not _NOTHING]
+        parts = [_read(f, call, found) for f in free["mask_functions"]]
+        parts = [p for p in parts if p is not _NOTHING]
         if not parts:
             return _NOTHING
         band = parts[0]
@@ -124,18 +155,23 @@ def _read(fn, call: Call) -> Band | None:
             band = band | p
         return band
     if name == "remap_positions_for_packed_sequence":
-        inner = _read(free["mask_function"], call)
+        inner = _read(free["mask_function"], call, found)
         return inner if inner is _NOTHING else dataclasses.replace(inner, remapped=True)
     if name == "packed_sequence_mask_function":
         return Band(None, None, documents=True)
     if name == "blockwise_overlay":
-        _check_blocks(free["block_sequence_ids"], call)
+        found[name] = found.get(name, False) or _blocks_matter(free["block_sequence_ids"], call)
         return _NOTHING
     if name == "chunked_overlay":
-        _check_chunks(int(free["chunk_size"]), free["left_padding"], call)
+        found[name] = found.get(name, False) or _chunks_matter(
+            int(free["chunk_size"]), free["left_padding"], call)
         return Band(None, None)
-    raise Unsupported(f"a custom mask function ({_qualified(fn)}), e.g. a model's prefix-LM or "
-                      f"bidirectional overlay, or an or_mask_function/and_mask_function")
+    raise Unsupported(_custom(fn))
+
+
+def _custom(fn) -> str:
+    return (f"a custom mask function ({_qualified(fn)}), e.g. a model's prefix-LM or "
+            f"bidirectional overlay, or an or_mask_function/and_mask_function")
 
 
 def _identify(fn) -> tuple[str | None, dict]:
@@ -154,12 +190,12 @@ def _qualified(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
-def _check_blocks(ids: torch.Tensor, call: Call) -> None:
-    """Raise if an image block (ids >= 0) lets a query see a later key of its block: the
+def _blocks_matter(ids: torch.Tensor, call: Call) -> bool:
+    """Whether an image block (ids >= 0) lets a query see a later key of its block: the
     only pairs ``blockwise_overlay`` adds to a causal mask."""
     groups = int(ids.max()) + 1 if ids.numel() else 0
     if groups <= 0:
-        return
+        return False
     q_pos = torch.arange(call.q_offset, call.q_offset + call.q_len, device=ids.device)
     kv_pos = torch.arange(call.kv_offset, call.kv_offset + call.kv_len, device=ids.device)
     width = ids.shape[1]
@@ -173,41 +209,154 @@ def _check_blocks(ids: torch.Tensor, call: Call) -> None:
     first_q.scatter_reduce_(1, block_of(q_pos), q_pos.expand(ids.shape[0], -1), "amin")
     last_kv = torch.full_like(first_q, -1)
     last_kv.scatter_reduce_(1, block_of(kv_pos), kv_pos.expand(ids.shape[0], -1), "amax")
-    if bool((first_q[:, :groups] < last_kv[:, :groups]).any()):
-        raise Unsupported(
-            "bidirectional attention within blocks of image tokens (blockwise_overlay of "
-            "block_sequence_ids, made from token_type_ids: an image's tokens see each "
-            "other, later ones included)"
-        )
+    return bool((first_q[:, :groups] < last_kv[:, :groups]).any())
 
 
-def _check_chunks(chunk: int, left_padding: torch.Tensor, call: Call) -> None:
-    """Raise unless every real token of the call lies in the first chunk of its row."""
+def _chunks_matter(chunk: int, left_padding: torch.Tensor, call: Call) -> bool:
+    """Whether a real token of the call lies beyond the first chunk of its row."""
     last = max(call.q_offset + call.q_len, call.kv_offset + call.kv_len) - 1
-    if bool(((last - left_padding) >= chunk).any()):
-        raise Unsupported(f"chunked attention (chunks of {chunk} tokens, attention_chunk_size, "
-                          f"as Llama 4's) on a sequence longer than a chunk ({last + 1} tokens)")
+    return bool(((last - left_padding) >= chunk).any())
+
+
+# ---- the exact mask: overlays over the call's sequences -------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sequences:
+    """The sequences attention runs (dense rows, a row's real tokens, packed documents):
+    each one's ``row`` of the batch, ``columns`` (its tokens' columns in the row, in order)
+    and ``positions`` (their position_ids). ``blocks`` maps a mask's block_sequence_ids to
+    the [B, S] ids of the whole batch. ``sharded``: the function was built for a rank's
+    tokens of a sharded batch, whose sequences and positions are the batch's own (its
+    remapping and documents are ignored, chunks count from each sequence's start)."""
+
+    row: list
+    columns: list
+    positions: list
+    blocks: object = None
+    sharded: bool = False
+
+    def spans(self, ids: torch.Tensor) -> masks.Mask | None:
+        """The image blocks of ``ids`` as each sequence's spans (a prefix where one block
+        starts every sequence that has one); None without blocks."""
+        ids = ids if self.blocks is None else self.blocks(ids)
+        per = []
+        for b, cols in zip(self.row, self.columns):
+            inside = cols < ids.shape[1]
+            mine = torch.where(inside, ids[b, cols.clamp(max=ids.shape[1] - 1)], -1).cpu()
+            per.append(_runs(mine))
+        if not any(per):
+            return None
+        if all(not s or (len(s) == 1 and s[0][0] == 0) for s in per):
+            return masks.prefix([s[0][1] if s else 0 for s in per])
+        return masks.bidirectional_spans(per)
+
+    def check_chunks(self, remapped: bool) -> None:
+        """Raise unless every sequence's tokens sit at 0, 1, ... of the chunks: their
+        position_ids (``remapped``, packed documents) or their columns past the row's left
+        padding (as transformers counts them; a sharded batch's local calls see none)."""
+        first = {}
+        for b, cols in zip(self.row, self.columns):
+            first[b] = min(first.get(b, int(cols[0])), int(cols[0]))
+        for b, cols, pos in zip(self.row, self.columns, self.positions):
+            at = pos if remapped else cols - first[b]
+            if not torch.equal(at.cpu(), torch.arange(len(cols))):
+                raise Unsupported(
+                    "chunked attention (chunked_overlay) over a sequence whose tokens are "
+                    "not at positions 0, 1, ... of the chunks (padding between real tokens, "
+                    "or documents whose position_ids do not start at 0)")
+
+
+def _runs(ids: torch.Tensor) -> list:
+    """[(start, stop)] of the runs of one id >= 0; Unsupported where an id has two runs."""
+    starts = torch.ones(len(ids), dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    first = starts.nonzero()[:, 0].tolist()
+    runs = [(a, z, int(ids[a])) for a, z in zip(first, first[1:] + [len(ids)]) if ids[a] >= 0]
+    seen = [g for _, _, g in runs]
+    if len(set(seen)) < len(seen):
+        raise Unsupported("an image block (block_sequence_ids) whose tokens are not one run of "
+                          "the sequence")
+    return [(a, z) for a, z, _ in runs]
+
+
+def exact(mask_function, sequences: Sequences) -> masks.Mask:
+    """The composed mask that ``mask_function`` keeps over ``sequences``; ``Unsupported``
+    naming a part it cannot run."""
+    got = _exact(mask_function, sequences, remapped=False)
+    if got is None:
+        raise Unsupported("a mask that keeps no pair")
+    return masks.window(None, None) if got is _EVERY else got
+
+
+_EVERY = "every pair"  # a part that keeps every pair (and-ed away)
+
+
+def _exact(fn, seqs: Sequences, remapped: bool):
+    """The mask of ``fn``: a ``masks.Mask``, ``_EVERY`` or None (no pair)."""
+    name, free = _identify(fn)
+    if name == "causal_mask_function":
+        return masks.causal()
+    if name in ("bidirectional_mask_function", "packed_sequence_mask_function"):
+        return _EVERY  # documents: the sequences themselves
+    if name == "sliding_window_overlay":
+        return masks.window(int(free["sliding_window"]) - 1, None)
+    if name == "sliding_window_bidirectional_overlay":
+        w = int(free["sliding_window"])
+        return masks.window(w, w)
+    if name in ("and_masks", "or_masks"):
+        parts = [_exact(f, seqs, remapped) for f in free["mask_functions"]]
+        if name == "and_masks" and None in parts:
+            return None
+        if name == "or_masks" and _EVERY in parts:
+            return _EVERY
+        parts = [p for p in parts if p is not None and p is not _EVERY]
+        if not parts:
+            return _EVERY if name == "and_masks" else None
+        got = parts[0]
+        for p in parts[1:]:
+            got = got & p if name == "and_masks" else got | p
+        return got
+    if name == "remap_positions_for_packed_sequence":
+        return _exact(free["mask_function"], seqs, not seqs.sharded)
+    if name == "blockwise_overlay":
+        if remapped:
+            raise Unsupported("image blocks inside packed documents' remapped positions "
+                              "(blockwise_overlay under remap_positions_for_packed_sequence, "
+                              "as Gemma 3's sliding layers build it)")
+        return seqs.spans(free["block_sequence_ids"])
+    if name == "chunked_overlay":
+        if not seqs.sharded:
+            seqs.check_chunks(remapped)
+        return masks.chunked(int(free["chunk_size"]))
+    raise Unsupported(_custom(fn))
 
 
 class BandMask(torch.Tensor):
     """A mask transformers built, as the attention backend reads it: the keys' padding
     ([B, 1, 1, kv_len] bool, True for a real key), the ``band`` of position differences,
     ``shift`` (the first query's position minus the first key's: 0 without a cache) and
-    ``q_len`` and whether any key is padding (``padded``). Torch functions on it return
-    plain tensors."""
+    ``q_len`` and whether any key is padding (``padded``); with overlays (image blocks,
+    chunks), the transformers ``function`` and whether they change a pair of this call
+    (``matter``), and the ``exact`` mask once made. Torch functions on it return plain
+    tensors."""
 
     band: Band
     shift: int
     q_len: int
     padded: bool
+    function: object
+    matter: bool
+    exact: masks.Mask | None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def of(keys: torch.Tensor, band: Band, call: Call) -> "BandMask":
+    def of(keys: torch.Tensor, reading: Reading, call: Call, function=None) -> "BandMask":
         mask = torch.Tensor._make_subclass(BandMask, keys[:, None, None, :].contiguous())
-        mask.band, mask.shift, mask.q_len = band, int(call.q_offset - call.kv_offset), call.q_len
+        mask.band, mask.shift, mask.q_len = reading.band, int(call.q_offset - call.kv_offset), \
+            call.q_len
         mask.padded = not bool(keys.all())
+        mask.function = function if reading.overlaid else None
+        mask.matter, mask.exact = reading.matter, None
         return mask
 
     @property

@@ -8,7 +8,8 @@ CPU ranks with attn_implementation="fusion_attention" and batches sharded by the
 (``shard_batch``): dense, padded (left and right) and packed (documents restarting inside a
 row), and DataCollatorWithFlattening's batch (flash kwargs) as it comes. A Mistral with a
 sliding window of 4 tokens trains the same batches (the window per sequence, through
-``window=``). Every rank's losses, logits and weights equal those of one process training
+``window=``). A Gemma 3 with image tokens (token_type_ids; bidirectional blocks on a sliding
+and a global layer, through ``mask=``) trains dense and padded batches. Every rank's losses, logits and weights equal those of one process training
 the same model with transformers' own eager attention on the whole batch, to 1e-5. The
 models have 4 heads, so the module runs on 2 and 4 ranks (skipped on more).
 """
@@ -22,6 +23,7 @@ import schedules
 import sdpa_fusion
 from sdpa_fusion.mesh import launch_env
 from tests.reference import tolerance
+from tests.transformers_models import gemma3_config
 
 _env = launch_env()
 WORLD = _env.world_size if _env else 1
@@ -115,14 +117,16 @@ def train_one_process(weights, batch, make=None):
     return losses, logits, model.state_dict()
 
 
-def train_sharded(weights, backend, sched, batch, make=None):
-    """The same training under ``sched``: (losses, first-step logits, final weights)."""
+def train_sharded(weights, backend, sched, batch, make=None, **per_token):
+    """The same training under ``sched``: (losses, first-step logits, final weights);
+    ``per_token`` [B, S] model inputs are sharded like the tokens."""
     model = model_with(weights, backend, make)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, logits = [], None
     for _ in range(STEPS):
         sharded = sdpa_transformers.shard_batch(sched, **batch)
-        out = model(**sharded.inputs)
+        local = {k: sharded.batch.shard(t) for k, t in per_token.items()}
+        out = model(**sharded.inputs, **local)
         out.loss.backward()
         sharded.sum_gradients(model.parameters())
         optimizer.step()
@@ -197,6 +201,37 @@ def test_a_sliding_window_trains_as_one_process(mesh, mistral_weights, backend, 
     want = train_one_process(mistral_weights, batch, mistral)
     got = train_sharded(mistral_weights, backend, schedules.get(name, mesh), batch, mistral)
     assert_same_training(got, want, batch, f"window {WINDOW}, {name}, {kind} batch")
+
+
+def image_batch(kind: str) -> dict:
+    """``batch_of(kind)`` with image tokens at 2-5 (row 0) and 9-13 (row 1), marked by
+    token_type_ids (no pixels: the blocks are what the mask sees)."""
+    batch = batch_of(kind)
+    types = torch.zeros(B, S, dtype=torch.long)
+    types[0, 2:6] = types[1, 9:14] = 1
+    batch["token_type_ids"] = types
+    return batch
+
+
+@pytest.fixture(scope="module")
+def gemma3_weights():
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(gemma3_config()).state_dict()
+
+
+def gemma3():
+    return transformers.Gemma3ForConditionalGeneration(gemma3_config())
+
+
+@pytest.mark.parametrize("kind", ["dense", "padded"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_image_tokens_train_as_one_process(mesh, gemma3_weights, backend, name, kind):
+    batch = image_batch(kind)
+    want = train_one_process(gemma3_weights, batch, gemma3)
+    types = batch.pop("token_type_ids")
+    got = train_sharded(gemma3_weights, backend, schedules.get(name, mesh), batch, gemma3,
+                        token_type_ids=types)
+    assert_same_training(got, want, batch, f"gemma3 images, {name}, {kind} batch")
 
 
 @pytest.mark.parametrize("inner", HYBRIDS)
