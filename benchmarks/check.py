@@ -156,13 +156,20 @@ def check(q, k, v, dout, out, dq, dk, dv, *, causal: bool, scale: float | None =
 def check_packed(q, k, v, dout, out, dq, dk, dv, cu_seqlens, *, causal: bool = True,
                  scale: float | None = None, **sampling) -> Report:
     """Check a step on packed [T, H, E] tensors of the sequences ``cu_seqlens`` delimits."""
-    q, k, v, dout, out, dq, dk, dv = (t.permute(1, 0, 2).unsqueeze(0)
-                                      for t in (q, k, v, dout, out, dq, dk, dv))
-    cu = tuple(int(x) for x in cu_seqlens)
-    problem = Problem(*(_held(t, [0]) for t in (q, k, v, dout)), q.shape[2], causal,
-                      _scale(scale, q), cu)
-    positions = torch.arange(q.shape[2], device=q.device)
+    out, dq, dk, dv = (t.permute(1, 0, 2).unsqueeze(0) for t in (out, dq, dk, dv))
+    problem = packed_problem(q, k, v, dout, cu_seqlens, causal=causal, scale=scale)
+    positions = torch.arange(q.shape[0], device=q.device)
     return check_shard(problem, positions, out, dq, dk, dv, **sampling)
+
+
+def packed_problem(q, k, v, dout, cu_seqlens, *, causal: bool = True,
+                   scale: float | None = None) -> Problem:
+    """The ``Problem`` of packed [T, H, E] inputs held whole, sequences as ``cu_seqlens``
+    (what ``check_shard`` checks a rank's part of a packed batch against)."""
+    q, k, v, dout = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v, dout))
+    cu = tuple(int(x) for x in cu_seqlens)
+    return Problem(*(_held(t, [0]) for t in (q, k, v, dout)), q.shape[2], causal,
+                   _scale(scale, q), cu)
 
 
 def check_shard(problem: Problem, positions: torch.Tensor, out, dq, dk, dv, *,
@@ -259,10 +266,14 @@ def _by_blocks(fn, problem, rows, *per_row):
 
 def _key_chunks(problem: Problem, lo: torch.Tensor, hi: torch.Tensor):
     """(visible [n, c], k, v) of consecutive chunks of c keys covering the [lo, hi) of n
-    rows: which row sees which key, and the chunk's K and V."""
+    rows (chunks no row sees skipped): which row sees which key, and the chunk's K and V."""
+    spans = torch.stack([lo, hi], dim=1).unique(dim=0).tolist()  # rows of one sequence alike
     start, stop = int(lo.min()), int(hi.max())
     for a in range(start, stop, KEYS_PER_STEP):
-        keys = torch.arange(a, min(a + KEYS_PER_STEP, stop), device=lo.device)
+        b = min(a + KEYS_PER_STEP, stop)
+        if not any(x < b and y > a for x, y in spans):  # between the sequences rows see
+            continue
+        keys = torch.arange(a, b, device=lo.device)
         visible = (keys >= lo[:, None]) & (keys < hi[:, None])
         yield visible, problem.k(keys), problem.v(keys)
 

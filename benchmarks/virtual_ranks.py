@@ -2,25 +2,27 @@
 
     python -m benchmarks.virtual_ranks --ranks 2,4,8 --batches a,b,c,d        # one H200
     python -m benchmarks.virtual_ranks --tiny                                   # CPU smoke
+    python -m benchmarks.virtual_ranks --shrink 16 --heads 2 --head-dim 16 \\
+        --kernel reference                                                      # CPU, medium
 
 Each of the P ranks of ``schedules.get(schedule, VirtualMesh(rank=r), partition=...)`` runs
-on the one device. First all P run together, one thread each, their transfers served from a
-mailbox (``VirtualMover``: what a rank sends is cloned into the receiver's queue); the
-receives of the rank to be timed are recorded, the P ranks' outputs and gradients are put
-back in batch order and checked on sampled rows against fp32 math (``benchmarks.check``).
-Then that rank alone runs causal fwd+bwd again, timed, its receives copied from the record
-(a copy stands for each transfer; its bytes are counted). A row is the slowest rank's median
-time next to one GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one
-GPU. Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
+on the one device (``benchmarks.mailbox``). Record: the P ranks run causal fwd+bwd together,
+one thread each and one at a time, their transfers handed over and recorded; each rank's
+out and gradients are checked on sampled rows against fp32 math (``benchmarks.check``).
+Replay: each rank alone runs the step again, timed, its receives copied from its record (a
+copy stands for each transfer); then once more, checked. Records kept past ``--record-gib``
+are made again by another record run. A row is the slowest rank's median time next to one
+GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU.
+
+Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
 and 1,500 of 16-600; d log-normal lengths (median 600, sigma 1.2) in [16, 65536] packed to
-262,144 tokens. JSON and PNG through ``benchmarks.common.save``.
+262,144 tokens. One line per phase and per row is printed as it ends; the JSON is written
+after every row, the PNG at the end (``benchmarks.common.save``).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import math
 import threading
 import time
@@ -28,217 +30,171 @@ import time
 import torch
 
 from benchmarks import check, common
+from benchmarks.mailbox import Mailbox, Stopped, virtual_schedules
 from benchmarks.thd import BATCHES as THD_BATCHES
-from schedules.transport import Mover
 
 NAME = "virtual_ranks"
 K = 1024
+KEY_FLOPS = 5e11  # fp32 work of one rank's dK/dV reference: ~10 ms on an H200 (check: 3 s)
 
 
-def batches(tiny: bool) -> dict[str, list[int]]:
-    """The four packed batches (their document lengths), or small ones for ``tiny``."""
+def batches(tiny: bool, shrink: int = 1) -> dict[str, list[int]]:
+    """The four packed batches (their document lengths, each divided by ``shrink``), or
+    small ones for ``tiny``."""
     g = torch.Generator().manual_seed(0)
     if tiny:
         return {"a": [64, 32, 48], "b": [8] * 64, "c": [40, 56] + [2, 5, 9] * 10,
                 "d": _lognormal(g, 12.0, 1.2, 2, 128, 512)}
     c = (torch.randint(8 * K, 24 * K + 1, (6,), generator=g).tolist()
          + torch.randint(16, 601, (1500,), generator=g).tolist())
-    return {"a": THD_BATCHES["a"], "b": THD_BATCHES["b"], "c": c,
+    full = {"a": THD_BATCHES["a"], "b": THD_BATCHES["b"], "c": c,
             "d": _lognormal(g, 600.0, 1.2, 16, 65536, 262144)}
+    return {name: [max(1, n // shrink) for n in lengths] for name, lengths in full.items()}
 
 
 def _lognormal(g, median, sigma, low, high, total) -> list[int]:
-    lengths = []
-    while sum(lengths) < total:
+    lengths, packed = [], 0
+    while packed < total:
         n = int(median * math.exp(sigma * float(torch.randn((), generator=g))))
-        lengths.append(min(max(n, low), high, total - sum(lengths)))
+        lengths.append(min(max(n, low), high, total - packed))
+        packed += lengths[-1]
     return lengths
 
 
-class Mailbox:
-    """Transfers between the threads of virtual ranks: a queue per (sender, receiver), and
-    the receives of rank ``target`` recorded in order (``replay`` serves them again)."""
-
-    def __init__(self, parts: int, target: int, timeout_s: float = 600.0):
-        self.parts, self.target, self.timeout_s = parts, target, timeout_s
-        self.queues = collections.defaultdict(collections.deque)
-        self.ready = threading.Condition()
-        self.record: list[torch.Tensor] = []
-        self.replaying, self.cursor = False, 0
-
-    def send(self, src: int, dst: int, t: torch.Tensor) -> None:
-        with self.ready:
-            self.queues[(src, dst)].append(t.clone())
-            self.ready.notify_all()
-
-    def receive(self, src: int, dst: int, into: torch.Tensor) -> None:
-        if self.replaying:
-            into.copy_(self.record[self.cursor].view_as(into))
-            self.cursor += 1
-            return
-        with self.ready:
-            if not self.ready.wait_for(lambda: self.queues[(src, dst)], self.timeout_s):
-                raise TimeoutError(f"virtual rank {dst} waited for rank {src}")
-            t = self.queues[(src, dst)].popleft()
-        into.copy_(t.view_as(into))
-        if dst == self.target:
-            self.record.append(t)
+# ---- one rank's step --------------------------------------------------------------------
+def check_rank(problem: check.Problem, local, out, dq, dk, dv) -> dict:
+    """One rank's out and gradients [T_local, H, E] on sampled rows against fp32 math."""
+    index = local.token_index
+    real = (index >= 0).nonzero().squeeze(1)
+    results = (t.index_select(0, real).permute(1, 0, 2).unsqueeze(0) for t in (out, dq, dk, dv))
+    return check.check_shard(problem, index[real], *results, key_flops=KEY_FLOPS).as_dict()
 
 
-class VirtualComm:
-    """The communicator of virtual rank ``index`` of ``size``: counts bytes, waits for nothing
-    (the mailbox hands transfers over when they are made)."""
-
-    def __init__(self, index: int, size: int):
-        self.index, self.size = index, size
-        self.bytes_sent = self.bytes_received = 0
-
-    def peer(self, hops: int) -> int:
-        return (self.index + hops) % self.size
-
-    def count(self, sent: int, received: int) -> None:
-        self.bytes_sent += sent
-        self.bytes_received += received
-
-    def pending(self, works, result, what: str):
-        return _Done(result)
-
-    @contextlib.contextmanager
-    def running(self, what: str):
-        yield
-
-
-class _Done:
-    def __init__(self, result):
-        self.result = result
-
-    def wait(self):
-        return self.result
-
-
-class VirtualMover(Mover):
-    """Ring shifts and exchanges of a virtual rank through the ``Mailbox``."""
-
-    name = "virtual"
-
-    def __init__(self, comm: VirtualComm, mailbox: Mailbox):
-        super().__init__(comm)
-        self.mailbox = mailbox
-
-    def buffer(self, nbytes: int, device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def push(self, tensors, ring, slot, hops=1):
-        comm, box = self.comm, self.mailbox
-        for t in tensors:
-            if not box.replaying:
-                box.send(comm.index, comm.peer(hops), t)
-        for into in ring.tensors(slot):
-            box.receive(comm.peer(-hops), comm.index, into)
-        comm.count(ring.data.used, ring.data.used)
-        return []
-
-    def _exchange(self, puts, takes, region):
-        comm, box, flat = self.comm, self.mailbox, region.flat
-        for p in puts:
-            if p.hops % comm.size == 0:
-                flat[p.at:p.at + p.nbytes].copy_(p.bytes())
-            elif not box.replaying:
-                box.send(comm.index, comm.peer(p.hops), p.bytes())
-        for t in takes:
-            box.receive(comm.peer(-t.hops), comm.index, flat[t.at:t.at + t.nbytes])
-        return []
-
-
-def virtual_schedule(name: str, parts: int, rank: int, device, mailbox: Mailbox, **options):
-    """Schedule ``name`` of virtual rank ``rank`` of ``parts``, its transfers in ``mailbox``."""
-    import schedules
+def direct_step(args, sched, inputs, cu):
+    """(local packing, out, dq, dk, dv) of ``sched``'s rank: its forward and backward called
+    in this thread (autograd would run a CUDA backward on its own device thread, where one
+    waiting rank would block every other)."""
     import sdpa_fusion
 
-    mesh = sdpa_fusion.VirtualMesh((parts,), ("seq",), rank=rank, device=device)
-    sched = schedules.get(name, mesh, transport="p2p", **options)
-    comm = VirtualComm(rank, parts)
-    sched.__dict__["comm"] = comm
-    sched._movers[torch.device(device)] = VirtualMover(comm, mailbox)
-    return sched
+    local = sched.pack(cu)
+    q, k, v, dout = (local.shard(t) for t in inputs)
+    p = sdpa_fusion.plan(q, k, v, layout="thd", causal=True, kernel=args.kernel,
+                         schedule=sched, cu_seqlens=local)
+    out, lse = sched.forward(q, k, v, p.spec, p.kernel)
+    return (local, out, *sched.backward(dout, q, k, v, out, lse, p.spec, p.kernel))
 
 
-def run_ranks(args, parts: int, target: int, inputs, cu, partition: str):
-    """All ``parts`` virtual ranks once, in threads: (schedules, each rank's results and
-    packing, mailbox holding ``target``'s receives)."""
-    import sdpa_fusion
-
-    box = Mailbox(parts, target)
-    scheds = [virtual_schedule(args.schedule, parts, r, inputs[0].device, box,
-                               partition=partition) for r in range(parts)]
-    results, errors = [None] * parts, []
+def record(args, scheds, inputs, cu, box: Mailbox, problem) -> list[dict | None]:
+    """Every virtual rank's step once, a thread each, one at a time (``box.baton``); each
+    rank's check report when ``problem`` is given."""
+    reports, errors = [None] * len(scheds), []
 
     def rank(r):
         try:
-            sched = scheds[r]
-            local = sched.pack(cu)
-            q, k, v = (local.shard(t).requires_grad_() for t in inputs[:3])
-            out = sdpa_fusion.attention(q, k, v, layout="thd", causal=True, kernel=args.kernel,
-                                        schedule=sched, cu_seqlens=local)
-            out.backward(local.shard(inputs[3]))
-            results[r] = (local, [t.detach() for t in (out, q.grad, k.grad, v.grad)])
+            with box.baton(r):
+                local, *results = direct_step(args, scheds[r], inputs, cu)
+                if problem is not None:
+                    reports[r] = check_rank(problem, local, *results)
         except BaseException as e:  # noqa: BLE001 -- raised again below
             errors.append(e)
-            with box.ready:
-                box.timeout_s = 0.0
-                box.ready.notify_all()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(parts)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(len(scheds))]
     for t in threads:
         t.start()
+    end = time.monotonic() + args.timeout_s
     for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return scheds, results, box
+        t.join(max(0.0, end - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        with box.turn:
+            box.failed = TimeoutError("the record phase ran too long")
+            box.turn.notify_all()
+        raise TimeoutError(f"the record phase ran past --timeout-s={args.timeout_s:.0f}")
+    if errors:  # the rank that failed first, not those it stopped
+        raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
+    return reports
 
 
-def assembled(results, total: int) -> list[torch.Tensor]:
-    """out, dq, dk, dv of the whole batch from every rank's part."""
-    full = []
-    for i in range(4):
-        like = results[0][1][i]
-        t = like.new_zeros((total, *like.shape[1:]))
-        for local, tensors in results:
-            rows = local.token_index
-            t[rows[rows >= 0]] = tensors[i][rows >= 0]
-        full.append(t)
-    return full
-
-
-def rank_step(args, sched, inputs, cu, box: Mailbox):
-    """(step, leaves): ``sched``'s rank alone, its receives replayed from ``box``."""
+def replay(args, sched, inputs, cu, box: Mailbox, problem):
+    """(measurement, check report) of ``sched``'s rank alone, its receives from ``box``."""
     import sdpa_fusion
 
     local = sched.pack(cu)
     leaves = [local.shard(t).detach() for t in inputs]
-    box.replaying = True
+    box.replay(sched.index)
 
     def step(x):
         box.cursor = 0
         q, k, v = (t.requires_grad_() for t in x[:3])
         out = sdpa_fusion.attention(q, k, v, layout="thd", causal=True, kernel=args.kernel,
                                     schedule=sched, cu_seqlens=local)
-        return torch.autograd.grad(out, (q, k, v), x[3])
+        return (out, *torch.autograd.grad(out, (q, k, v), x[3]))
 
-    return step, leaves
+    m = common.measure(step, [leaves], warmup=args.warmup, iters=args.iters, min_iters=2,
+                       budget_s=args.budget_s)
+    report = check_rank(problem, local, *(t.detach() for t in step(leaves)))
+    return m, report
 
 
-def batch_rows(args, batch: str, lengths: list[int]) -> list[dict]:
+# ---- rows -------------------------------------------------------------------------------
+def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
+    """The row of ``parts`` virtual ranks: each rank recorded, then timed alone and checked;
+    the slowest kept."""
+    left, per_rank, recorded, replayed = list(range(parts)), [None] * parts, None, [None] * parts
+    tokens, sent, runs = [0] * parts, [0] * parts, 0
+    try:
+        while left:
+            box = Mailbox(parts, recording=left, budget=args.record_bytes,
+                          timeout_s=args.timeout_s)
+            start = time.monotonic()
+            scheds = virtual_schedules(args.schedule, parts, inputs[0].device, box, cu,
+                                       partition=partition)
+            reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
+            runs += 1
+            if runs == 1:
+                recorded = check.merge(reports)
+                tokens = [s.pack(cu).tokens for s in scheds]
+                sent = [s.comm.bytes_sent for s in scheds]
+            done = box.recorded
+            say(f"record {runs}: {parts} ranks ran, ranks {done} recorded "
+                f"({box.kept / common.GIB:.1f} GiB), {time.monotonic() - start:.1f} s"
+                + (f", {check.line(recorded)}" if runs == 1 else ""))
+            if not done:
+                raise RuntimeError(f"one rank's receives exceed --record-gib "
+                                   f"{args.record_bytes / common.GIB:.1f}; raise it")
+            for r in done:
+                start = time.monotonic()
+                per_rank[r], replayed[r] = replay(args, scheds[r], inputs, cu, box, problem)
+                box.drop(r)
+                say(f"rank {r}: {tokens[r]} tokens, {common.number(per_rank[r].median_ms)} ms "
+                    f"({per_rank[r].status}), {check.line(replayed[r])}, "
+                    f"{time.monotonic() - start:.1f} s")
+            left = [r for r in left if r not in done]
+            del scheds, box
+        m = common.combine_ranks(per_rank)
+        checks = check.merge([recorded, *replayed])
+        if m.status == "ok" and not checks["right"]:
+            m = common.Measurement(status="wrong", error=check.line(checks))
+    except Exception as e:  # noqa: BLE001 -- recorded
+        m, checks = common.failure(e), None
+    return dict(measurement=m, partition=partition, ranks=parts, record_runs=runs,
+                rank_tokens=tokens, bytes_sent_per_rank=sent,
+                rank_ms=[x.median_ms if x else None for x in per_rank],
+                check_record=None if recorded is None else check.line(recorded),
+                check=None if checks is None else check.line(checks))
+
+
+def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
+    """The rows of one batch: one GPU on the whole batch, then every (partition, P); each
+    row handed to ``keep`` as it is made."""
     import sdpa_fusion
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    g = torch.Generator(device=device).manual_seed(0)
+    g = torch.Generator(device=args.device).manual_seed(0)
     total = sum(lengths)
-    inputs = [torch.randn(total, args.heads, args.head_dim, device=device, generator=g)
+    inputs = [torch.randn(total, args.heads, args.head_dim, device=args.device, generator=g)
               .to(args.dtype) for _ in range(4)]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device=device)
+                      device=args.device)
+    problem = check.packed_problem(*inputs, cu.tolist(), causal=True)
     spec = sdpa_fusion.AttentionSpec.from_tensors(*inputs[:3], layout="thd", cu_seqlens=cu,
                                                   causal=True)
     flops = spec.flops(backward=True)
@@ -252,42 +208,26 @@ def batch_rows(args, batch: str, lengths: list[int]) -> list[dict]:
                                     cu_seqlens=cu)
         return torch.autograd.grad(out, (q, k, v), x[3])
 
-    one = common.measure(whole, [inputs], warmup=args.warmup, iters=args.iters)
-    rows = [common.make_row(panel, f"1 GPU {args.kernel}", mean, one, flops, ranks=1, **fields)]
+    start = time.monotonic()
+    one = common.measure(whole, [inputs], warmup=args.warmup, iters=args.iters, min_iters=2,
+                         budget_s=args.budget_s)
+    say(f"batch {batch}: {len(lengths)} documents, {total} tokens; one device "
+        f"{common.number(one.median_ms)} ms ({one.status}), {time.monotonic() - start:.1f} s")
+    keep(common.make_row(panel, f"1 GPU {args.kernel}", mean, one, flops, ranks=1, **fields))
     for partition in args.partitions:
         for parts in args.ranks:
-            rows.append(ranks_row(args, parts, partition, inputs, cu, one, flops, panel, mean,
-                                  fields))
-    return rows
+            def step_say(text, parts=parts, partition=partition):
+                say(f"  {batch} {partition} P={parts} {text}")
 
-
-def ranks_row(args, parts, partition, inputs, cu, one, flops, panel, mean, fields) -> dict:
-    """The row of ``parts`` virtual ranks: each rank timed alone, the slowest kept."""
-    per_rank, sent, report = [], [], None
-    try:
-        for r in range(parts):
-            scheds, results, box = run_ranks(args, parts, r, inputs, cu, partition)
-            if r == 0:
-                report = check.check_packed(*inputs, *assembled(results, len(inputs[0])),
-                                            cu.tolist(), causal=True).as_dict()
-            comm = scheds[r].comm
-            sent.append(comm.bytes_sent)
-            step, leaves = rank_step(args, scheds[r], inputs, cu, box)
-            per_rank.append(common.measure(step, [leaves], warmup=args.warmup,
-                                           iters=args.iters))
-            tokens = results[r][0].tokens
-            fields = dict(fields, **{f"rank{r}_tokens": tokens})
-            del scheds, results, box
-        m = max(per_rank, key=lambda x: x.median_ms or math.inf)
-        if report is not None and not report["right"]:
-            m = common.Measurement(status="wrong", error=check.line(report))
-    except Exception as e:  # noqa: BLE001 -- recorded
-        m = common.failure(e)
-    ratio = (m.median_ms * parts / one.median_ms) if m.median_ms and one.median_ms else None
-    return common.make_row(panel, f"{partition} P={parts}", mean, m, flops / parts,
-                           ranks=parts, partition=partition, slowest_x_p_over_one_gpu=ratio,
-                           goal=1.1, bytes_sent_per_rank=sent,
-                           check=None if report is None else check.line(report), **fields)
+            row = ranks_row(args, parts, partition, inputs, cu, problem, step_say)
+            m = row.pop("measurement")
+            ratio = (m.median_ms * parts / one.median_ms) if m.median_ms and one.median_ms \
+                else None
+            keep(common.make_row(panel, f"{partition} P={parts}", mean, m, flops / parts,
+                                 slowest_x_p_over_one_gpu=ratio, goal=1.1, **row, **fields))
+            say(f"{batch} {partition} P={parts}: slowest {common.number(m.median_ms)} ms x "
+                f"{parts} / one device = {common.number(ratio)} (goal 1.1), {m.status}"
+                + (f": {m.error}" if m.error else ""))
 
 
 def parse_args(argv=None):
@@ -299,18 +239,32 @@ def parse_args(argv=None):
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--shrink", type=int, default=1,
+                   help="divide every document length by this (CPU runs of medium size)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=5, help="timed iterations at most")
+    p.add_argument("--budget-s", type=float, default=0.5,
+                   help="seconds of timed iterations per step (fewer where a step is long)")
+    p.add_argument("--record-gib", type=float, default=None,
+                   help="receives kept per record run (default: half the free GPU memory)")
+    p.add_argument("--timeout-s", type=float, default=120,
+                   help="the longest a record phase or a rank's wait for a transfer may take")
     p.add_argument("--tiny", action="store_true", help="small batches, reference kernel, CPU")
     common.add_output_args(p)
     args = p.parse_args(argv)
     args.batches = [b for b in args.batches.split(",") if b]
     args.partitions = [x for x in args.partitions.split(",") if x]
-    args.dtype = torch.bfloat16
+    cuda = torch.cuda.is_available() and not args.tiny
+    args.device = torch.device("cuda" if cuda else "cpu")
+    args.dtype = torch.bfloat16 if cuda else torch.float32
     if args.tiny:
-        args.heads, args.head_dim, args.dtype, args.kernel = 4, 16, torch.float32, "reference"
+        args.heads, args.head_dim, args.kernel = 4, 16, "reference"
         args.warmup, args.iters = 0, 1
         args.ranks = [r for r in args.ranks if r <= 4]
+    if args.record_gib is not None:
+        args.record_bytes = args.record_gib * common.GIB
+    else:
+        args.record_bytes = torch.cuda.mem_get_info()[0] / 2 if cuda else 8 * common.GIB
     args.name = NAME + ("_tiny" if args.tiny else "")
     return args
 
@@ -318,22 +272,27 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
-    record = {"title": f"packed batches over virtual ranks ({args.schedule}), one device",
-              "environment": common.environment("benchmarks.virtual_ranks"),
-              "settings": {k: str(v) if isinstance(v, torch.dtype) else v
-                           for k, v in vars(args).items() if k not in ("results_dir",)},
-              "rows": []}
-    lengths = batches(args.tiny)
+    record_ = {"title": f"packed batches over virtual ranks ({args.schedule}), one device",
+               "environment": common.environment("benchmarks.virtual_ranks"),
+               "settings": {k: str(v) if isinstance(v, (torch.dtype, torch.device)) else v
+                            for k, v in vars(args).items() if k not in ("results_dir",)},
+               "rows": []}
+
+    def say(text):
+        print(f"[{time.monotonic() - start:6.1f}s] {text}", flush=True)
+
+    def keep(row):
+        record_["rows"].append(row)
+        record_["elapsed_s"] = round(time.monotonic() - start, 1)
+        common.save(args.name, record_, results_dir=args.results_dir, plot=False)
+
+    lengths = batches(args.tiny, args.shrink)
     for batch in args.batches:
-        record["rows"] += batch_rows(args, batch, lengths[batch])
-        print(f"[{time.monotonic() - start:6.1f}s] batch {batch}: " + ", ".join(
-            f"{r['impl']}={common.number(r.get('slowest_x_p_over_one_gpu'))}"
-            for r in record["rows"] if r["batch"] == batch), flush=True)
-    record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+        batch_rows(args, batch, lengths[batch], say, keep)
+    paths = common.save(args.name, record_, results_dir=args.results_dir, copy_to=args.copy_to,
                         metrics=("tflops",), bars=True)
-    print(common.format_table(record["rows"], row_keys=("panel",)))
-    common.print_failures(record["rows"])
+    print(common.format_table(record_["rows"], row_keys=("panel",)))
+    common.print_failures(record_["rows"])
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

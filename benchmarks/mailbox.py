@@ -1,0 +1,205 @@
+"""Virtual ranks of one schedule on one device: run as threads, one at a time, their transfers
+handed over through a mailbox and recorded, then replayed to one rank running alone.
+
+    box = Mailbox(parts, recording=range(parts), budget=40 << 30)
+    scheds = virtual_schedules("ring", parts, device, box, cu_seqlens, partition="documents")
+    thread r:  with box.baton(r): ... attention on scheds[r] ...    # sends clone into queues
+    box.replay(r)                                                    # rank r alone, served
+                                                                     # from its record
+
+A rank holds the baton while it runs and lets go of it only to wait for a transfer, so a
+kernel compiler or launcher never sees two ranks at once (FlashAttention-4's CuTe-DSL
+launcher is not thread-safe). Receives of the ranks in ``recording`` are kept in order up to
+``budget`` bytes; past it the highest recording rank's record is dropped (``recorded`` says
+whose records are complete) and that rank is recorded by a later run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import threading
+
+import torch
+
+from schedules.transport import Mover
+
+
+class Stopped(RuntimeError):
+    """A virtual rank stopped waiting because another one failed."""
+
+
+class Mailbox:
+    """Queues of transfers between virtual ranks, the baton, and the records."""
+
+    def __init__(self, parts: int, *, recording=(), budget: float = math.inf,
+                 timeout_s: float = 120.0):
+        self.parts, self.budget, self.timeout_s = parts, budget, timeout_s
+        self.turn = threading.Condition()
+        self.holder: int | None = None
+        self.queues = collections.defaultdict(collections.deque)
+        self.records: dict[int, list[torch.Tensor]] = {r: [] for r in recording}
+        self.kept = 0
+        self.failed: BaseException | None = None
+        self.replaying: int | None = None
+        self.cursor = 0
+
+    # ---- the baton --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def baton(self, rank: int):
+        """Held while virtual rank ``rank`` runs (a failure stops every other rank's wait)."""
+        with self.turn:
+            self._wait(lambda: self.holder is None, f"virtual rank {rank} waited for its turn")
+            self.holder = rank
+        try:
+            yield
+        except BaseException as e:
+            with self.turn:
+                self.failed = self.failed or e
+            raise
+        finally:
+            with self.turn:
+                if self.holder == rank:
+                    self.holder = None
+                self.turn.notify_all()
+
+    def _wait(self, ready, what: str) -> None:
+        if not self.turn.wait_for(lambda: self.failed is not None or ready(), self.timeout_s):
+            raise TimeoutError(f"{what} for {self.timeout_s:.0f} s (raise --timeout-s)")
+        if self.failed is not None:
+            raise Stopped(f"{what}: another virtual rank failed") from self.failed
+
+    # ---- transfers --------------------------------------------------------------------------
+    def send(self, src: int, dst: int, t: torch.Tensor) -> None:
+        t = t.clone()
+        with self.turn:
+            self.queues[(src, dst)].append(t)
+            self.turn.notify_all()
+
+    def receive(self, src: int, dst: int, into: torch.Tensor) -> None:
+        if self.replaying is not None:
+            into.copy_(self.records[dst][self.cursor].view_as(into))
+            self.cursor += 1
+            return
+        queue = self.queues[(src, dst)]
+        with self.turn:
+            if not queue:  # let the sender run
+                self.holder = None
+                self.turn.notify_all()
+                self._wait(lambda: queue and self.holder is None,
+                           f"virtual rank {dst} waited for rank {src}")
+                self.holder = dst
+            t = queue.popleft()
+            self._keep(dst, t)
+        into.copy_(t.view_as(into))
+
+    def _keep(self, rank: int, t: torch.Tensor) -> None:
+        if rank not in self.records:
+            return
+        self.records[rank].append(t)
+        self.kept += t.numel() * t.element_size()
+        while self.kept > self.budget and self.records:
+            dropped = self.records.pop(max(self.records))
+            self.kept -= sum(x.numel() * x.element_size() for x in dropped)
+
+    @property
+    def recorded(self) -> list[int]:
+        """Ranks whose every receive is recorded."""
+        return sorted(self.records)
+
+    def replay(self, rank: int) -> None:
+        """From now on rank ``rank`` runs alone: its receives come from its record."""
+        self.replaying, self.cursor = rank, 0
+
+    def drop(self, rank: int) -> None:
+        """Free ``rank``'s record."""
+        self.records.pop(rank, None)
+
+
+class VirtualComm:
+    """The communicator of virtual rank ``index`` of ``size``: counts bytes, waits for nothing
+    (the mailbox hands transfers over when they are made)."""
+
+    def __init__(self, index: int, size: int):
+        self.index, self.size = index, size
+        self.bytes_sent = self.bytes_received = 0
+
+    def peer(self, hops: int) -> int:
+        return (self.index + hops) % self.size
+
+    def count(self, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+    def pending(self, works, result, what: str):
+        return _Done(result)
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        yield
+
+
+class _Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+class VirtualMover(Mover):
+    """Ring shifts and exchanges of a virtual rank through the ``Mailbox``."""
+
+    name = "virtual"
+
+    def __init__(self, comm: VirtualComm, mailbox: Mailbox):
+        super().__init__(comm)
+        self.mailbox = mailbox
+
+    def buffer(self, nbytes: int, device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def push(self, tensors, ring, slot, hops=1):
+        comm, box = self.comm, self.mailbox
+        for t in tensors:
+            if box.replaying is None:
+                box.send(comm.index, comm.peer(hops), t)
+        for into in ring.tensors(slot):
+            box.receive(comm.peer(-hops), comm.index, into)
+        comm.count(ring.data.used, ring.data.used)
+        return []
+
+    def _exchange(self, puts, takes, region):
+        comm, box, flat = self.comm, self.mailbox, region.flat
+        for p in puts:
+            if p.hops % comm.size == 0:
+                flat[p.at:p.at + p.nbytes].copy_(p.bytes())
+            elif box.replaying is None:
+                box.send(comm.index, comm.peer(p.hops), p.bytes())
+        for t in takes:
+            box.receive(comm.peer(-t.hops), comm.index, flat[t.at:t.at + t.nbytes])
+        return []
+
+
+def virtual_schedules(name: str, parts: int, device, mailbox: Mailbox, cu_seqlens,
+                      **options) -> list:
+    """Schedule ``name`` of every virtual rank of ``parts``, transfers in ``mailbox``; all
+    read one split of the packing ``cu_seqlens`` (made once: planning it is host work that
+    grows with the documents)."""
+    import schedules
+    import sdpa_fusion
+
+    scheds = []
+    for rank in range(parts):
+        mesh = sdpa_fusion.VirtualMesh((parts,), ("seq",), rank=rank, device=device)
+        sched = schedules.get(name, mesh, transport="p2p", **options)
+        comm = VirtualComm(rank, parts)
+        sched.__dict__["comm"] = comm
+        sched._movers[torch.device(device)] = VirtualMover(comm, mailbox)
+        scheds.append(sched)
+    key = (tuple(int(x) for x in cu_seqlens), None, torch.device(device))
+    split = scheds[0].split(*key)
+    for sched in scheds[1:]:
+        sched._splits[key] = split
+    return scheds
