@@ -185,7 +185,7 @@ class AllGather(Transported, SequenceSchedule):
     name = "allgather"
     overlap = Overlap(hidden=lambda p: 1 / p, splits_keys=True)  # the own block hides the gather
 
-    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
+    def __init__(self, mesh, *, dim=None, partition="auto", transport="auto",
                  head_groups="auto"):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
         self.use_transport(transport)

@@ -139,7 +139,7 @@ class Hybrid(Schedule):
 
     def __init__(self, mesh, *, inner: str = "ulysses", outer: str = "ring",
                  inner_dim: str | None = None, outer_dim: str | None = None,
-                 partition="load_balanced", **outer_options):
+                 partition="auto", **outer_options):
         super().__init__(mesh)
         self.dim = None  # two dims: self.inner.dim and self.outer.dim
         self._inner = self._outer = None

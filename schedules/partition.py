@@ -19,7 +19,8 @@ same work at every ring step. These three keep each rank's tokens in increasing 
 causal mask over a rank's own tokens is the ordinary top-left mask.
 
 Packed batches: ``documents`` gives whole documents to ranks and cuts only those it must
-(``Documents``, ``schedules.assign``).
+(``Documents``, ``schedules.assign``); ``auto`` (the sequence schedules' default) takes it
+where it is faster than ``load_balanced`` (``Auto``).
 
 Custom partitions: ``IndexMap`` (any placement, one row of positions per rank) and
 ``VideoTiles`` (video tokens of [F, H, W] grids in raster order, each rank keeping an intact
@@ -138,6 +139,18 @@ class Documents(LoadBalanced):
 
     def __repr__(self) -> str:
         return self.name if self.tolerance == 0.05 else f"{self.name}(tolerance={self.tolerance})"
+
+
+class Auto(Documents):
+    """The default of ``ring``, ``allgather`` and ``hybrid``: a dense sequence is split as
+    ``load_balanced``; a packed batch as ``documents`` when no document needs cutting or the
+    cost model predicts it faster, else as ``load_balanced`` (``schedules.predict
+    .packed_partition``; ``describe`` says which and why)."""
+
+    name = "auto"
+
+    def check(self, seq_len, parts):
+        LoadBalanced.check(LoadBalanced(), seq_len, parts)  # dense: split as load_balanced
 
 
 class Striped(Partition):
@@ -263,7 +276,7 @@ class VideoTiles(_Fixed):
         return (self.name, self.frame, self.tiles)
 
 
-_NAMED = {cls.name: cls for cls in (Contiguous, LoadBalanced, Striped, Documents)}
+_NAMED = {cls.name: cls for cls in (Contiguous, LoadBalanced, Striped, Documents, Auto)}
 
 
 def get(partition: "str | Partition | list") -> Partition:

@@ -172,7 +172,7 @@ class Ring(Transported, SequenceSchedule):
     name = "ring"
     overlap = Overlap(hidden=lambda p: (p - 1) / p, splits_keys=True, own_transport=True)
 
-    def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
+    def __init__(self, mesh, *, dim=None, partition="auto", transport="auto",
                  head_groups="auto", grad_dtype="auto"):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
         self.use_transport(transport)

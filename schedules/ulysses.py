@@ -51,6 +51,7 @@ from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
 from .memory import Memory, Replay, Sizes, kernel_call
+from .partition import Documents
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
@@ -140,6 +141,13 @@ class Ulysses(Transported, SequenceSchedule):
     def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
                  head_groups="auto"):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
+        if isinstance(self.partition, Documents):
+            raise ValueError(
+                f"partition={self.partition.name!r} (whole documents of a packed batch to ranks) "
+                f"is taken by schedules 'ring', 'allgather' and 'hybrid' (over its outer dim), "
+                f"not 'ulysses', which attends every document whole on each rank anyway; use "
+                f"partition='load_balanced' (the default) here, or one of those schedules"
+            )
         self.use_transport(transport)
 
     def least_groups(self, spec) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 
 import torch
 
@@ -25,8 +26,9 @@ from sdpa_fusion.local import local_backward, local_forward
 
 from .base import Description, Schedule
 from .documents import DocumentPacking, DocumentSplit
+from .choice import packed_partition
 from .memory import Memory, Sizes, kernel_call
-from .partition import Documents, LoadBalanced
+from .partition import Auto, Documents, LoadBalanced
 
 
 def whole_spec(spec):
@@ -59,7 +61,7 @@ class WholeDocuments:
     """What ``whole_documents`` puts before a sequence schedule class."""
 
     def split(self, cu: tuple, padded: tuple | None, device):
-        if not isinstance(self.partition, Documents):
+        if not self.by_documents(cu, padded):
             return super().split(cu, padded, device)
         key = (cu, padded, torch.device(device))
         if key in self._splits:
@@ -72,8 +74,28 @@ class WholeDocuments:
             self._splits.popitem(last=False)
         return split
 
+    def by_documents(self, cu: tuple, padded: tuple | None) -> bool:
+        """Whether the packing ``cu``/``padded`` is split by whole documents."""
+        return isinstance(self.partition, Documents) and self.partition_choice(cu, padded)[0] \
+            == "documents"
+
+    def partition_choice(self, cu: tuple, padded: tuple | None) -> tuple[str, str]:
+        """(the partition the packing ``cu``/``padded`` takes, why): partition ``auto`` asks
+        the cost model (``schedules.predict.packed_partition``), made once per packing."""
+        if not isinstance(self.partition, Auto):
+            return self.partition.name, "named by the schedule's partition option"
+        choices = self.__dict__.setdefault("_choices", collections.OrderedDict())
+        key = (cu, padded)
+        if key not in choices:
+            lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
+            choices[key] = packed_partition(self, lengths, self.partition.tolerance,
+                                            getattr(self, "transport", "auto"))
+            while len(choices) > 4:
+                choices.popitem(last=False)
+        return choices[key]
+
     def local_tokens(self, spec) -> int:
-        if spec.layout.is_varlen and isinstance(self.partition, Documents):
+        if spec.layout.is_varlen and self._documents(spec):
             return self.local_spec(spec).packing.tokens
         return super().local_tokens(spec)
 
@@ -154,8 +176,8 @@ class WholeDocuments:
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        if not (spec.layout.is_varlen and isinstance(self.partition, Documents)):
-            return super().describe(spec)
+        if not (spec.layout.is_varlen and self._documents(spec)):
+            return self._chosen(spec, super().describe(spec))
         local = self.local_spec(spec)
         packing, whole = local.packing, whole_spec(local)
         cut = self._cut_global(spec)
@@ -165,13 +187,13 @@ class WholeDocuments:
         forward = whole.flops() if call else 0.0
         backward = whole.flops(backward=True) - forward if call else 0.0
         plan = packing.assignment
-        notes = (f"partition {self.partition!r}: {len(packing.whole_lengths)} whole documents "
+        notes = (f"{len(packing.whole_lengths)} whole documents "
                  f"({packing.whole_tokens} tokens, one local kernel call, nothing travels), "
                  f"{len(plan.cut)} cut over every rank ({packing.tokens - packing.whole_tokens} "
                  f"tokens here)")
         if cut is not None:
             notes += f"; cut documents: {part.notes}"
-        return Description(
+        return self._chosen(spec, Description(
             self.name, self.size, steps=part.steps + call, bytes_sent=part.bytes_sent,
             bytes_received=part.bytes_received, flops=part.flops + forward,
             backward_steps=part.backward_steps + call,
@@ -179,10 +201,21 @@ class WholeDocuments:
             backward_bytes_received=part.backward_bytes_received,
             backward_flops=part.backward_flops + backward, notes=notes,
             memory=self.memory(spec),
-        )
+        ))
+
+    def _documents(self, spec) -> bool:
+        return self.by_documents(spec.cu_seqlens, spec.cu_seqlens_padded)
+
+    def _chosen(self, spec, d: Description) -> Description:
+        """``d`` with the partition a packed ``spec`` took, and why, before its notes."""
+        if not (spec.layout.is_varlen and isinstance(self.partition, Documents)):
+            return d
+        name, why = self.partition_choice(spec.cu_seqlens, spec.cu_seqlens_padded)
+        said = name if name == self.partition.name else f"{self.partition!r}: {name}"
+        return dataclasses.replace(d, notes=f"partition {said} ({why}); {d.notes}")
 
     def memory(self, spec):
-        if not (spec.layout.is_varlen and isinstance(self.partition, Documents)):
+        if not (spec.layout.is_varlen and self._documents(spec)):
             return super().memory(spec)
         local = self.local_spec(spec)
         rows, w = local.packing.tokens, local.packing.whole_tokens

@@ -175,7 +175,8 @@ def test_hybrid(shape, inner, outer, kv_heads, layout):
                                          causal=True)
         rows = None
     for mesh in ranks(pi * po, shape, ("heads", "seq")):
-        sched = schedules.get("hybrid", mesh, inner=inner, outer=outer)
+        sched = schedules.get("hybrid", mesh, inner=inner, outer=outer,
+                              partition="load_balanced")
         d = sched.describe(spec)
         assert [c.dim for c in d.dims] == ["heads", "seq"]
         for cost, (fwd, bwd) in zip(d.dims, expected_dims(spec, inner, outer, pi, po, rows)):
@@ -184,7 +185,7 @@ def test_hybrid(shape, inner, outer, kv_heads, layout):
             assert (got.backward_bytes_sent, got.backward_bytes_received) == (bwd, bwd), \
                 (cost.dim, mesh)
         # the outer schedule holds what its 1-D self holds for H/Pi heads over Po ranks
-        one_d = schedules.get(outer, mesh, dim="seq")
+        one_d = schedules.get(outer, mesh, dim="seq", partition="load_balanced")
         heads = spec.replace(heads=spec.heads // pi, kv_heads=max(spec.kv_heads // pi, 1))
         assert d.dims[1].description.memory == one_d.describe(heads).memory
         assert d.dims[1].backward_memory > d.dims[1].memory > 0
@@ -196,6 +197,6 @@ def test_hybrid(shape, inner, outer, kv_heads, layout):
             assert d.steps == d.backward_steps == po
             assert d.flops == pytest.approx(spec.flops() / (pi * po))
             # the ring moves K/V of H_kv/Pi heads: 1/Pi of what a 1-D ring over Po ranks would
-            one_d = schedules.get("ring", mesh, dim="seq").describe(spec)
+            one_d = schedules.get("ring", mesh, dim="seq", partition="load_balanced").describe(spec)
             assert outer_d.bytes_sent == one_d.bytes_sent * max(kv_heads // pi, 1) // kv_heads
 

@@ -120,3 +120,35 @@ def test_describe_counts_each_rank_and_only_cut_documents_travel():
 def test_bad_tolerance():
     with pytest.raises(ValueError, match=r"tolerance=-1 must be a number >= 0"):
         Documents(tolerance=-1)
+
+
+@pytest.mark.parametrize("partition", ["documents", "auto"])
+def test_ulysses_refuses_whole_documents(partition):
+    mesh = sdpa_fusion.VirtualMesh((2,), ("seq",))
+    with pytest.raises(ValueError, match=rf"partition='{partition}' .* 'ring', 'allgather' and "
+                                         r"'hybrid' .* not 'ulysses'"):
+        schedules.get("ulysses", mesh, partition=partition)
+
+
+def test_auto_takes_documents_where_the_model_says_faster():
+    """The default partition: whole documents when none must be cut, or when the model
+    predicts them faster; load_balanced where that is faster (and when named); dense
+    sequences split as load_balanced; describe says which and why."""
+    mesh = sdpa_fusion.VirtualMesh((4,), ("seq",))
+    ring = schedules.get("ring", mesh)
+    assert repr(ring.partition) == "auto"
+    short = (0, *torch.tensor([64] * 32).cumsum(0).tolist())
+    assert ring.partition_choice(short, None)[0] == "documents"
+    assert "no document needs cutting" in ring.partition_choice(short, None)[1]
+    one_long = (0, 4096, *(4096 + 16 * i for i in range(1, 9)))  # must be cut: all of it travels
+    name, why = ring.partition_choice(one_long, None)
+    assert name in ("documents", "load_balanced") and "predicted" in why
+    q = torch.randn(short[-1], 2, 8)
+    spec = sdpa_fusion.AttentionSpec.from_tensors(q, q, q, layout="thd", cu_seqlens=short,
+                                                  causal=True)
+    assert schedules.get("ring", mesh).describe(spec).notes.startswith(
+        "partition auto: documents (no document needs cutting")
+    named = schedules.get("ring", mesh, partition="load_balanced")
+    assert not hasattr(named.pack(short), "assignment")
+    assert named.describe(spec).notes.startswith("partition load_balanced;")
+    assert torch.equal(ring.position_ids(32), named.position_ids(32))

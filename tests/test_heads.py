@@ -65,7 +65,7 @@ def test_auto_sizes_packed_groups_by_the_longest_sequence(name):
     import schedules
     from sdpa_fusion import AttentionSpec, VirtualMesh
 
-    sched = schedules.get(name, VirtualMesh((2,), ("seq",), rank=0))
+    sched = schedules.get(name, VirtualMesh((2,), ("seq",), rank=0), partition="load_balanced")
 
     def groups(lengths):
         cu = [0]

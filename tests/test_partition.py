@@ -92,5 +92,6 @@ def test_index_map_must_fit_the_sequence_and_ranks():
 
 def test_unknown_partition_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"partition='zigzag' is not known; use one of "
-                                         r"\['contiguous', 'documents', 'load_balanced', 'striped'\]"):
+                                         r"\['auto', 'contiguous', 'documents', "
+                                         r"'load_balanced', 'striped'\]"):
         partitions.get("zigzag")

@@ -135,7 +135,7 @@ def local_bf16_spec(sched, cu_seqlens, heads: int, kv_heads: int, *, causal: boo
 def test_packed_sums_dtype_is_the_same_on_every_rank(p):
     """Random packings, causal or not, with or without a window: every rank derives the same
     dtype for the dK/dV sums (their exchanges size their regions by it)."""
-    scheds = [schedules.get("allgather", mesh) for mesh in ranks(p)]
+    scheds = [schedules.get("allgather", mesh, partition="load_balanced") for mesh in ranks(p)]
 
     @settings(max_examples=30, derandomize=True, database=None, deadline=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))

@@ -1,0 +1,68 @@
+"""Which partition a packed batch takes under partition ``auto`` (the default of ``ring``,
+``allgather`` and ``hybrid``): ``documents`` when no document needs cutting (nothing travels,
+the ranks within the planner's tolerance), else the one the cost model predicts faster
+(``schedules.figures``) for causal fwd+bwd at 32 bf16 heads of 128. The packing is split
+before the heads are known; bytes and FLOPs both grow with heads x head dim, so the choice
+hardly depends on them.
+
+    documents       the slowest rank's causal pairs (``schedules.assign``), in calls as long
+                    as its longest whole document, beside the ring of the cut documents only
+    load_balanced   an even share of the pairs, in calls of a P-th of the longest document,
+                    beside the ring of every token
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa_fusion.spec import AttentionSpec
+
+from .assign import CUT, assign
+from .figures import TABLE, auto_kernel, rate, transfer_seconds
+from .overlap import overlap_of
+
+REFERENCE_HEADS, REFERENCE_HEAD_DIM = 32, 128
+
+
+def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str = "auto",
+                     path=TABLE) -> tuple[str, str]:
+    """("documents" | "load_balanced", why) for a packed batch of document ``lengths`` under
+    ``schedule`` (ring or allgather, partition ``auto``); pure, so alike on every rank."""
+    parts = schedule.size
+    plan = assign(lengths, parts, tolerance=tolerance)
+    if not plan.cut:
+        return "documents", "no document needs cutting: every one stays whole, nothing travels"
+    try:
+        kernel = auto_kernel(REFERENCE_HEAD_DIM, True, path)
+        whole = [n for n, o in zip(lengths, plan.owner) if o != CUT]
+        longest_cut = max(lengths[i] for i in plan.cut)
+        documents = _seconds(schedule, max(plan.work), max([*whole, longest_cut // parts]),
+                             sum(lengths[i] for i in plan.cut), kernel, transport, path)
+        balanced = _seconds(schedule, sum(plan.work) / parts, max(lengths) // parts,
+                            sum(lengths), kernel, transport, path)
+    except ValueError as e:
+        return "documents", f"the cost model has no figures ({e}); whole documents move least"
+    name = "documents" if documents <= balanced else "load_balanced"
+    return name, (f"{len(plan.cut)} of {len(lengths)} documents must be cut; predicted "
+                  f"{documents * 1e3:.3g} ms with documents, {balanced * 1e3:.3g} ms "
+                  f"load_balanced (fwd+bwd at {REFERENCE_HEADS} bf16 heads of "
+                  f"{REFERENCE_HEAD_DIM}, {kernel})")
+
+
+def _seconds(schedule, pairs: float, length: int, ring_tokens: int, kernel: str,
+             transport: str, path) -> float:
+    """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` causal query-key pairs in
+    calls of ``length`` keys, beside the transfers of a load-balanced split of
+    ``ring_tokens`` tokens (those of a dense sequence of as many, ``schedule.twin()``)."""
+    flops = 4.0 * REFERENCE_HEADS * REFERENCE_HEAD_DIM * pairs * 3.5
+    compute = flops / rate(kernel, REFERENCE_HEAD_DIM, True, "fwd+bwd", max(length, 1),
+                           path).value
+    multiple = 2 * schedule.size
+    tokens = -(-ring_tokens // multiple) * multiple
+    spec = AttentionSpec(batch=1, heads=REFERENCE_HEADS, kv_heads=REFERENCE_HEADS,
+                         q_len=tokens, kv_len=tokens, head_dim=REFERENCE_HEAD_DIM,
+                         dtype=torch.bfloat16, causal=True)
+    twin = schedule.twin()
+    d = twin.describe(spec)
+    return compute + transfer_seconds(d, overlap_of(type(twin)), compute, True, transport,
+                                      path)[0]
