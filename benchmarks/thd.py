@@ -30,6 +30,7 @@ cuDNN one. The goal printed at the end: auto >= 0.95x the best other way on ever
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -43,7 +44,31 @@ BATCHES = {
     "b": [128] * 2048,
     "mix": [32 * K] * 2 + [8 * K] * 4 + [2 * K] * 8 + [128] * 1024,
 }
-TINY_BATCHES = {"a": [64, 32, 48], "b": [8] * 32, "mix": [64, 16] + [4] * 24}
+TINY_BATCHES = {"a": [64, 32, 48], "b": [8] * 32, "mix": [64, 16] + [4] * 24,
+                "c": [40, 56] + [2, 5, 9] * 10}
+
+
+def _lognormal(g, median, sigma, low, high, total) -> list[int]:
+    """Lengths drawn log-normal (``median``, ``sigma``) within [low, high], packed to ``total``."""
+    lengths, packed = [], 0
+    while packed < total:
+        n = int(median * math.exp(sigma * float(torch.randn((), generator=g))))
+        lengths.append(min(max(n, low), high, total - packed))
+        packed += lengths[-1]
+    return lengths
+
+
+def _drawn() -> None:
+    """Batches c (6 documents of 8K-24K and 1,500 of 16-600) and d (log-normal lengths,
+    median 600, sigma 1.2, in [16, 64K], packed to 256K tokens), drawn from seed 0."""
+    g = torch.Generator().manual_seed(0)
+    BATCHES["c"] = (torch.randint(8 * K, 24 * K + 1, (6,), generator=g).tolist()
+                    + torch.randint(16, 601, (1500,), generator=g).tolist())
+    BATCHES["d"] = _lognormal(g, 600.0, 1.2, 16, 64 * K, 256 * K)
+    TINY_BATCHES["d"] = _lognormal(g, 12.0, 1.2, 2, 128, 512)
+
+
+_drawn()
 GPU_IMPLS = ("cudnn per-sequence", "flash varlen", "cudnn varlen", "cudnn padded",
              "cudnn+flash split", "fa4 varlen", "fa4 per-sequence", "fa4 padded", "auto")
 TINY_IMPLS = ("reference per-sequence", "reference padded", "reference+reference split", "auto")

@@ -6,6 +6,8 @@
 Packed batches (``benchmarks.thd``'s; bf16, 32 heads, head dim 128, causal fwd+bwd):
   a   15 documents of 1K-32K tokens (269K tokens)
   b   2048 documents of 128 tokens
+  c   6 documents of 8K-24K and 1,500 of 16-600 tokens
+  d   log-normal lengths (median 600, sigma 1.2) in [16, 64K], packed to 256K tokens
 rows: "1 GPU <kernel>" (rank 0 runs the whole batch alone while the other ranks wait),
 "ring", "allgather", "ulysses" (``schedules.get(name, mesh)``, load-balanced, ``kernel=``);
 ``--schedules`` entries take options, e.g. ``ulysses:transport=p2p,ulysses:head_groups=8``

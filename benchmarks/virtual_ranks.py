@@ -23,7 +23,6 @@ after every row, the PNG at the end (``benchmarks.common.save``).
 from __future__ import annotations
 
 import argparse
-import math
 import threading
 import time
 
@@ -31,34 +30,18 @@ import torch
 
 from benchmarks import check, common
 from benchmarks.mailbox import Mailbox, Stopped, virtual_schedules
-from benchmarks.thd import BATCHES as THD_BATCHES
+from benchmarks.thd import BATCHES, TINY_BATCHES
 
 NAME = "virtual_ranks"
-K = 1024
 KEY_FLOPS = 5e11  # fp32 work of one rank's dK/dV reference: ~10 ms on an H200 (check: 3 s)
 
 
 def batches(tiny: bool, shrink: int = 1) -> dict[str, list[int]]:
-    """The four packed batches (their document lengths, each divided by ``shrink``), or
-    small ones for ``tiny``."""
-    g = torch.Generator().manual_seed(0)
+    """The four packed batches of ``benchmarks.thd`` (their document lengths, each divided by
+    ``shrink``), or small ones for ``tiny``."""
     if tiny:
-        return {"a": [64, 32, 48], "b": [8] * 64, "c": [40, 56] + [2, 5, 9] * 10,
-                "d": _lognormal(g, 12.0, 1.2, 2, 128, 512)}
-    c = (torch.randint(8 * K, 24 * K + 1, (6,), generator=g).tolist()
-         + torch.randint(16, 601, (1500,), generator=g).tolist())
-    full = {"a": THD_BATCHES["a"], "b": THD_BATCHES["b"], "c": c,
-            "d": _lognormal(g, 600.0, 1.2, 16, 65536, 262144)}
-    return {name: [max(1, n // shrink) for n in lengths] for name, lengths in full.items()}
-
-
-def _lognormal(g, median, sigma, low, high, total) -> list[int]:
-    lengths, packed = [], 0
-    while packed < total:
-        n = int(median * math.exp(sigma * float(torch.randn((), generator=g))))
-        lengths.append(min(max(n, low), high, total - packed))
-        packed += lengths[-1]
-    return lengths
+        return {"a": [64, 32, 48], "b": [8] * 64, "c": TINY_BATCHES["c"], "d": TINY_BATCHES["d"]}
+    return {name: [max(1, n // shrink) for n in BATCHES[name]] for name in "abcd"}
 
 
 # ---- one rank's step --------------------------------------------------------------------
