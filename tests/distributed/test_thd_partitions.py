@@ -139,7 +139,7 @@ def test_cu_seqlens_differing_on_one_rank(mesh):
 def test_local_packing_of_another_rank(mesh):
     p = mesh.size()
     problem = make_packed([3 * p, 5], h=2)
-    sched = schedules.get("ring", mesh)
+    sched = schedules.get("ring", mesh, partition="load_balanced")
     local, (q, k, v) = _local(sched, problem)
     if mesh.rank == 0:
         local = sched.pack(problem.cu_seqlens, rank=1)
@@ -154,7 +154,7 @@ def test_local_tokens_mismatch(mesh):
     """Rank 0 passes its full tensors with the global cu_seqlens: the error names the fix."""
     p = mesh.size()
     problem = make_packed([3 * p, 5], h=2)
-    sched = schedules.get("ring", mesh)
+    sched = schedules.get("ring", mesh, partition="load_balanced")
     local, (q, k, v) = _local(sched, problem)
     if mesh.rank == 0:
         q, k, v = problem.q, problem.k, problem.v

@@ -33,6 +33,7 @@ if WORLD > 4:
 
 transformers = pytest.importorskip("transformers")
 from schedules.integrations import transformers as sdpa_transformers  # noqa: E402
+from schedules.documents import DocumentPacking  # noqa: E402
 
 STEPS, LR, VOCAB, B, S = 3, 0.1, 97, 2, 16
 TOL = tolerance(torch.float32)  # fp32 models, compared in the table's fp32 level
@@ -186,6 +187,23 @@ def test_the_collators_batch_trains_as_one_process(mesh, weights, backend, name)
     plain = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
     got = train_sharded(weights, backend, schedules.get(name, mesh), batch)
     assert_same_training(got, train_one_process(weights, plain), plain, f"{name}, collated")
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_the_collators_documents_go_whole_to_ranks(mesh, weights, backend, name):
+    """Partition documents: the collator's documents go whole to ranks where they can, the
+    local position_ids count inside each document, and training is one process's."""
+    batch = collated()
+    plain = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    sched = schedules.get(name, mesh, partition="documents")
+    sharded = sdpa_transformers.shard_batch(sched, **batch)
+    assert isinstance(sharded.batch.packing, DocumentPacking)
+    tokens = sharded.batch.tokens[0]
+    real = tokens >= 0
+    assert torch.equal(sharded.inputs["position_ids"][0][real],
+                       batch["position_ids"].flatten()[tokens[real]])
+    got = train_sharded(weights, backend, sched, batch)
+    assert_same_training(got, train_one_process(weights, plain), plain, f"{name}, documents")
 
 
 @pytest.fixture(scope="module")
