@@ -9,9 +9,9 @@ Packed batches (``benchmarks.thd``'s; bf16, 32 heads, head dim 128, causal fwd+b
   c   6 documents of 8K-24K and 1,500 of 16-600 tokens
   d   log-normal lengths (median 600, sigma 1.2) in [16, 64K], packed to 256K tokens
 rows: "1 GPU <kernel>" (rank 0 runs the whole batch alone while the other ranks wait),
-"ring", "allgather", "ulysses" (``schedules.get(name, mesh)``, load-balanced, ``kernel=``);
-``--schedules`` entries take options, e.g. ``ulysses:transport=p2p,ulysses:head_groups=8``
-(the row is named by the entry).
+"ring", "allgather", "ulysses" (``schedules.get(name, mesh)``, their default partition,
+``kernel=``); ``--schedules`` entries take options, e.g. ``ulysses:transport=p2p`` or
+``ring:partition=documents,ring:partition=load_balanced`` (the row is named by the entry).
 TFLOP/s per GPU count the real documents' pairs (``AttentionSpec.flops``) / ranks / the
 slowest rank's median time. Goal: every schedule >= 0.85x one GPU per GPU on batch a.
 
