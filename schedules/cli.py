@@ -44,6 +44,26 @@ def _option(text: str) -> tuple[str, int | str]:
     return key.strip(), option_value(value.strip())
 
 
+def _documents(text: str) -> tuple[int, ...]:
+    lengths = []
+    for part in text.lower().split(","):
+        length, _, count = part.strip().partition("x")
+        if not length.isdigit() or not (count or "1").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a list of document lengths; write e.g. 32768x2,8192x4,128")
+        lengths += [int(length)] * int(count or 1)
+    return tuple(lengths)
+
+
+def packed_spec(spec, lengths: tuple[int, ...]):
+    """``spec`` as one packed batch (layout thd) of documents of ``lengths`` tokens."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return spec.replace(batch=1, q_len=cu[-1], kv_len=cu[-1], layout="thd",
+                        cu_seqlens=tuple(cu)).validate()
+
+
 def add_mesh_args(explain: argparse.ArgumentParser) -> None:
     """``explain``'s options of a schedule on a mesh."""
     explain.add_argument("--schedule", help="a schedule name (schedules.names()), planned per "
@@ -56,6 +76,10 @@ def add_mesh_args(explain: argparse.ArgumentParser) -> None:
     explain.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                          help="a schedule option, e.g. transport=p2p or inner=head_parallel "
                               "(schedules.options(name)); repeat for more")
+    explain.add_argument("--documents", type=_documents, metavar="LENxCOUNT,...",
+                         help="a packed batch (layout thd) of documents of these lengths, e.g. "
+                              "32768x2,8192x4,128x2048: each rank's documents, tokens and work "
+                              "(with --schedule)")
     explain.add_argument("--json", action="store_true",
                          help="print the per-rank numbers as JSON (with --schedule)")
 
@@ -80,6 +104,8 @@ def explain_mesh(args: argparse.Namespace) -> int:
     """Every rank's plan under ``--schedule`` on a mesh of ``--mesh``, with predicted times,
     planned on virtual meshes: no process group starts."""
     spec = cli.spec_from_args(args, cli.device_of(args.device), PLAN_SHAPE)
+    if args.documents:
+        spec = packed_spec(spec, args.documents)
     if not args.schedule:
         raise ValueError("--mesh needs --schedule (a schedule to plan on it); choose one of "
                          f"{names()}")

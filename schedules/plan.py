@@ -70,20 +70,22 @@ def mesh_names(name: str, dims: int) -> tuple[str, ...]:
 def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
                names: tuple[str, ...] | None = None, **options) -> list[RankPlan]:
     """Every rank's ``RankPlan`` under schedule ``name`` (with ``options``) on a mesh of
-    ``shape`` for the global dense ``spec``; a ValueError naming the fix when the schedule
-    cannot run it there."""
-    from . import get
+    ``shape`` for the global ``spec`` (dense, or packed under a sequence schedule on a 1-D
+    mesh); a ValueError naming the fix when the schedule cannot run it there."""
+    from . import _class, get
 
-    if spec.layout.is_varlen:
-        raise ValueError("plan_ranks takes a dense spec (layout 'bhse' or 'bshe'); plan packed "
-                         "batches with schedule.describe(spec) on a VirtualMesh")
+    packed = spec.layout.is_varlen
+    if packed and (len(shape) != 1 or not hasattr(_class(name), "local_spec")):
+        raise ValueError(f"a packed batch is planned under a sequence schedule on a 1-D mesh "
+                         f"(ring, allgather, ulysses), not {name!r} on a mesh of "
+                         f"{'x'.join(map(str, shape))}")
     names = names or mesh_names(name, len(shape))
     plans = []
     with _one_thread():
         for rank in range(_size(shape)):
             mesh = VirtualMesh(shape, names, rank=rank)
             schedule = get(name, mesh, **options)
-            local = _local_spec(schedule, spec)
+            local = _local_packed(schedule, spec) if packed else _local_spec(schedule, spec)
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
@@ -120,6 +122,13 @@ def _local_spec(schedule, spec: AttentionSpec) -> AttentionSpec:
     k = v = full(spec.kv_heads, spec.kv_len)
     return AttentionSpec.from_tensors(q, k, v, layout=spec.layout, causal=spec.causal,
                                       scale=spec.scale, window=spec.window)
+
+
+def _local_packed(schedule, spec: AttentionSpec) -> AttentionSpec:
+    """The spec of this rank's part of the packed batch ``spec``: its packing and tokens."""
+    local = schedule.local_spec(spec)
+    tokens = local.packing.tokens
+    return local.replace(q_len=tokens, kv_len=tokens)
 
 
 def _memory(local: AttentionSpec, description: Description) -> RankMemory:

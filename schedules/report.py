@@ -45,8 +45,24 @@ class MeshReport:
             if self.predicted is not None:
                 row.update({f"predicted_{mode}_ms": self.predicted[i][mode].seconds * 1e3
                             for mode in MODES})
+            if p.local.packing is not None:
+                row.update(documents(p.local.packing))
             rows.append(row)
         return rows
+
+
+def documents(packing) -> dict:
+    """What a rank holds of a packed batch: its tokens, the documents it holds whole, those
+    cut over every rank, and its causal attention work (query-key pairs, a cut document
+    counted as its share)."""
+    assignment = getattr(packing, "assignment", None)
+    if assignment is not None:  # partition documents
+        return {"tokens": packing.tokens, "whole_documents": len(packing.whole_lengths),
+                "cut_documents": len(assignment.cut),
+                "work_pairs": assignment.work[packing.rank]}
+    lengths = [n for n in packing.split.lengths.tolist() if n]  # every document is cut
+    return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
+            "work_pairs": sum(n * n / 2 for n in lengths) / packing.parts}
 
 
 def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
@@ -78,7 +94,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _cells(report: MeshReport, row: dict) -> list[str]:
-    cells = [f"{row['steps']}/{row['backward_steps']}",
+    cells = [] if "tokens" not in row else [
+        str(row["tokens"]), f"{row['whole_documents']}/{row['cut_documents']}",
+        f"{row['work_pairs'] / 1e6:.4g}"]
+    cells += [f"{row['steps']}/{row['backward_steps']}",
              f"{_gib(row['bytes_sent'])}/{_gib(row['backward_bytes_sent'])}",
              f"{_gib(row['bytes_received'])}/{_gib(row['backward_bytes_received'])}",
              f"{row['flops'] / 1e12:.3g}/{row['backward_flops'] / 1e12:.3g}",
@@ -91,6 +110,8 @@ def _cells(report: MeshReport, row: dict) -> list[str]:
 def table(report: MeshReport) -> list[str]:
     """The per-rank table, ranks with the same numbers on one line."""
     header = ["ranks", "steps", "GiB sent", "GiB received", "TFLOP", "memory GiB"]
+    if report.spec.layout.is_varlen:
+        header[1:1] = ["tokens", "documents whole/cut", "work M pairs"]
     if report.predicted is not None:
         header.append("predicted ms")
     groups: dict[tuple, list[int]] = {}
