@@ -40,8 +40,9 @@ def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None,
     """
     device = torch.device(device)
     extent = extent or spec_extent(spec)
-    if table is None and isinstance(name, str):
-        return _select_cached(name, spec, device, extent)
+    if table is None and isinstance(name, str):  # no rank's packing kept (it holds a schedule)
+        return _select_cached(name, spec.replace(packing=None) if spec.packing is not None
+                              else spec, device, extent)
     return _select(name, spec, device, table, extent)
 
 
