@@ -11,7 +11,9 @@ one thread each and one at a time, their transfers handed over and recorded; eac
 out and gradients are checked on sampled rows against fp32 math (``benchmarks.check``).
 Replay: each rank alone runs the step again, timed, its receives copied from its record (a
 copy stands for each transfer); then once more, checked. Records kept past ``--record-gib``
-are made again by another record run. A row is the slowest rank's median time next to one
+(default: half the memory free when the row starts) are made again by another record run.
+Every row frees all it made before the next starts, a failed one (out of memory) too, and is
+recorded as such. A row is the slowest rank's median time next to one
 GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU.
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
@@ -23,6 +25,7 @@ after every row, the PNG at the end (``benchmarks.common.save``).
 from __future__ import annotations
 
 import argparse
+import gc
 import threading
 import time
 
@@ -42,6 +45,23 @@ def batches(tiny: bool, shrink: int = 1) -> dict[str, list[int]]:
     if tiny:
         return {"a": [64, 32, 48], "b": [8] * 64, "c": TINY_BATCHES["c"], "d": TINY_BATCHES["d"]}
     return {name: [max(1, n // shrink) for n in BATCHES[name]] for name in "abcd"}
+
+
+def free(device) -> None:
+    """Give back what the last row held: its reference cycles (a failure's traceback holds
+    every frame's tensors) and, on a GPU, the cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def record_bytes(args) -> float:
+    """Receives one record run may keep: ``--record-gib``, else half the free memory now."""
+    if args.record_gib is not None:
+        return args.record_gib * common.GIB
+    if args.device.type == "cuda":
+        return torch.cuda.mem_get_info(args.device)[0] / 2
+    return 8 * common.GIB
 
 
 # ---- one rank's step --------------------------------------------------------------------
@@ -123,11 +143,12 @@ def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
     """The row of ``parts`` virtual ranks: each rank recorded, then timed alone and checked;
     the slowest kept."""
     left, per_rank, recorded, replayed = list(range(parts)), [None] * parts, None, [None] * parts
-    tokens, sent, runs = [0] * parts, [0] * parts, 0
+    tokens, sent, received, runs, kept = [0] * parts, [0] * parts, [0] * parts, 0, []
+    free(args.device)  # the last row's cycles, before the budget is read
+    budget = record_bytes(args)
     try:
         while left:
-            box = Mailbox(parts, recording=left, budget=args.record_bytes,
-                          timeout_s=args.timeout_s)
+            box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
             start = time.monotonic()
             scheds = virtual_schedules(args.schedule, parts, inputs[0].device, box, cu,
                                        partition=partition)
@@ -137,13 +158,16 @@ def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
                 recorded = check.merge(reports)
                 tokens = [s.pack(cu).tokens for s in scheds]
                 sent = [s.comm.bytes_sent for s in scheds]
+                received = [s.comm.bytes_received for s in scheds]
             done = box.recorded
+            kept.append(round(box.kept / common.GIB, 3))
             say(f"record {runs}: {parts} ranks ran, ranks {done} recorded "
                 f"({box.kept / common.GIB:.1f} GiB), {time.monotonic() - start:.1f} s"
                 + (f", {check.line(recorded)}" if runs == 1 else ""))
             if not done:
-                raise RuntimeError(f"one rank's receives exceed --record-gib "
-                                   f"{args.record_bytes / common.GIB:.1f}; raise it")
+                raise RuntimeError(f"one rank's receives ({max(received) / common.GIB:.2f} "
+                                   f"GiB) exceed the record budget {budget / common.GIB:.2f} "
+                                   f"GiB; raise --record-gib")
             for r in done:
                 start = time.monotonic()
                 per_rank[r], replayed[r] = replay(args, scheds[r], inputs, cu, box, problem)
@@ -152,7 +176,7 @@ def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
                     f"({per_rank[r].status}), {check.line(replayed[r])}, "
                     f"{time.monotonic() - start:.1f} s")
             left = [r for r in left if r not in done]
-            del scheds, box
+            del scheds, box, reports
         m = common.combine_ranks(per_rank)
         checks = check.merge([recorded, *replayed])
         if m.status == "ok" and not checks["right"]:
@@ -160,7 +184,8 @@ def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
     except Exception as e:  # noqa: BLE001 -- recorded
         m, checks = common.failure(e), None
     return dict(measurement=m, partition=partition, ranks=parts, record_runs=runs,
-                rank_tokens=tokens, bytes_sent_per_rank=sent,
+                record_gib=kept, record_budget_gib=round(budget / common.GIB, 3),
+                rank_tokens=tokens, bytes_sent_per_rank=sent, bytes_received_per_rank=received,
                 rank_ms=[x.median_ms if x else None for x in per_rank],
                 check_record=None if recorded is None else check.line(recorded),
                 check=None if checks is None else check.line(checks))
@@ -244,10 +269,6 @@ def parse_args(argv=None):
         args.heads, args.head_dim, args.kernel = 4, 16, "reference"
         args.warmup, args.iters = 0, 1
         args.ranks = [r for r in args.ranks if r <= 4]
-    if args.record_gib is not None:
-        args.record_bytes = args.record_gib * common.GIB
-    else:
-        args.record_bytes = torch.cuda.mem_get_info()[0] / 2 if cuda else 8 * common.GIB
     args.name = NAME + ("_tiny" if args.tiny else "")
     return args
 
@@ -271,7 +292,15 @@ def main(argv=None) -> int:
 
     lengths = batches(args.tiny, args.shrink)
     for batch in args.batches:
-        batch_rows(args, batch, lengths[batch], say, keep)
+        try:
+            batch_rows(args, batch, lengths[batch], say, keep)
+        except Exception as e:  # noqa: BLE001 -- the batch's inputs did not fit: recorded
+            m = common.failure(e)
+            panel = f"batch {batch} ({len(lengths[batch])} documents)"
+            keep(common.make_row(panel, f"1 GPU {args.kernel}", 0, m, 0.0, ranks=1,
+                                 batch=batch))
+            say(f"batch {batch}: {m.status}: {m.error}")
+        free(args.device)
     paths = common.save(args.name, record_, results_dir=args.results_dir, copy_to=args.copy_to,
                         metrics=("tflops",), bars=True)
     print(common.format_table(record_["rows"], row_keys=("panel",)))

@@ -1,8 +1,9 @@
 """benchmarks.virtual_ranks runs small on CPU: every virtual rank's step right and timed; the
-mailbox keeps records within its budget."""
+mailbox keeps records within its budget; every row, a failed one too, frees what it made."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import torch
@@ -35,3 +36,65 @@ def test_records_past_the_budget_drop_the_highest_rank():
     into = torch.empty(4)
     box.receive(1, 0, into)
     assert torch.equal(into, torch.ones(4)) and box.cursor == 1
+
+
+def _held() -> tuple[int, int]:
+    """(live Mailboxes, bytes of the storages of live tensors), cycles collected first."""
+    gc.collect()
+    boxes, storages = 0, {}
+    for o in gc.get_objects():
+        if isinstance(o, Mailbox):
+            boxes += 1
+        elif isinstance(o, torch.Tensor) and o.device.type != "meta":
+            s = o.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return boxes, sum(storages.values())
+
+
+def _rows(*argv):
+    """The rows of tiny batch a under ``argv``, and what was held as each was kept."""
+    args = virtual_ranks.parse_args(["--tiny", "--batches", "a", *argv])
+    rows, held = [], []
+
+    def keep(row):
+        rows.append(row)
+        held.append(_held())
+
+    virtual_ranks.batch_rows(args, "a", virtual_ranks.batches(True)["a"], lambda text: None,
+                             keep)
+    return rows, held
+
+
+def test_every_row_frees_what_it_made():
+    rows, held = _rows("--ranks", "2,3")
+    assert [r["status"] for r in rows] == ["ok"] * 5
+    # after the one-device row only the batch's inputs live; every later row leaves the same
+    assert held == [(0, held[0][1])] * 5, held
+
+
+def test_an_out_of_memory_row_frees_all_and_the_next_rows_run(monkeypatch):
+    replay, failed = virtual_ranks.replay, []
+
+    def once_out_of_memory(args, sched, *rest):
+        if sched.size == 2 and not failed:
+            failed.append(1)
+            grabbed = torch.empty(1 << 20)  # held by the failure's traceback
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test), {grabbed.numel()}")
+        return replay(args, sched, *rest)
+
+    monkeypatch.setattr(virtual_ranks, "replay", once_out_of_memory)
+    rows, held = _rows("--ranks", "2,3")
+    assert [r["status"] for r in rows] == ["ok", "oom", "ok", "ok", "ok"], rows
+    assert held == [(0, held[0][1])] * 5, held
+
+
+def test_ranks_past_the_record_budget_are_recorded_by_later_runs():
+    rows, _ = _rows("--ranks", "4", "--partitions", "load_balanced")
+    most = max(rows[1]["bytes_received_per_rank"])
+    budget = 1.5 * most / (1 << 30)  # one rank's receives fit, not two
+    rows, held = _rows("--ranks", "4", "--partitions", "load_balanced",
+                       "--record-gib", repr(budget))
+    row = rows[1]
+    assert row["status"] == "ok" and row["check"].startswith("right"), row
+    assert row["record_runs"] == 4 and max(row["record_gib"]) * (1 << 30) <= most, row
+    assert held[1] == held[0], held
