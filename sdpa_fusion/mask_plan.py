@@ -113,6 +113,23 @@ def batch_pieces(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> tuple:
     return tuple((b, tuple(p)) for b, p in parts if p)
 
 
+def coverage(spans, n: int) -> tuple[tuple[int, int, int], ...]:
+    """(start, stop, calls) of the ranges that the slices ``spans`` cut range(n) into, with
+    how many of them reach each (0: none)."""
+    delta = {0: 0, n: 0}
+    for span in spans:
+        start, stop, _ = span.indices(n)
+        if start < stop:
+            delta[start] = delta.get(start, 0) + 1
+            delta[stop] = delta.get(stop, 0) - 1
+    edges = sorted(delta)
+    depth, ranges = 0, []
+    for start, stop in zip(edges, edges[1:]):
+        depth += delta[start]
+        ranges.append((start, stop, depth))
+    return tuple(ranges)
+
+
 @functools.lru_cache(maxsize=32)
 def spec_pairs(spec) -> int:
     """Query-key pairs the mask of ``spec`` keeps, over the whole problem (once per spec:

@@ -1,14 +1,26 @@
 """Running a composed mask's kernel calls (``sdpa_fusion.mask_plan``) on one block of
 queries and one of keys: ``MaskedCall``, one call of the schedules' loops.
 
-The calls of a row are merged by their log-sum-exp (``Merged``); where calls share rows (dQ)
-or keys (dK, dV) their gradients are summed in fp32, else each call's gradient is written
-in place (no fp32 buffer). Partial tiles of a ``mask_mod`` run through a kernel that ``supports_mask`` (the
-reference); other kernels' go through the reference's fp32 math (exact, on any device).
+The plan knows how many calls reach each range of rows and of keys (``MaskedCall.ranges``,
+``mask_plan.coverage``), and each result is written range by range:
+
+    calls  out, lse (rows)               dQ (rows), dK and dV (keys)
+    0      0, -inf                       0
+    1      the call's                    the call's
+    2      merged by log-sum-exp         the second call's added to the first's in the
+                                         gradient's dtype (fp32 math rounded once: an fp32
+                                         sum cast once)
+    3+     (``Merged``, fp32 past two)   summed in an fp32 buffer of the range's size
+
+A call whose span holds only ranges it may write is handed views of the results (a kernel
+that writes given buffers, FA4, copies nothing); else its results are copied in. Partial
+tiles of a ``mask_mod`` run through a kernel that ``supports_mask`` (the reference); other
+kernels' go through the reference's fp32 math (exact, on any device).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 
@@ -16,7 +28,7 @@ import torch
 
 from .kernels import get
 from .kernels.base import layout_of
-from .mask_plan import Piece, Tokens, batch_pieces, spec_tokens
+from .mask_plan import Piece, Tokens, batch_pieces, coverage, spec_tokens
 from .masks import Mask
 from .merge import Merged
 
@@ -40,6 +52,20 @@ class MaskedCall:
         """Query-key pairs the calls compute (per batch element)."""
         return sum(p.pairs(*self.shape) for _, pieces in self.parts for p in pieces)
 
+    @functools.cached_property
+    def ranges(self) -> tuple:
+        """((row ranges, key ranges), ...) per part: (start, stop, calls reaching them)."""
+        return tuple(tuple(coverage([getattr(p, side) for p in pieces], n)
+                           for side, n in (("rows", self.shape[0]), ("keys", self.shape[1])))
+                     for _, pieces in self.parts)
+
+    @functools.cached_property
+    def summed(self) -> tuple:
+        """(row ranges, key ranges) that two calls or more reach in some part, as (start,
+        stop, calls): where out is merged and dQ (rows), dK and dV (keys) are summed."""
+        return tuple(tuple(sorted({r for part in self.ranges for r in part[side] if r[2] > 1}))
+                     for side in (0, 1))
+
     def forward(self, kernel, q, k, v, scale, dropout=None):
         out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -47,48 +73,115 @@ class MaskedCall:
         return out, lse
 
     def forward_into(self, kernel, outputs, q, k, v, scale, dropout=None):
+        """(out, lse) written into ``outputs``: rows one call reaches straight from it, rows
+        several reach merged, rows none reaches 0 and -inf."""
         out, lse = outputs
-        if sum(len(range(q.shape[0])[b]) for b, _ in self.parts) < q.shape[0]:
+        if not self._every_element(q.shape[0]):
             out.zero_()
             lse.fill_(float("-inf"))
-        for b, pieces in self.parts:
-            merged = Merged(out[b], lse[b], _most([p.rows for p in pieces], q.shape[2]))
-            for p in pieces:
-                into = merged.into(p.rows)
-                result = _forward(p, kernel, q[b], k[b], v[b], scale, into)
-                if into is None:
-                    merged.add(*result, rows=p.rows)
-                del result
-            merged.finish()
+        for (b, pieces), (rows, _) in zip(self.parts, self.ranges):
+            o, l = out[b], lse[b]
+            for start, stop, calls in rows:
+                if not calls:
+                    o[:, :, start:stop].zero_()
+                    l[:, :, start:stop].fill_(float("-inf"))
+            starts = [r[0] for r in rows]
+            reach = [max(r[2] for r in _inside(rows, starts, p.rows, self.shape[0])[1])
+                     for p in pieces]
+            if max(reach) > 1:  # first: Merged starts by clearing every row
+                merged = Merged(o, l, max(reach))
+                for p in (p for p, n in zip(pieces, reach) if n > 1):
+                    into = merged.into(p.rows)
+                    result = _forward(p, kernel, q[b], k[b], v[b], scale, into)
+                    if into is None:
+                        merged.add(*result, rows=p.rows)
+                    del result
+                merged.finish()
+            for p in (p for p, n in zip(pieces, reach) if n == 1):
+                _forward(p, kernel, q[b], k[b], v[b], scale, (o[:, :, p.rows], l[:, :, p.rows]))
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         return self.backward_into(kernel, (None, None, None), dout, q, k, v, out, lse, scale)
 
-    @functools.cached_property
-    def shared(self) -> tuple[bool, bool]:
-        """(whether two calls of a part reach one row, one key)."""
-        return tuple(any(_most([getattr(p, side) for p in pieces], n) > 1
-                         for _, pieces in self.parts)
-                     for side, n in (("rows", self.shape[0]), ("keys", self.shape[1])))
-
     def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
-        """(dq, dk, dv) written into the given targets: summed over the calls in fp32 where
-        calls share rows or keys, else each call's written in place."""
+        """(dq, dk, dv) written into the given targets (new tensors where None), each range
+        of rows or keys as the module says."""
         done = [layout_of(like).empty(like.shape, dtype=like.dtype, device=like.device)
                 if t is None else t for t, like in zip(targets, (q, k, v))]
-        rows, keys = self.shared
-        sums = [layout_of(t).empty(t.shape, dtype=torch.float32, device=t.device).zero_()
-                if shared else t.zero_() for t, shared in zip(done, (rows, keys, keys))]
-        for b, pieces in self.parts:
+        if not self._every_element(q.shape[0]):
+            for t in done:
+                t.zero_()
+        n_q, n_k = self.shape
+        for (b, pieces), (rows, keys) in zip(self.parts, self.ranges):
+            sums = [_Sum(t[b], ranges, n) for t, ranges, n in
+                    zip(done, (rows, keys, keys), (n_q, n_k, n_k))]
             for p in pieces:
-                grads = _backward(p, kernel, dout[b], q[b], k[b], v[b], out[b], lse[b], scale)
-                for acc, span, g in zip(sums, (p.rows, p.keys, p.keys), grads):
-                    acc[b][:, :, span].add_(g)
+                spans = (p.rows, p.keys, p.keys)
+                given = [s.into(span) for s, span in zip(sums, spans)]
+                grads = _backward(p, kernel, dout[b], q[b], k[b], v[b], out[b], lse[b], scale,
+                                  given)
+                for s, span, g, written in zip(sums, spans, grads, given):
+                    if written is None:
+                        s.add(span, g)
                 del grads
-        for acc, target in zip(sums, done):
-            if acc is not target:
-                target.copy_(acc)
+            for s in sums:
+                s.finish()
         return tuple(done)
+
+    def _every_element(self, batch: int) -> bool:
+        """Whether the parts reach every one of ``batch`` batch elements."""
+        return sum(len(range(batch)[b]) for b, _ in self.parts) == batch
+
+
+class _Sum:
+    """One gradient of a part, dQ along its rows or dK, dV along its keys, filled call by
+    call over its ``ranges`` (``mask_plan.coverage``) as the module says."""
+
+    def __init__(self, target: torch.Tensor, ranges, n: int):
+        self.target, self.ranges, self.n = target, ranges, n
+        self.starts = [r[0] for r in ranges]
+        self.written = set()  # ranges a call has written into the target
+        self.buffers = {}  # fp32 sums of the ranges that more than two calls reach
+        for start, stop, calls in ranges:
+            if not calls:
+                target[:, :, start:stop].zero_()
+
+    def into(self, span: slice):
+        """The target's rows of ``span`` when the call may write its gradient there itself
+        (no call wrote them yet, no fp32 sum takes them), else None (``add`` it)."""
+        _, inside = _inside(self.ranges, self.starts, span, self.n)
+        if any(r in self.written or r[2] > 2 for r in inside):
+            return None
+        self.written.update(inside)
+        return self.target[:, :, span]
+
+    def add(self, span: slice, grad: torch.Tensor) -> None:
+        """A call's gradient ``grad`` of the rows of ``span`` into their ranges."""
+        offset, inside = _inside(self.ranges, self.starts, span, self.n)
+        for r in inside:
+            part = grad[:, :, r[0] - offset:r[1] - offset]
+            if r[2] > 2:
+                if r in self.buffers:
+                    self.buffers[r].add_(part)
+                else:
+                    self.buffers[r] = part.to(torch.float32, copy=True)
+            elif r in self.written:
+                self.target[:, :, r[0]:r[1]].add_(part)
+            else:
+                self.target[:, :, r[0]:r[1]].copy_(part)
+                self.written.add(r)
+
+    def finish(self) -> None:
+        for (start, stop, _), total in self.buffers.items():
+            self.target[:, :, start:stop].copy_(total)
+        self.buffers = {}
+
+
+def _inside(ranges, starts, span: slice, n: int):
+    """(span's first index, the ``ranges`` of range(n), beginning at ``starts``, inside the
+    slice ``span``); the ranges are cut at every call's span, so each is inside or outside."""
+    start, stop, _ = span.indices(n)
+    return start, ranges[bisect.bisect_left(starts, start):bisect.bisect_left(starts, stop)]
 
 
 @functools.lru_cache(maxsize=32)
@@ -96,16 +189,6 @@ def spec_call(spec) -> MaskedCall | None:
     """The ``MaskedCall`` of the whole (one-device) problem of ``spec``: dense [B, H, S, E]
     tensors, or packed ones as [1, H, T, E] views."""
     return block_call(spec.mask, *spec_tokens(spec), 1 if spec.layout.is_varlen else spec.batch)
-
-
-def _most(spans, n: int) -> int:
-    """The most of the slices ``spans`` of range(n) that reach one index."""
-    depth = torch.zeros(n + 1, dtype=torch.long)
-    for span in spans:
-        start, stop, _ = span.indices(n)
-        depth[start] += 1
-        depth[stop] -= 1
-    return int(depth.cumsum(0).max()) if n else 0
 
 
 def block_call(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> MaskedCall | None:
@@ -129,14 +212,17 @@ def _forward(self: Piece, kernel, q, k, v, scale, into=None):
     return kernel.forward(*args, causal=self.causal, scale=scale, window=self.window, **buffers)
 
 
-def _backward(self: Piece, kernel, dout, q, k, v, out, lse, scale):
-    """(dq, dk, dv) of one piece, given the global out and lse of its rows."""
+def _backward(self: Piece, kernel, dout, q, k, v, out, lse, scale, targets):
+    """(dq, dk, dv) of one piece, given the global out and lse of its rows (written into the
+    ``targets`` that are not None)."""
     r, c = self.rows, self.keys
     args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
             lse[:, :, r].contiguous())
-    if self.seen is not None:
-        return _masking(kernel).masked_backward(*args, self.seen, scale)
-    return kernel.backward(*args, causal=self.causal, scale=scale, window=self.window)
+    if self.seen is None:
+        return kernel.backward(*args, causal=self.causal, scale=scale, window=self.window,
+                               dq=targets[0], dk=targets[1], dv=targets[2])
+    grads = _masking(kernel).masked_backward(*args, self.seen, scale)
+    return tuple(g if t is None else t.copy_(g) for g, t in zip(grads, targets))
 
 
 def _masking(kernel):

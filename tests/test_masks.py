@@ -69,8 +69,9 @@ def test_image_spans_compile_to_unmasked_and_causal_calls():
 def test_spans_in_documents_compile_to_a_call_per_piece_without_merges():
     """benchmarks/masks.py's spans+docs at 1/4096 scale: 4 documents of 8 tokens, image
     spans in the second halves of documents 0 and 2. Each row is reached by one call (no
-    log-sum-exp merge, dQ written in place); keys 0-3 and 16-19 by two (dK, dV summed in
-    fp32)."""
+    log-sum-exp merge, out and dQ written in place); keys 0-3 and 16-19 by two (there the
+    second call's dK, dV are added to the first's, fp32 math rounded once), every other key
+    by one (written in place)."""
     every = Tokens.dense(torch.arange(32))
     mask = (masks.causal() | masks.bidirectional_spans([(4, 8), (20, 24)])) & \
         masks.document_ids(torch.arange(32) // 8)
@@ -80,10 +81,10 @@ def test_spans_in_documents_compile_to_a_call_per_piece_without_merges():
     assert got == [((0, 4), (0, 4), True), ((4, 8), (0, 8), False), ((8, 16), (8, 16), True),
                    ((16, 20), (16, 20), True), ((20, 24), (16, 24), False),
                    ((24, 32), (24, 32), True)]
-    assert call.shared == (False, True)
+    assert call.summed == ((), ((0, 4, 2), (16, 20, 2)))
     only_documents = block_call(masks.causal() & masks.document_ids(torch.arange(32) // 8),
                                 every, every)
-    assert only_documents.pieces == 4 and only_documents.shared == (False, False)
+    assert only_documents.pieces == 4 and only_documents.summed == ((), ())
 
 
 def test_plain_masks_take_the_plain_path():
