@@ -48,6 +48,12 @@ KEYS_PER_STEP = 4096
 HEADS_PER_STEP = 8
 ROWS_PER_STEP = 256
 NAMES = ("out", "dq", "dk", "dv")
+# dQ of a row and dK of a key are sums of one term per key (query) it meets, with both signs:
+# over a few terms they cancel, and a row's relative error means nothing there. torch's own
+# bf16 SDPA (128-token causal, 20 draws, against fp64) is off by up to 2.6 on a key one query
+# sees and 0.11 on a row of four keys, and by at most 0.04 from five terms on: rows of fewer
+# terms are left out of dQ and dK (out and dV, sums of positive weights, keep every row).
+MIN_TERMS = 5
 
 Rows = Callable[[torch.Tensor], torch.Tensor]
 
@@ -192,11 +198,12 @@ def check_shard(problem: Problem, positions: torch.Tensor, out, dq, dk, dv, *,
         ref_dq = _by_blocks(_dq, problem, q_rows, ref_out, lse)
         lo, hi = problem.keys_of(q_rows)
         results = {"out": (out, q_slots, q_rows, ref_out, None),
-                   "dq": (dq, q_slots, q_rows, ref_dq, hi - lo > 1)}
+                   "dq": (dq, q_slots, q_rows, ref_dq, hi - lo >= MIN_TERMS)}
         if len(k_slots):
             k_rows = positions[k_slots]
             ref_dk, ref_dv = _dkdv(problem, k_rows)
-            results.update(dk=(dk, k_slots, k_rows, ref_dk, None),
+            q_lo, q_hi = problem.queries_of(k_rows)
+            results.update(dk=(dk, k_slots, k_rows, ref_dk, q_hi - q_lo >= MIN_TERMS),
                            dv=(dv, k_slots, k_rows, ref_dv, None))
         for name, (got, slots, at, ref, keep) in results.items():
             errors[name], worst[name], counted[name] = _compare(got, batches, slots, at, ref,
