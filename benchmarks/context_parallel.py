@@ -253,7 +253,8 @@ def single_gpu(args) -> int:
                 record["rows"] += rows
                 progress(start, s, causal, rows)
             del ref
-            common.save(args.name, record, results_dir=args.results_dir, plot=False)
+            common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                        plot=False)
     return finish_record(args, record, start)
 
 
@@ -517,7 +518,8 @@ def run_cases(args, mesh, record, case_rows) -> float:
             if mesh.rank == 0:
                 record["rows"] += rows
                 progress(start, s, causal, rows)
-                common.save(args.name, record, results_dir=args.results_dir, plot=False)
+                common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                            plot=False)
     return start
 
 
@@ -598,7 +600,8 @@ def finish_record(args, record, start) -> int:
                                      else first)
     record["goals"] = cp_goals.evaluate(rows)
     record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(args.name, record, results_dir=args.results_dir, plot=False)
+    paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                        plot=False)
     ranks = max((r.get("ranks") or 1 for r in rows), default=1)
     drawn = dict(record, rows=rows + (memory_lines(rows, ranks) if ranks > 1 else []))
     try:

@@ -194,7 +194,8 @@ def run(args) -> int:
                    else failed_row(args, impl, s, failed[impl]))
             record["rows"].append(row)
             print(line(row), flush=True)
-            common.save(name, record, results_dir=args.results_dir, plot=False)
+            common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                        plot=False)
         del inputs
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -270,7 +270,8 @@ def report(mesh, record, args, start, what) -> None:
                                          else r["status"])
                       for r in record["rows"] if r.get("batch", "window") == what)
     print(f"[{time.monotonic() - start:6.1f}s] {what}: {cells}", flush=True)
-    common.save(args.name, record, results_dir=args.results_dir, plot=False)
+    common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
+                plot=False)
 
 
 def finish(args, record, start) -> None:

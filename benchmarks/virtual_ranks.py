@@ -288,7 +288,8 @@ def main(argv=None) -> int:
     def keep(row):
         record_["rows"].append(row)
         record_["elapsed_s"] = round(time.monotonic() - start, 1)
-        common.save(args.name, record_, results_dir=args.results_dir, plot=False)
+        common.save(args.name, record_, results_dir=args.results_dir, copy_to=args.copy_to,
+                    plot=False)
 
     lengths = batches(args.tiny, args.shrink)
     for batch in args.batches:
