@@ -35,26 +35,9 @@ def ids_and_labels():
     return ids, ids.clone()
 
 
-def compare(models, real=None, **inputs):
-    """Logits (of real tokens), loss and gradients of both models on ``inputs``."""
-    results = []
-    for model in models:
-        model.zero_grad()
-        out = model(**inputs, use_cache=False)
-        out.loss.backward()
-        results.append((out.logits.detach(), out.loss.detach(),
-                        [p.grad.clone() for p in model.parameters()]))
-    (logits, loss, grads), (want_logits, want_loss, want_grads) = results[1], results[0]
-    real = torch.ones(logits.shape[:2], dtype=torch.bool) if real is None else real
-    torch.testing.assert_close(logits[real], want_logits[real], **TOL)
-    torch.testing.assert_close(loss, want_loss, **TOL)
-    for got, want in zip(grads, want_grads):
-        torch.testing.assert_close(got, want, **TOL)
-
-
 def test_dense_batch(models):
     ids, labels = ids_and_labels()
-    compare(models, input_ids=ids, labels=labels)
+    assert_same(models, input_ids=ids, labels=labels)
 
 
 def test_padded_batch(models):
@@ -63,14 +46,14 @@ def test_padded_batch(models):
     mask[0, :3] = mask[1, 11:] = 0
     labels[mask == 0] = -100
     labels[0, 3] = -100  # the left padding's prediction of the first token is not wanted
-    compare(models, mask.bool(), input_ids=ids, labels=labels, attention_mask=mask)
+    assert_same(models, mask.bool(), input_ids=ids, labels=labels, attention_mask=mask)
 
 
 def test_packed_position_ids(models):
     ids, labels = ids_and_labels()
     positions = torch.tensor([[*range(5), *range(11)], [*range(7), *range(9)]])
     labels[positions == 0] = -100
-    compare(models, input_ids=ids, labels=labels, position_ids=positions)
+    assert_same(models, input_ids=ids, labels=labels, position_ids=positions)
 
 
 def test_packed_cu_seq_lens(models):
