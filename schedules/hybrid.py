@@ -86,6 +86,12 @@ class _LineUlysses(Ulysses):
         return spec.packing.cached(("hybrid", spec.causal), build)
 
 
+def _unmasked(spec):
+    """``spec`` as the inner schedule sees it: a composed mask is the outer schedule's (it
+    knows the positions of the tokens of its blocks); the inner one only moves heads."""
+    return spec if spec.mask is None else spec.replace(mask=None)
+
+
 INNER = {"ulysses": _LineUlysses, "head_parallel": HeadParallel}
 OUTER = {"ring": Ring, "allgather": AllGather}
 
@@ -229,11 +235,11 @@ class Hybrid(Schedule):
                                              kv_heads=max(spec.kv_heads // p, 1))
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        return self.inner.forward(q, k, v, spec,
+        return self.inner.forward(q, k, v, _unmasked(spec),
                                   _OuterKernel(self.outer, kernel, self._outer_spec(spec)), dropout)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        return self.inner.backward(dout, q, k, v, out, lse, spec,
+        return self.inner.backward(dout, q, k, v, out, lse, _unmasked(spec),
                                    _OuterKernel(self.outer, kernel, self._outer_spec(spec)),
                                    dropout)
 

@@ -1,7 +1,7 @@
-"""Composed masks (sdpa_fusion.masks) under every schedule vs the reference with an explicit
-boolean mask built from the definitions (tests/masks.py): random masks of documents, prefixes,
-bidirectional spans, chunks, windows and mask_mods joined by & and |, dense (GQA) and
-packed, forward and backward. The ring moves no block that no rank's queries see, as
+"""Composed masks (sdpa_fusion.masks) under every schedule (hybrid on 2 x P/2, dense) vs the
+reference with an explicit boolean mask built from the definitions (tests/masks.py): random
+masks of documents, prefixes, bidirectional spans, chunks, windows and mask_mods joined by &
+and |, dense (GQA) and packed, forward and backward. The ring moves no block that no rank's queries see, as
 describe() says. Bad masks fail on every rank.
 
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_masks.py
@@ -77,6 +77,50 @@ def test_packed(mesh, name, partition, d):
               layout="thd", cu_seqlens=cu)
     for name_, g, w in zip(reference.NAMES, got, [out, *want]):
         reference.assert_close(g, w, torch.float32, msg=f"{name_} {d}")
+
+
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+@pytest.mark.parametrize("outer", ["ring", "allgather"])
+@settings(max_examples=3, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(d=random_masks.description(S, 2))
+def test_hybrid(mesh, monkeypatch, inner, outer, d):
+    """hybrid on a 2 x P/2 mesh (heads x sequence): the inner schedule's heads, the outer's
+    blocks of the mask."""
+    if mesh.size() % 2:
+        pytest.skip("hybrid here takes an even number of ranks")
+    monkeypatch.setattr(mask_plan, "TILE", 8)
+    p = make_problem(b=2, h=8, h_kv=4, s=S, e=8, layout="bshe")
+    seen = torch.stack([random_masks.boolean(d, b, S, S) for b in range(2)]).unsqueeze(1)
+    want = reference.attention(p.q, p.k, p.v, p.dout, mask=seen)
+    sched = schedules.get("hybrid", hybrid_mesh(mesh.size()), inner=inner, outer=outer)
+    got = run(sched, p.q, p.k, p.v, p.dout, random_masks.built(d), layout="bshe")
+    reference.assert_results(got, want, msg=f"hybrid {inner} {outer} {d}")
+
+
+def test_hybrid_refuses_a_mask_on_a_packed_batch(mesh):
+    if mesh.size() % 2:
+        pytest.skip("hybrid here takes an even number of ranks")
+    sched = schedules.get("hybrid", hybrid_mesh(mesh.size()))
+    q = torch.zeros(4 * mesh.size(), 4, 8)
+    cu = torch.tensor([0, 4 * mesh.size()])
+    shard = sched.shard(q, layout="thd", cu_seqlens=cu)
+    with pytest.raises(ValueError, match="'hybrid' takes masks on dense batches"):
+        sdpa_fusion.attention(shard, shard, shard, mask=masks.prefix(2), layout="thd",
+                              cu_seqlens=cu, kernel="reference", schedule=sched)
+    out = sdpa_fusion.attention(shard, shard, shard, causal=True, layout="thd", cu_seqlens=cu,
+                                kernel="reference", schedule=sched)  # a correct call after it
+    assert out.shape == shard.shape
+
+
+_HYBRID = {}
+
+
+def hybrid_mesh(world: int):
+    """A 2 x world/2 mesh (heads, seq), made once."""
+    if world not in _HYBRID:
+        _HYBRID[world] = sdpa_fusion.init_mesh((2, world // 2), ("heads", "seq"))
+    return _HYBRID[world]
 
 
 def test_ring_moves_no_skipped_block(mesh, several_ranks):
