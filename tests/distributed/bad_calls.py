@@ -287,7 +287,7 @@ MISMATCHES = [
     Case("dtensor_or_not", dtensor_or_not, r"differ in inputs \(", all_error=False,
          options=lambda p: dict(partition="contiguous")),
     Case("partition", other_schedule(lambda mesh: Ring(mesh, partition="contiguous")),
-         r"differ in schedule.partition \(LoadBalanced\{\} on .* / Contiguous\{\} on", all_error=False),
+         r"differ in schedule.partition \(Auto\{.*\} on .* / Contiguous\{\} on", all_error=False),
     Case("index_map", other_schedule(lambda mesh: Ring(mesh, partition=index_map(mesh.size(), 7))),
          r"differ in schedule.partition \(IndexMap", all_error=False,
          options=lambda p: dict(partition=index_map(p, 3)), base=(("causal", False),)),
