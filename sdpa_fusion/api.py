@@ -125,10 +125,6 @@ def _composed(causal: bool, window, mask):
 def _check_mask(spec: AttentionSpec, schedule) -> None:
     """A ValueError when the mask cannot describe the global problem of ``spec``, or the
     schedule cannot run it."""
-    if schedule is not None and schedule.name == "hybrid" and spec.layout.is_varlen:
-        raise ValueError("mask= on a packed batch runs under schedules 'ring', 'allgather', "
-                         "'ulysses' and 'head_parallel' (and on one device); 'hybrid' takes "
-                         "masks on dense batches (layout 'bhse' or 'bshe')")
     if spec.layout.is_varlen:
         sequences = spec.sequences()
         spec.mask.check(len(sequences), max((n for _, n in sequences), default=0))

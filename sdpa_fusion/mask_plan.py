@@ -154,7 +154,8 @@ class _Segments:
 def _segments(leaves, t: Tokens) -> _Segments:
     real = t.seq >= 0
     b = t.seq.clamp(min=0)
-    classes = [leaf.classes(b, t.pos) for leaf in leaves]
+    pos = torch.where(real, t.pos, 0)  # padding's slots may lie past a table; no class read
+    classes = [leaf.classes(b, pos) for leaf in leaves]
     start = real.clone()
     if len(start) > 1:
         change = (t.seq[1:] != t.seq[:-1]) | (t.pos[1:] != t.pos[:-1] + t.stride) | ~real[:-1]

@@ -1,4 +1,4 @@
-"""Composed masks (sdpa_fusion.masks) under every schedule (hybrid on 2 x P/2, dense) vs the
+"""Composed masks (sdpa_fusion.masks) under every schedule (hybrid on 2 x P/2) vs the
 reference with an explicit boolean mask built from the definitions (tests/masks.py): random
 masks of documents, prefixes, bidirectional spans, chunks, windows and mask_mods joined by &
 and |, dense (GQA) and packed, forward and backward. The ring moves no block that no rank's queries see, as
@@ -56,12 +56,17 @@ def test_dense(mesh, monkeypatch, name, partition, d):
     reference.assert_results(got, want, msg=f"{name} {partition} {d}")
 
 
-@pytest.mark.parametrize("name,partition", [s for s in SCHEDULES if s[0] != "head_parallel"])
+PACKED = [s for s in SCHEDULES if s[0] != "head_parallel"] + [
+    ("ring", "documents"), ("allgather", "documents"), ("hybrid", "ulysses"),
+    ("hybrid", "head_parallel")]
+
+
+@pytest.mark.parametrize("name,partition", PACKED)
 @EXAMPLES
 @given(d=random_masks.description(12, 3, mods=False))
 def test_packed(mesh, name, partition, d):
     lengths = [12, 5, 9]
-    heads = (8, 8) if name == "ulysses" else (4, 2)
+    heads = (8, 8) if name in ("ulysses", "hybrid") else (4, 2)
     p = make_problem(b=1, h=heads[0], h_kv=heads[1], s=sum(lengths), e=8)
     q, k, v, dout = (t[0].transpose(0, 1).contiguous() for t in (p.q, p.k, p.v, p.dout))
     cu = torch.tensor([0, 12, 17, 26])
@@ -73,10 +78,34 @@ def test_packed(mesh, name, partition, d):
         out[a:z] = part.out[0].transpose(0, 1)
         for full, g in zip(want, part[2:]):
             full[a:z] = g[0].transpose(0, 1)
-    got = run(get_schedule(mesh, name, partition), q, k, v, dout, random_masks.built(d),
-              layout="thd", cu_seqlens=cu)
+    if name == "hybrid":
+        if mesh.size() % 2:
+            pytest.skip("hybrid here takes an even number of ranks")
+        sched = schedules.get("hybrid", hybrid_mesh(mesh.size()), inner=partition)
+    else:
+        sched = get_schedule(mesh, name, partition)
+    got = run(sched, q, k, v, dout, random_masks.built(d), layout="thd", cu_seqlens=cu)
     for name_, g, w in zip(reference.NAMES, got, [out, *want]):
         reference.assert_close(g, w, torch.float32, msg=f"{name_} {d}")
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_document_ids_as_long_as_the_longest_sequence(mesh, name):
+    """A table of ids per position reaches exactly the longest sequence; the partition's
+    padding slots lie past it and are never looked up."""
+    lengths, cu = [13, 5], torch.tensor([0, 13, 18])
+    p = make_problem(b=1, h=4, h_kv=2, s=sum(lengths), e=8)
+    q, k, v, dout = (t[0].transpose(0, 1).contiguous() for t in (p.q, p.k, p.v, p.dout))
+    ids = torch.tensor([0] * 6 + [1] * 7)
+    mask = masks.causal() & masks.document_ids(ids)
+    got = run(schedules.get(name, mesh, partition="load_balanced"), q, k, v, dout, mask,
+              layout="thd", cu_seqlens=cu)
+    for a, n in zip((0, 13), lengths):
+        seen = (ids[:n, None] == ids[None, :n]) & torch.ones(n, n, dtype=torch.bool).tril()
+        views = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v, dout)]
+        want = reference.attention(*views, mask=seen)
+        for name_, g, w in zip(reference.NAMES, got, want.results):
+            reference.assert_close(g[a:a + n], w[0].transpose(0, 1), torch.float32, msg=name_)
 
 
 @pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
@@ -96,21 +125,6 @@ def test_hybrid(mesh, monkeypatch, inner, outer, d):
     sched = schedules.get("hybrid", hybrid_mesh(mesh.size()), inner=inner, outer=outer)
     got = run(sched, p.q, p.k, p.v, p.dout, random_masks.built(d), layout="bshe")
     reference.assert_results(got, want, msg=f"hybrid {inner} {outer} {d}")
-
-
-def test_hybrid_refuses_a_mask_on_a_packed_batch(mesh):
-    if mesh.size() % 2:
-        pytest.skip("hybrid here takes an even number of ranks")
-    sched = schedules.get("hybrid", hybrid_mesh(mesh.size()))
-    q = torch.zeros(4 * mesh.size(), 4, 8)
-    cu = torch.tensor([0, 4 * mesh.size()])
-    shard = sched.shard(q, layout="thd", cu_seqlens=cu)
-    with pytest.raises(ValueError, match="'hybrid' takes masks on dense batches"):
-        sdpa_fusion.attention(shard, shard, shard, mask=masks.prefix(2), layout="thd",
-                              cu_seqlens=cu, kernel="reference", schedule=sched)
-    out = sdpa_fusion.attention(shard, shard, shard, causal=True, layout="thd", cu_seqlens=cu,
-                                kernel="reference", schedule=sched)  # a correct call after it
-    assert out.shape == shard.shape
 
 
 _HYBRID = {}
