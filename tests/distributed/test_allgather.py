@@ -117,11 +117,11 @@ def test_packed_sums_in_bf16_give_the_numbers_of_fp32_sums(mesh, monkeypatch, kv
     p = mesh.size()
     problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=4, h_kv=4 if kv == "mha" else 2,
                           causal=True, dtype=torch.bfloat16, scale=0.3)
-    sched = schedules.get("allgather", mesh)
+    sched = schedules.get("allgather", mesh, partition="load_balanced")
     spec = local_bf16_spec(sched, problem.cu_seqlens, 4, 4 if kv == "mha" else 2, causal=True)
     assert sched._sums_dtype(spec) == (torch.bfloat16 if p == 2 else torch.float32)
     auto = run_packed(sched, problem)
-    wide = schedules.get("allgather", mesh)
+    wide = schedules.get("allgather", mesh, partition="load_balanced")
     monkeypatch.setattr(wide, "_sums_dtype", lambda local: torch.float32)
     for a, b in zip(auto, run_packed(wide, problem)):
         assert torch.equal(a, b)
@@ -138,7 +138,7 @@ def test_packed_bf16_sums_dtype_agrees_on_every_rank(mesh, causal, window):
     p = mesh.size()
     problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=4, causal=causal, window=window,
                           dtype=torch.bfloat16, scale=0.3)
-    sched = schedules.get("allgather", mesh)
+    sched = schedules.get("allgather", mesh, partition="load_balanced")
     spec = local_bf16_spec(sched, problem.cu_seqlens, 4, 4, causal=causal, window=window)
     assert len(set(mesh.agree(str(sched._sums_dtype(spec))))) == 1
     assert_packed_matches(problem, run_packed(sched, problem))
