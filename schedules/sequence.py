@@ -153,11 +153,14 @@ class SequenceSchedule(Schedule):
         if key in self._splits:
             self._splits.move_to_end(key)
         else:
-            self._splits[key] = Split(self.partition, self.size, cu, padded, key[2],
-                                      gather=self._gather_tokens)
+            self._splits[key] = self._make_split(cu, padded, key[2])
             if len(self._splits) > _KEPT_PACKINGS:
                 self._splits.popitem(last=False)
         return self._splits[key]
+
+    def _make_split(self, cu: tuple, padded: tuple | None, device: torch.device):
+        """A new ``Split`` of the packing ``cu``/``padded`` by this schedule's partition."""
+        return Split(self.partition, self.size, cu, padded, device, gather=self._gather_tokens)
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
         return self.gather(t, 0)

@@ -60,19 +60,11 @@ def whole_documents(cls: type) -> type:
 class WholeDocuments:
     """What ``whole_documents`` puts before a sequence schedule class."""
 
-    def split(self, cu: tuple, padded: tuple | None, device):
+    def _make_split(self, cu: tuple, padded: tuple | None, device):
         if not self.by_documents(cu, padded):
-            return super().split(cu, padded, device)
-        key = (cu, padded, torch.device(device))
-        if key in self._splits:
-            self._splits.move_to_end(key)
-            return self._splits[key]
-        split = DocumentSplit(self.partition, self.size, cu, padded, key[2],
-                              gather=self._gather_tokens)
-        self._splits[key] = split
-        while len(self._splits) > 4:
-            self._splits.popitem(last=False)
-        return split
+            return super()._make_split(cu, padded, device)
+        return DocumentSplit(self.partition, self.size, cu, padded, device,
+                             gather=self._gather_tokens)
 
     def by_documents(self, cu: tuple, padded: tuple | None) -> bool:
         """Whether the packing ``cu``/``padded`` is split by whole documents."""
