@@ -6,8 +6,8 @@
 
 A generated table sits between ``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->``:
 
-- ``memory``: what ``describe(spec).memory.step`` counts per GPU for each schedule (the
-  model of ``schedules/memory.py``; no measurement);
+- ``memory``: what ``describe(spec).memory.step`` counts per GPU for each schedule (a dry
+  run of the schedule, ``schedules/dry_run.py``; no measurement);
 - ``headline``: the README's headline figures, read from the committed results, each with
   its file and the commit that last changed it (``git log -1 -- FILE``);
 - ``goals``: every goal figure over the committed runs that measured it (the files below, as
@@ -42,7 +42,7 @@ K = 1024
 GIB = float(1 << 30)
 
 
-# ---- memory: the model ---------------------------------------------------------------------
+# ---- memory: the dry run --------------------------------------------------------------------
 MEMORY_LENGTHS = (32 * K, 128 * K, 256 * K)
 MEMORY_SCHEDULES = ("head_parallel", "ring", "ulysses", "allgather")
 MEMORY_GPUS = 2

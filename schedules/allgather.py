@@ -57,14 +57,13 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
-from . import heads, mask_plans
+from . import dry_run, mask_plans
 from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
                     window_band)
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
-                    fold_calls, keys_of, packed_call, part_call, row_index)
-from .memory import Memory, Replay, Sizes, backward_call, forward_call
+                    fold_calls, packed_call, part_call, row_index)
 from .overlap import Overlap
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
@@ -538,75 +537,8 @@ class AllGather(Transported, SequenceSchedule):
                   f"{self.groups_for(spec)} head group(s)"
                   + (f"; packed through transport {self.transport}" if spec.layout.is_varlen
                      else ""),
-            memory=self.memory(spec),
+            memory_of=dry_run.memory_of(self, spec),
         )
-
-    def memory(self, spec) -> Memory:
-        """What this rank allocates for a call on the global ``spec``, per head group: every
-        rank's K/V as gathered (in flight during the own calls) and the other ranks' in the
-        calls' order (the next group's gather meanwhile in flight); backward adds the own
-        dK/dV, fp32 sums of the gathered keys' dK/dV and, per tensor, the fp32 input and
-        output of the reduce-scatter; fp32 sums of out and dQ where a row may get more than
-        two calls. Beside all of it, dense
-        calls hold the int64 slots of the other ranks' tokens in ``others``. Packed, K/V land
-        in regions of every rank's tokens and the sums of a group travel while the next
-        group's own calls run (``_packed_backward``; the copy-engine transport keeps its
-        regions)."""
-        p, rows = self.size, self.local_tokens(spec)
-        packed = spec.layout.is_varlen
-        groups = self.groups_for(spec)
-        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
-        kv, kv32 = size.kv(), size.kv(itemsize=4)
-        kv_sums = size.kv(itemsize=self._sums_dtype(self.local_spec(spec)).itemsize)
-        copies = 0 if heads.contiguous(spec, groups) or (packed and p == 1) \
-            else 2 * kv  # what a gather sends
-        kept = packed and self.keeps_buffers()
-        region = 0 if kept else 2 * p * kv  # packed: every rank's K/V of a group
-        gathered = (region if packed else 2 * p * kv) + copies
-        # packed calls read the gathered K/V itself; dense ones the others in the calls' order
-        keys = region if packed else 2 * (p - 1) * kv
-        building = gathered if packed else gathered + keys
-        ahead = gathered if groups > 1 else 0  # the next group's gather
-        key_rows = (p if packed else p - 1) * rows
-        slots = 0 if packed else (p - 1) * rows * 8  # _other_positions, int64
-        own, calls, rank_order = self._plan(self.local_spec(spec))
-        fp32_sum = size.q(itemsize=4) if self._blocks(own, calls, rank_order) > 2 \
-            and spec.dtype.itemsize < 4 else 0
-        during = keys + ahead + fp32_sum  # beside every gathered call of a group
-        item = 4 if fp32_sum else spec.dtype.itemsize
-        # the own calls run while the group's gather is in flight
-        forward = slots + fp32_sum + max(
-            gathered + max((forward_call(size, c, rows, item) for c in own), default=0),
-            building,
-            keys + ahead + max((forward_call(size, c, key_rows, item) for c in calls),
-                               default=0))
-        own_grads = [2 * size.kv(keys_of(c, rows)) for c in own]
-        own_steps = [sum(own_grads[:i]) + backward_call(
-            size, c, rows, dq_temp=i > 0 or fp32_sum > 0, kv_temps=True)
-            for i, c in enumerate(own)]
-        sum_bytes = kv_sums if packed else kv32
-        sums = 2 * (key_rows // rows) * sum_bytes
-        # the first call writes its dK/dV into sums of its dtype
-        calls_step = max((backward_call(size, c, key_rows, dq_temp=True,
-                                        kv_temps=i > 0 or sum_bytes != kv)
-                          for i, c in enumerate(calls)), default=0)
-        outputs = whole.q() + whole.lse()
-        if packed:
-            # an own gradient converted to the sums' dtype while it is added
-            landing = 0 if kv_sums == kv else max(
-                (size.kv(keys_of(c, rows), itemsize=4) for c in own), default=0)
-            backward = whole.q() + 2 * whole.kv() + _packed_backward(
-                groups, region, copies, fp32_sum, own_steps, sum(own_grads), sums,
-                calls_step, 0 if kept else 2 * p * kv_sums, landing, sums_travel=p > 1)
-            kept_bytes = 2 * 2 * p * kv + 2 * p * kv_sums if kept else 0
-            return Memory(outputs=outputs, forward=forward, backward=backward, kept=kept_bytes)
-        scatter = p * kv32  # the reduce-scatter's input beside the sums
-        backward = whole.q() + 2 * whole.kv() + slots + max(
-            gathered + fp32_sum + max(own_steps, default=0),
-            building + fp32_sum + sum(own_grads),
-            during + sum(own_grads) + sums + calls_step,
-            ahead + sum(own_grads) + sums + scatter)
-        return Memory(outputs=outputs, forward=forward, backward=backward)
 
     def _work(self, spec) -> tuple[int, float]:
         """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
@@ -617,53 +549,3 @@ class AllGather(Transported, SequenceSchedule):
         pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
             sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
         return len(own) + len(calls), pairs
-
-
-def _packed_backward(groups: int, region: int, sends: int, fp32_sum: int, own_steps, own_grads: int,
-                     sums: int, calls_step: int, scatter: int, landing: int,
-                     sums_travel: bool = True) -> int:
-    """The peak bytes of a packed backward over ``groups`` head groups beyond dQ, dK and dV,
-    replaying its allocations in order: a group's gather in flight (``region``, and ``sends``
-    until it lands), the fp32 dQ sum, the own calls (``own_steps``: the peak of each) leaving
-    ``own_grads``, the previous group's sums landing (its ``scatter`` region and sums freed;
-    ``landing``: an own gradient in fp32 while it is added), the gather landing and the next
-    one started, the ``sums`` of the gathered keys' calls (``calls_step`` beside them), the
-    keys freed, and the group's sums sent into a ``scatter`` region (held until they land
-    when they travel: not on one rank). The last group runs its own calls after sending."""
-    r = Replay()
-    held = 0  # a group's sums, scatter region and own gradients until they land
-
-    def land():
-        nonlocal held
-        if held:
-            r.beside(landing)
-            r.add(-held)
-        held = 0
-
-    def own_calls():
-        for step in own_steps:
-            r.beside(step)
-        r.add(own_grads)
-
-    r.add(region + sends)
-    for i in range(groups):
-        last = i == groups - 1
-        r.add(fp32_sum)
-        if not last:
-            own_calls()
-            land()
-        r.add(-sends)  # the gather lands, the next one starts
-        if not last:
-            r.add(region + sends)
-        r.add(sums)
-        r.beside(calls_step)
-        r.add(-region)
-        if last:
-            land()
-        r.add(scatter - (0 if sums_travel else sums))
-        if last:
-            own_calls()
-        r.add(-fp32_sum)
-        held = (sums if sums_travel else 0) + scatter + own_grads
-    land()
-    return r.peak

@@ -17,6 +17,7 @@ import abc
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,14 @@ class Description:
     backward_bytes_received: int = 0
     backward_flops: float = 0.0
     notes: str = ""
-    memory: Memory | None = None  # bytes the call allocates on each rank (schedules.memory)
+    memory_of: Callable[[], Memory] | None = dataclasses.field(default=None, compare=False,
+                                                               repr=False)
+
+    @functools.cached_property
+    def memory(self) -> Memory | None:
+        """Bytes the call allocates on each rank (a dry run of the schedule, made when first
+        read: ``schedules.dry_run``); None for a schedule that does not say."""
+        return None if self.memory_of is None else self.memory_of()
 
 
 class Schedule(abc.ABC):

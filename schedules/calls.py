@@ -148,37 +148,12 @@ class PackedCall:
                    for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k))
 
 
-def rows_of(call, rows: int) -> int:
-    """Query rows a call computes, of ``rows`` local rows."""
-    return _count(call.rows, rows)
-
-
-def keys_of(call, keys: int) -> int:
-    """Key rows a call reads, of ``keys`` rows."""
-    return _count(call.keys, keys)
-
-
-def gathered(call, rows: int, keys: int) -> tuple[int, int]:
-    """(query rows, key rows) a call copies out of its blocks for the kernel: the index rows
-    of a packed call (none for slices or all rows)."""
-    if not isinstance(call, PackedCall):
-        return 0, 0
-    return tuple(_count(span, n) if isinstance(span, torch.Tensor) else 0
-                 for span, n in ((call.rows, rows), (call.keys, keys)))
-
-
 def row_index(span, n: int) -> torch.Tensor:
     """The rows of ``span`` (None: all ``n``, a slice, or an index tensor) as a host index
     tensor."""
     if isinstance(span, torch.Tensor):
         return span.cpu()
     return torch.arange(n)[span if span is not None else slice(None)]
-
-
-def _count(span, n: int) -> int:
-    if span is None:
-        return n
-    return len(span) if isinstance(span, torch.Tensor) else len(range(n)[span])
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:

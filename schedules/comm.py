@@ -59,14 +59,17 @@ class Communicator:
         self.group, self.ranks, self.index = group, ranks, index
         self.size = len(ranks)
         self.timeout = timeout
-        self.stats = CommStats()
-        self._running = "a schedule"  # what the transfers belong to (see ``running``)
-        self._started = 0  # transfers before that began
-        self._transfers = 0  # transfers ever started (every rank counts alike)
+        self._count_from_zero()
         arrivals = Arrivals(group.group_name, ranks, timeout)
         gloo = dist.get_backend(group) == "gloo"
         self._arrivals = arrivals if gloo else None
         self._watch = None if gloo else StallWatch(arrivals, timeout)
+
+    def _count_from_zero(self) -> None:
+        self.stats = CommStats()
+        self._running = "a schedule"  # what the transfers belong to (see ``running``)
+        self._started = 0  # transfers before that began
+        self._transfers = 0  # transfers ever started (every rank counts alike)
 
     @contextlib.contextmanager
     def running(self, what: str):
@@ -118,7 +121,7 @@ class Communicator:
         t = t.contiguous()
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         # flat views: gloo wants the output as the inputs concatenated along dim 0
-        work = dist.all_gather_into_tensor(out.view(-1), t.view(-1), group=self.group, async_op=True)
+        work = self._start(dist.all_gather_into_tensor, out.view(-1), t.view(-1))
         self.count(_nbytes(t) * (self.size - 1), _nbytes(t) * (self.size - 1))
         return self.pending([work], out, f"all-gather over ranks {self.ranks}")
 
@@ -126,8 +129,7 @@ class Communicator:
         """Sum [size, *shape] over ranks and keep this rank's slice [*shape]."""
         t = t.contiguous()
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
-        work = dist.reduce_scatter_tensor(out.view(-1), t.view(-1), group=self.group,  # flat for gloo
-                                          async_op=True)
+        work = self._start(dist.reduce_scatter_tensor, out.view(-1), t.view(-1))  # flat for gloo
         part = _nbytes(out)
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
@@ -137,7 +139,11 @@ class Communicator:
         holds slice ``index`` of every rank, in rank order."""
         t = t.contiguous()
         out = torch.empty_like(t)
-        work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
+        work = self._start(dist.all_to_all_single, out, t)
         part = _nbytes(t) // self.size
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending([work], out, f"all-to-all over ranks {self.ranks}").wait()
+
+    def _start(self, collective, out: torch.Tensor, t: torch.Tensor):
+        """Start ``collective(out, t)`` over the group; its work."""
+        return collective(out, t, group=self.group, async_op=True)

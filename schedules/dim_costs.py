@@ -1,16 +1,14 @@
 """What each mesh dim of a ``hybrid`` costs a rank: its schedule's steps, bytes and memory for
 the problem of one line of that dim, and what the two dims together allocate.
 
-Memory has one source, the schedules' own accounting (``Description.memory``,
-``schedules.memory``): each dim's is its 1-D schedule's for the line's problem, and the
-hybrid's is the inner schedule's with the outer schedule as its kernel call."""
+Memory has one source, a dry run of the schedules' own code (``schedules.dry_run``): each
+dim's is its 1-D schedule's for the line's problem, the whole step's the hybrid's own."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from .base import Description, Schedule
-from .memory import Memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +40,11 @@ class HybridDescription(Description):
     dims: tuple[DimCost, ...] = ()
 
 
-def describe_dims(inner: Schedule, outer: Schedule, spec, line) -> HybridDescription:
+def describe_dims(inner: Schedule, outer: Schedule, spec, line, memory_of) -> HybridDescription:
     """The ``HybridDescription`` of ``inner`` x ``outer`` for the global ``spec``: the inner
     schedule on ``line`` (the global problem of this rank's inner line: all heads of the
-    tokens of its outer rank), the outer one on the heads of one inner rank (all tokens)."""
+    tokens of its outer rank), the outer one on the heads of one inner rank (all tokens);
+    ``memory_of``: the whole step's ``Description.memory_of``."""
     dims = tuple(DimCost(s.dim, s.describe(d))
                  for s, d in ((inner, line), (outer, _heads(spec, inner.size))))
     i, o = (d.description for d in dims)
@@ -56,21 +55,11 @@ def describe_dims(inner: Schedule, outer: Schedule, spec, line) -> HybridDescrip
         backward_steps=o.backward_steps,
         backward_bytes_sent=i.backward_bytes_sent + o.backward_bytes_sent,
         backward_bytes_received=i.backward_bytes_received + o.backward_bytes_received,
-        backward_flops=o.backward_flops, dims=dims, memory=memory(inner, outer, spec, line),
+        backward_flops=o.backward_flops, dims=dims, memory_of=memory_of,
         notes=f"{inner.name} over {inner.dim}={inner.size} x {outer.name} over "
               f"{outer.dim}={outer.size}; steps and flops are the outer schedule's kernel "
               f"calls on H/{inner.size} heads; bytes add both dims",
     )
-
-
-def memory(inner: Schedule, outer: Schedule, spec, line) -> Memory:
-    """What a rank of ``inner`` x ``outer`` allocates for a call on the global ``spec``: the
-    inner schedule's memory on ``line``, its kernel calls being the outer schedule's on the
-    heads each call takes (all tokens)."""
-    def call(heads: int, kv_heads: int) -> Memory:
-        return outer.describe(spec.replace(heads=heads, kv_heads=kv_heads)).memory
-
-    return inner.memory(line, call)
 
 
 def _heads(spec, parts: int):

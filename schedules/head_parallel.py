@@ -36,8 +36,8 @@ from sdpa_fusion.kernels.base import head_shards
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.local import local_backward, local_forward
 
+from . import dry_run
 from .base import Description, Schedule
-from .memory import Memory, local_memory
 
 
 class _SumGradients(torch.autograd.Function):
@@ -250,15 +250,5 @@ class HeadParallel(Schedule):
             flops=spec.flops() / self.size, backward_steps=1,
             backward_flops=(spec.flops(backward=True) - spec.flops()) / self.size,
             notes=f"{spec.heads // self.size} of {spec.heads} heads per rank, no communication",
-            memory=self.memory(spec),
+            memory_of=dry_run.memory_of(self, spec),
         )
-
-    def memory(self, spec, call=None) -> Memory:
-        """What this rank allocates for a call on the global ``spec``: the kernel call's
-        allocations on its heads, nothing else. ``call(heads, kv_heads)``: the ``Memory`` of
-        the call on that many query and K/V heads when it is not a GPU kernel's (under
-        ``hybrid``, the outer schedule's)."""
-        heads, kv_heads = spec.heads // self.size, max(spec.kv_heads // self.size, 1)
-        if call is not None:
-            return call(heads, kv_heads)
-        return local_memory(spec.replace(heads=heads, kv_heads=kv_heads))

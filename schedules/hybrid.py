@@ -54,6 +54,7 @@ from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.local import packed_seqlens
 
 from .allgather import AllGather
+from . import dry_run
 from .base import Schedule
 from .calls import PackedCall
 from .dim_costs import describe_dims
@@ -409,7 +410,8 @@ class Hybrid(Schedule):
         """Steps, bytes and FLOPs per rank for the global ``spec``, with one ``DimCost`` per
         dim: the inner schedule for one inner line's problem (all heads, the S/Po tokens of
         an outer rank), the outer one for the heads of one inner rank (all tokens)."""
-        return describe_dims(self.inner, self.outer, spec, self._global_line(spec))
+        return describe_dims(self.inner, self.outer, spec, self._global_line(spec),
+                             dry_run.memory_of(self, spec))
 
     def _global_line(self, spec):
         """The global problem of this rank's inner line: all heads of its outer rank's tokens

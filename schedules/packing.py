@@ -253,7 +253,7 @@ class LocalPacking:
                 f"{name} ({shape}) must have {want} tokens along dim 0, the size of {what} "
                 f"({split_by(self.owner)})"
             )
-        if t.device != self.device:
+        if t.device != self.device and not t.is_meta:  # meta: data-less, any indices do
             raise ValueError(
                 f"{name} is on {t.device} but cu_seqlens was on {self.device}; pack cu_seqlens "
                 f"on the tensors' device"

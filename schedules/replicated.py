@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from sdpa_fusion.local import local_backward, local_forward
 
+from . import dry_run
 from .base import Description, Schedule
-from .memory import local_memory
 
 
 class Replicated(Schedule):
@@ -28,5 +28,5 @@ class Replicated(Schedule):
         return Description(
             self.name, self.size, steps=1, bytes_sent=0, bytes_received=0,
             flops=spec.flops(), backward_steps=1, backward_flops=spec.flops(backward=True) - spec.flops(),
-            memory=local_memory(spec),
+            memory_of=dry_run.memory_of(self, spec),
         )

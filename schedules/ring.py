@@ -80,16 +80,15 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
-from . import heads, mask_plans
+from . import dry_run, heads, mask_plans
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
                     dq_sum_of, fold_calls, part_call, put_rows, zero_outside)
-from .memory import Memory, Sizes, backward_call, forward_call
 from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
-from .transport import RingData, Transported, aligned
+from .transport import RingData, Transported
 from .whole import whole_documents
 
 GRAD_DTYPES = ("auto", "fp32", "input")
@@ -459,7 +458,7 @@ class Ring(Transported, SequenceSchedule):
                   f"{groups} head group(s) ({back} in backward); K/V blocks of "
                   f"{kv_bytes // groups} bytes, dK/dV sums of {sums_bytes // back} bytes "
                   f"({self.sums_dtype(spec)})",
-            memory=self.memory(spec),
+            memory_of=dry_run.memory_of(self, spec),
         )
 
     def _block_rows(self, spec) -> int:
@@ -467,99 +466,6 @@ class Ring(Transported, SequenceSchedule):
         rows = self.local_tokens(spec)
         _, travel = self._plan(self.local_spec(spec), rows, rows)
         return rows if travel is None else travel[0]
-
-    def _sends_a_copy(self, spec, groups: int, travel) -> bool:
-        """Whether p2p sends a group's own K/V from a contiguous copy: what leaves (a head
-        group, the rows that travel) is no dense buffer in its layout."""
-        if travel is None:  # whole blocks (packed ones too): a head group's own layout
-            return not heads.contiguous(spec, groups)
-        rows = self.local_tokens(spec)
-        k = spec.layout.empty((spec.batch, spec.kv_heads, rows, spec.head_dim),
-                              dtype=spec.dtype, device="meta")
-        group = heads.groups_of(groups, spec.heads, spec.kv_heads)[0]
-        leaving = self._sent(group.of_kv(k), travel)
-        return not leaving.permute(spec.layout.memory_order).is_contiguous()
-
-    def memory(self, spec) -> Memory:
-        """What this rank allocates for a call on the global ``spec`` (the buffers of the
-        module docstring, each counted at the kernel call where most of them are alive)."""
-        rows, groups = self.local_tokens(spec), self.groups_for(spec)
-        whole = Sizes(spec, rows)
-        steps, travel = self._plan(self.local_spec(spec), rows, rows)
-        block = rows if travel is None else travel[0]  # rows of a block that travels
-
-        def keys(step: int) -> int:
-            return rows if step == 0 else block
-
-        remote = [step for step, _ in steps[1:]]
-        back = self._backward_groups(groups, spec, len(remote), spec.kv_heads, spec.heads, rows)
-        size, back_size = Sizes(spec, rows, groups), Sizes(spec, rows, back)
-        sums_item = self.sums_dtype(spec).itemsize
-        kv_slots = back_kv_slots = sums_slots = 0
-        if remote:
-            kv_slots = self._kv_slots(groups, len(remote)) * aligned(2 * size.kv(block))
-            back_kv_slots = self._kv_slots(back, len(remote)) * aligned(2 * back_size.kv(block))
-            sums_slots = self._sums_slots(len(remote)) * aligned(
-                2 * back_size.kv(block, itemsize=sums_item))
-        kept = max(kv_slots, back_kv_slots + sums_slots) if self.keeps_buffers() else 0
-        fresh = not kept  # p2p allocates its slots for each call
-
-        def copy(count: int, sizes: Sizes) -> int:
-            """Bytes of the contiguous copy of a group's own K/V that p2p sends when what
-            leaves is strided (``count`` groups of ``sizes``), else 0."""
-            return 0 if kept or not remote or not self._sends_a_copy(spec, count, travel) \
-                else 2 * sizes.kv(block)
-
-        n_calls = sum(len(c) for _, c in steps)
-        fp32 = n_calls > 2 and spec.dtype.itemsize < 4  # out and dQ summed in fp32
-        acc_item = 4 if fp32 else spec.dtype.itemsize
-        leaving = copy(groups, size)  # in flight during the own step, and the last remote one
-        forward = fresh * kv_slots + fp32 * size.q(itemsize=4) + max(  # when a group follows
-            (forward_call(size, c, keys(step), acc_item)
-             + leaving * (step == 0 or (step == remote[-1] and groups > 1))
-             for step, calls in steps for c in calls), default=0)
-        outgoing = 2 * back_size.kv(block, itemsize=sums_item)
-        peaks = [sums * outgoing + in_flight * copy(back, back_size) + backward_call(
-            back_size, c, keys(step), dq_temp=dq_temp or fp32, kv_temps=kv_temps)
-            for step, c, sums, in_flight, dq_temp, kv_temps in self._backward_calls(
-                steps, self._backward_orders(back, remote, own_first=back != groups),
-                converts=sums_item != spec.dtype.itemsize)]
-        backward = (whole.q() + 2 * whole.kv() + fresh * (back_kv_slots + sums_slots)
-                    + fp32 * back_size.q(itemsize=4) + max(peaks, default=0))
-        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
-                      kept=kept)
-
-    @staticmethod
-    def _backward_calls(steps, orders, *, converts: bool):
-        """(step, call, dK/dV sums held, own K/V copies in flight, dQ in a temporary, dK/dV in
-        temporaries) of every backward kernel call of every head group, in order (group g
-        takes the steps of ``orders[g]``). A group's first call writes its dQ straight into
-        dq; the first call of a step that starts sums or ends at the own gradients writes
-        its dK/dV there (unless the sums' dtype ``converts``). The sums a rank starts are
-        held until the next step's first call is done, through the own step when that is
-        the next, and through the second group's first step when the first took its own
-        block first and sent them with its only shift. A group's own K/V leaves when the group
-        before takes its last remote block (the first group's at the start), and is in
-        flight until its first remote step."""
-        calls, remote = dict(steps), [step for step, _ in steps[1:]]
-        own_first = orders[0][0] == 0 and len(orders[0]) > 1  # only the first group may
-        for g, order in enumerate(orders):
-            for n, step in enumerate(order):
-                for i, c in enumerate(calls[step]):
-                    sums = 0
-                    if remote:
-                        sums = ((step == remote[0])
-                                + (len(remote) > 1 and step == remote[1] and i == 0)
-                                + (len(remote) == 1 and step == 0 and order[-1] == 0)
-                                + (len(remote) == 1 and step == remote[0] and g == 1
-                                   and own_first))
-                    in_flight = bool(remote) and (
-                        (g == 0 and own_first and step == 0)
-                        or (g + 1 < len(orders) and (step == remote[-1]
-                                                     or (step == 0 and order[-1] == 0))))
-                    direct = i == 0 and (step == 0 or (step == remote[0] and not converts))
-                    yield step, c, sums, in_flight, n > 0 or i > 0, not direct
-
 
 class _Step:
     """One backward step: the kernel calls (maybe none) of a head group's tensors on one K/V

@@ -249,25 +249,30 @@ class P2PMover(Mover):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def push(self, tensors, ring, slot, hops=1):
-        comm, layout = self.comm, ring.data.layout
+        layout = ring.data.layout
         sends = [to_buffer(t, layout) for t in tensors]  # a copy only for tensors out of layout
         receives = [to_buffer(t, layout) for t in ring.tensors(slot)]
-        ops = [dist.P2POp(dist.isend, s, comm.peer(hops), comm.group) for s in sends]
-        ops += [dist.P2POp(dist.irecv, r, comm.peer(-hops), comm.group) for r in receives]
-        comm.count(ring.data.used, ring.data.used)
-        return [_Keep(work, sends) for work in dist.batch_isend_irecv(ops)]
+        self.comm.count(ring.data.used, ring.data.used)
+        return self._start([(s, hops) for s in sends], [(r, -hops) for r in receives])
 
     def _exchange(self, puts, takes, region):
-        comm, size, ops, sends, flat = self.comm, self.comm.size, [], [], region.flat
+        size, sends, flat = self.comm.size, [], region.flat
         for p in puts:
             if p.hops % size:
-                sends.append(p.bytes())
-                ops.append(dist.P2POp(dist.isend, sends[-1], comm.peer(p.hops), comm.group))
+                sends.append((p.bytes(), p.hops))
             else:
                 flat[p.at:p.at + p.nbytes].copy_(p.bytes())
-        ops += [dist.P2POp(dist.irecv, flat[t.at:t.at + t.nbytes], comm.peer(-t.hops), comm.group)
-                for t in takes]
-        return [_Keep(work, sends) for work in dist.batch_isend_irecv(ops)] if ops else []
+        return self._start(sends, [(flat[t.at:t.at + t.nbytes], -t.hops) for t in takes])
+
+    def _start(self, sends, receives) -> list:
+        """Start sending each (tensor, hops) to the rank ``hops`` after this one and receiving
+        each (tensor, hops) from the rank ``hops`` after (before when < 0); the works, which
+        keep what they send alive until waited for."""
+        comm = self.comm
+        ops = [dist.P2POp(dist.isend, t, comm.peer(h), comm.group) for t, h in sends]
+        ops += [dist.P2POp(dist.irecv, t, comm.peer(h), comm.group) for t, h in receives]
+        kept = [t for t, _ in sends]
+        return [_Keep(work, kept) for work in dist.batch_isend_irecv(ops)] if ops else []
 
 
 class _Keep:

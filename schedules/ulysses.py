@@ -46,11 +46,10 @@ import torch
 
 from sdpa_fusion.layout import Layout
 
-from . import heads, mask_plans
+from . import dry_run, heads, mask_plans
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
-from .memory import Memory, Replay, Sizes, kernel_call
 from .partition import Documents
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
@@ -537,81 +536,5 @@ class Ulysses(Transported, SequenceSchedule):
                   f"{self.groups_for(spec)} head group(s)"
                   + (f"; packed through transport {self.transport}" if spec.layout.is_varlen
                      else ""),
-            memory=self.memory(spec),
+            memory_of=dry_run.memory_of(self, spec),
         )
-
-    def memory(self, spec, call=None) -> Memory:
-        """What this rank allocates for a call on the global ``spec``, per head group: the
-        send and receive buffers of an all-to-all and what it places (the group's q, k, v in
-        forward; dout, q, k, v, out and lse in backward), the kernel call's allocations, and
-        the all-to-all of its results back into the outputs; packed, as ``_pipeline`` runs
-        them (``_pipeline_peak``; the copy-engine transport keeps its receive regions).
-        ``call(heads, kv_heads)``: the ``Memory`` of the kernel call on that many query and
-        K/V heads of the whole sequence when it is not a GPU kernel's (under ``hybrid``, the
-        outer schedule's)."""
-        rows = self.local_tokens(spec)
-        groups = self.groups_for(spec)
-        size, whole = Sizes(spec, rows, groups), Sizes(spec, rows)
-        q = size.q()
-        kv_local = self._heads_per_rank(spec.kv_heads // groups)
-        kv = size.kv() * kv_local * self.size \
-            // max(spec.kv_heads // groups, 1)  # K (or V) of a group as the ranks hold it
-        replicated = size.kv(itemsize=4) if spec.kv_heads // groups < self.size else 0
-        lse = size.lse()
-        kernel = kernel_call(size, rows, kv) if call is None else \
-            call(spec.heads // groups // self.size, kv_local)
-        inputs, grads = 3 * q + 2 * kv, q + 2 * kv
-        dq_dk_dv = whole.q() + 2 * whole.kv()
-        if spec.layout.is_varlen and self.routes_packed:
-            return self._pipelined_memory(spec, groups, q, kv, lse, kernel, replicated,
-                                          outputs=whole.q() + whole.lse(), gradients=dq_dk_dv)
-        forward = max(2 * (q + 2 * kv), q + 2 * kv + kernel.outputs + kernel.forward,
-                      2 * q + kernel.outputs)
-        backward = dq_dk_dv + max(2 * inputs, inputs + 2 * lse + kernel.backward,
-                                  3 * grads + replicated)
-        return Memory(outputs=whole.q() + whole.lse(), forward=forward, backward=backward,
-                      kept=kernel.kept)
-
-    def _pipelined_memory(self, spec, groups, q, kv, lse, kernel, replicated, *, outputs,
-                          gradients) -> Memory:
-        """``memory`` of packed tensors through ``_pipeline``: per exchange, send buffers and
-        a receive region of the tensors it moves, each as large as what it places."""
-        kept = self.keeps_buffers()
-        sent_back = q if replicated else q + 2 * kv  # replicated dK, dV: blocks, summed
-
-        def exchange(nbytes):  # (send buffers, region)
-            return nbytes, 0 if kept else nbytes
-
-        forward = _pipeline_peak(groups, exchange(q + 2 * kv), q + 2 * kv,
-                                 kernel.outputs + kernel.forward, kernel.outputs,
-                                 exchange(q + lse))
-        inputs = 3 * q + 2 * kv + lse
-        backward = gradients + _pipeline_peak(
-            groups, exchange(inputs), inputs, lse + kernel.backward, q + 2 * kv,
-            exchange(sent_back), summed=4 * kv + replicated if replicated else 0)
-        regions = 0
-        if kept:  # the heads and sequence regions of the larger pipeline
-            regions = max(inputs + sent_back, q + 2 * kv + q + lse)
-        return Memory(outputs=outputs, forward=forward, backward=backward,
-                      kept=kernel.kept + regions)
-
-
-def _pipeline_peak(groups: int, arrive, placed: int, kernel: int, results: int, leave,
-                   summed: int = 0) -> int:
-    """The peak bytes of ``Ulysses._pipeline`` over ``groups`` head groups, replaying its
-    allocations in order: a group's exchange in (``arrive``: its send buffers, freed when it
-    lands, and its region), the heads it places (``placed``), the kernel's peak and its
-    ``results``, the replicated heads' blocks (``summed``, while they travel) and the
-    exchange out (``leave``), whose rows land straight in the outputs."""
-    r = Replay()
-    r.add(sum(arrive))
-    for i in range(groups):
-        r.add(-arrive[0], placed, -arrive[1])  # the group's heads land
-        if i + 1 < groups:
-            r.add(sum(arrive))  # the next group's start
-        r.add(kernel, results - kernel, -placed)
-        if i:  # the previous group's results land
-            r.add(-leave[0] - leave[1])
-        r.beside(summed)
-        r.add(sum(leave), -results)
-    return r.peak

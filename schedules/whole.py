@@ -24,10 +24,10 @@ import torch
 
 from sdpa_fusion.local import local_backward, local_forward
 
+from . import dry_run
 from .base import Description, Schedule
 from .documents import DocumentPacking, DocumentSplit
 from .choice import packed_partition
-from .memory import Memory, Sizes, kernel_call
 from .partition import Auto, Documents, LoadBalanced
 
 
@@ -192,7 +192,7 @@ class WholeDocuments:
             backward_bytes_sent=part.backward_bytes_sent,
             backward_bytes_received=part.backward_bytes_received,
             backward_flops=part.backward_flops + backward, notes=notes,
-            memory=self.memory(spec),
+            memory_of=dry_run.memory_of(self, spec),
         ))
 
     def _documents(self, spec) -> bool:
@@ -205,25 +205,6 @@ class WholeDocuments:
         name, why = self.partition_choice(spec.cu_seqlens, spec.cu_seqlens_padded)
         said = name if name == self.partition.name else f"{self.partition!r}: {name}"
         return dataclasses.replace(d, notes=f"partition {said} ({why}); {d.notes}")
-
-    def memory(self, spec):
-        if not (spec.layout.is_varlen and self._documents(spec)):
-            return super().memory(spec)
-        local = self.local_spec(spec)
-        rows, w = local.packing.tokens, local.packing.whole_tokens
-        mine = Sizes(spec, rows)
-        whole = kernel_call(Sizes(spec, w), w) if w else Memory(0, 0, 0)
-        cut = self._cut_global(spec)
-        part = self.twin().memory(cut) if cut is not None else Memory(0, 0, 0)
-        cut_rows = rows - w
-        # forward: the whole call's out and lse, or the cut packing's, before they are copied
-        forward = max(whole.outputs, part.outputs + part.forward)
-        # backward: dq, dk, dv of every row, beside the whole call's, or the cut packing's
-        # and the copy of its lse rows
-        backward = mine.q() + 2 * mine.kv() + max(whole.backward,
-                                                  part.backward + mine.lse(cut_rows))
-        return Memory(outputs=mine.q() + mine.lse(), forward=forward, backward=backward,
-                      kept=part.kept)
 
     def _cut_global(self, spec):
         """The global problem of the cut packing of the global ``spec`` (None: none cut)."""

@@ -123,7 +123,9 @@ def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
     out_view, lse_view = (out_acc, lse_acc) if _all(rows) else (out_acc[:, :, rows],
                                                                lse_acc[:, :, rows])
     _check_shapes(out_view, lse_view, block_out, block_lse)
-    if not (out_view.is_cuda and import_error() is None):
+    if out_view.is_meta:
+        _fold_meta(out_view, lse_view, block_lse)
+    elif not (out_view.is_cuda and import_error() is None):
         _fold_torch(out_view, lse_view, block_out, block_lse)
     elif not (_folds_in_place(out_view, lse_view, block_lse)
               and _fold_fused(out_view, lse_view, block_out, block_lse)):
@@ -138,6 +140,9 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     Rows that no key of either part reaches (both lse -inf) come out as 0 and -inf, not NaN.
     """
     _check_shapes(out, lse, block_out, block_lse)
+    if out.is_meta:  # what the fused merge allocates, no more
+        return layout_of(out).empty(out.shape, dtype=torch.float32, device=out.device), \
+            torch.empty_like(lse, dtype=torch.float32)
     if out.is_cuda and import_error() is None:
         return _merge_fused(out, lse, block_out, block_lse)
     return _merge_torch(out, lse, block_out, block_lse)
@@ -197,6 +202,13 @@ def _fold_torch(out, lse, block_out, block_lse) -> None:
     else:  # merged in fp32, rounded once
         out.copy_(out.float() * w.unsqueeze(-1) + block_out.float() * w_block.unsqueeze(-1))
     lse.copy_(new_lse)
+
+
+def _fold_meta(out, lse, block_lse) -> None:
+    """A fold of data-less tensors (a dry run, ``schedules.dry_run``) allocating what the
+    fused fold does on GPUs: the weights of each row and the new lse."""
+    weights = [torch.empty_like(lse, dtype=torch.float32) for _ in range(3)]
+    lse.copy_(weights[2])
 
 
 def _is_dense(out, lse, block_lse, layout: Layout) -> bool:

@@ -1,31 +1,27 @@
-"""What describe() says each sequence schedule allocates vs what it allocates, on CPU ranks.
+"""What describe() says each schedule allocates (a dry run on data-less tensors, transfers
+moving nothing) vs what it allocates on CPU ranks, its transfers going through gloo.
 
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_memory.py
 
-``Allocations`` counts the storages that ops create while it is active (views, in-place ops
-and ``out=`` reuse their inputs' storage) and when each dies (a storage finalizer, on any
-thread), so its peak is the bytes the call holds at its busiest. The kernel allocates what
-the GPU kernels allocate (its results, and in backward an fp32 dQ workspace) and computes
-nothing: the count is the schedule's own, as ``Memory`` describes it. Collectives may release
-a buffer a moment late on gloo's threads, so each call is measured a few times and the least
-peak taken.
+``Allocations`` counts the storages that ops create while it is active and when each dies,
+so its peak is the bytes the call holds at its busiest. The kernel (``WorkspaceKernel``)
+allocates what the GPU kernels allocate and computes nothing: the count is the schedule's
+own. Collectives may release a buffer a moment late on gloo's threads, so each call is
+measured a few times and the least peak taken.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import schedules
 import sdpa_fusion
+from sdpa_fusion import masks
 from schedules import heads
-from sdpa_fusion.kernels.base import Kernel, layout_of
+from schedules.dry_run import Allocations, WorkspaceKernel
 from sdpa_fusion.waiting import Arrivals
 
 from .packed import make_packed
@@ -57,83 +53,6 @@ def at_most_four_ranks(mesh):
         pytest.skip("runs at 2 and 4 ranks")
 
 
-class Allocations(TorchDispatchMode):
-    """Peak bytes of the storages ops allocate while active, and the bytes alive now."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._ptrs: set[int] = set()
-        self._lock = threading.Lock()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._count(t.untyped_storage(), inputs)
-        return out
-
-    def _count(self, storage, inputs) -> None:
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or ptr in inputs or ptr in self._ptrs:
-            return
-        with self._lock:
-            self._ptrs.add(ptr)
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, ptr, nbytes)
-
-    def _free(self, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            self._ptrs.discard(ptr)
-            self.live -= nbytes
-
-
-class LikeGpuKernels(Kernel):
-    """Allocates what FlashAttention and cuDNN allocate per call (results; an fp32 dQ
-    workspace in backward) and computes nothing."""
-
-    name = "like_gpu_kernels"
-    gpu_only = False
-    supports_window = True
-
-    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
-        return _empty_like(q).zero_(), torch.zeros(q.shape[:3])  # given buffers: copied
-
-    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
-        grads = tuple(_empty_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
-        workspace = _workspace(q, k, v)
-        for g in grads:
-            g.zero_()
-        del workspace
-        return grads
-
-    native_varlen = True
-
-    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
-        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
-
-    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
-        grads = tuple(torch.zeros_like(t) for t in (q, k, v))
-        workspace = _workspace(q, k, v)
-        del workspace
-        return grads
-
-
-def _workspace(q, k, v) -> list[torch.Tensor]:
-    """FlashAttention-4's backward workspace: fp32 dQ, and with GQA fp32 dK and dV."""
-    spaces = [torch.empty(q.shape, dtype=torch.float32)]
-    if q.shape[-2 if q.dim() == 3 else 1] != k.shape[-2 if k.dim() == 3 else 1]:
-        spaces += [torch.empty(t.shape, dtype=torch.float32) for t in (k, v)]
-    return spaces
-
-
-def _empty_like(t):
-    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 def peak(run, prepare=lambda: None) -> int:
     """The peak of ``run(prepare())``, only ``run`` counted."""
     arg = prepare()
@@ -149,7 +68,7 @@ def assert_described(sched, q, k, v, dout, memory, slack: int = 0,
     ``memory.backward`` (its gradients among them). Each is measured until it matches, at
     most ``TRIES`` times, the least peak counting."""
     assert memory.kept == 0  # p2p on CPU ranks keeps nothing between calls
-    kernel = LikeGpuKernels()
+    kernel = WorkspaceKernel()
 
     def forward(_=None):
         q.grad = k.grad = v.grad = None
@@ -281,6 +200,17 @@ def test_packed(mesh, name, window, groups):
                      cu_seqlens=local, window=window)
 
 
+def packed_inputs(sched, problem):
+    """(this rank's packing, its q, k, v (requiring grad) and dout, the global causal spec)."""
+    local = sched.pack(problem.cu_seqlens)
+    q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
+                                                        problem.dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spec = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True,
+                                                  layout="thd", cu_seqlens=problem.cu_seqlens)
+    return local, (q, k, v, dout), spec
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_packed_allgather_in_padded_parts(mesh, dtype):
     """Packed allgather in two head groups on sequences padded in every part (calls read
@@ -291,14 +221,37 @@ def test_packed_allgather_in_padded_parts(mesh, dtype):
     problem = make_packed([8 * p + 1, 4 * p + 3, 12 * p + 5], h=4, h_kv=2, e=64, causal=True,
                           dtype=dtype)
     sched = schedules.get("allgather", mesh, head_groups=2)
-    local = sched.pack(problem.cu_seqlens)
-    q, k, v, dout = (local.shard(t).detach() for t in (problem.q, problem.k, problem.v,
-                                                        problem.dout))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    spec = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True,
-                                                  layout="thd", cu_seqlens=problem.cu_seqlens)
+    local, (q, k, v, dout), spec = packed_inputs(sched, problem)
     assert_described(sched, q, k, v, dout, sched.describe(spec).memory, phases=("backward",),
                      causal=True, layout="thd", cu_seqlens=local)
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_whole_documents(mesh, name):
+    """Whole documents in one local call, the one document longer than a rank's share cut
+    and run by the schedule's packed path."""
+    p = mesh.size()
+    problem = make_packed([24 * p, 3, 5, 1, 7, 4], h=4, e=64, causal=True)
+    sched = schedules.get(name, mesh, partition="documents")
+    local, (q, k, v, dout), spec = packed_inputs(sched, problem)
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory,
+                     _merge_scratch(q.transpose(0, 1).unsqueeze(0)), layout="thd",
+                     causal=True, cu_seqlens=local)
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
+def test_mask(mesh, name):
+    """A composed mask: blocks it hides make no call, partial ones go through the mask."""
+    p = mesh.size()
+    h, s, e = 2 * p, 16 * p, 64
+    sched = schedules.get(name, mesh)
+    mask = masks.causal() | masks.prefix(5)
+    q, k, v, dout = (torch.randn(1, h, s, e) for _ in range(4))
+    spec = sdpa_fusion.AttentionSpec.from_tensors(q, k, v).replace(mask=mask)
+    q, k, v, dout = (sched.shard(t).detach() for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory, _merge_scratch(q),
+                     mask=mask)
 
 
 @pytest.mark.parametrize("name", ["head_parallel", "replicated"])

@@ -1,0 +1,257 @@
+"""What a schedule's call allocates, from a dry run of its own code: ``describe().memory``.
+
+    memory = dry_run.memory(schedule, spec)     # spec: the global problem; this rank's bytes
+
+The schedule runs its forward and backward on data-less (meta) tensors of this rank's part
+of ``spec``. Its transfers go through a communicator that moves nothing but allocates what
+the real one does (collectives' results, p2p's slots and the copies it sends, held until
+waited for; the copy-engine transport's symmetric buffer, kept between calls and counted as
+``kept``). Its kernel calls go through ``WorkspaceKernel``, which allocates what the GPU
+kernels do and computes nothing. ``Allocations`` counts every storage that ops create and
+when it dies, so the peak is that of the loop that runs; nothing models it a second time.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from sdpa_fusion.kernels.base import Kernel, layout_of
+from sdpa_fusion.spec import AttentionSpec
+
+from .base import Schedule
+from .comm import Communicator
+from .memory import Memory
+from .transport import P2PMover, Region
+
+META = torch.device("meta")
+
+
+class Allocations(TorchDispatchMode):
+    """Peak bytes of the storages ops allocate while active (views, in-place ops and ``out=``
+    reuse their inputs' storage), and the bytes alive now (a storage finalizer, on any
+    thread, says when each dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._storages: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage(), inputs)
+        return out
+
+    def _count(self, storage, inputs) -> None:
+        key, nbytes = _key(storage), storage.nbytes()
+        if nbytes == 0 or key in inputs or key in self._storages:
+            return
+        with self._lock:
+            self._storages.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self._storages.discard(key)
+            self.live -= nbytes
+
+
+def _key(t) -> int:
+    """The identity of a tensor's (or storage's) storage, meta ones too (no data pointer)."""
+    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return storage._cdata
+
+
+class WorkspaceKernel(Kernel):
+    """Allocates what FlashAttention and cuDNN allocate per call (results; in backward an fp32
+    dQ workspace, with GQA fp32 dK and dV as FlashAttention-4 keeps) and computes nothing:
+    its results are zeros (lse 0), on real tensors too."""
+
+    name = "workspace"
+    gpu_only = False
+    supports_window = True
+    native_varlen = True
+
+    def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
+        return _zeros_like(q), torch.zeros(q.shape[:3], device=q.device)
+
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
+        return self._grads((dq, dk, dv), q, k, v)
+
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
+        return _zeros_like(q), torch.zeros(q.shape[1], q.shape[0], device=q.device)
+
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+        return self._grads((None,) * 3, q, k, v)
+
+    @staticmethod
+    def _grads(given, q, k, v):
+        """dq, dk, dv (into ``given`` buffers where there are), beside the workspace."""
+        workspace = [torch.empty(q.shape, dtype=torch.float32, device=q.device)]
+        if q.shape[1] != k.shape[1]:  # GQA ([B, H, S, E] and packed [T, H, E] alike)
+            workspace += [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+        grads = tuple(_zeros_like(t) if g is None else g.zero_() for g, t in zip(given, (q, k, v)))
+        del workspace
+        return grads
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 3:  # packed [T, H, E]
+        return torch.zeros_like(t)
+    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device).zero_()
+
+
+class _Done:
+    """A transfer that has landed; ``wait`` lets go of what it read."""
+
+    def __init__(self, keeps=()):
+        self.keeps = keeps
+
+    def wait(self, *timeout) -> None:
+        self.keeps = ()
+
+
+class DryComm(Communicator):
+    """The communicator of rank ``index`` of ``size``: every collective allocates its result
+    and counts its bytes; nothing moves and nothing waits."""
+
+    def __init__(self, index: int, size: int):
+        self.group, self.ranks, self.index, self.size = None, list(range(size)), index, size
+        self.timeout, self._arrivals, self._watch = None, None, None
+        self._count_from_zero()
+
+    def _start(self, collective, out, t) -> _Done:
+        return _Done((t,))
+
+    def wait(self, work, what: str, step: int) -> None:
+        work.wait()
+
+
+class DryMover(P2PMover):
+    """p2p's slots and send copies, moving nothing; with ``keeps`` the copy-engine transport's
+    symmetric buffer instead: allocated uncounted, its largest size is ``kept_bytes``."""
+
+    name = "dry"
+
+    def __init__(self, comm, keeps: bool):
+        super().__init__(comm)
+        self.keeps, self._kept = keeps, 0
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._kept
+
+    def buffer(self, nbytes, device):
+        if not self.keeps:
+            return super().buffer(nbytes, device)
+        self._kept = max(self._kept, nbytes)
+        with _disable_current_modes():  # outside torch's allocator: not counted
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def reserve(self, nbytes, device):
+        if self.keeps:
+            self._kept = max(self._kept, nbytes)
+
+    def region(self, base, nbytes, device):
+        if not self.keeps:
+            return super().region(base, nbytes, device)
+        with _disable_current_modes():
+            return Region(torch.empty(nbytes, dtype=torch.uint8, device=device), base)
+
+    def push(self, tensors, ring, slot, hops=1):
+        if not self.keeps:
+            return super().push(tensors, ring, slot, hops)
+        self.comm.count(ring.data.used, ring.data.used)  # copied straight into the peer's slot
+        return []
+
+    def _exchange(self, puts, takes, region):
+        if not self.keeps:
+            return super()._exchange(puts, takes, region)
+        for p in puts:
+            p.bytes()  # a contiguous source when the piece is not one
+        return []
+
+    def _start(self, sends, receives) -> list:
+        return [_Done([t for t, _ in sends])] if sends or receives else []
+
+
+def memory_of(schedule: Schedule, spec: AttentionSpec) -> Callable[[], Memory]:
+    """``memory(schedule, spec)``, computed when a ``Description`` is asked for its memory."""
+    return functools.partial(memory, schedule, spec)
+
+
+def memory(schedule: Schedule, spec: AttentionSpec) -> Memory:
+    """What ``schedule`` allocates on this rank for a forward and a backward on the global
+    ``spec``, from a dry run of the schedule (see the module docstring)."""
+    dry = _dry(schedule, {})
+    local, (q, k, v, dout) = _local(dry, spec)
+    kernel = WorkspaceKernel()
+    with torch.no_grad():
+        with Allocations() as counted:
+            out, lse = dry.forward(q, k, v, local, kernel)
+        outputs = _bytes(out) + _bytes(lse)
+        forward = counted.peak - outputs
+        with Allocations() as counted:
+            grads = dry.backward(dout, q, k, v, out, lse, local, kernel)
+            del grads
+        backward = counted.peak
+    return Memory(outputs=outputs, forward=forward, backward=backward, kept=dry.kept_bytes
+                  if hasattr(dry, "kept_bytes") else 0)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _dry(schedule, done: dict):
+    """A copy of ``schedule`` (and of the schedules it holds) whose transfers are dry."""
+    if id(schedule) in done:
+        return done[id(schedule)]
+    dry = done[id(schedule)] = copy.copy(schedule)
+    for name, value in list(vars(dry).items()):
+        if isinstance(value, Schedule):
+            setattr(dry, name, _dry(value, done))
+    dry.__dict__.pop("_configuration_fields", None)
+    if schedule.mesh is not None and schedule.dim is not None:
+        comm = dry.__dict__["comm"] = DryComm(schedule.index, schedule.size)
+        if hasattr(dry, "_movers"):
+            dry._movers = {META: DryMover(comm, schedule.keeps_buffers())}
+    return dry
+
+
+def _local(schedule, spec: AttentionSpec):
+    """This rank's meta q, k, v and dout of the global ``spec`` and its local spec, made as
+    ``attention`` makes them from the shards (a packing's indices on the host: meta tensors
+    take them)."""
+    layout, e = spec.layout, spec.head_dim
+    packing = schedule.pack(spec.cu_seqlens, spec.cu_seqlens_padded, device="cpu") \
+        if layout.is_varlen else None
+
+    def full(heads, length):
+        if layout.is_varlen:
+            t = torch.empty(length, heads, e, dtype=spec.dtype, device=META)
+        else:
+            t = layout.empty((spec.batch, heads, length, e), dtype=spec.dtype, device=META)
+        return schedule.shard(t, layout=layout, cu_seqlens=packing)
+
+    q, dout = full(spec.heads, spec.q_len), full(spec.heads, spec.q_len)
+    k, v = full(spec.kv_heads, spec.kv_len), full(spec.kv_heads, spec.kv_len)
+    cu = packing and (packing.cu_seqlens, packing.cu_seqlens_padded)
+    local = AttentionSpec.from_tensors(
+        q, k, v, layout=layout, causal=spec.causal, scale=spec.scale, window=spec.window,
+        **(dict(zip(("cu_seqlens", "cu_seqlens_padded"), cu)) if cu else {}),
+    ).replace(packing=packing, mask=spec.mask)
+    return local, (q, k, v, dout)
