@@ -5,7 +5,8 @@
 Each rank keeps S/P contiguous tokens of q, k and v. The forward all-gathers K and V and
 attends the rank's queries to every key with the local kernel; the backward gathers them
 again, computes this rank's queries' share of dK and dV for every key, and sums the shares
-over the ranks. No mask: ``causal=True`` is refused by ``validate`` with the fix. The walk
+over the ranks (a reduce-scatter). Its transfers go through the schedule's communicator
+(``self.comm``), so ``describe().memory`` comes from a dry run of this very code. No mask: ``causal=True`` is refused by ``validate`` with the fix. The walk
 through this file is docs/custom_schedule.md.
 """
 
@@ -14,11 +15,10 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 
 import schedules
 import sdpa_fusion
-from schedules import Description, Schedule
+from schedules import Description, Schedule, dry_run
 
 
 class GatherKV(Schedule):
@@ -41,10 +41,8 @@ class GatherKV(Schedule):
 
     def _gather(self, t: torch.Tensor, spec) -> torch.Tensor:
         """Every rank's ``t`` concatenated along the sequence, in the spec's layout."""
-        parts = [torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return spec.layout.to(torch.cat(parts, dim=2))
+        parts = self.comm.all_gather(t).wait()  # [P, B, H, S/P, E], in rank order
+        return spec.layout.to(torch.cat(parts.unbind(0), dim=2))
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         k_all, v_all = self._gather(k, spec), self._gather(v, spec)
@@ -57,25 +55,25 @@ class GatherKV(Schedule):
         return dq, self._sum_shares(dk_all, k), self._sum_shares(dv_all, v)
 
     def _sum_shares(self, grad_all: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """This rank's keys' gradient: every rank's share summed in fp32 (an all-reduce; a
-        reduce-scatter would move less), in the layout and dtype of ``like``."""
-        total = grad_all.float()
-        dist.all_reduce(total, group=self.group)
-        mine = total.chunk(self.size, dim=2)[self.index]
-        return torch.empty_like(like).copy_(mine)
+        """This rank's keys' gradient: every rank's share summed in fp32 (a reduce-scatter
+        of the shares of each rank's keys), in the layout and dtype of ``like``."""
+        shares = torch.stack(grad_all.float().chunk(self.size, dim=2))  # [P, B, H, S/P, E]
+        return torch.empty_like(like).copy_(self.comm.reduce_scatter(shares))
 
     def describe(self, spec):
         """Steps, bytes and FLOPs per rank for the global ``spec``."""
         p, item = self.size, spec.dtype.itemsize
         kv = 2 * spec.batch * spec.kv_heads * (spec.kv_len // p) * spec.head_dim  # K and V
         gather = (p - 1) * kv * item
-        reduce = 2 * (p - 1) * kv * 4  # ring all-reduce of fp32 dK, dV over all keys
+        reduce = (p - 1) * kv * 4  # reduce-scatter of fp32 dK, dV shares
         return Description(
             self.name, p, steps=1, bytes_sent=gather, bytes_received=gather,
             flops=spec.flops() / p, backward_steps=1, backward_bytes_sent=gather + reduce,
             backward_bytes_received=gather + reduce,
             backward_flops=(spec.flops(backward=True) - spec.flops()) / p,
-            notes="K/V all-gathered in forward and again in backward; fp32 dK/dV all-reduced",
+            notes="K/V all-gathered in forward and again in backward; fp32 dK/dV shares "
+                  "reduce-scattered",
+            memory_of=dry_run.memory_of(self, spec),  # what this code allocates, run dry
         )
 
 

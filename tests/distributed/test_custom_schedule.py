@@ -10,10 +10,12 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 
 import schedules
 import sdpa_fusion
 from tests.distributed.conftest import assert_matches, make_problem, run_schedule
+from tests.distributed.test_memory import assert_described
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,3 +49,14 @@ def test_gather_kv_refuses_causal_on_every_rank_then_runs(mesh):
     with pytest.raises(ValueError, match="schedule 'gather_kv' attends every query to every key"):
         sdpa_fusion.attention(q, k, v, causal=True, schedule=sched)
     assert_matches(problem, run_schedule(sched, problem))
+
+
+def test_gather_kv_allocates_what_its_dry_run_says(mesh, example):
+    """Its memory is no formula of its own: a dry run of its code, here against a real run."""
+    p = mesh.size()
+    sched = schedules.get("gather_kv", mesh)
+    full = [torch.randn(1, 4, 8 * p, 64) for _ in range(4)]
+    spec = sdpa_fusion.AttentionSpec.from_tensors(*full[:3])
+    q, k, v, dout = (sched.shard(t).detach() for t in full)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert_described(sched, q, k, v, dout, sched.describe(spec).memory)
