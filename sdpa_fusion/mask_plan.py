@@ -95,12 +95,20 @@ def packed_tokens(sequences, tokens: int) -> Tokens:
     return Tokens(seq, pos)
 
 
-def spec_tokens(spec) -> tuple[Tokens, Tokens]:
-    """(query, key) ``Tokens`` of the whole problem of ``spec`` (packed: one block of T rows)."""
-    if spec.layout.is_varlen:
-        tokens = packed_tokens(spec.sequences(), spec.q_len)
+def problem_of(spec) -> tuple:
+    """(mask, batch, q_len, kv_len, sequences or None): what a mask's calls over the whole
+    problem of ``spec`` depend on, and nothing that holds a rank's packing (a cache key)."""
+    sequences = tuple(spec.sequences()) if spec.layout.is_varlen else None
+    return spec.mask, 1 if sequences is not None else spec.batch, spec.q_len, spec.kv_len, \
+        sequences
+
+
+def problem_tokens(batch: int, q_len: int, kv_len: int, sequences) -> tuple[Tokens, Tokens]:
+    """(query, key) ``Tokens`` of a problem of ``problem_of`` (packed: one block of T rows)."""
+    if sequences is not None:
+        tokens = packed_tokens(sequences, q_len)
         return tokens, tokens
-    return Tokens.dense(torch.arange(spec.q_len)), Tokens.dense(torch.arange(spec.kv_len))
+    return Tokens.dense(torch.arange(q_len)), Tokens.dense(torch.arange(kv_len))
 
 
 def batch_pieces(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> tuple:
@@ -130,14 +138,17 @@ def coverage(spans, n: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(ranges)
 
 
-@functools.lru_cache(maxsize=32)
 def spec_pairs(spec) -> int:
-    """Query-key pairs the mask of ``spec`` keeps, over the whole problem (once per spec:
+    """Query-key pairs the mask of ``spec`` keeps, over the whole problem (once per problem:
     ``flops`` asks for it often)."""
-    q, k = spec_tokens(spec)
-    batch = 1 if spec.layout.is_varlen else spec.batch
-    parts = batch_pieces(spec.mask, q, k, batch)
-    every = 1 if spec.mask.batched else batch
+    return _pairs(*problem_of(spec))
+
+
+@functools.lru_cache(maxsize=32)
+def _pairs(mask: Mask, batch: int, q_len: int, kv_len: int, sequences) -> int:
+    q, k = problem_tokens(batch, q_len, kv_len, sequences)
+    parts = batch_pieces(mask, q, k, batch)
+    every = 1 if mask.batched else batch
     return every * sum(p.pairs(len(q.pos), len(k.pos)) for _, found in parts for p in found)
 
 

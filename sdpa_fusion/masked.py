@@ -28,7 +28,7 @@ import torch
 
 from .kernels import get
 from .kernels.base import layout_of
-from .mask_plan import Piece, Tokens, batch_pieces, coverage, spec_tokens
+from .mask_plan import Piece, Tokens, batch_pieces, coverage, problem_of, problem_tokens
 from .masks import Mask
 from .merge import Merged
 
@@ -184,11 +184,15 @@ def _inside(ranges, starts, span: slice, n: int):
     return start, ranges[bisect.bisect_left(starts, start):bisect.bisect_left(starts, stop)]
 
 
-@functools.lru_cache(maxsize=32)
 def spec_call(spec) -> MaskedCall | None:
     """The ``MaskedCall`` of the whole (one-device) problem of ``spec``: dense [B, H, S, E]
-    tensors, or packed ones as [1, H, T, E] views."""
-    return block_call(spec.mask, *spec_tokens(spec), 1 if spec.layout.is_varlen else spec.batch)
+    tensors, or packed ones as [1, H, T, E] views (made once per problem)."""
+    return _problem_call(*problem_of(spec))
+
+
+@functools.lru_cache(maxsize=32)
+def _problem_call(mask: Mask, batch: int, q_len: int, kv_len: int, sequences):
+    return block_call(mask, *problem_tokens(batch, q_len, kv_len, sequences), batch)
 
 
 def block_call(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> MaskedCall | None:
