@@ -127,3 +127,21 @@ def refill(offsets: torch.Tensor, array: np.ndarray | None, values: list[int]) -
     else:
         offsets.data.copy_(torch.tensor(values))
     assert offsets._version == version and offsets.tolist() == values
+
+
+def assert_round_trip(sched, problem: PackedProblem) -> None:
+    """unshard(shard(x)) under ``sched`` is x (zero in the global padding slots), and the
+    gradient of the full result reaches the tokens this rank holds only."""
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
+    x = problem.q.clone().requires_grad_()
+    back = sched.unshard(sched.shard(x, **kw), **kw)
+    real = torch.zeros(x.shape[0], dtype=torch.bool)
+    for start, n in sequences(problem):
+        real[start:start + n] = True
+    torch.testing.assert_close(back, torch.where(real[:, None, None], problem.q, 0.0))
+    (back * problem.dout).sum().backward()
+    index = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded).token_index
+    mine = torch.zeros_like(real)
+    mine[index[index >= 0]] = True
+    torch.testing.assert_close(x.grad, torch.where(mine[:, None, None], problem.dout, 0.0))

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import schedules
 from schedules.partition import Documents
 
-from .packed import assert_packed_matches, global_positions, make_packed, run_packed, sequences
+from .packed import (assert_packed_matches, assert_round_trip, global_positions, make_packed,
+                     run_packed)
 from .test_hybrid import meshes, shapes  # noqa: F401  (the 2-D meshes of this world)
 from .test_thd import SAME_ON_EVERY_RANK
 from .test_traffic import assert_bytes, step
@@ -111,19 +112,7 @@ def test_unshard_of_uneven_parts_is_differentiable(mesh):
     p = mesh.size()
     problem = make_packed([4, 0, 1, 7, 2, 6 * p, 3], h=2, slack=[1, 0, 2, 0, 0, 1, 0])
     sched = schedules.get("ring", mesh, partition=KEEP_WHOLE)
-    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
-              cu_seqlens_padded=problem.cu_seqlens_padded)
-    x = problem.q.clone().requires_grad_()
-    back = sched.unshard(sched.shard(x, **kw), **kw)
-    real = torch.zeros(x.shape[0], dtype=torch.bool)
-    for start, n in sequences(problem):
-        real[start:start + n] = True
-    torch.testing.assert_close(back, torch.where(real[:, None, None], problem.q, 0.0))
-    (back * problem.dout).sum().backward()
-    index = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded).token_index
-    mine = torch.zeros_like(real)
-    mine[index[index >= 0]] = True
-    torch.testing.assert_close(x.grad, torch.where(mine[:, None, None], problem.dout, 0.0))
+    assert_round_trip(sched, problem)
 
 
 @shapes

@@ -14,7 +14,8 @@ import sdpa_fusion
 from schedules.partition import VideoTiles
 
 from .conftest import assert_matches, make_problem, run_schedule
-from .packed import assert_packed_matches, global_positions, make_packed, run_packed, sequences
+from .packed import (assert_packed_matches, assert_round_trip, global_positions, make_packed,
+                     run_packed)
 
 
 def test_shard_unshard_round_trip_is_differentiable(mesh):
@@ -23,19 +24,7 @@ def test_shard_unshard_round_trip_is_differentiable(mesh):
     p = mesh.size()
     problem = make_packed([3 * p + 1, 1, 0, 2], h=2, slack=[1, 0, 2, 0])
     sched = schedules.get("ring", mesh)
-    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
-              cu_seqlens_padded=problem.cu_seqlens_padded)
-    x = problem.q.clone().requires_grad_()
-    back = sched.unshard(sched.shard(x, **kw), **kw)
-    real = torch.zeros(x.shape[0], dtype=torch.bool)
-    for start, n in sequences(problem):
-        real[start:start + n] = True
-    torch.testing.assert_close(back, torch.where(real[:, None, None], problem.q, 0.0))
-    (back * problem.dout).sum().backward()
-    mine = torch.zeros_like(real)
-    index = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded).token_index
-    mine[index[index >= 0]] = True
-    torch.testing.assert_close(x.grad, torch.where(mine[:, None, None], problem.dout, 0.0))
+    assert_round_trip(sched, problem)
 
 
 @pytest.mark.parametrize("name, causal", [("ring", False), ("allgather", False), ("ulysses", True)])
