@@ -1,14 +1,16 @@
 """The table of measured figures that ``explain``'s cost model reads, written from benchmark
 results (``schedules/cost_table.json``, read by ``schedules.predict``; not edited by hand).
 
-    python -m benchmarks.cost_table    # from benchmarks/results/{single_gpu,ring_transport}.json
+    python -m benchmarks.cost_table    # from benchmarks/results/{single_gpu,ring_transport,thd}.json
 
 Per measured device: each kernel's one-GPU TFLOP/s by (kernel, head dim, causal, mode) over
 the sequence lengths it was measured at (``single_gpu.json``), and per transport one ring
 shift's figures by block size (``ring_transport.json``): GB/s alone, and the share of its
 time that attention running beside it does not hide, (shift during attention - attention
-alone) / shift alone, within [0, 1]. Each part names its result file, the command that wrote
-it and the git commit it ran at. Entries of other devices already in the table are kept.
+alone) / shift alone, within [0, 1]; and for packed batches of documents (``thd.json``, the
+``auto`` rows) the share of the dense kernel's rate that a packed batch reaches, by the
+batch's work-weighted document length (short documents run far below a long sequence's rate).
+Each part names its result file, the command that wrote it and the git commit it ran at. Entries of other devices already in the table are kept.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import COMMITTED_RESULTS
+from schedules.figures import dense_rate
 from schedules.predict import TABLE
 from sdpa_fusion.kernels import names
 
 ABOUT = ("figures of the cost model of explain (schedules/predict.py), written by "
          "python -m benchmarks.cost_table from the benchmark results it names; not edited by hand")
-KERNELS_FROM, SHIFTS_FROM = "single_gpu.json", "ring_transport.json"
+KERNELS_FROM, SHIFTS_FROM, PACKED_FROM = "single_gpu.json", "ring_transport.json", "thd.json"
 
 
 def source(file: str, record: dict) -> dict:
@@ -73,11 +76,30 @@ def ring_shifts(record: dict) -> list[dict]:
     return entries
 
 
+def packed_shares(record: dict, kernels: list[dict]) -> list[dict]:
+    """Per packed batch that ``auto`` ran: its work-weighted document length (sum L^3 / sum
+    L^2) and the share of the dense rate of the kernel it chose (``kernels``' figures at
+    that length) that it reached."""
+    batches = record["settings"]["batches"]
+    entries = []
+    for r in record["rows"]:
+        if r["impl"] != "auto" or not r.get("tflops"):
+            continue
+        docs = batches[r["batch"]]  # [[length, count], ...]
+        length = round(sum(c * n ** 3 for n, c in docs) / sum(c * n ** 2 for n, c in docs))
+        kernel = r["chosen"].split()[0]
+        dense, _ = dense_rate(kernels, kernel, r["head_dim"], r["causal"], r["mode"], length)
+        entries.append({"batch": r["batch"], "work_length": length, "kernel": kernel,
+                        "share": _figure(r["tflops"] / dense)})
+    return sorted(entries, key=lambda e: e["work_length"])
+
+
 def device_entries(results_dir: Path) -> dict[str, dict]:
     """Device name -> its part of the table, from the results in ``results_dir``."""
     devices: dict[str, dict] = {}
     for file, part, figures in ((KERNELS_FROM, "kernels", kernel_rates),
-                                (SHIFTS_FROM, "ring_shifts", ring_shifts)):
+                                (SHIFTS_FROM, "ring_shifts", ring_shifts),
+                                (PACKED_FROM, "packed", None)):
         path = Path(results_dir) / file
         if not path.is_file():
             raise ValueError(f"{path} does not exist; run the benchmark that writes it "
@@ -85,7 +107,9 @@ def device_entries(results_dir: Path) -> dict[str, dict]:
         record = json.loads(path.read_text())
         env = record["environment"]
         device = devices.setdefault(env["device"], {"sm": env.get("capability")})
-        device[part] = {"source": source(file, record), "figures": figures(record)}
+        found = figures(record) if figures else packed_shares(record,
+                                                             device["kernels"]["figures"])
+        device[part] = {"source": source(file, record), "figures": found}
     return devices
 
 

@@ -69,21 +69,34 @@ def _interpolate(points: dict[int, float], length: int) -> float:
 
 
 def rate(kernel: str, head_dim: int, causal: bool, mode: str, length: int,
-         path: Path = TABLE) -> Figure:
-    """TFLOP/s of ``kernel`` on one GPU, at the nearest measured head dim."""
+         path: Path = TABLE, *, packed: bool = False) -> Figure:
+    """TFLOP/s of ``kernel`` on one GPU, at the nearest measured head dim, for calls of
+    ``length`` tokens; ``packed``: a packed batch whose documents are ``length`` tokens on
+    work-weighted average, at the share of the dense rate such batches reached."""
     part = _part("kernels", path)
-    entries = [e for e in part["figures"]
-               if (e["kernel"], e["causal"], e["mode"]) == (kernel, causal, mode)]
+    value, head_dim = dense_rate(part["figures"], kernel, head_dim, causal, mode, length)
+    source = (f"{kernel} on one GPU, hd {head_dim} {'causal' if causal else 'full'} {mode} at "
+              f"{_short(length)} tokens: {value:.0f} TFLOP/s ({part['source']['file']})")
+    if packed:
+        shares = _part("packed", path)
+        share = _interpolate({e["work_length"]: e["share"] for e in shares["figures"]}, length)
+        value *= share
+        source += (f", x{share:.2f} for packed documents of {_short(length)} tokens "
+                   f"({shares['source']['file']})")
+    return Figure(value * 1e12, source)
+
+
+def dense_rate(figures: list[dict], kernel: str, head_dim: int, causal: bool, mode: str,
+               length: int) -> tuple[float, int]:
+    """(TFLOP/s, the head dim measured) of ``kernel`` in the kernel ``figures`` of a cost
+    table at the nearest measured head dim, for calls of ``length`` tokens."""
+    entries = [e for e in figures if (e["kernel"], e["causal"], e["mode"]) == (kernel, causal, mode)]
     if not entries:
-        measured = sorted({e["kernel"] for e in part["figures"]})
+        measured = sorted({e["kernel"] for e in figures})
         raise ValueError(f"the cost table has no {mode} figures of kernel {kernel!r}; choose "
                          f"one of the measured kernels {measured}")
     entry = min(entries, key=lambda e: (abs(e["head_dim"] - head_dim), e["head_dim"]))
-    value = _interpolate(dict(zip(entry["seq_lens"], entry["tflops"])), length)
-    mask = "causal" if causal else "full"
-    return Figure(value * 1e12, f"{kernel} on one GPU, hd {entry['head_dim']} {mask} {mode} at "
-                                f"{_short(length)} tokens: {value:.0f} TFLOP/s "
-                                f"({part['source']['file']})")
+    return _interpolate(dict(zip(entry["seq_lens"], entry["tflops"])), length), entry["head_dim"]
 
 
 def _link(transport: str, block_bytes: float, path: Path) -> tuple[Figure, float]:

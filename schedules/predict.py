@@ -7,7 +7,10 @@ benchmarks.cost_table`` from the benchmark results it names):
 
     rate       the kernel's TFLOP/s on one GPU for the same head dim, mask and mode at the
                length of the rank's kernel calls (interpolated in log(length), held at the
-               ends): S over the ranks of the dims whose schedule splits the keys, else S
+               ends): S over the ranks of the dims whose schedule splits the keys, else S;
+               packed, the work-weighted length of its documents' calls (whole ones at
+               their length, cut ones in pieces), at the share of the dense rate that
+               packed batches of such documents reached
     bandwidth  GB/s of one ring shift alone, per transport and block size; transfers that
                do not go by a schedule's own transport (collectives) use the p2p figure
     unhidden   how much of a shift still costs while attention runs beside it
@@ -29,6 +32,7 @@ import math
 from pathlib import Path
 
 from . import _class, names
+from .assign import CUT
 from .figures import (  # noqa: F401 (read as predict.TABLE, predict.rate, ...)
     TABLE, Figure, _interpolate, auto_kernel, load_table, measured_device, rate,
     transfer_seconds)
@@ -62,9 +66,26 @@ def overlap(description) -> Overlap:
 
 
 def call_length(plan, spec) -> int:
-    """Keys per kernel call: S over the ranks of the dims whose schedule splits the keys."""
+    """Keys per kernel call: S over the ranks of the dims whose schedule splits the keys;
+    packed, the work-weighted mean over the documents of the rank's calls."""
     blocks = math.prod(d.ranks for d in dims_of(plan) if overlap(d).splits_keys)
-    return max(spec.kv_len // blocks, 1)
+    if not spec.layout.is_varlen:
+        return max(spec.kv_len // blocks, 1)
+    calls = document_calls(plan, spec, blocks)
+    pairs = sum(w for _, w in calls)
+    return max(round(sum(n * w for n, w in calls) / pairs), 1) if pairs else 1
+
+
+def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
+    """(keys per call, relative work) of each document in a rank's calls of a packed batch:
+    those it holds whole (partition ``documents``) at their length, each cut one at a
+    ``blocks``-th of it and of its work; other ranks' whole documents not at all."""
+    lengths = [n for _, n in spec.sequences()]
+    assignment = getattr(plan.local.packing, "assignment", None)
+    owner = assignment.owner if assignment is not None else [CUT] * len(lengths)
+    mine = plan.local.packing.rank if assignment is not None else None
+    return [(n, n * n) if o == mine else (max(n // blocks, 1), n * n / blocks)
+            for n, o in zip(lengths, owner) if o in (mine, CUT)]
 
 
 def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",
@@ -74,7 +95,8 @@ def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",
     backward = mode == "fwd+bwd"
     d = plan.description
     flops = d.flops + (d.backward_flops if backward else 0.0)
-    r = rate(kernel, spec.head_dim, spec.causal, mode, call_length(plan, spec), path)
+    r = rate(kernel, spec.head_dim, spec.causal, mode, call_length(plan, spec), path,
+             packed=spec.layout.is_varlen)
     compute = flops / r.value
     transfers, link = 0.0, None
     for dim in dims_of(plan):

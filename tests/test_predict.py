@@ -93,6 +93,45 @@ def test_ring_transfers_cost_between_their_unhidden_share_and_their_time():
     assert predict.call_length(plan, problem) == 16384  # each call: one rank's block of keys
 
 
+def packed_spec(lengths) -> AttentionSpec:
+    cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    return AttentionSpec(batch=1, heads=32, kv_heads=32, q_len=cu[-1], kv_len=cu[-1],
+                         head_dim=128, causal=True, dtype=torch.bfloat16, layout="thd",
+                         cu_seqlens=cu)
+
+
+def test_short_packed_documents_run_at_the_share_their_batches_reached():
+    """2048 documents of 128 tokens, whole on each rank: calls of 128 keys, at the share of
+    the dense rate that the committed packed batch of them reached (thd.json's auto row)."""
+    problem = packed_spec([128] * 2048)
+    plan = plan_ranks("ring", problem, (4,), partition="documents")[1]
+    assert predict.call_length(plan, problem) == 128
+    step = predict.step_time(plan, problem, mode="fwd+bwd", kernel="cudnn")
+    auto = committed_row("thd.json", batch="b", impl="auto")  # it ran cuDNN
+    shortest = committed_row("single_gpu.json", impl="cudnn", head_dim=128, causal=True,
+                             mode="fwd+bwd", seq_len=4096)  # the rate held below 4K
+    dense = predict.rate("cudnn", 128, True, "fwd+bwd", 128).value
+    assert dense == pytest.approx(shortest["tflops"] * 1e12, rel=1e-3)
+    assert step.rate.value == pytest.approx(auto["tflops"] * 1e12, rel=0.01)
+    assert step.rate.value < 0.2 * dense and "packed documents of 128 tokens" in step.rate.source
+
+
+def test_a_rank_calls_its_whole_documents_at_their_length_and_the_cut_ones_in_pieces():
+    """Under documents a rank's calls take its whole documents (4K) and a P-th of the cut one
+    (64K over 4 ranks: 16K), weighted by work; load_balanced cuts every document."""
+    problem = packed_spec([65536, 4096, 4096, 4096, 4096])
+    plans = plan_ranks("ring", problem, (4,), partition="documents")
+    for plan in plans:
+        (whole,) = plan.local.packing.whole_lengths
+        pairs = [(4096, 4096 ** 2), (16384, 65536 ** 2 / 4)]
+        want = sum(n * w for n, w in pairs) / sum(w for _, w in pairs)
+        assert predict.call_length(plan, problem) == round(want)
+    balanced = plan_ranks("ring", problem, (4,), partition="load_balanced")[0]
+    pairs = [(16384, 65536 ** 2)] + [(1024, 4096 ** 2)] * 4
+    want = sum(n * w for n, w in pairs) / sum(w for _, w in pairs)
+    assert predict.call_length(balanced, problem) == round(want)
+
+
 def test_interpolation_is_linear_in_log_length_and_held_at_the_ends():
     points = {1024: 100.0, 4096: 200.0}
     assert predict._interpolate(points, 2048) == pytest.approx(150.0)
