@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 
@@ -49,13 +50,18 @@ class RankMemory:
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
     """One rank's part: its coordinates on the mesh, its local problem, what the schedule
-    says it costs (``describe`` of the global problem) and the memory it holds."""
+    says it costs (``describe`` of the global problem) and the memory it holds (a dry run
+    of the schedule, made when first read)."""
 
     rank: int
     coordinates: dict[str, int]
     local: AttentionSpec
     description: Description
-    memory: RankMemory
+
+    @functools.cached_property
+    def memory(self) -> RankMemory:
+        inputs = input_bytes(self.local, backward=False)
+        return RankMemory(inputs, input_bytes(self.local) - inputs, self.description.memory)
 
 
 def mesh_names(name: str, dims: int) -> tuple[str, ...]:
@@ -89,7 +95,7 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
-                                  description, _memory(local, description)))
+                                  description))
     return plans
 
 
@@ -129,8 +135,3 @@ def _local_packed(schedule, spec: AttentionSpec) -> AttentionSpec:
     local = schedule.local_spec(spec)
     tokens = local.packing.tokens
     return local.replace(q_len=tokens, kv_len=tokens)
-
-
-def _memory(local: AttentionSpec, description: Description) -> RankMemory:
-    inputs = input_bytes(local, backward=False)
-    return RankMemory(inputs, input_bytes(local) - inputs, description.memory)
