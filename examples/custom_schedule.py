@@ -6,7 +6,8 @@ Each rank keeps S/P contiguous tokens of q, k and v. The forward all-gathers K a
 attends the rank's queries to every key with the local kernel; the backward gathers them
 again, computes this rank's queries' share of dK and dV for every key, and sums the shares
 over the ranks (a reduce-scatter). Its transfers go through the schedule's communicator
-(``self.comm``), so ``describe().memory`` comes from a dry run of this very code. No mask: ``causal=True`` is refused by ``validate`` with the fix. The walk
+(``self.comm``), so ``describe()`` comes from a dry run of this very code: its kernel calls,
+FLOPs, the bytes it moves and the memory it holds. No mask: ``causal=True`` is refused by ``validate`` with the fix. The walk
 through this file is docs/custom_schedule.md.
 """
 
@@ -18,7 +19,7 @@ import torch
 
 import schedules
 import sdpa_fusion
-from schedules import Description, Schedule, dry_run
+from schedules import Schedule, dry_run
 
 
 class GatherKV(Schedule):
@@ -61,20 +62,9 @@ class GatherKV(Schedule):
         return torch.empty_like(like).copy_(self.comm.reduce_scatter(shares))
 
     def describe(self, spec):
-        """Steps, bytes and FLOPs per rank for the global ``spec``."""
-        p, item = self.size, spec.dtype.itemsize
-        kv = 2 * spec.batch * spec.kv_heads * (spec.kv_len // p) * spec.head_dim  # K and V
-        gather = (p - 1) * kv * item
-        reduce = (p - 1) * kv * 4  # reduce-scatter of fp32 dK, dV shares
-        return Description(
-            self.name, p, steps=1, bytes_sent=gather, bytes_received=gather,
-            flops=spec.flops() / p, backward_steps=1, backward_bytes_sent=gather + reduce,
-            backward_bytes_received=gather + reduce,
-            backward_flops=(spec.flops(backward=True) - spec.flops()) / p,
-            notes="K/V all-gathered in forward and again in backward; fp32 dK/dV shares "
-                  "reduce-scattered",
-            memory_of=dry_run.memory_of(self, spec),  # what this code allocates, run dry
-        )
+        """Kernel calls, FLOPs, bytes and memory per rank for the global ``spec``: what a dry
+        run of this forward and backward does (data-less tensors, nothing moved)."""
+        return dry_run.describe(self, spec)
 
 
 schedules.register(GatherKV)

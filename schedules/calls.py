@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from sdpa_fusion.kernels.base import Seqlens, layout_of
-from sdpa_fusion.mask import Window, band, visible_pairs
+from sdpa_fusion.mask import Window, call_pairs
 from sdpa_fusion.merge import Merged, take_rows
 
 
@@ -93,9 +93,7 @@ class DenseCall:
         (half of them when causal without a window, as ``AttentionSpec.flops`` counts)."""
         n_q, n_k = (len(range(*part.indices(n))) for part, n in ((self.rows, s_q),
                                                                  (self.keys, s_kv)))
-        if self.window is None:
-            return n_q * n_k * (0.5 if self.causal else 1.0)
-        return visible_pairs(n_q, n_k, band(self.causal, self.window))
+        return call_pairs(n_q, n_k, self.causal, self.window)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -141,10 +139,9 @@ class PackedCall:
         return grads
 
     @property
-    def pairs(self) -> int:
-        """Query-key pairs the call computes (for ``describe``)."""
-        mask = band(self.causal, self.window)
-        return sum(visible_pairs(n_q, n_k, mask)
+    def pairs(self) -> float:
+        """Query-key pairs the call computes (for ``describe``; as ``DenseCall.pairs``)."""
+        return sum(call_pairs(n_q, n_k, self.causal, self.window)
                    for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k))
 
 

@@ -1,19 +1,23 @@
-"""What a schedule's call allocates, from a dry run of its own code: ``describe().memory``.
+"""What a schedule's call allocates and does, from a dry run of its own code.
 
     memory = dry_run.memory(schedule, spec)     # spec: the global problem; this rank's bytes
+    d = dry_run.describe(schedule, spec)        # its kernel calls, FLOPs, bytes and memory
 
 The schedule runs its forward and backward on data-less (meta) tensors of this rank's part
 of ``spec``. Its transfers go through a communicator that moves nothing but allocates what
 the real one does (collectives' results, p2p's slots and the copies it sends, held until
 waited for; the copy-engine transport's symmetric buffer, kept between calls and counted as
 ``kept``). Its kernel calls go through ``WorkspaceKernel``, which allocates what the GPU
-kernels do and computes nothing. ``Allocations`` counts every storage that ops create and
-when it dies, so the peak is that of the loop that runs; nothing models it a second time.
+kernels do and computes nothing (counting its calls and their FLOPs). ``Allocations`` counts
+every storage that ops create and when it dies, so the peak is that of the loop that runs;
+nothing models it a second time. The built-in schedules take their memory from here; a
+schedule of your own may take its whole ``describe()`` (``describe``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import threading
 import weakref
@@ -24,14 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from sdpa_fusion.kernels.base import Kernel, layout_of
+from sdpa_fusion.mask import call_pairs
 from sdpa_fusion.spec import AttentionSpec
 
-from .base import Schedule
+from .base import Description, Schedule
 from .comm import Communicator
 from .memory import Memory
 from .transport import P2PMover, Region
 
 META = torch.device("meta")
+BACKWARD = 2.5  # a backward's matmul FLOPs over its forward's (``AttentionSpec.flops``)
 
 
 class Allocations(TorchDispatchMode):
@@ -78,24 +84,39 @@ def _key(t) -> int:
 class WorkspaceKernel(Kernel):
     """Allocates what FlashAttention and cuDNN allocate per call (results; in backward an fp32
     dQ workspace, with GQA fp32 dK and dV as FlashAttention-4 keeps) and computes nothing:
-    its results are zeros (lse 0), on real tensors too."""
+    its results are zeros (lse 0), on real tensors too. ``calls`` and ``flops`` count its
+    calls and their matmul FLOPs, as ``AttentionSpec.flops`` counts them."""
 
     name = "workspace"
     gpu_only = False
     supports_window = True
     native_varlen = True
 
+    def __init__(self):
+        self.calls, self.flops = 0, 0.0
+
     def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
+        self._count(q, [(q.shape[2], k.shape[2])] * q.shape[0], causal, window, 1.0)
         return _zeros_like(q), torch.zeros(q.shape[:3], device=q.device)
 
     def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
+        self._count(q, [(q.shape[2], k.shape[2])] * q.shape[0], causal, window, BACKWARD)
         return self._grads((dq, dk, dv), q, k, v)
 
     def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
+        self._count(q, list(zip(seqlens.lengths_q, seqlens.lengths_k)), causal, window, 1.0)
         return _zeros_like(q), torch.zeros(q.shape[1], q.shape[0], device=q.device)
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+        self._count(q, list(zip(seqlens.lengths_q, seqlens.lengths_k)), causal, window,
+                    BACKWARD)
         return self._grads((None,) * 3, q, k, v)
+
+    def _count(self, q, lengths, causal, window, times: float) -> None:
+        """One call over sequences of (query rows, key rows) ``lengths`` of q's heads."""
+        pairs = sum(call_pairs(n_q, n_k, causal, window) for n_q, n_k in lengths)
+        self.calls += 1
+        self.flops += times * 4.0 * q.shape[1] * q.shape[-1] * pairs
 
     @staticmethod
     def _grads(given, q, k, v):
@@ -196,20 +217,62 @@ def memory_of(schedule: Schedule, spec: AttentionSpec) -> Callable[[], Memory]:
 def memory(schedule: Schedule, spec: AttentionSpec) -> Memory:
     """What ``schedule`` allocates on this rank for a forward and a backward on the global
     ``spec``, from a dry run of the schedule (see the module docstring)."""
-    dry = _dry(schedule, {})
+    return run(schedule, spec)[2]
+
+
+def describe(schedule: Schedule, spec: AttentionSpec) -> Description:
+    """``schedule``'s ``Description`` for the global ``spec`` from a dry run of its code: its
+    kernel calls (steps) and their FLOPs, the bytes its transfers count and its memory."""
+    forward, backward, used = run(schedule, spec)
+    return Description(
+        schedule.name, schedule.size, steps=forward.calls, bytes_sent=forward.sent,
+        bytes_received=forward.received, flops=forward.flops, backward_steps=backward.calls,
+        backward_bytes_sent=backward.sent, backward_bytes_received=backward.received,
+        backward_flops=backward.flops, notes="from a dry run of the schedule",
+        memory_of=lambda: used)
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """What a forward or a backward of a dry run did: kernel ``calls``, their ``flops``, and
+    the bytes its transfers ``sent`` and ``received``."""
+
+    calls: int
+    flops: float
+    sent: int
+    received: int
+
+
+def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory]:
+    """(forward, backward, memory) of a dry run of ``schedule`` on the global ``spec``."""
+    done: dict = {}
+    dry = _dry(schedule, done)
     local, (q, k, v, dout) = _local(dry, spec)
     kernel = WorkspaceKernel()
+    counted = []
+
+    def counts() -> Counts:
+        comms = [c.__dict__["comm"].stats for c in done.values() if "comm" in c.__dict__]
+        sent, received = (sum(getattr(s, f) for s in comms) for f in ("bytes_sent",
+                                                                      "bytes_received"))
+        before = counted[-1] if counted else Counts(0, 0.0, 0, 0)
+        counted.append(Counts(kernel.calls, kernel.flops, sent, received))
+        now = counted[-1]
+        return Counts(now.calls - before.calls, now.flops - before.flops,
+                      now.sent - before.sent, now.received - before.received)
+
     with torch.no_grad():
-        with Allocations() as counted:
+        with Allocations() as allocated:
             out, lse = dry.forward(q, k, v, local, kernel)
+        forward = counts()
         outputs = _bytes(out) + _bytes(lse)
-        forward = counted.peak - outputs
-        with Allocations() as counted:
+        forward_peak = allocated.peak - outputs
+        with Allocations() as allocated:
             grads = dry.backward(dout, q, k, v, out, lse, local, kernel)
             del grads
-        backward = counted.peak
-    return Memory(outputs=outputs, forward=forward, backward=backward, kept=dry.kept_bytes
-                  if hasattr(dry, "kept_bytes") else 0)
+        backward = counts()
+    kept = dry.kept_bytes if hasattr(dry, "kept_bytes") else 0
+    return forward, backward, Memory(outputs, forward_peak, allocated.peak, kept)
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -82,6 +82,15 @@ def visible_pairs(n_q: int, n_k: int, band_: tuple[int | None, int | None]) -> i
     return int((high - low + 1).clamp_min(0).sum())
 
 
+def call_pairs(n_q: int, n_k: int, causal: bool, window: "Window | None") -> float:
+    """Query-key pairs a kernel call over ``n_q`` queries and ``n_k`` keys computes, as
+    FLOPs count them: half of them when causal without a window, else those the band lets
+    through."""
+    if window is None:
+        return n_q * n_k * (0.5 if causal else 1.0)
+    return visible_pairs(n_q, n_k, band(causal, window))
+
+
 @dataclasses.dataclass(frozen=True)
 class Cut:
     """What a band leaves of runs of queries and keys (tensors, elementwise): the first

@@ -10,7 +10,7 @@ import torch
 
 from .layout import (Layout, check_cu_seqlens, check_offsets, check_padding, seqlens_of,
                      tensor_layout)
-from .mask import Window, band, visible_pairs
+from .mask import Window, call_pairs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -152,12 +152,10 @@ class AttentionSpec:
             from .mask_plan import spec_pairs
 
             pairs = spec_pairs(self)
-        elif self.window is None:
-            pairs = sum(n_q * n_k for n_q, n_k in lengths) * (0.5 if self.causal else 1.0)
         else:
-            mask = band(self.causal, self.window)
             counts = collections.Counter(lengths)
-            pairs = sum(c * visible_pairs(n_q, n_k, mask) for (n_q, n_k), c in counts.items())
+            pairs = sum(c * call_pairs(n_q, n_k, self.causal, self.window)
+                        for (n_q, n_k), c in counts.items())
         f = 4.0 * self.heads * pairs * self.head_dim
         return f * 3.5 if backward else f
 

@@ -9,9 +9,11 @@ Run: pytest -q tests/test_describe.py
 from __future__ import annotations
 
 import pytest
+import torch
 
 import schedules
 import sdpa_fusion
+from schedules import dry_run
 from sdpa_fusion import VirtualMesh
 from tests.distributed.test_hybrid import mesh_shapes
 
@@ -200,3 +202,45 @@ def test_hybrid(shape, inner, outer, kv_heads, layout):
             one_d = schedules.get("ring", mesh, dim="seq", partition="load_balanced").describe(spec)
             assert outer_d.bytes_sent == one_d.bytes_sent * max(kv_heads // pi, 1) // kv_heads
 
+
+
+# ---- describe() against a dry run of the code ------------------------------------------------
+def _problems(p: int):
+    """(name, global spec) of dense causal, full and windowed problems and a packed batch."""
+    dense = dict(batch=1, heads=4 * p, kv_heads=2 * p, q_len=32 * p, kv_len=32 * p, head_dim=16)
+    lengths = [20 * p, 3, 0, 7, 5 * p + 1]
+    cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    return [("causal", sdpa_fusion.AttentionSpec(**dense, causal=True)),
+            ("full", sdpa_fusion.AttentionSpec(**dense)),
+            ("window", sdpa_fusion.AttentionSpec(**dense, causal=True, window=(9, 0))),
+            ("packed", sdpa_fusion.AttentionSpec(
+                **{**dense, "q_len": cu[-1], "kv_len": cu[-1]}, causal=True, layout="thd",
+                cu_seqlens=cu))]
+
+
+@pytest.mark.parametrize("p", [2, 4], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("name, options", [
+    ("ring", {}), ("ring", {"partition": "documents"}), ("allgather", {}),
+    ("allgather", {"partition": "documents"}), ("ulysses", {}), ("head_parallel", {})],
+    ids=["ring", "ring-documents", "allgather", "allgather-documents", "ulysses",
+         "head_parallel"])
+def test_described_bytes_and_flops_are_those_of_the_code(p, name, options):
+    """What describe() says each rank moves is what a dry run of the schedule's own forward
+    and backward counts (schedules/dry_run.py), to the byte; its FLOPs add up to the dry
+    run's over the ranks (describe may give each rank the mean)."""
+    dim = ("heads",) if name == "head_parallel" else ("seq",)
+    for what, spec in _problems(p):
+        if spec.layout.is_varlen and name == "head_parallel":
+            continue
+        flops = [0.0, 0.0]
+        for mesh in ranks(p, names=dim):
+            sched = schedules.get(name, mesh, **options)
+            d = sched.describe(spec)
+            forward, backward, _ = dry_run.run(sched, spec)
+            assert (d.bytes_sent, d.bytes_received) == (forward.sent, forward.received), \
+                (what, mesh)
+            assert (d.backward_bytes_sent, d.backward_bytes_received) == \
+                (backward.sent, backward.received), (what, mesh)
+            flops[0] += d.flops - forward.flops
+            flops[1] += d.backward_flops - backward.flops
+        assert flops == pytest.approx([0.0, 0.0], abs=1e-6 * spec.flops(backward=True)), what

@@ -15,7 +15,9 @@ import torch
 import schedules
 import sdpa_fusion
 from tests.distributed.conftest import assert_matches, make_problem, run_schedule
+from tests.comms import counting
 from tests.distributed.test_memory import assert_described
+from tests.distributed.test_traffic import assert_bytes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,3 +62,23 @@ def test_gather_kv_allocates_what_its_dry_run_says(mesh, example):
     q, k, v, dout = (sched.shard(t).detach() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     assert_described(sched, q, k, v, dout, sched.describe(spec).memory)
+
+
+def test_gather_kv_describes_what_it_does(mesh, example):
+    """Its describe() is a dry run of its code: one kernel call each way on a P-th of the
+    FLOPs, and the bytes torch.distributed sees it move in a real call, each way."""
+    p = mesh.size()
+    sched = schedules.get("gather_kv", mesh)
+    full = [torch.randn(1, 4, 8 * p, 16) for _ in range(4)]
+    spec = sdpa_fusion.AttentionSpec.from_tensors(*full[:3])
+    d = sched.describe(spec)
+    assert (d.steps, d.backward_steps) == (1, 1)
+    assert d.flops == pytest.approx(spec.flops() / p)
+    assert d.flops + d.backward_flops == pytest.approx(spec.flops(backward=True) / p)
+    q, k, v, dout = (sched.shard(t) for t in full)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with counting() as forward:
+        out = sdpa_fusion.attention(q, k, v, kernel="reference", schedule=sched)
+    with counting() as backward:
+        out.backward(dout)
+    assert_bytes(d, forward, backward, sched.group)
