@@ -242,6 +242,10 @@ class Counts:
     sent: int
     received: int
 
+    def __sub__(self, other: "Counts") -> "Counts":
+        return Counts(*(getattr(self, f.name) - getattr(other, f.name)
+                        for f in dataclasses.fields(self)))
+
 
 def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory]:
     """(forward, backward, memory) of a dry run of ``schedule`` on the global ``spec``."""
@@ -249,28 +253,22 @@ def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory
     dry = _dry(schedule, done)
     local, (q, k, v, dout) = _local(dry, spec)
     kernel = WorkspaceKernel()
-    counted = []
 
-    def counts() -> Counts:
-        comms = [c.__dict__["comm"].stats for c in done.values() if "comm" in c.__dict__]
-        sent, received = (sum(getattr(s, f) for s in comms) for f in ("bytes_sent",
-                                                                      "bytes_received"))
-        before = counted[-1] if counted else Counts(0, 0.0, 0, 0)
-        counted.append(Counts(kernel.calls, kernel.flops, sent, received))
-        now = counted[-1]
-        return Counts(now.calls - before.calls, now.flops - before.flops,
-                      now.sent - before.sent, now.received - before.received)
+    def so_far() -> Counts:
+        stats = [c.__dict__["comm"].stats for c in done.values() if "comm" in c.__dict__]
+        return Counts(kernel.calls, kernel.flops, sum(s.bytes_sent for s in stats),
+                      sum(s.bytes_received for s in stats))
 
     with torch.no_grad():
         with Allocations() as allocated:
             out, lse = dry.forward(q, k, v, local, kernel)
-        forward = counts()
+        forward = so_far()
         outputs = _bytes(out) + _bytes(lse)
         forward_peak = allocated.peak - outputs
         with Allocations() as allocated:
             grads = dry.backward(dout, q, k, v, out, lse, local, kernel)
             del grads
-        backward = counts()
+        backward = so_far() - forward
     kept = dry.kept_bytes if hasattr(dry, "kept_bytes") else 0
     return forward, backward, Memory(outputs, forward_peak, allocated.peak, kept)
 
