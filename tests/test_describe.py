@@ -230,17 +230,31 @@ def test_described_bytes_and_flops_are_those_of_the_code(p, name, options):
     run's over the ranks (describe may give each rank the mean)."""
     dim = ("heads",) if name == "head_parallel" else ("seq",)
     for what, spec in _problems(p):
-        if spec.layout.is_varlen and name == "head_parallel":
-            continue
-        flops = [0.0, 0.0]
-        for mesh in ranks(p, names=dim):
-            sched = schedules.get(name, mesh, **options)
-            d = sched.describe(spec)
-            forward, backward, _ = dry_run.run(sched, spec)
-            assert (d.bytes_sent, d.bytes_received) == (forward.sent, forward.received), \
-                (what, mesh)
-            assert (d.backward_bytes_sent, d.backward_bytes_received) == \
-                (backward.sent, backward.received), (what, mesh)
-            flops[0] += d.flops - forward.flops
-            flops[1] += d.backward_flops - backward.flops
-        assert flops == pytest.approx([0.0, 0.0], abs=1e-6 * spec.flops(backward=True)), what
+        if not (spec.layout.is_varlen and name == "head_parallel"):
+            assert_described_as_run([schedules.get(name, mesh, **options)
+                                     for mesh in ranks(p, names=dim)], spec, what)
+
+
+@shapes
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+@pytest.mark.parametrize("outer", ["ring", "allgather"])
+def test_hybrid_described_bytes_and_flops_are_those_of_the_code(shape, inner, outer):
+    p = shape[0] * shape[1]
+    for what, spec in _problems(p):
+        assert_described_as_run([schedules.get("hybrid", mesh, inner=inner, outer=outer)
+                                 for mesh in ranks(p, shape, ("heads", "seq"))], spec, what)
+
+
+def assert_described_as_run(scheds, spec, what: str) -> None:
+    """Every rank's described bytes are its dry run's; the FLOPs add up alike."""
+    flops = [0.0, 0.0]
+    for sched in scheds:
+        d = sched.describe(spec)
+        forward, backward, _ = dry_run.run(sched, spec)
+        where = (what, sched.mesh)
+        assert (d.bytes_sent, d.bytes_received) == (forward.sent, forward.received), where
+        assert (d.backward_bytes_sent, d.backward_bytes_received) == \
+            (backward.sent, backward.received), where
+        flops[0] += d.flops - forward.flops
+        flops[1] += d.backward_flops - backward.flops
+    assert flops == pytest.approx([0.0, 0.0], abs=1e-6 * spec.flops(backward=True)), what
