@@ -15,6 +15,7 @@ from schedules import partition as partitions
 from schedules.packing import Split, global_packing
 from schedules.partition import VideoTiles
 from schedules.ring import block_case, packed_call
+from sdpa_fusion.mask import band, visible_pairs
 
 
 def cumulative(lengths) -> tuple[int, ...]:
@@ -96,7 +97,8 @@ def test_ring_causal_calls_are_square_per_sequence(packing):
             if call is not None:
                 if call.causal:
                     assert call.seqlens.lengths_q == call.seqlens.lengths_k
-                pairs += call.pairs
+                pairs += sum(visible_pairs(n_q, n_k, band(call.causal, call.window))
+                             for n_q, n_k in zip(call.seqlens.lengths_q, call.seqlens.lengths_k))
         positions = local.position_ids[local.token_index >= 0]
         assert pairs == int((positions + 1).sum())  # query at position i sees i + 1 keys
 
