@@ -34,7 +34,7 @@ from sdpa_fusion.spec import AttentionSpec
 from .base import Description, Schedule
 from .comm import Communicator
 from .memory import Memory
-from .transport import P2PMover, Region
+from .transport import Mover, P2PMover, Region
 
 META = torch.device("meta")
 BACKWARD = 2.5  # a backward's matmul FLOPs over its forward's (``AttentionSpec.flops``)
@@ -161,52 +161,53 @@ class DryComm(Communicator):
         work.wait()
 
 
-class DryMover(P2PMover):
-    """p2p's slots and send copies, moving nothing; with ``keeps`` the copy-engine transport's
-    symmetric buffer instead: allocated uncounted, its largest size is ``kept_bytes``."""
+class DryP2PMover(P2PMover):
+    """p2p's slots and the copies it sends, held until waited for; nothing moves. Named as
+    the transport it stands for, which schedules read (``keeps_buffers``)."""
 
-    name = "dry"
+    def _start(self, sends, receives) -> list:
+        return [_Done([t for t, _ in sends])] if sends or receives else []
 
-    def __init__(self, comm, keeps: bool):
+
+class DryCopyEngineMover(Mover):
+    """The copy-engine transport's one receive buffer, kept between calls outside torch's
+    allocator: allocated uncounted, its largest size is ``kept_bytes``. What a rank sends
+    goes straight into the peer's buffer (no copy of its own); nothing moves."""
+
+    name = "copy_engine"
+
+    def __init__(self, comm):
         super().__init__(comm)
-        self.keeps, self._kept = keeps, 0
+        self._kept = 0
 
     @property
     def kept_bytes(self) -> int:
         return self._kept
 
     def buffer(self, nbytes, device):
-        if not self.keeps:
-            return super().buffer(nbytes, device)
-        self._kept = max(self._kept, nbytes)
-        with _disable_current_modes():  # outside torch's allocator: not counted
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.reserve(nbytes, device)
+        return _uncounted(nbytes, device)
 
     def reserve(self, nbytes, device):
-        if self.keeps:
-            self._kept = max(self._kept, nbytes)
+        self._kept = max(self._kept, nbytes)
 
     def region(self, base, nbytes, device):
-        if not self.keeps:
-            return super().region(base, nbytes, device)
-        with _disable_current_modes():
-            return Region(torch.empty(nbytes, dtype=torch.uint8, device=device), base)
+        return Region(_uncounted(nbytes, device), base)
 
     def push(self, tensors, ring, slot, hops=1):
-        if not self.keeps:
-            return super().push(tensors, ring, slot, hops)
-        self.comm.count(ring.data.used, ring.data.used)  # copied straight into the peer's slot
+        self.comm.count(ring.data.used, ring.data.used)
         return []
 
     def _exchange(self, puts, takes, region):
-        if not self.keeps:
-            return super()._exchange(puts, takes, region)
         for p in puts:
             p.bytes()  # a contiguous source when the piece is not one
         return []
 
-    def _start(self, sends, receives) -> list:
-        return [_Done([t for t, _ in sends])] if sends or receives else []
+
+def _uncounted(nbytes: int, device) -> torch.Tensor:
+    """A byte buffer outside ``Allocations``' count (the kept symmetric buffer)."""
+    with _disable_current_modes():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def memory_of(schedule: Schedule, spec: AttentionSpec) -> Callable[[], Memory]:
@@ -289,7 +290,8 @@ def _dry(schedule, done: dict):
     if schedule.mesh is not None and schedule.dim is not None:
         comm = dry.__dict__["comm"] = DryComm(schedule.index, schedule.size)
         if hasattr(dry, "_movers"):
-            dry._movers = {META: DryMover(comm, schedule.keeps_buffers())}
+            mover = DryCopyEngineMover if schedule.keeps_buffers() else DryP2PMover
+            dry._movers = {META: mover(comm)}
     return dry
 
 

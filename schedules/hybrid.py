@@ -53,8 +53,8 @@ from sdpa_fusion.kernels.base import head_shards
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from sdpa_fusion.local import packed_seqlens
 
-from .allgather import AllGather
 from . import dry_run
+from .allgather import AllGather
 from .base import Schedule
 from .calls import PackedCall
 from .dim_costs import describe_dims

@@ -258,3 +258,19 @@ def assert_described_as_run(scheds, spec, what: str) -> None:
         flops[0] += d.flops - forward.flops
         flops[1] += d.backward_flops - backward.flops
     assert flops == pytest.approx([0.0, 0.0], abs=1e-6 * spec.flops(backward=True)), what
+
+
+@pytest.mark.parametrize("transport", ["p2p", "copy_engine"])
+def test_a_dry_run_takes_the_transport_it_stands_for(transport):
+    """Ulysses pipelines a packed batch in head groups only over copy engines (which keep
+    their buffers): the dry run sees the transport the schedule would use, so it runs the
+    groups a real call runs (one varlen call each way per group), its kept buffer counted."""
+    cu = (0, 400, 720, 1024)
+    spec = sdpa_fusion.AttentionSpec(1, 16, 16, 1024, 1024, 64, causal=True, layout="thd",
+                                     cu_seqlens=cu)
+    sched = schedules.get("ulysses", VirtualMesh((2,), ("seq",), rank=0), transport=transport)
+    forward, backward, memory = dry_run.run(sched, spec)
+    groups = sched.groups_for(spec)
+    assert groups == (1 if transport == "p2p" else 2)
+    assert (forward.calls, backward.calls) == (groups, groups)
+    assert (memory.kept > 0) == (transport == "copy_engine")
