@@ -10,7 +10,8 @@ time that attention running beside it does not hide, (shift during attention - a
 alone) / shift alone, within [0, 1]; and for packed batches of documents (``thd.json``, the
 ``auto`` rows) the share of the dense kernel's rate that a packed batch reaches, by the
 batch's work-weighted document length (short documents run far below a long sequence's rate).
-Each part names its result file, the command that wrote it and the git commit it ran at. Entries of other devices already in the table are kept.
+Each part names its result file, the command that wrote it and the git commit it ran at.
+Entries of other devices already in the table are kept.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import COMMITTED_RESULTS
-from schedules.figures import dense_rate
+from schedules.figures import dense_rate, work_length
 from schedules.predict import TABLE
 from sdpa_fusion.kernels import names
 
@@ -41,7 +42,7 @@ def _figure(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def kernel_rates(record: dict) -> list[dict]:
+def kernel_rates(record: dict, device: dict) -> list[dict]:
     """Per (kernel, head dim, causal, mode): TFLOP/s at each measured sequence length (the
     kernels of ``sdpa_fusion.kernels``, ``auto`` left out)."""
     kernels = set(names()) - {"auto"}
@@ -55,7 +56,7 @@ def kernel_rates(record: dict) -> list[dict]:
             for (k, hd, causal, mode), points in sorted(grouped.items())]
 
 
-def ring_shifts(record: dict) -> list[dict]:
+def ring_shifts(record: dict, device: dict) -> list[dict]:
     """Per transport and block size: GB/s of one shift alone and the share of it that
     attention beside it does not hide (None where the block was not measured with attention)."""
     rows = [r for r in record["rows"] if r.get("median_ms")]
@@ -76,19 +77,20 @@ def ring_shifts(record: dict) -> list[dict]:
     return entries
 
 
-def packed_shares(record: dict, kernels: list[dict]) -> list[dict]:
-    """Per packed batch that ``auto`` ran: its work-weighted document length (sum L^3 / sum
-    L^2) and the share of the dense rate of the kernel it chose (``kernels``' figures at
-    that length) that it reached."""
+def packed_shares(record: dict, device: dict) -> list[dict]:
+    """Per packed batch that ``auto`` ran: its work-weighted document length and the share
+    of the dense rate of the kernel it chose (the ``device``'s kernel figures at that length)
+    that it reached."""
     batches = record["settings"]["batches"]
     entries = []
     for r in record["rows"]:
         if r["impl"] != "auto" or not r.get("tflops"):
             continue
         docs = batches[r["batch"]]  # [[length, count], ...]
-        length = round(sum(c * n ** 3 for n, c in docs) / sum(c * n ** 2 for n, c in docs))
+        length = work_length([(n, c * n * n) for n, c in docs])
         kernel = r["chosen"].split()[0]
-        dense, _ = dense_rate(kernels, kernel, r["head_dim"], r["causal"], r["mode"], length)
+        dense, _ = dense_rate(device["kernels"]["figures"], kernel, r["head_dim"], r["causal"],
+                              r["mode"], length)
         entries.append({"batch": r["batch"], "work_length": length, "kernel": kernel,
                         "share": _figure(r["tflops"] / dense)})
     return sorted(entries, key=lambda e: e["work_length"])
@@ -99,7 +101,7 @@ def device_entries(results_dir: Path) -> dict[str, dict]:
     devices: dict[str, dict] = {}
     for file, part, figures in ((KERNELS_FROM, "kernels", kernel_rates),
                                 (SHIFTS_FROM, "ring_shifts", ring_shifts),
-                                (PACKED_FROM, "packed", None)):
+                                (PACKED_FROM, "packed", packed_shares)):
         path = Path(results_dir) / file
         if not path.is_file():
             raise ValueError(f"{path} does not exist; run the benchmark that writes it "
@@ -107,9 +109,7 @@ def device_entries(results_dir: Path) -> dict[str, dict]:
         record = json.loads(path.read_text())
         env = record["environment"]
         device = devices.setdefault(env["device"], {"sm": env.get("capability")})
-        found = figures(record) if figures else packed_shares(record,
-                                                             device["kernels"]["figures"])
-        device[part] = {"source": source(file, record), "figures": found}
+        device[part] = {"source": source(file, record), "figures": figures(record, device)}
     return devices
 
 

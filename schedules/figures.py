@@ -86,6 +86,13 @@ def rate(kernel: str, head_dim: int, causal: bool, mode: str, length: int,
     return Figure(value * 1e12, source)
 
 
+def work_length(calls) -> int:
+    """The mean length of calls of (length, work) pairs, weighted by their work (a causal
+    call of L tokens does about L^2 / 2): what sets the rate of a batch of documents."""
+    work = sum(w for _, w in calls)
+    return max(round(sum(n * w for n, w in calls) / work), 1) if work else 1
+
+
 def dense_rate(figures: list[dict], kernel: str, head_dim: int, causal: bool, mode: str,
                length: int) -> tuple[float, int]:
     """(TFLOP/s, the head dim measured) of ``kernel`` in the kernel ``figures`` of a cost

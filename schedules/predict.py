@@ -35,7 +35,7 @@ from . import _class, names
 from .assign import CUT
 from .figures import (  # noqa: F401 (read as predict.TABLE, predict.rate, ...)
     TABLE, Figure, _interpolate, auto_kernel, load_table, measured_device, rate,
-    transfer_seconds)
+    transfer_seconds, work_length)
 from .overlap import Overlap, overlap_of
 
 
@@ -71,9 +71,7 @@ def call_length(plan, spec) -> int:
     blocks = math.prod(d.ranks for d in dims_of(plan) if overlap(d).splits_keys)
     if not spec.layout.is_varlen:
         return max(spec.kv_len // blocks, 1)
-    calls = document_calls(plan, spec, blocks)
-    pairs = sum(w for _, w in calls)
-    return max(round(sum(n * w for n, w in calls) / pairs), 1) if pairs else 1
+    return work_length(document_calls(plan, spec, blocks))
 
 
 def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
