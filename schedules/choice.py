@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sdpa_fusion.spec import AttentionSpec
+from sdpa_fusion.spec import FORWARD_AND_BACKWARD, AttentionSpec
 
 from .assign import CUT, assign
 from .figures import TABLE, auto_kernel, rate, transfer_seconds
@@ -54,7 +54,7 @@ def _seconds(schedule, pairs: float, length: int, ring_tokens: int, kernel: str,
     """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` causal query-key pairs in
     calls of ``length`` keys, beside the transfers of a load-balanced split of
     ``ring_tokens`` tokens (those of a dense sequence of as many, ``schedule.twin()``)."""
-    flops = 4.0 * REFERENCE_HEADS * REFERENCE_HEAD_DIM * pairs * 3.5
+    flops = 4.0 * REFERENCE_HEADS * REFERENCE_HEAD_DIM * pairs * FORWARD_AND_BACKWARD
     compute = flops / rate(kernel, REFERENCE_HEAD_DIM, True, "fwd+bwd", max(length, 1),
                            path).value
     multiple = 2 * schedule.size

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from sdpa_fusion.kernels.base import Kernel, layout_of
 from sdpa_fusion.mask import call_pairs
-from sdpa_fusion.spec import AttentionSpec
+from sdpa_fusion.spec import FORWARD_AND_BACKWARD, AttentionSpec
 
 from .base import Description, Schedule
 from .comm import Communicator
@@ -37,7 +37,7 @@ from .memory import Memory
 from .transport import Mover, P2PMover, Region
 
 META = torch.device("meta")
-BACKWARD = 2.5  # a backward's matmul FLOPs over its forward's (``AttentionSpec.flops``)
+BACKWARD = FORWARD_AND_BACKWARD - 1  # a backward's matmul FLOPs over its forward's
 
 
 class Allocations(TorchDispatchMode):

@@ -13,6 +13,7 @@ from .layout import (Layout, check_cu_seqlens, check_offsets, check_padding, seq
 from .mask import Window, call_pairs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORWARD_AND_BACKWARD = 3.5  # matmul FLOPs of a forward and its backward over the forward's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ class AttentionSpec:
             pairs = sum(c * call_pairs(n_q, n_k, self.causal, self.window)
                         for (n_q, n_k), c in counts.items())
         f = 4.0 * self.heads * pairs * self.head_dim
-        return f * 3.5 if backward else f
+        return f * FORWARD_AND_BACKWARD if backward else f
 
     @classmethod
     def from_tensors(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..mask import band, visible_pairs
-from ..spec import AttentionSpec
+from ..spec import FORWARD_AND_BACKWARD, AttentionSpec
 from .base import Kernel
 
 
@@ -50,7 +50,7 @@ def speed(kernel: Kernel, way: str) -> Speed:
 def sequence_work(spec: AttentionSpec) -> list[tuple[int, float]]:
     """(length, forward+backward FLOPs) of every non-empty packed sequence of ``spec``."""
     mask = band(spec.causal, spec.window)
-    per_pair = 4.0 * spec.heads * spec.head_dim * 3.5
+    per_pair = 4.0 * spec.heads * spec.head_dim * FORWARD_AND_BACKWARD
     work = []
     for _, n in spec.sequences():
         if n:
