@@ -455,12 +455,13 @@ def _nvidia_smi() -> list[str] | None:
 
 
 # ---- output -----------------------------------------------------------------------------
-def save(name: str, record: dict, *, results_dir: Path = RESULTS_DIR, copy_to: str | None = None,
-         plot: bool = True, metrics: Sequence[str] = ("tflops",), bars: bool = False) -> list[Path]:
+def save(name: str, record: dict, output, *, plot: bool = True,
+         metrics: Sequence[str] = ("tflops",), bars: bool = False) -> list[Path]:
     """Write ``<name>.json`` (and ``<name>.png`` when ``plot``: lines over sequence lengths,
-    or with ``bars`` one bar per impl and panel) into ``results_dir``; copy them into
-    ``copy_to`` too when given. Returns the paths written."""
-    results_dir = Path(results_dir)
+    or with ``bars`` one bar per impl and panel) into ``output.results_dir``, and copy them
+    into ``output.copy_to`` when it is set (``output``: the options of ``add_output_args``).
+    Returns the paths written."""
+    results_dir, copy_to = Path(output.results_dir), output.copy_to
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")

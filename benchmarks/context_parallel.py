@@ -253,8 +253,7 @@ def single_gpu(args) -> int:
                 record["rows"] += rows
                 progress(start, s, causal, rows)
             del ref
-            common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        plot=False)
+            common.save(args.name, record, args, plot=False)
     return finish_record(args, record, start)
 
 
@@ -518,8 +517,7 @@ def run_cases(args, mesh, record, case_rows) -> float:
             if mesh.rank == 0:
                 record["rows"] += rows
                 progress(start, s, causal, rows)
-                common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                            plot=False)
+                common.save(args.name, record, args, plot=False)
     return start
 
 
@@ -600,8 +598,7 @@ def finish_record(args, record, start) -> int:
                                      else first)
     record["goals"] = cp_goals.evaluate(rows)
     record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        plot=False)
+    paths = common.save(args.name, record, args, plot=False)
     ranks = max((r.get("ranks") or 1 for r in rows), default=1)
     drawn = dict(record, rows=rows + (memory_lines(rows, ranks) if ranks > 1 else []))
     try:

@@ -1,7 +1,7 @@
 """The table of measured figures that ``explain``'s cost model reads, written from benchmark
 results (``schedules/cost_table.json``, read by ``schedules.predict``; not edited by hand).
 
-    python -m benchmarks.cost_table    # from benchmarks/results/{single_gpu,ring_transport,thd}.json
+    python -m benchmarks.cost_table    # from benchmarks/results: single_gpu, ring_transport, thd
 
 Per measured device: each kernel's one-GPU TFLOP/s by (kernel, head dim, causal, mode) over
 the sequence lengths it was measured at (``single_gpu.json``), and per transport one ring

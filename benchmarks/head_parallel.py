@@ -184,12 +184,11 @@ def main(argv=None) -> int:
                                       for r in rows)
                     print(f"[{time.monotonic() - start:6.1f}s] s={common.short(s)} b="
                           f"{batch_for(args, s)} causal={causal}: {cells}", flush=True)
-                    common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                                plot=False)
+                    common.save(name, record, args, plot=False)
         if mesh.rank == 0:
             record["ratios"] = common.ratios(record["rows"], one_gpu_peer, entry=over_one_gpu)
             record["elapsed_s"] = round(time.monotonic() - start, 1)
-            paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to)
+            paths = common.save(name, record, args)
             print("\nTFLOP/s per GPU")
             print(common.format_table(record["rows"], row_keys=("panel", "seq_len")))
             if record["ratios"]:

@@ -194,15 +194,14 @@ def run(args) -> int:
                    else failed_row(args, impl, s, failed[impl]))
             record["rows"].append(row)
             print(line(row), flush=True)
-            common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        plot=False)
+            common.save(name, record, args, plot=False)
         del inputs
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     record["ratios"] = goal_ratios(record["rows"])
     record["goals"] = verdicts(record["ratios"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to)
+    paths = common.save(name, record, args)
     print("\nTFLOP/s as run (a wrong step's is no speed)")
     for row in record["rows"]:
         print(line(row))

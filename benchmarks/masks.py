@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         print(f"{row['impl']:10s} {row['panel']:11s} tflops_runs {row.get('tflops_runs')} "
               f"vs_causal_runs {row.get('vs_causal_runs')} goal_met {row.get('goal_met')} "
               f"ring_bytes {row.get('ring_bytes')} error {row.get('error')}")
-    common.save(NAME, record, results_dir=args.results_dir, copy_to=args.copy_to, bars=True)
+    common.save(NAME, record, args, bars=True)
     return 0 if all(r.get("right", False) for r in rows if r.get("status") == "ok") else 1
 
 

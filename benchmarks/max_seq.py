@@ -450,7 +450,7 @@ def save(args, record) -> None:
     record["summary"] = summary(record["rows"])
     plot_rows = [dict(impl=e["impl"], tokens=e.get("predicted"), confirmed=e.get("confirmed"))
                  for e in record["summary"]]
-    common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to, plot=False)
+    common.save(args.name, record, args, plot=False)
     draw(args, record, plot_rows)
     for e in record["summary"]:
         bound = (" (short of 95% of the prediction: a lower bound)" if e.get("confirmed")

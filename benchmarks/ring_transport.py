@@ -107,11 +107,9 @@ def main(argv=None) -> int:
                                   for r in record["rows"] if r["seq_len"] == s)
                 print(f"[{time.monotonic() - start:6.1f}s] s={common.short(s)}: {cells}",
                       flush=True)
-                common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                            plot=False)
+                common.save(args.name, record, args, plot=False)
         if mesh.rank == 0:
-            common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        metrics=("median_ms", "gbps"))
+            common.save(args.name, record, args, metrics=("median_ms", "gbps"))
             print(common.format_table(record["rows"], row_keys=("panel", "seq_len"),
                                       value="median_ms"))
             common.print_failures(record["rows"])

@@ -458,12 +458,10 @@ def main(argv=None) -> int:
     progress = Progress(case_count(args))
     for group in groups(args):
         measure_group(args, record, group, deadline, progress)
-        common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                    plot=False)
+        common.save(name, record, args, plot=False)
     record["ratios"] = ratio_table(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        metrics=("tflops",))
+    paths = common.save(name, record, args, metrics=("tflops",))
     if args.kernel_table is not None:
         paths.append(args.kernel_table)
         common.copy_files([args.kernel_table], args.copy_to)

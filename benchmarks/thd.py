@@ -204,11 +204,10 @@ def main(argv=None) -> int:
         cells = ", ".join(f"{r['impl']}=" + (common.number(r["tflops"]) if r["tflops"] else r["status"])
                           for r in rows)
         print(f"[{time.monotonic() - start:6.1f}s] {batch}: {cells}", flush=True)
-        common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                    plot=False)
+        common.save(name, record, args, plot=False)
     record["ratios"] = auto_over_best(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(name, record, results_dir=args.results_dir, copy_to=args.copy_to)
+    paths = common.save(name, record, args)
     print("\nTFLOP/s on real tokens (causal fwd+bwd)")
     print(common.format_table(record["rows"], row_keys=("batch",)))
     for r in record["ratios"]:

@@ -270,15 +270,13 @@ def report(mesh, record, args, start, what) -> None:
                                          else r["status"])
                       for r in record["rows"] if r.get("batch", "window") == what)
     print(f"[{time.monotonic() - start:6.1f}s] {what}: {cells}", flush=True)
-    common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                plot=False)
+    common.save(args.name, record, args, plot=False)
 
 
 def finish(args, record, start) -> None:
     record["ratios"] = goal_ratios(record["rows"])
     record["elapsed_s"] = round(time.monotonic() - start, 1)
-    paths = common.save(args.name, record, results_dir=args.results_dir, copy_to=args.copy_to,
-                        metrics=("tflops", "peak_gib"), bars=True)
+    paths = common.save(args.name, record, args, metrics=("tflops", "peak_gib"), bars=True)
     print("\nTFLOP/s per GPU (real tokens; a window's own FLOPs)")
     print(common.format_table(record["rows"], row_keys=("panel",)))
     for r in record["ratios"]:

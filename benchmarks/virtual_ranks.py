@@ -288,8 +288,7 @@ def main(argv=None) -> int:
     def keep(row):
         record_["rows"].append(row)
         record_["elapsed_s"] = round(time.monotonic() - start, 1)
-        common.save(args.name, record_, results_dir=args.results_dir, copy_to=args.copy_to,
-                    plot=False)
+        common.save(args.name, record_, args, plot=False)
 
     lengths = batches(args.tiny, args.shrink)
     for batch in args.batches:
@@ -302,8 +301,7 @@ def main(argv=None) -> int:
                                  batch=batch))
             say(f"batch {batch}: {m.status}: {m.error}")
         free(args.device)
-    paths = common.save(args.name, record_, results_dir=args.results_dir, copy_to=args.copy_to,
-                        metrics=("tflops",), bars=True)
+    paths = common.save(args.name, record_, args, metrics=("tflops",), bars=True)
     print(common.format_table(record_["rows"], row_keys=("panel",)))
     common.print_failures(record_["rows"])
     print(f"wrote {', '.join(str(p) for p in paths)}")
