@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
 import time
 
 import torch
@@ -489,8 +488,7 @@ def draw(args, record, rows) -> None:
     path = args.results_dir / f"{args.name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    if args.copy_to:
-        shutil.copy2(path, args.copy_to)
+    common.copy_files([path], args.copy_to)
 
 
 def merge(args, record) -> None:
