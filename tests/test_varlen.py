@@ -142,13 +142,20 @@ def test_split_way_matches_torch_per_sequence(pairs, causal, window, min_long, s
     check_per_sequence(got, q, k, v, dout, seqlens, causal, window)
 
 
-def test_split_sequences_cuts_long_ones_into_pieces_of_the_longest_short_one():
+def test_split_sequences_cuts_long_ones_into_pieces_of_a_tile_or_the_longest_short_one():
     short, long = packed.split_sequences(packed_seqlens((0, 10, 13, 15, 45)), 10)
     assert long == (((0, 10), (0, 10)), ((15, 45), (15, 45)))
-    # the 10-token sequence: queries without keys, keys without queries, in pieces of 3
-    assert short.lengths_q == [3, 3, 3, 1, 0, 0, 0, 0, 3, 2] + [3] * 10 + [0] * 10
-    assert short.lengths_k == [0, 0, 0, 0, 3, 3, 3, 1, 3, 2] + [0] * 10 + [3] * 10
+    # the long ones: queries without keys, keys without queries, each in one piece of a tile
+    assert short.lengths_q == [10, 0, 3, 2, 30, 0]
+    assert short.lengths_k == [0, 10, 3, 2, 0, 30]
     assert short.cu_q[-1] == short.cu_k[-1] == 45
+    short, _ = packed.split_sequences(packed_seqlens((0, 300, 600, 800)), 250)
+    assert short.lengths_q == [200, 100, 0, 0] * 2 + [200]  # pieces of the 200-token one
+    # only long sequences: pieces of one tile, not one sequence per token
+    short, long = packed.split_sequences(packed_seqlens((0, 1000)), 10)
+    assert long == (((0, 1000), (0, 1000)),)
+    assert short.lengths_q == [128] * 7 + [104] + [0] * 8
+    assert short.lengths_k == [0] * 8 + [128] * 7 + [104]
 
 
 # ---- attention(layout="thd") end to end ----------------------------------------------------------
@@ -302,6 +309,31 @@ def test_cost_model_counts_host_time_per_call_and_flops_per_sequence():
     assert Padded("cudnn").estimate(thd_spec([8, 9], causal=False)) == math.inf
 
 
+@pytest.mark.parametrize("lengths, chosen", [
+    ([128] * 2048, "fa4 padded"),        # thd.json batch b: padded 64-67 TFLOP/s, varlen 29-32
+    ([1024 * (1 + i % 32) for i in range(15)], "fa4 varlen"),  # long documents: varlen 608
+])
+def test_choose_with_fa4_takes_the_way_measured_fastest(monkeypatch, lengths, chosen):
+    """The grid of a varlen launch (sequences x heads, tiles of the longest) makes 2048
+    short documents cost more in one varlen call than padded into one dense call."""
+    for name in ("cudnn", "flash", "fa4"):
+        monkeypatch.setattr(get(name), "unavailable_reason", lambda spec, device: None)
+    way, _ = choice.choose(thd_spec(lengths), "cpu", (max(lengths), max(lengths)))
+    assert way.name == chosen
+
+
+def test_varlen_estimate_counts_the_launch_grid():
+    grid = cost.speed(get("fa4"), "varlen")
+    short, mixed = thd_spec([128] * 64), thd_spec([128] * 63 + [4096])
+    assert Varlen("fa4").estimate(short) - grid.host_s == pytest.approx(
+        sum(grid.seconds(f, n) for n, f in cost.sequence_work(short))
+        + 64 * 32 * (grid.sequence_s + grid.empty_tile_s))
+    # one long sequence widens every short one's grid to its 32 tiles
+    assert grid.grid_seconds(64, 32, 4096) == pytest.approx(
+        64 * 32 * (grid.sequence_s + 32 * grid.empty_tile_s))
+    assert Varlen("fa4").estimate(mixed) > Varlen("fa4").estimate(short)
+
+
 def test_choose_explains_every_estimate(monkeypatch):
     """On a GPU ``auto`` runs this; here the GPU kernels are declared available."""
     for name in ("cudnn", "flash"):
@@ -310,7 +342,7 @@ def test_choose_explains_every_estimate(monkeypatch):
     assert way.name == "cudnn padded" and isinstance(way, Padded)
     assert notes[0].startswith("auto chose cudnn padded for these packed sequences: ")
     assert any(n.startswith("flash varlen: estimated") for n in notes[1:])
-    # flash varlen, cudnn/flash per-sequence, flash padded; then why kernels were left out (fa4)
+    # flash padded, flash varlen, cudnn/flash per-sequence; then why kernels were left out (fa4)
     assert [n.split(":")[0] for n in notes[1:] if "estimated" in n] == [
-        "flash varlen", "flash padded", "cudnn per-sequence", "flash per-sequence"]
+        "flash padded", "flash varlen", "cudnn per-sequence", "flash per-sequence"]
     assert all(n.startswith("kernel 'fa4'") for n in notes[1:] if "estimated" not in n)

@@ -36,7 +36,8 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -
         while work[i][0] < min_long:
             prefix += short_s[i]
             i += 1
-        seconds = varlen.host_s + prefix + suffix[i]
+        seconds = (varlen.host_s + prefix + suffix[i]
+                   + varlen.grid_seconds(i, spec.heads, work[i - 1][0]))
         if best is None or seconds < best[0]:
             best = (seconds, min_long)
     return Split(kernel, short, best[1])
