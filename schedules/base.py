@@ -163,6 +163,11 @@ class Schedule(abc.ABC):
         problem, the most any schedule's call can hold."""
         return spec_extent(self.global_spec(spec))
 
+    def kernel_calls(self, spec: AttentionSpec) -> int:
+        """Kernel calls this rank makes on the sequences of the local ``spec`` in a forward
+        (a ring step each): ``kernel="auto"`` weighs each way's host time that often."""
+        return 1
+
     def validate(self, spec: AttentionSpec) -> None:
         """Raise ValueError (argument and fix) when this schedule cannot run local ``spec``."""
         if spec.layout.is_varlen and self.size > 1 and not self.supports_thd:

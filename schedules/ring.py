@@ -195,6 +195,10 @@ class Ring(Transported, SequenceSchedule):
             return spec.packing.longest_share, spec.packing.longest_share
         return spec.q_len, spec.kv_len
 
+    def kernel_calls(self, spec) -> int:
+        """One call per ring step."""
+        return self.size
+
     def sums_dtype(self, spec) -> torch.dtype:
         """The dtype dK/dV sums of a call on ``spec`` (global or local) travel in."""
         if self.grad_dtype == "input" or (self.grad_dtype == "auto" and self.size == 2

@@ -70,7 +70,8 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     if mask is not None:
         _check_mask(schedule.global_spec(spec) if schedule is not None else spec, schedule)
     extent = schedule.call_extent(spec) if schedule is not None else None
-    chosen = kernels.select(kernel, spec, q.device, extent=extent)
+    calls = schedule.kernel_calls(spec) if schedule is not None else 1
+    chosen = kernels.select(kernel, spec, q.device, extent=extent, calls=calls)
     return Plan(spec, chosen.kernel, tuple(chosen.skipped), schedule, chosen.why)
 
 

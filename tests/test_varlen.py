@@ -346,3 +346,16 @@ def test_choose_explains_every_estimate(monkeypatch):
     assert [n.split(":")[0] for n in notes[1:] if "estimated" in n] == [
         "flash padded", "flash varlen", "cudnn per-sequence", "flash per-sequence"]
     assert all(n.startswith("kernel 'fa4'") for n in notes[1:] if "estimated" not in n)
+
+
+def test_choose_pays_host_time_once_per_call_of_a_schedule(monkeypatch):
+    """A ring makes one call per step on a rank's cut documents: a split that runs them
+    one by one pays the host time of every dense call at every step (batch c at four
+    ranks: the split ran 61-68 ms a rank where FA4's varlen ran 39-40)."""
+    for name in ("cudnn", "flash", "fa4"):
+        monkeypatch.setattr(get(name), "unavailable_reason", lambda spec, device: None)
+    spec = thd_spec([300] * 375 + [2688, 2696, 2760, 3625, 4384, 4881])
+    once, _ = choice.choose(spec, "cpu", (4881, 4881))
+    ring, _ = choice.choose(spec, "cpu", (4881, 4881), calls=4)
+    assert isinstance(once, Split) and ring.name == "fa4 varlen"
+    assert choice.best_split(spec, "fa4", "fa4", calls=4).min_long > once.min_long

@@ -25,14 +25,15 @@ class Choice(NamedTuple):
 
 
 def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None,
-           extent: tuple[int, int] | None = None) -> Choice:
+           extent: tuple[int, int] | None = None, calls: int = 1) -> Choice:
     """Resolve ``name`` for ``spec`` on ``device``.
 
     ``extent``: (rows, keys) of the largest kernel call per head and sequence (a schedule's
     calls may span more keys than the local spec holds; by default the spec's own, the
     longest sequence when packed). A kernel whose limits even a split call would pass there
-    cannot run the spec. A named kernel that cannot run the spec raises KernelUnavailable
-    with the reason.
+    cannot run the spec. ``calls``: how many calls a schedule makes on the spec's sequences
+    (a ring step each): the packed choice pays each way's host time that often. A named
+    kernel that cannot run the spec raises KernelUnavailable with the reason.
     ``auto`` on a GPU tries the kernels in the order of ``ranking.rank`` (fastest measured
     on this device first, by ``table``, default the committed ``ranking.TABLE``) and takes
     the first that can run the spec; for packed sequences it takes the fastest way to run
@@ -42,8 +43,8 @@ def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None,
     extent = extent or spec_extent(spec)
     if table is None and isinstance(name, str):  # no rank's packing kept (it holds a schedule)
         return _select_cached(name, spec.replace(packing=None) if spec.packing is not None
-                              else spec, device, extent)
-    return _select(name, spec, device, table, extent)
+                              else spec, device, extent, calls)
+    return _select(name, spec, device, table, extent, calls)
 
 
 def spec_extent(spec: AttentionSpec) -> tuple[int, int]:
@@ -56,10 +57,11 @@ def spec_extent(spec: AttentionSpec) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _select_cached(name: str, spec: AttentionSpec, device: torch.device, extent) -> Choice:
+def _select_cached(name: str, spec: AttentionSpec, device: torch.device, extent,
+                   calls: int) -> Choice:
     """``select`` with the committed table, made once per (name, problem, device): a training
     loop asks the same question every step, and the answer cannot change while it runs."""
-    return _select(name, spec, device, None, extent)
+    return _select(name, spec, device, None, extent, calls)
 
 
 def _reason(kernel: Kernel, spec: AttentionSpec, device, extent) -> str | None:
@@ -74,7 +76,8 @@ def _reason(kernel: Kernel, spec: AttentionSpec, device, extent) -> str | None:
     return f"{long}; kernel {' or '.join(able) or 'none'} can run it here"
 
 
-def _select(name, spec: AttentionSpec, device: torch.device, table, extent) -> Choice:
+def _select(name, spec: AttentionSpec, device: torch.device, table, extent,
+            calls: int = 1) -> Choice:
     if name != "auto":
         kernel = get(name)
         reason = _reason(kernel, spec, device, extent)
@@ -82,7 +85,7 @@ def _select(name, spec: AttentionSpec, device: torch.device, table, extent) -> C
             raise KernelUnavailable(reason)
         return Choice(kernel, [])
     if spec.layout.is_varlen and device.type == "cuda":
-        way, notes = choose(spec, device, extent)
+        way, notes = choose(spec, device, extent, calls)
         return Choice(way, notes[1:], notes[0])
     if device.type != "cuda":
         reason = _reason(get("reference"), spec, device, extent)

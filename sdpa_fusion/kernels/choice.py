@@ -17,16 +17,18 @@ from .packed import Padded, PerSequence, Split, Varlen, has_varlen
 PACKED_KERNELS = ("cudnn", "flash", "fa4")
 
 
-def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -> Split | None:
-    """The ``Split`` of packed ``spec`` with the fastest ``min_long`` by the cost model, or
-    None when no split leaves both sides non-empty."""
+def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str,
+               calls: int = 1) -> Split | None:
+    """The ``Split`` of packed ``spec`` with the fastest ``min_long`` by the cost model
+    (``calls`` calls on its sequences, each paying the host time), or None when no split
+    leaves both sides non-empty."""
     kernel, short = get(kernel), get(short)
     work = sorted(sequence_work(spec))
     lengths = sorted({n for n, _ in work})
     if len(lengths) < 2:
         return None
     dense, varlen = speed(kernel, "dense"), speed(short, "varlen")
-    long_s = [max(dense.host_s, dense.seconds(f, n)) for n, f in work]
+    long_s = [max(dense.host_s * calls, dense.seconds(f, n)) for n, f in work]
     short_s = [varlen.seconds(f, n) for n, f in work]
     suffix = [0.0] * (len(work) + 1)
     for i in range(len(work) - 1, -1, -1):
@@ -36,17 +38,19 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str) -
         while work[i][0] < min_long:
             prefix += short_s[i]
             i += 1
-        seconds = (varlen.host_s + prefix + suffix[i]
+        seconds = (varlen.host_s * calls + prefix + suffix[i]
                    + varlen.grid_seconds(i, spec.heads, work[i - 1][0]))
         if best is None or seconds < best[0]:
             best = (seconds, min_long)
     return Split(kernel, short, best[1])
 
 
-def choose(spec: AttentionSpec, device, extent: tuple[int, int]) -> tuple[Kernel, list[str]]:
+def choose(spec: AttentionSpec, device, extent: tuple[int, int],
+           calls: int = 1) -> tuple[Kernel, list[str]]:
     """The fastest way (by the cost model) to run packed ``spec`` on CUDA ``device``, whose
-    largest call per head is ``extent`` (rows, keys), and notes: why it won, then every other
-    way's estimate (what ``explain`` shows)."""
+    largest call per head is ``extent`` (rows, keys), in ``calls`` calls (a ring's steps: each
+    pays the way's host time, the device time split among them), and notes: why it won, then
+    every other way's estimate (what ``explain`` shows)."""
     device = torch.device(device)
     notes, kernels = [], []
     for name in PACKED_KERNELS:
@@ -58,11 +62,12 @@ def choose(spec: AttentionSpec, device, extent: tuple[int, int]) -> tuple[Kernel
     ways = [w for kernel in kernels for w in
             ([Varlen(kernel)] if has_varlen(kernel) else []) + [PerSequence(kernel), Padded(kernel)]]
     ways += [w for long in kernels for short in kernels if has_varlen(short)
-             for w in [best_split(spec, long, short)] if w is not None]
+             for w in [best_split(spec, long, short, calls)] if w is not None]
     if not ways:
         raise KernelUnavailable("kernel='auto' found no kernel for these packed sequences: "
                                 + "; ".join(notes))
-    timed = sorted(((way.estimate(spec), i, way) for i, way in enumerate(ways)))
+    timed = sorted(((way.estimate(spec) + (calls - 1) * way.host_seconds(spec), i, way)
+                    for i, way in enumerate(ways)))
     best_time, _, best = timed[0]
     notes.insert(0, f"auto chose {best.name} for these packed sequences: {_ms(best_time)} "
                     f"forward+backward by the cost model (sdpa_fusion.kernels.cost), the least of")

@@ -71,6 +71,10 @@ class Way(Kernel):
         """Estimated seconds of a forward+backward of packed ``spec`` (the module's model)."""
         raise NotImplementedError
 
+    def host_seconds(self, spec: AttentionSpec) -> float:
+        """The host time of one forward+backward of packed ``spec`` (its kernel calls)."""
+        return speed(self.kernel, "dense").host_s
+
     def __repr__(self) -> str:
         return f"<kernel {self.name}>"
 
@@ -82,6 +86,9 @@ class Varlen(Way):
 
     def estimate(self, spec):
         return varlen_seconds(self.kernel, sequence_work(spec), spec.heads)
+
+    def host_seconds(self, spec):
+        return speed(self.kernel, "varlen").host_s
 
     def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
@@ -99,6 +106,9 @@ class PerSequence(Way):
 
     def estimate(self, spec):
         return per_sequence_seconds(self.kernel, sequence_work(spec))
+
+    def host_seconds(self, spec):
+        return len(sequence_work(spec)) * speed(self.kernel, "dense").host_s
 
 
 class Split(Way):
@@ -119,6 +129,10 @@ class Split(Way):
         work = sequence_work(spec)
         return (per_sequence_seconds(self.kernel, [w for w in work if w[0] >= self.min_long])
                 + varlen_seconds(self.short, [w for w in work if w[0] < self.min_long], spec.heads))
+
+    def host_seconds(self, spec):
+        long = sum(n >= self.min_long for n, _ in sequence_work(spec))
+        return long * speed(self.kernel, "dense").host_s + speed(self.short, "varlen").host_s
 
     def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
         short, long = split_sequences(seqlens, self.min_long)
