@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.common import short
+from benchmarks.thd import auto_over_best
 
 import torch
 
@@ -147,8 +148,8 @@ def headline() -> str:
                  f"{t['auto']:.0f} against {t['torch-cudnn']:.0f} "
                  f"({t['auto'] / t['torch-cudnn']:.2f}×) | {one.source} |")
     packed = Run("thd.json")
-    best = {r["batch"]: r["auto/best"] for r in packed.record()["ratios"]}
-    lines.append(f"| one GPU, packed batches (15 × 1K-32K, 2048 × 128, a mix): `auto` against "
+    best = {r["batch"]: r["auto/best"] for r in auto_over_best(packed.record()["rows"])}
+    lines.append(f"| one GPU, packed batches ({', '.join(best)}: `benchmarks.thd`): `auto` against "
                  f"the best way | {min(best.values()):.2f}-{max(best.values()):.2f}× | "
                  f"{packed.source} |")
     cp = Run("context_parallel.json")

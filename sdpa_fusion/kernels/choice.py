@@ -29,7 +29,7 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str,
         return None
     dense, varlen = speed(kernel, "dense"), speed(short, "varlen")
     long_s = [max(dense.host_s * calls, dense.seconds(f, n)) for n, f in work]
-    short_s = [varlen.seconds(f, n) for n, f in work]
+    short_s = [varlen.seconds(f, n) + spec.heads * varlen.sequence_s for n, f in work]
     suffix = [0.0] * (len(work) + 1)
     for i in range(len(work) - 1, -1, -1):
         suffix[i] = suffix[i + 1] + long_s[i]
@@ -38,8 +38,7 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str,
         while work[i][0] < min_long:
             prefix += short_s[i]
             i += 1
-        seconds = (varlen.host_s * calls + prefix + suffix[i]
-                   + varlen.grid_seconds(i, spec.heads, work[i - 1][0]))
+        seconds = varlen.host_s * calls + prefix + suffix[i]
         if best is None or seconds < best[0]:
             best = (seconds, min_long)
     return Split(kernel, short, best[1])

@@ -2,14 +2,13 @@
 
 A sequence of ``length`` tokens costs ``flops / rate`` seconds on the device, with
 ``rate(length) = peak * length / (length + half)`` (short sequences fill the GPU less), and
-every kernel call ``host_s`` seconds on the host. A varlen call also pays for its launch
-grid: per sequence and head ``sequence_s``, and ``empty_tile_s`` for each tile of rows up to
-the longest sequence (the grid covers every sequence with as many tiles as the longest
-needs; most of a short sequence's exit at once). ``SPEEDS`` holds these per kernel and way
-("dense": one call per problem, "varlen": one call for a pack), fitted to ``benchmarks.thd``
-on an H200 (bf16, 32 heads, head dim 128, causal forward+backward; the cudnn and flash
-entries through ATen, fa4 through FlashAttention-4 4.0.0b36); a kernel without an entry
-gets ``DEFAULT_SPEED``.
+every kernel call ``host_s`` seconds on the host. A varlen call also pays ``sequence_s``
+per sequence and head (a short sequence's tiles cost more than their FLOPs: 2048 documents
+of 128 tokens run 3x slower in one varlen call than their rate says). ``SPEEDS`` holds
+these per kernel and way ("dense": one call per problem, "varlen": one call for a pack),
+fitted to ``benchmarks.thd`` on an H200 (bf16, 32 heads, head dim 128, causal
+forward+backward; cudnn and flash through ATen, fa4 through FlashAttention-4 4.0.0b36); a
+kernel without an entry gets ``DEFAULT_SPEED``.
 """
 
 from __future__ import annotations
@@ -21,40 +20,30 @@ from ..spec import FORWARD_AND_BACKWARD, AttentionSpec
 from .base import Kernel
 
 
-TILE_ROWS = 128  # the query rows of one tile of a varlen launch
-
-
 @dataclasses.dataclass(frozen=True)
 class Speed:
     """How fast a kernel runs causal forward+backward: ``peak`` FLOP/s on long sequences,
-    half of it at ``half`` tokens, ``host_s`` seconds of host time per call, and for a
-    varlen launch ``sequence_s`` per sequence and head and ``empty_tile_s`` per tile of the
-    grid (sequences x heads x tiles of the longest)."""
+    half of it at ``half`` tokens, ``host_s`` seconds of host time per call, and in a
+    varlen call ``sequence_s`` more per sequence and head."""
 
     peak: float
     half: int
     host_s: float
     sequence_s: float = 0.0
-    empty_tile_s: float = 0.0
 
     def seconds(self, flops: float, length: int) -> float:
         return flops * (length + self.half) / (self.peak * length)
 
-    def grid_seconds(self, sequences: int, heads: int, longest: int) -> float:
-        """The launch grid's cost of a varlen call of ``sequences`` sequences, the longest of
-        ``longest`` tokens."""
-        tiles = -(-longest // TILE_ROWS)
-        return sequences * heads * (self.sequence_s + tiles * self.empty_tile_s)
 
-
-# benchmarks/results/thd.json (a, b, mix, c): fa4 varlen within 2-23% of each batch,
-# flash varlen within 2-13%, cudnn and fa4 per-sequence within 4% on long documents.
+# Fitted to benchmarks/results/thd.json (batches a, b, mix, c): the varlen entries within
+# 3% of a, b and mix (c runs slower than either says), the dense ones within 4% on long
+# documents; with them auto takes the way measured fastest on all four with FA4 installed.
 SPEEDS = {
     ("cudnn", "dense"): Speed(556e12, 636, 350e-6),
     ("flash", "dense"): Speed(340e12, 530, 350e-6),
-    ("flash", "varlen"): Speed(340e12, 530, 150e-6, 280e-9, 11.8e-9),
+    ("flash", "varlen"): Speed(340e12, 530, 150e-6, 280e-9),
     ("fa4", "dense"): Speed(610e12, 636, 500e-6),
-    ("fa4", "varlen"): Speed(623e12, 636, 300e-6, 320e-9, 3.6e-9),
+    ("fa4", "varlen"): Speed(623e12, 636, 300e-6, 320e-9),
 }
 DEFAULT_SPEED = Speed(300e12, 600, 300e-6)
 COPY_BYTES_PER_S = 2.5e12
@@ -88,6 +77,4 @@ def per_sequence_seconds(kernel: Kernel, work) -> float:
 def varlen_seconds(kernel: Kernel, work, heads: int) -> float:
     """Seconds of one varlen call over the sequences of ``work`` with ``heads`` query heads."""
     s = speed(kernel, "varlen")
-    longest = max((n for n, _ in work), default=0)
-    return (s.host_s + sum(s.seconds(f, n) for n, f in work)
-            + s.grid_seconds(len(work), heads, longest))
+    return s.host_s + sum(s.seconds(f, n) + heads * s.sequence_s for n, f in work)
