@@ -128,9 +128,11 @@ class WholeDocuments:
         return max(rows, longest), max(keys, longest)
 
     def kernel_calls(self, spec) -> int:
-        """Those of the cut documents' schedule (the whole ones take one call)."""
-        cut = cut_spec(spec) if isinstance(spec.packing, DocumentPacking) else None
-        return super().kernel_calls(spec) if cut is None else self.twin().kernel_calls(cut)
+        """Those of the cut documents' schedule; one when every document is whole."""
+        if not isinstance(spec.packing, DocumentPacking):
+            return super().kernel_calls(spec)
+        cut = cut_spec(spec)
+        return 1 if cut is None else self.twin().kernel_calls(cut)
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         if not isinstance(spec.packing, DocumentPacking):

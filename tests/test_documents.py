@@ -117,6 +117,26 @@ def test_describe_counts_each_rank_and_only_cut_documents_travel():
     assert (d.bytes_sent, d.backward_bytes_sent, d.steps) == (0, 0, 1)
 
 
+def test_kernel_calls_are_the_cut_documents_schedules():
+    """``kernel="auto"`` weighs a way's host time once per call the schedule makes on the
+    rank's sequences: a ring step each for the cut documents, one call for the whole ones."""
+    p, lengths = 4, [1, 3, 0, 40, 2, 5, 1, 4, 6, 2]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mesh = sdpa_fusion.VirtualMesh((p,), ("seq",), rank=1)
+    calls = {}
+    for name, partition, cu_rank in (("ring", "documents", cu), ("allgather", "documents", cu),
+                                     ("ring", "load_balanced", cu),
+                                     ("ring", "documents", torch.tensor([0, 2, 4, 6, 8]))):
+        sched = schedules.get(name, mesh, partition=partition)
+        local = sched.pack(cu_rank)
+        q = torch.randn(local.tokens, 4, 8)
+        plan = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched,
+                                cu_seqlens=local)
+        calls[name, partition, len(cu_rank)] = sched.kernel_calls(plan.spec)
+    assert calls == {("ring", "documents", 11): p, ("allgather", "documents", 11): 1,
+                     ("ring", "load_balanced", 11): p, ("ring", "documents", 5): 1}
+
+
 def test_bad_tolerance():
     with pytest.raises(ValueError, match=r"tolerance=-1 must be a number >= 0"):
         Documents(tolerance=-1)
