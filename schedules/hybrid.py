@@ -227,6 +227,10 @@ class Hybrid(Schedule):
                 raise ValueError(f"schedule 'hybrid', {role} dim {sched.dim!r} ({sched.name} "
                                  f"over {sched.size} ranks): {e}") from e
 
+    def kernel_calls(self, spec) -> int:
+        """The outer schedule's calls (the inner one hands it the kernel's work whole)."""
+        return self.outer.kernel_calls(self._outer_spec(spec))
+
     def _outer_spec(self, spec):
         """The local spec the outer schedule sees, from the hybrid's local ``spec``."""
         if self.splits_heads:

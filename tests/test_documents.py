@@ -137,6 +137,18 @@ def test_kernel_calls_are_the_cut_documents_schedules():
                      ("ring", "load_balanced", 11): p, ("ring", "documents", 5): 1}
 
 
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+def test_hybrid_kernel_calls_are_its_outer_rings(inner):
+    lengths = [3, 40, 5, 8]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mesh = sdpa_fusion.VirtualMesh((2, 2), ("heads", "seq"), rank=3)
+    sched = schedules.get("hybrid", mesh, inner=inner)
+    local = sched.pack(cu)
+    q = torch.randn(local.tokens, 4, 8) if inner == "ulysses" else torch.randn(local.tokens, 2, 8)
+    plan = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched, cu_seqlens=local)
+    assert sched.kernel_calls(plan.spec) == sched.outer.size == 2
+
+
 def test_bad_tolerance():
     with pytest.raises(ValueError, match=r"tolerance=-1 must be a number >= 0"):
         Documents(tolerance=-1)
