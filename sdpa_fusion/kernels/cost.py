@@ -35,9 +35,10 @@ class Speed:
         return flops * (length + self.half) / (self.peak * length)
 
 
-# Fitted to benchmarks/results/thd.json (batches a, b, mix, c): the varlen entries within
-# 3% of a, b and mix (c runs slower than either says), the dense ones within 4% on long
-# documents; with them auto takes the way measured fastest on all four with FA4 installed.
+# Fitted to benchmarks/results/thd.json (batches a, b, mix, c): FA4's varlen within 3% of
+# a, b and mix, flash's within 2% of a and b (22% under on mix); both under on c (38-42%);
+# per-sequence within 4% on a; padding 30% under on b. With them auto takes the way
+# measured fastest on all four batches with FA4 installed.
 SPEEDS = {
     ("cudnn", "dense"): Speed(556e12, 636, 350e-6),
     ("flash", "dense"): Speed(340e12, 530, 350e-6),
