@@ -28,8 +28,9 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str,
     if len(lengths) < 2:
         return None
     dense, varlen = speed(kernel, "dense"), speed(short, "varlen")
-    long_s = [max(dense.host_s * calls, dense.seconds(f, n)) for n, f in work]
-    short_s = [varlen.seconds(f, n) + spec.heads * varlen.sequence_s for n, f in work]
+    long_s = [max(dense.host_s, dense.seconds(f, n)) + (calls - 1) * dense.host_s
+              for n, f in work]  # as ``choose`` counts a way's host time over ``calls``
+    short_s = [varlen.in_varlen(f, n, spec.heads) for n, f in work]
     suffix = [0.0] * (len(work) + 1)
     for i in range(len(work) - 1, -1, -1):
         suffix[i] = suffix[i + 1] + long_s[i]

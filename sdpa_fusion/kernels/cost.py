@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..mask import band, visible_pairs
+from ..mask import call_pairs
 from ..spec import FORWARD_AND_BACKWARD, AttentionSpec
 from .base import Kernel
 
@@ -33,6 +33,10 @@ class Speed:
 
     def seconds(self, flops: float, length: int) -> float:
         return flops * (length + self.half) / (self.peak * length)
+
+    def in_varlen(self, flops: float, length: int, heads: int) -> float:
+        """Seconds of one sequence of ``heads`` query heads inside a varlen call."""
+        return self.seconds(flops, length) + heads * self.sequence_s
 
 
 # Fitted to benchmarks/results/thd.json (batches a, b, mix, c): FA4's varlen within 3% of
@@ -57,15 +61,9 @@ def speed(kernel: Kernel, way: str) -> Speed:
 
 def sequence_work(spec: AttentionSpec) -> list[tuple[int, float]]:
     """(length, forward+backward FLOPs) of every non-empty packed sequence of ``spec``."""
-    mask = band(spec.causal, spec.window)
     per_pair = 4.0 * spec.heads * spec.head_dim * FORWARD_AND_BACKWARD
-    work = []
-    for _, n in spec.sequences():
-        if n:
-            pairs = n * n * (0.5 if spec.causal else 1.0) if spec.window is None else \
-                visible_pairs(n, n, mask)
-            work.append((n, per_pair * pairs))
-    return work
+    return [(n, per_pair * call_pairs(n, n, spec.causal, spec.window))
+            for _, n in spec.sequences() if n]
 
 
 def per_sequence_seconds(kernel: Kernel, work) -> float:
@@ -78,4 +76,4 @@ def per_sequence_seconds(kernel: Kernel, work) -> float:
 def varlen_seconds(kernel: Kernel, work, heads: int) -> float:
     """Seconds of one varlen call over the sequences of ``work`` with ``heads`` query heads."""
     s = speed(kernel, "varlen")
-    return s.host_s + sum(s.seconds(f, n) + heads * s.sequence_s for n, f in work)
+    return s.host_s + sum(s.in_varlen(f, n, heads) for n, f in work)
