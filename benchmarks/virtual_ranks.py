@@ -1,6 +1,7 @@
 """Packed batches split over P virtual ranks on one GPU: each rank's step timed alone.
 
-    python -m benchmarks.virtual_ranks --ranks 2,4,8 --batches a,b,c,d        # one H200
+    python -m benchmarks.virtual_ranks --ranks 2,4,8 --batches a,b,c,d \\
+        --schedules ring,allgather                                              # one H200
     python -m benchmarks.virtual_ranks --tiny                                   # CPU smoke
     python -m benchmarks.virtual_ranks --shrink 16 --heads 2 --head-dim 16 \\
         --kernel reference                                                      # CPU, medium
@@ -10,11 +11,15 @@ on the one device (``benchmarks.mailbox``). Record: the P ranks run causal fwd+b
 one thread each and one at a time, their transfers handed over and recorded; each rank's
 out and gradients are checked on sampled rows against fp32 math (``benchmarks.check``).
 Replay: each rank alone runs the step again, timed, its receives copied from its record (a
-copy stands for each transfer); then once more, checked. Records kept past ``--record-gib``
+copy stands for each transfer, on a stream of its own on a GPU: a transfer lands while the
+rank computes, and the rank waits for it where it would wait for the transfer); then once
+more, checked. Records kept past ``--record-gib``
 (default: half the memory free when the row starts) are made again by another record run.
 Every row frees all it made before the next starts, a failed one (out of memory) too, and is
 recorded as such. A row is the slowest rank's median time next to one
-GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU.
+GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU. With
+``--profile`` each rank's device time of one more step is split into attention kernels,
+device-to-device copies and the rest (``device_time``).
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
 and 1,500 of 16-600; d log-normal lengths (median 600, sigma 1.2) in [16, 65536] packed to
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import threading
 import time
 
@@ -118,7 +124,8 @@ def record(args, scheds, inputs, cu, box: Mailbox, problem) -> list[dict | None]
 
 
 def replay(args, sched, inputs, cu, box: Mailbox, problem):
-    """(measurement, check report) of ``sched``'s rank alone, its receives from ``box``."""
+    """(measurement, check report, device time split or None) of ``sched``'s rank alone,
+    its receives from ``box``; the split (``device_time``) with ``--profile``."""
     import sdpa_fusion
 
     local = sched.pack(cu)
@@ -135,22 +142,56 @@ def replay(args, sched, inputs, cu, box: Mailbox, problem):
     m = common.measure(step, [leaves], warmup=args.warmup, iters=args.iters, min_iters=2,
                        budget_s=args.budget_s)
     report = check_rank(problem, local, *(t.detach() for t in step(leaves)))
-    return m, report
+    return m, report, device_time(step, leaves) if args.profile else None
+
+
+ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention")  # kernel names of attention cores
+
+
+def device_time(step, leaves) -> dict[str, float]:
+    """The device time of one ``step`` in ms (torch.profiler), split by ``kind_of``:
+    attention kernels, device-to-device copies (the copies that stand for transfers, and
+    contiguous copies of tensors) and the rest (merges, sums, gathers); the host's gaps are
+    not device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if leaves[0].is_cuda else [])
+    with profile(activities=activities) as prof:
+        step(leaves)
+        if leaves[0].is_cuda:
+            torch.cuda.synchronize()
+    split = dict(attention=0.0, copies=0.0, other=0.0)
+    for e in prof.events():
+        us = e.device_time if e.device_type == torch.autograd.DeviceType.CUDA else 0.0
+        if not us:
+            continue
+        split[kind_of(e.name)] += us / 1e3
+    return {k: round(v, 3) for k, v in split.items()}
+
+
+def kind_of(kernel: str) -> str:
+    """What a device kernel named ``kernel`` does: "attention" (``ATTENTION_KERNELS`` in its
+    name), "copies" (device-to-device memcpy) or "other"."""
+    name = kernel.lower()
+    if any(k in name for k in ATTENTION_KERNELS):
+        return "attention"
+    return "copies" if "memcpy dtod" in name else "other"
 
 
 # ---- rows -------------------------------------------------------------------------------
-def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
-    """The row of ``parts`` virtual ranks: each rank recorded, then timed alone and checked;
-    the slowest kept."""
+def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dict:
+    """The row of ``schedule`` on ``parts`` virtual ranks: each rank recorded, then timed
+    alone and checked; the slowest kept."""
     left, per_rank, recorded, replayed = list(range(parts)), [None] * parts, None, [None] * parts
     tokens, sent, received, runs, kept = [0] * parts, [0] * parts, [0] * parts, 0, []
+    device_ms = [None] * parts
     free(args.device)  # the last row's cycles, before the budget is read
     budget = record_bytes(args)
     try:
         while left:
             box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
             start = time.monotonic()
-            scheds = virtual_schedules(args.schedule, parts, inputs[0].device, box, cu,
+            scheds = virtual_schedules(schedule, parts, inputs[0].device, box, cu,
                                        partition=partition)
             reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
             runs += 1
@@ -170,11 +211,13 @@ def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
                                    f"GiB; raise --record-gib")
             for r in done:
                 start = time.monotonic()
-                per_rank[r], replayed[r] = replay(args, scheds[r], inputs, cu, box, problem)
+                per_rank[r], replayed[r], device_ms[r] = replay(args, scheds[r], inputs, cu,
+                                                                box, problem)
                 box.drop(r)
                 say(f"rank {r}: {tokens[r]} tokens, {common.number(per_rank[r].median_ms)} ms "
                     f"({per_rank[r].status}), {check.line(replayed[r])}, "
-                    f"{time.monotonic() - start:.1f} s")
+                    f"{time.monotonic() - start:.1f} s"
+                    + (f", device ms {device_ms[r]}" if device_ms[r] else ""))
             left = [r for r in left if r not in done]
             del scheds, box, reports
         m = common.combine_ranks(per_rank)
@@ -183,10 +226,12 @@ def ranks_row(args, parts, partition, inputs, cu, problem, say) -> dict:
             m = common.Measurement(status="wrong", error=check.line(checks))
     except Exception as e:  # noqa: BLE001 -- recorded
         m, checks = common.failure(e), None
-    return dict(measurement=m, partition=partition, ranks=parts, record_runs=runs,
+    return dict(measurement=m, schedule=schedule, partition=partition, ranks=parts,
+                record_runs=runs,
                 record_gib=kept, record_budget_gib=round(budget / common.GIB, 3),
                 rank_tokens=tokens, bytes_sent_per_rank=sent, bytes_received_per_rank=received,
                 rank_ms=[x.median_ms if x else None for x in per_rank],
+                rank_device_ms=device_ms if args.profile else None,
                 check_record=None if recorded is None else check.line(recorded),
                 check=None if checks is None else check.line(checks))
 
@@ -222,20 +267,22 @@ def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
     say(f"batch {batch}: {len(lengths)} documents, {total} tokens; one device "
         f"{common.number(one.median_ms)} ms ({one.status}), {time.monotonic() - start:.1f} s")
     keep(common.make_row(panel, f"1 GPU {args.kernel}", mean, one, flops, ranks=1, **fields))
-    for partition in args.partitions:
-        for parts in args.ranks:
-            def step_say(text, parts=parts, partition=partition):
-                say(f"  {batch} {partition} P={parts} {text}")
+    for schedule, partition, parts in itertools.product(args.schedules, args.partitions,
+                                                        args.ranks):
+        name = f"{schedule} {partition} P={parts}"
 
-            row = ranks_row(args, parts, partition, inputs, cu, problem, step_say)
-            m = row.pop("measurement")
-            ratio = (m.median_ms * parts / one.median_ms) if m.median_ms and one.median_ms \
-                else None
-            keep(common.make_row(panel, f"{partition} P={parts}", mean, m, flops / parts,
-                                 slowest_x_p_over_one_gpu=ratio, goal=1.1, **row, **fields))
-            say(f"{batch} {partition} P={parts}: slowest {common.number(m.median_ms)} ms x "
-                f"{parts} / one device = {common.number(ratio)} (goal 1.1), {m.status}"
-                + (f": {m.error}" if m.error else ""))
+        def step_say(text, name=name):
+            say(f"  {batch} {name} {text}")
+
+        row = ranks_row(args, schedule, parts, partition, inputs, cu, problem, step_say)
+        m = row.pop("measurement")
+        ratio = (m.median_ms * parts / one.median_ms) if m.median_ms and one.median_ms \
+            else None
+        keep(common.make_row(panel, name, mean, m, flops / parts,
+                             slowest_x_p_over_one_gpu=ratio, goal=1.1, **row, **fields))
+        say(f"{batch} {name}: slowest {common.number(m.median_ms)} ms x {parts} / one "
+            f"device = {common.number(ratio)} (goal 1.1), {m.status}"
+            + (f": {m.error}" if m.error else ""))
 
 
 def parse_args(argv=None):
@@ -243,7 +290,7 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=common.int_list, default=[2, 4, 8])
     p.add_argument("--batches", default="a,b,c,d")
     p.add_argument("--partitions", default="documents,load_balanced")
-    p.add_argument("--schedule", default="ring", help="ring or allgather")
+    p.add_argument("--schedules", default="ring", help="ring, allgather or both (comma)")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
@@ -257,11 +304,14 @@ def parse_args(argv=None):
                    help="receives kept per record run (default: half the free GPU memory)")
     p.add_argument("--timeout-s", type=float, default=120,
                    help="the longest a record phase or a rank's wait for a transfer may take")
+    p.add_argument("--profile", action="store_true",
+                   help="also split each rank's device time (attention, copies, the rest)")
     p.add_argument("--tiny", action="store_true", help="small batches, reference kernel, CPU")
     common.add_output_args(p)
     args = p.parse_args(argv)
     args.batches = [b for b in args.batches.split(",") if b]
     args.partitions = [x for x in args.partitions.split(",") if x]
+    args.schedules = [x for x in args.schedules.split(",") if x]
     cuda = torch.cuda.is_available() and not args.tiny
     args.device = torch.device("cuda" if cuda else "cpu")
     args.dtype = torch.bfloat16 if cuda else torch.float32
@@ -276,7 +326,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
-    record_ = {"title": f"packed batches over virtual ranks ({args.schedule}), one device",
+    record_ = {"title": f"packed batches over virtual ranks ({', '.join(args.schedules)}), "
+                        f"one device",
                "environment": common.environment("benchmarks.virtual_ranks"),
                "settings": {k: str(v) if isinstance(v, (torch.dtype, torch.device)) else v
                             for k, v in vars(args).items() if k not in ("results_dir",)},

@@ -13,17 +13,37 @@ from benchmarks.mailbox import Mailbox
 
 
 def test_tiny_run(tmp_path):
-    virtual_ranks.main(["--tiny", "--ranks", "2,3", "--batches", "a,b", "--results-dir",
-                        str(tmp_path), "--copy-to", ""])
+    virtual_ranks.main(["--tiny", "--ranks", "2,3", "--batches", "a,b", "--schedules",
+                        "ring,allgather", "--results-dir", str(tmp_path), "--copy-to", ""])
     rows = json.loads((tmp_path / "virtual_ranks_tiny.json").read_text())["rows"]
     ranks = [r for r in rows if r["ranks"] > 1]
-    assert len(ranks) == 2 * 2 * 2  # batches x partitions x rank counts
+    assert len(ranks) == 2 * 2 * 2 * 2  # batches x schedules x partitions x rank counts
+    assert {r["schedule"] for r in ranks} == {"ring", "allgather"}
     for r in ranks:  # the threaded run's check, and every replayed rank's
         assert r["status"] == "ok" and r["check"].startswith("right"), r
         assert r["check_record"].startswith("right") and r["record_runs"] == 1
         assert len(r["rank_ms"]) == r["ranks"] and min(r["rank_ms"]) > 0
+        assert r["impl"].startswith(r["schedule"]), r
     a = [r for r in ranks if r["batch"] == "a" and r["partition"] == "load_balanced"]
     assert all(min(r["bytes_sent_per_rank"]) > 0 for r in a)  # every document cut: K/V travel
+
+
+def test_profile_splits_each_rank_s_device_time():
+    rows, _ = _rows("--ranks", "2", "--partitions", "documents", "--profile")
+    split = rows[1]["rank_device_ms"]
+    assert rows[1]["status"] == "ok" and len(split) == 2, rows[1]
+    # on CPU no event has device time: every part is zero
+    assert split == [{"attention": 0.0, "copies": 0.0, "other": 0.0}] * 2, split
+
+
+def test_device_time_kinds_of_kernels_seen_on_an_h200():
+    names = {"kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackward": "attention",
+             "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention",
+             "Memcpy DtoD (Device -> Device)": "copies",
+             "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add>": "other",
+             "nvf::nvfuser_transpose_f0_c1_r0_g0": "other"}
+    assert {n: virtual_ranks.kind_of(n) for n in names} == names
 
 
 def test_records_past_the_budget_drop_the_highest_rank():
