@@ -9,6 +9,9 @@ A rank's local tokens are its whole documents, then its part of the cut document
                              load-balanced split: K/V travel, one block size on every rank)
     backward   the same, dQ/dK/dV of each set written into its rows
 
+A rank whose rows are all whole (or all cut) returns that one part's results as they are,
+with no copy into the rows of a joint result.
+
 The cut packing runs on the schedule's *twin*: the same schedule, mesh, communicator and
 transport buffers, with the load-balanced partition. ``describe`` adds the whole documents'
 kernel call (no bytes) to the twin's description of the cut packing.
@@ -137,17 +140,16 @@ class WholeDocuments:
     def forward(self, q, k, v, spec, kernel, dropout=None):
         if not isinstance(spec.packing, DocumentPacking):
             return super().forward(q, k, v, spec, kernel, dropout)
-        w = spec.packing.whole_tokens
+        w, cut = spec.packing.whole_tokens, cut_spec(spec)
+        if cut is None:  # every document whole: the local call's results as they are
+            return local_forward(kernel, q, k, v, whole_spec(spec))
+        if not w:  # every row cut
+            return self._running_twin().forward(q, k, v, cut, kernel)
         out = torch.empty_like(q)
         lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        parts = []
-        if w:
-            parts.append((slice(0, w), local_forward(kernel, q[:w], k[:w], v[:w],
-                                                     whole_spec(spec))))
-        cut = cut_spec(spec)
-        if cut is not None:
-            parts.append((slice(w, None), self._running_twin().forward(
-                q[w:], k[w:], v[w:], cut, kernel)))
+        parts = [(slice(0, w), local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec))),
+                 (slice(w, None), self._running_twin().forward(q[w:], k[w:], v[w:], cut,
+                                                               kernel))]
         for rows, (o, l) in parts:
             out[rows] = o
             lse[:, :, rows] = l
@@ -156,18 +158,18 @@ class WholeDocuments:
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         if not isinstance(spec.packing, DocumentPacking):
             return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout)
-        w = spec.packing.whole_tokens
+        w, cut = spec.packing.whole_tokens, cut_spec(spec)
+        if cut is None:
+            return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec))
+        if not w:
+            return self._running_twin().backward(dout, q, k, v, out, lse, cut, kernel)
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        parts = []
-        if w:
-            parts.append((slice(0, w), local_backward(
-                kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
-                whole_spec(spec))))
-        cut = cut_spec(spec)
-        if cut is not None:
-            parts.append((slice(w, None), self._running_twin().backward(
-                dout[w:], q[w:], k[w:], v[w:], out[w:], lse[:, :, w:].contiguous(), cut,
-                kernel)))
+        parts = [(slice(0, w), local_backward(
+                     kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
+                     whole_spec(spec))),
+                 (slice(w, None), self._running_twin().backward(
+                     dout[w:], q[w:], k[w:], v[w:], out[w:], lse[:, :, w:].contiguous(), cut,
+                     kernel))]
         for rows, results in parts:
             for grad, result in zip(grads, results):
                 grad[rows] = result
