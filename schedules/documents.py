@@ -172,21 +172,17 @@ class DocumentPacking(LocalPacking):
         return self.split.longest_share
 
     @functools.cached_property
-    def _local(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return self.split.part_packing(self.rank)
-
-    @functools.cached_property
     def counts(self) -> torch.Tensor:
         """Real tokens of each local sequence (whole documents, then cut ones), [N_local]."""
-        return torch.tensor(self._local[0]).diff()
+        return torch.tensor(self.offsets[0]).diff()
 
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
-        return self._on_device(torch.tensor(self._local[0]), torch.int32)
+        return self._on_device(torch.tensor(self.offsets[0]), torch.int32)
 
     @functools.cached_property
     def cu_seqlens_padded(self) -> torch.Tensor:
-        return self._on_device(torch.tensor(self._local[1]), torch.int32)
+        return self._on_device(torch.tensor(self.offsets[1]), torch.int32)
 
     @functools.cached_property
     def seqlens(self) -> torch.Tensor:

@@ -195,6 +195,12 @@ class LocalPacking:
         return self._on_device(self.split.offsets, torch.int32)
 
     @functools.cached_property
+    def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(cu_seqlens, cu_seqlens_padded) of the local part as host tuples: what a call on
+        this packing reads, with no device sync."""
+        return self.split.part_packing(self.rank)
+
+    @functools.cached_property
     def seqlens(self) -> torch.Tensor:
         """Real tokens of each sequence on this rank, int32 [N]."""
         return self._on_device(self.counts[self.rank], torch.int32)

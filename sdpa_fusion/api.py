@@ -57,8 +57,8 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     causal, window, mask = _composed(causal, window, mask)
     packing = schedule.local_packing(q, cu_seqlens, cu_seqlens_padded) \
         if schedule is not None and q_layout.is_varlen else None
-    if packing is not None:  # the global packing, split: this rank's lengths
-        cu_seqlens, cu_seqlens_padded = packing.cu_seqlens, packing.cu_seqlens_padded
+    if packing is not None:  # the global packing, split: this rank's lengths (host values)
+        cu_seqlens, cu_seqlens_padded = packing.offsets
     spec = AttentionSpec.from_tensors(
         q, k, v, layout=layout, causal=causal, scale=scale, dropout_p=dropout_p,
         cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, window=window,

@@ -181,3 +181,27 @@ def test_partitions_compare_by_rule():
     assert VideoTiles((4, 4), (1, 2, 2)) != VideoTiles((4, 4), (1, 4, 1))
     assert partitions.get([[0, 1], [2, 3]]) != partitions.get([[0, 2], [1, 3]])
 
+
+
+@pytest.mark.parametrize("schedule,partition", [("ring", "load_balanced"),
+                                                ("ring", "documents"), ("allgather", "documents")])
+def test_a_call_on_a_local_packing_reads_no_tensor(monkeypatch, schedule, partition):
+    """A call given a rank's packing reads its host offsets: reading its int32 tensors would
+    cost a device sync on every call on a GPU."""
+    import schedules
+    import sdpa_fusion
+    from sdpa_fusion import layout
+
+    lengths = [40, 3, 9, 1, 20, 7]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    mesh = sdpa_fusion.VirtualMesh((2,), ("seq",), rank=1)
+    sched = schedules.get(schedule, mesh, partition=partition)
+    local = sched.pack(torch.tensor(cu, dtype=torch.int32))
+    q = local.shard(torch.randn(cu[-1], 2, 8))
+    read = []
+    monkeypatch.setattr(layout, "_tensor_values",
+                        lambda name, t, device: read.append(name) or t.tolist())
+    p = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched, cu_seqlens=local)
+    assert read == []
+    assert p.spec.cu_seqlens == tuple(local.cu_seqlens.tolist())
+    assert p.spec.cu_seqlens_padded == tuple(local.cu_seqlens_padded.tolist())
