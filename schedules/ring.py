@@ -196,8 +196,11 @@ class Ring(Transported, SequenceSchedule):
         return spec.q_len, spec.kv_len
 
     def kernel_calls(self, spec) -> int:
-        """One call per ring step."""
-        return self.size
+        """The kernel calls this rank makes on the local ``spec``: one per ring step whose
+        block its queries see (all P load-balanced; fewer under a contiguous causal split, a
+        window or a mask), a band perhaps split in two."""
+        steps, _ = self._plan(spec, spec.q_len, spec.kv_len)
+        return max(1, sum(len(calls) for _, calls in steps))
 
     def sums_dtype(self, spec) -> torch.dtype:
         """The dtype dK/dV sums of a call on ``spec`` (global or local) travel in."""

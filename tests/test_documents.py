@@ -137,6 +137,19 @@ def test_kernel_calls_are_the_cut_documents_schedules():
                      ("ring", "load_balanced", 11): p, ("ring", "documents", 5): 1}
 
 
+@pytest.mark.parametrize("window,calls", [(None, 6), ((3, 0), 2), ((20, 0), 4)])
+def test_ring_kernel_calls_are_those_of_the_steps_it_takes(window, calls):
+    """A rank calls the kernel on the blocks its queries see: causal over a contiguous split
+    rank 5 of 8 sees its own block and the five before; a window of 3 keys (blocks of 8
+    rows) its own and the one before, one of 20 keys three blocks back."""
+    mesh = sdpa_fusion.VirtualMesh((8,), ("seq",), rank=5)
+    sched = schedules.get("ring", mesh, partition="contiguous")
+    q = torch.randn(1, 2, 8, 8)
+    plan = sdpa_fusion.plan(q, q, q, layout="bhse", causal=True, schedule=sched, window=window)
+    steps, _ = sched._plan(plan.spec, 8, 8)
+    assert sched.kernel_calls(plan.spec) == calls == sum(len(c) for _, c in steps)
+
+
 @pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
 def test_hybrid_kernel_calls_are_its_outer_rings(inner):
     lengths = [3, 40, 5, 8]
