@@ -246,6 +246,19 @@ def auto_goals(record: dict) -> dict:
     return found
 
 
+def virtual_ranks_goals(record: dict) -> dict:
+    """Whole documents over P virtual ranks on one GPU: the slowest rank x P over the whole
+    batch on the one GPU, per batch, schedule and P."""
+    found = {}
+    for r in record["rows"]:
+        ratio = r.get("slowest_x_p_over_one_gpu")
+        if r.get("status") != "ok" or r.get("partition") != "documents" or ratio is None:
+            continue
+        name = f"batch ({r['batch']}), {r.get('schedule', 'ring')}, P = {r['ranks']}"
+        found[(f"{name}: slowest rank x P / one GPU", r["goal"], False)] = ratio
+    return found
+
+
 SERIES = (
     Series("Context parallelism on 2 H200, each step held 3 s before timing (sustained load; "
            "b = 1, 32 heads of 128, causal forward+backward)",
@@ -281,6 +294,11 @@ SERIES = (
             Run("single_gpu_hd128_auto.json", "60a998d"),
             Run("single_gpu_hd128_auto.json", "e39ebbb"),
             Run("single_gpu.json")), auto_goals),
+    Series("Packed batches, whole documents to P virtual ranks in turn on one H200 "
+           "(`benchmarks.virtual_ranks`; 32 heads of 128, causal forward+backward, auto with "
+           "FA4; every rank checked)",
+           (Run("virtual_ranks.json", "970ae86"), Run("virtual_ranks.json", "cc6ca0f"),
+            Run("virtual_ranks.json")), virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
            (Run("single_gpu_long.json"),), long_goals),
