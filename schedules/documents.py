@@ -143,7 +143,7 @@ class DocumentPacking(LocalPacking):
     ``LocalPacking`` of the load-balanced split of the cut documents, or None). ``tokens``
     differs from rank to rank; the rest reads as ``LocalPacking``."""
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         """T_local: this rank's tokens, padding of the cut part included."""
         return self.split.tokens_of(self.rank)
@@ -170,6 +170,15 @@ class DocumentPacking(LocalPacking):
     @property
     def longest_share(self) -> int:
         return self.split.longest_share
+
+    @functools.cached_property
+    def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.split.part_packing(self.rank)
+
+    @functools.cached_property
+    def whole_offsets(self) -> tuple[int, ...]:
+        """cu_seqlens of the whole documents (the first ``whole_tokens`` rows)."""
+        return self.offsets[0][:len(self.whole_lengths) + 1]
 
     @functools.cached_property
     def counts(self) -> torch.Tensor:

@@ -93,7 +93,7 @@ class Split:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_parts", {})
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         """Tokens every rank stores (padding included)."""
         return int(self.offsets[-1])
@@ -111,8 +111,7 @@ class Split:
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples: its real tokens of
         every sequence, in slots of ``storage`` tokens (what splitting the part again takes)."""
-        real = torch.cumsum(self.counts[rank], 0)
-        return (0, *real.tolist()), tuple(self.offsets.tolist())
+        return self.part(rank).offsets
 
     def rows(self, rank: int) -> torch.Tensor:
         """Row of each of ``rank``'s tokens in the packed tensor split here (-1: padding), host."""
@@ -197,8 +196,9 @@ class LocalPacking:
     @functools.cached_property
     def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(cu_seqlens, cu_seqlens_padded) of the local part as host tuples: what a call on
-        this packing reads, with no device sync."""
-        return self.split.part_packing(self.rank)
+        this packing reads, with no device sync (made once)."""
+        real = torch.cumsum(self.counts[self.rank], 0)
+        return (0, *real.tolist()), tuple(self.split.offsets.tolist())
 
     @functools.cached_property
     def seqlens(self) -> torch.Tensor:

@@ -36,8 +36,7 @@ from .partition import Auto, Documents, LoadBalanced
 
 def whole_spec(spec):
     """The local problem of the whole documents of ``spec`` (its packing a DocumentPacking)."""
-    lengths = spec.packing.whole_lengths
-    cu = (0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist())
+    cu = spec.packing.whole_offsets
     return spec.replace(packing=None, q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu,
                         cu_seqlens_padded=None)
 
@@ -47,7 +46,7 @@ def cut_spec(spec):
     cut = spec.packing.cut
     if cut is None:
         return None
-    cu, padded = cut.split.part_packing(cut.rank)
+    cu, padded = cut.offsets
     return spec.replace(packing=cut, q_len=cut.tokens, kv_len=cut.tokens, cu_seqlens=cu,
                         cu_seqlens_padded=padded)
 

@@ -205,3 +205,30 @@ def test_a_call_on_a_local_packing_reads_no_tensor(monkeypatch, schedule, partit
     assert read == []
     assert p.spec.cu_seqlens == tuple(local.cu_seqlens.tolist())
     assert p.spec.cu_seqlens_padded == tuple(local.cu_seqlens_padded.tolist())
+
+
+def test_a_rank_s_packing_is_read_from_host_values_made_once(monkeypatch):
+    """What a call reads of a whole-documents packing (its tokens, offsets, the whole and cut
+    documents' problems) is made on first use: later calls read no tensor (host work every
+    step, growing with the documents)."""
+    import schedules
+    import sdpa_fusion
+    from schedules.whole import cut_spec, whole_spec
+
+    lengths = [40, 3, 9, 1, 20, 7, 64]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    sched = schedules.get("ring", sdpa_fusion.VirtualMesh((2,), ("seq",), rank=0),
+                          partition="documents")
+    local = sched.pack(cu)
+    q = local.shard(torch.randn(cu[-1], 2, 8))
+    spec = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched,
+                            cu_seqlens=local).spec
+    first = (local.tokens, local.offsets, whole_spec(spec), cut_spec(spec))
+    assert first[3] is not None and first[2].q_len > 0  # both parts present
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor read on a later call")
+
+    for method in ("tolist", "item", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, method, refuse)
+    assert (local.tokens, local.offsets, whole_spec(spec), cut_spec(spec)) == first
