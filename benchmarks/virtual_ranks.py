@@ -38,6 +38,7 @@ import time
 import torch
 
 from benchmarks import check, common
+from benchmarks.context_parallel import impl_options
 from benchmarks.mailbox import Mailbox, Stopped, virtual_schedules
 from benchmarks.thd import BATCHES, TINY_BATCHES
 
@@ -191,8 +192,9 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
         while left:
             box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
             start = time.monotonic()
-            scheds = virtual_schedules(schedule, parts, inputs[0].device, box, cu,
-                                       partition=partition)
+            name, options = impl_options(schedule)
+            scheds = virtual_schedules(name, parts, inputs[0].device, box, cu,
+                                       partition=partition, **options)
             reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
             runs += 1
             if runs == 1:
@@ -290,7 +292,9 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=common.int_list, default=[2, 4, 8])
     p.add_argument("--batches", default="a,b,c,d")
     p.add_argument("--partitions", default="documents,load_balanced")
-    p.add_argument("--schedules", default="ring", help="ring, allgather or both (comma)")
+    p.add_argument("--schedules", default="ring",
+                   help="ring, allgather, or several (comma), each with options "
+                        "(ring:grad_dtype=input)")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)

@@ -118,3 +118,22 @@ def test_ranks_past_the_record_budget_are_recorded_by_later_runs():
     assert row["status"] == "ok" and row["check"].startswith("right"), row
     assert row["record_runs"] == 4 and max(row["record_gib"]) * (1 << 30) <= most, row
     assert held[1] == held[0], held
+
+
+def test_schedule_entries_take_options(monkeypatch):
+    """``--schedules ring:grad_dtype=input`` runs the ring with that option, in a row named
+    by the entry."""
+    made, virtual_schedules = [], virtual_ranks.virtual_schedules
+
+    def recording(name, *args, **options):
+        scheds = virtual_schedules(name, *args, **options)
+        made.append((name, scheds[0].grad_dtype))
+        return scheds
+
+    monkeypatch.setattr(virtual_ranks, "virtual_schedules", recording)
+    rows, _ = _rows("--ranks", "3", "--partitions", "load_balanced", "--schedules",
+                    "ring,ring:grad_dtype=input")
+    assert made == [("ring", "auto"), ("ring", "input")]
+    given = rows[2]
+    assert given["impl"] == "ring:grad_dtype=input load_balanced P=3"
+    assert given["status"] == "ok" and given["check"].startswith("right"), given
