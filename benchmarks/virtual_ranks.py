@@ -272,6 +272,9 @@ def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
     for schedule, partition, parts in itertools.product(args.schedules, args.partitions,
                                                         args.ranks):
         name = f"{schedule} {partition} P={parts}"
+        if out_of_time(args):
+            say(f"{batch} {name}: not started (--max-seconds)")
+            continue
 
         def step_say(text, name=name):
             say(f"  {batch} {name} {text}")
@@ -285,6 +288,12 @@ def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
         say(f"{batch} {name}: slowest {common.number(m.median_ms)} ms x {parts} / one "
             f"device = {common.number(ratio)} (goal 1.1), {m.status}"
             + (f": {m.error}" if m.error else ""))
+
+
+def out_of_time(args) -> bool:
+    """Whether ``--max-seconds`` have passed since the run began (no new row then)."""
+    deadline = getattr(args, "deadline", None)
+    return deadline is not None and time.monotonic() > deadline
 
 
 def parse_args(argv=None):
@@ -308,6 +317,8 @@ def parse_args(argv=None):
                    help="receives kept per record run (default: half the free GPU memory)")
     p.add_argument("--timeout-s", type=float, default=120,
                    help="the longest a record phase or a rank's wait for a transfer may take")
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="start no row after this long (0: no limit)")
     p.add_argument("--profile", action="store_true",
                    help="also split each rank's device time (attention, copies, the rest)")
     p.add_argument("--tiny", action="store_true", help="small batches, reference kernel, CPU")
@@ -346,7 +357,11 @@ def main(argv=None) -> int:
         common.save(args.name, record_, args, plot=False)
 
     lengths = batches(args.tiny, args.shrink)
+    args.deadline = start + args.max_seconds if args.max_seconds else None
     for batch in args.batches:
+        if out_of_time(args):
+            say(f"batch {batch}: not started (--max-seconds)")
+            continue
         try:
             batch_rows(args, batch, lengths[batch], say, keep)
         except Exception as e:  # noqa: BLE001 -- the batch's inputs did not fit: recorded

@@ -23,6 +23,8 @@
 #   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid            (~3 min on 2)
 #   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
+#   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
+#                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
 #   all              tests, then bench (12-15 min; to keep each command under 10 min,
@@ -171,6 +173,11 @@ bench_max_seq() {
         --confirm-budget-s "${CONFIRM_S:-120}"
 }
 
+bench_vr() {
+    bench bench-vr virtual_ranks 330 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
+        --partitions documents --schedules ring,allgather --profile
+}
+
 bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
 }
@@ -243,6 +250,7 @@ for part in "${parts[@]}"; do
         bench-hybrid) bench_hybrid ;;
         bench-thd-cp) bench_thd_cp ;;
         bench-max-seq) bench_max_seq ;;
+        bench-vr) bench_vr ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done

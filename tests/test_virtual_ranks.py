@@ -137,3 +137,17 @@ def test_schedule_entries_take_options(monkeypatch):
     given = rows[2]
     assert given["impl"] == "ring:grad_dtype=input load_balanced P=3"
     assert given["status"] == "ok" and given["check"].startswith("right"), given
+
+
+def test_no_row_starts_past_max_seconds():
+    """Past ``--max-seconds`` the rows not yet begun are left out (the one-GPU row of a batch
+    begun in time is kept); a GPU session's budget ends the run, not a timeout."""
+    import time
+
+    args = virtual_ranks.parse_args(["--tiny", "--batches", "a", "--ranks", "2",
+                                     "--max-seconds", "1"])
+    args.deadline = time.monotonic() - 1.0
+    rows = []
+    virtual_ranks.batch_rows(args, "a", virtual_ranks.batches(True)["a"], lambda text: None,
+                             rows.append)
+    assert [r["ranks"] for r in rows] == [1]
