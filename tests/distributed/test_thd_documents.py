@@ -78,6 +78,18 @@ def test_one_long_document_and_short_ones(mesh, name, window):
 
 
 @pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_every_row_cut(mesh, name):
+    """One document (and empty ones): every rank's rows are cut, its results the cut
+    documents' schedule's as they are."""
+    p = mesh.size()
+    problem = make_packed([0, 8 * p + 3, 0], h=4, h_kv=2, causal=True)
+    sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
+    local = sched.pack(problem.cu_seqlens)
+    assert local.assignment.cut == (1,) and local.whole_tokens == 0
+    assert_packed_matches(problem, run_packed(sched, problem, local=True))
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
 def test_short_documents_move_nothing(mesh, name):
     """Every document whole: the call sends and receives nothing (the agreement aside), as
     describe() says, and each rank's tokens are within one document of the mean."""
