@@ -11,9 +11,7 @@ on the one device (``benchmarks.mailbox``). Record: the P ranks run causal fwd+b
 one thread each and one at a time, their transfers handed over and recorded; each rank's
 out and gradients are checked on sampled rows against fp32 math (``benchmarks.check``).
 Replay: each rank alone runs the step again, timed, its receives copied from its record (a
-copy stands for each transfer, on a stream of its own on a GPU: a transfer lands while the
-rank computes, and the rank waits for it where it would wait for the transfer); then once
-more, checked. Records kept past ``--record-gib``
+copy stands for each transfer); then once more, checked. Records kept past ``--record-gib``
 (default: half the memory free when the row starts) are made again by another record run.
 Every row frees all it made before the next starts, a failed one (out of memory) too, and is
 recorded as such. A row is the slowest rank's median time next to one
@@ -186,13 +184,13 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
     left, per_rank, recorded, replayed = list(range(parts)), [None] * parts, None, [None] * parts
     tokens, sent, received, runs, kept = [0] * parts, [0] * parts, [0] * parts, 0, []
     device_ms = [None] * parts
+    name, options = impl_options(schedule)
     free(args.device)  # the last row's cycles, before the budget is read
     budget = record_bytes(args)
     try:
         while left:
             box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
             start = time.monotonic()
-            name, options = impl_options(schedule)
             scheds = virtual_schedules(name, parts, inputs[0].device, box, cu,
                                        partition=partition, **options)
             reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
@@ -292,8 +290,7 @@ def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
 
 def out_of_time(args) -> bool:
     """Whether ``--max-seconds`` have passed since the run began (no new row then)."""
-    deadline = getattr(args, "deadline", None)
-    return deadline is not None and time.monotonic() > deadline
+    return args.deadline is not None and time.monotonic() > args.deadline
 
 
 def parse_args(argv=None):
@@ -327,6 +324,7 @@ def parse_args(argv=None):
     args.batches = [b for b in args.batches.split(",") if b]
     args.partitions = [x for x in args.partitions.split(",") if x]
     args.schedules = [x for x in args.schedules.split(",") if x]
+    args.deadline = None  # main sets it from --max-seconds when the run begins
     cuda = torch.cuda.is_available() and not args.tiny
     args.device = torch.device("cuda" if cuda else "cpu")
     args.dtype = torch.bfloat16 if cuda else torch.float32
@@ -345,7 +343,7 @@ def main(argv=None) -> int:
                         f"one device",
                "environment": common.environment("benchmarks.virtual_ranks"),
                "settings": {k: str(v) if isinstance(v, (torch.dtype, torch.device)) else v
-                            for k, v in vars(args).items() if k not in ("results_dir",)},
+                            for k, v in vars(args).items() if k not in ("results_dir", "deadline")},
                "rows": []}
 
     def say(text):

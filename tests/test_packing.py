@@ -182,7 +182,6 @@ def test_partitions_compare_by_rule():
     assert partitions.get([[0, 1], [2, 3]]) != partitions.get([[0, 2], [1, 3]])
 
 
-
 @pytest.mark.parametrize("schedule,partition", [("ring", "load_balanced"),
                                                 ("ring", "documents"), ("allgather", "documents")])
 def test_a_call_on_a_local_packing_reads_no_tensor(monkeypatch, schedule, partition):

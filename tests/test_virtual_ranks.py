@@ -37,7 +37,8 @@ def test_profile_splits_each_rank_s_device_time():
 
 
 def test_device_time_kinds_of_kernels_seen_on_an_h200():
-    names = {"kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackward": "attention",
+    fa4 = "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackward"
+    names = {fa4: "attention",
              "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention",
              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention",
              "Memcpy DtoD (Device -> Device)": "copies",
