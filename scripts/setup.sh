@@ -125,12 +125,15 @@ if [[ "$fresh" == 0 ]] && satisfied; then
   # the package's own metadata (its command's entry point, its package data) may have changed
   "$VENV/bin/python" -m pip install --progress-bar off --quiet --no-deps -e "$ROOT"
 else
-  log "installing sdpa-fusion[$EXTRAS] into $VENV (torch and nvFuser are large; minutes on first use)"
+  log "installing sdpa-fusion[$EXTRAS] into $VENV (torch and nvFuser are large: about 8 GB;" \
+      "minutes on first use; $(df -h --output=avail "$(dirname "$VENV")" | tail -1 | tr -d ' ') free)"
   start=$SECONDS
-  "$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[$EXTRAS]"
+  # no wheel cache: the venv alone takes about 8 GB, a cached copy of the wheels 3 more
+  "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir -e "$ROOT[$EXTRAS]"
   if [[ "$CUDA" == cu130 ]]; then
     # Both nvFuser builds ship the module nvfuser_direct; make the CUDA 13 one win.
-    "$VENV/bin/python" -m pip install --progress-bar off --force-reinstall --no-deps nvfuser-cu130-torch210
+    "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir --force-reinstall --no-deps \
+      nvfuser-cu130-torch210
   fi
   log "installed in $((SECONDS - start)) s"
 fi
