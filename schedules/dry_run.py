@@ -103,14 +103,17 @@ class WorkspaceKernel(Kernel):
         self._count(q, [(q.shape[2], k.shape[2])] * q.shape[0], causal, window, BACKWARD)
         return self._grads((dq, dk, dv), q, k, v)
 
-    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window, out=None, lse=None):
         self._count(q, list(zip(seqlens.lengths_q, seqlens.lengths_k)), causal, window, 1.0)
-        return _zeros_like(q), torch.zeros(q.shape[1], q.shape[0], device=q.device)
+        return (_zeros_like(q) if out is None else out.zero_(),
+                torch.zeros(q.shape[1], q.shape[0], device=q.device) if lse is None
+                else lse.zero_())
 
-    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window,
+                         dq=None, dk=None, dv=None):
         self._count(q, list(zip(seqlens.lengths_q, seqlens.lengths_k)), causal, window,
                     BACKWARD)
-        return self._grads((None,) * 3, q, k, v)
+        return self._grads((dq, dk, dv), q, k, v)
 
     def _count(self, q, lengths, causal, window, times: float) -> None:
         """One call over sequences of (query rows, key rows) ``lengths`` of q's heads."""

@@ -142,6 +142,35 @@ def test_split_way_matches_torch_per_sequence(pairs, causal, window, min_long, s
     check_per_sequence(got, q, k, v, dout, seqlens, causal, window)
 
 
+# ---- output buffers: every way writes its whole result into the buffers it is given ------------
+WAYS = {"reference": lambda: get("reference"), "per-sequence": lambda: PerSequence("reference"),
+        "padded": lambda: Padded("reference"), "split": lambda: Split("reference", "reference", 5)}
+
+
+@settings(max_examples=10)
+@given(pairs=st.lists(st.tuples(length, length), min_size=1, max_size=4),
+       same=st.booleans(), causal=st.booleans(), seed=st.integers(0, 99))
+@pytest.mark.parametrize("way", list(WAYS))
+def test_varlen_writes_into_given_buffers(way, pairs, same, causal, seed):
+    """Buffers filled with NaN come back holding exactly the results of a call without them
+    (rows of sequences without keys or queries included), and are what the call returns."""
+    if same:  # one shape: the padded way's dense view of the buffers
+        pairs = [pairs[0]] * len(pairs)
+    seqlens = Seqlens(cumulative(n for n, _ in pairs), cumulative(m for _, m in pairs))
+    q, k, v, dout = packed_inputs(seqlens, 2, seed)
+    kernel, mask = WAYS[way](), dict(causal=causal, scale=SCALE)
+    want = run_varlen(kernel, q, k, v, dout, seqlens, causal, None)
+    out, dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, q, k, v))
+    lse = torch.full((H, q.shape[0]), math.nan)
+    got = kernel.varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse)
+    got += kernel.varlen_backward(dout, q, k, v, want[0], want[1], seqlens, **mask, dq=dq, dk=dk,
+                                  dv=dv)
+    for name, result, buffer, expected in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                              (out, lse, dq, dk, dv), want):
+        assert result.data_ptr() == buffer.data_ptr(), f"{name}: the given buffer is returned"
+        assert torch.equal(buffer, expected), f"{name} differs from a call without buffers"
+
+
 def test_split_sequences_cuts_long_ones_into_pieces_of_a_tile_or_the_longest_short_one():
     short, long = packed.split_sequences(packed_seqlens((0, 10, 13, 15, 45)), 10)
     assert long == (((0, 10), (0, 10)), ((15, 45), (15, 45)))

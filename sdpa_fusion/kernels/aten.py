@@ -110,11 +110,12 @@ class FlashKernel(Kernel):
         )
         return tuple(_filled(g.transpose(1, 2), t) for g, t in zip(grads, (q, k, v)))
 
-    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window):
+    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window, out=None,
+                        lse=None):
         call = flash_call(seqlens, q.shape[0], k.shape[0], band(causal, window))
         if call is None or q.shape[0] == 0 or k.shape[0] == 0:
             return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                           window=window)
+                                           window=window, out=out, lse=lse)
         cu_q, cu_k = call.seqlens.tensors(q.device)
         out, lse, *_ = aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, call.max_q, call.max_k, 0.0, call.window.causal, False,
@@ -123,11 +124,11 @@ class FlashKernel(Kernel):
         return out, _no_key_to_minus_inf(lse)
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
-                         window):
+                         window, dq=None, dk=None, dv=None):
         call = flash_call(seqlens, q.shape[0], k.shape[0], band(causal, window))
         if call is None or q.shape[0] == 0 or k.shape[0] == 0:
             return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                            scale=scale, window=window)
+                                            scale=scale, window=window, dq=dq, dk=dk, dv=dv)
         cu_q, cu_k = call.seqlens.tensors(q.device)
         return aten._flash_attention_backward(
             dout, q, k, v, out, _no_key_to_plus_inf(lse), cu_q, cu_k, call.max_q, call.max_k,

@@ -9,9 +9,10 @@ Dense tensors, logical [B, H, S, E] in BHSE or BSHE memory order:
 
 Packed sequences (varlen), [T, H, E] tensors delimited by ``Seqlens``:
 
-    varlen_forward(q, k, v, seqlens, *, causal, scale, window=None) -> (out, lse)
-    varlen_backward(dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None)
-        -> (dq, dk, dv)
+    varlen_forward(q, k, v, seqlens, *, causal, scale, window=None, out=None, lse=None)
+        -> (out, lse)
+    varlen_backward(dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None,
+                    dq=None, dk=None, dv=None) -> (dq, dk, dv)
 
 Outputs keep the query's layout (gradients their input's). ``lse`` is fp32: [B, H, S_q]
 dense, [H, T_q] packed. ``causal`` and ``window`` are aligned top-left, per sequence when
@@ -210,16 +211,18 @@ class Kernel(abc.ABC):
         return pieces.dense_backward(self, dout, q, k, v, out, lse, mask, dropout, (dq, dk, dv))
 
     def varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal: bool, scale: float,
-                       window: Window | None = None):
-        """(out [T_q, H, E], lse fp32 [H, T_q]) of packed sequences."""
+                       window: Window | None = None, out=None, lse=None):
+        """(out [T_q, H, E], lse fp32 [H, T_q]) of packed sequences (written into ``out``,
+        ``lse`` when given)."""
         mask = dict(causal=causal, scale=scale, window=window)
-        return pieces.packed_forward(self, q, k, v, seqlens, mask)
+        return pieces.packed_forward(self, q, k, v, seqlens, mask, (out, lse))
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal: bool,
-                        scale: float, window: Window | None = None):
-        """(dq, dk, dv) of packed sequences."""
+                        scale: float, window: Window | None = None, dq=None, dk=None, dv=None):
+        """(dq, dk, dv) of packed sequences (written into ``dq``, ``dk``, ``dv`` when given)."""
         mask = dict(causal=causal, scale=scale, window=window)
-        return pieces.packed_backward(self, dout, q, k, v, out, lse, seqlens, mask)
+        return pieces.packed_backward(self, dout, q, k, v, out, lse, seqlens, mask,
+                                      (dq, dk, dv))
 
     # ---- what a kernel implements: calls inside its limits -------------------------------
     @abc.abstractmethod
@@ -231,18 +234,18 @@ class Kernel(abc.ABC):
     def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
         """(dq, dk, dv) of one call; ``dq``/``dk``/``dv`` as ``out`` of ``_forward``."""
 
-    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window):
-        """One varlen call (``native_varlen``); this default runs the sequences one by one."""
-        out = torch.zeros_like(q)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
-                         device=q.device)
+    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window, out=None,
+                        lse=None):
+        """One varlen call (``native_varlen``); ``out``/``lse`` as in ``_forward``. This
+        default runs the sequences one by one."""
+        out, lse = pieces.packed_outputs(q, out, lse)
         forward_each(self, q, k, v, _sequences(seqlens), out, lse, causal=causal, scale=scale,
                      window=window)
         return out, lse
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
-                         window):
-        grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+                         window, dq=None, dk=None, dv=None):
+        grads = pieces.packed_grads((q, k, v), (dq, dk, dv))
         backward_each(self, dout, q, k, v, out, lse, _sequences(seqlens), grads, causal=causal,
                       scale=scale, window=window)
         return grads

@@ -101,6 +101,14 @@ def _clear_rows_without_keys(out, lse, seqlens: Seqlens) -> None:
             lse[:, qa:qb] = float("-inf")
 
 
+def _contiguous_or_new(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A given packed output buffer FA4 writes as it is (contiguous), else a new one (the
+    caller copies the result into the given buffer)."""
+    if buffer is not None and buffer.is_contiguous():
+        return buffer
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
 class FlashAttention4Kernel(Kernel):
     """FlashAttention-4 (``flash_attn.cute``): dense and packed, GQA, windows, head dim 256."""
 
@@ -148,25 +156,28 @@ class FlashAttention4Kernel(Kernel):
             return None
         return fa4_rows.QueryRows(q, dout, out, lse, scale=scale)
 
-    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window):
+    def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window, out=None,
+                        lse=None):
         shift = varlen_shift(seqlens, causal, window)
         if shift is None:
             return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                           window=window)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                                           window=window, out=out, lse=lse)
+        out = _contiguous_or_new(out, q)
         lse = forward(q, k, v, scale=scale, window=fa4_window(causal, window, 0, shift), out=out,
+                      lse=lse if lse is not None and lse.is_contiguous() else None,
                       packed=self._packed(seqlens, q.device))
         _clear_rows_without_keys(out, lse, seqlens)
         return out, lse
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
-                         window):
+                         window, dq=None, dk=None, dv=None):
         shift = varlen_shift(seqlens, causal, window)
         if shift is None:
             return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                            scale=scale, window=window)
+                                            scale=scale, window=window, dq=dq, dk=dk, dv=dv)
+        dq, dk, dv = (_contiguous_or_new(g, t) for g, t in zip((dq, dk, dv), (q, k, v)))
         return backward(q, k, v, out, dout, lse, scale=scale,
-                        window=fa4_window(causal, window, 0, shift),
+                        window=fa4_window(causal, window, 0, shift), dq=dq, dk=dk, dv=dv,
                         packed=self._packed(seqlens, q.device))
 
     @staticmethod

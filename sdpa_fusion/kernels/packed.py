@@ -90,13 +90,14 @@ class Varlen(Way):
     def host_seconds(self, spec):
         return speed(self.kernel, "varlen").host_s
 
-    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window, out=None, lse=None):
         return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                          window=window)
+                                          window=window, out=out, lse=lse)
 
-    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window,
+                         dq=None, dk=None, dv=None):
         return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                           scale=scale, window=window)
+                                           scale=scale, window=window, dq=dq, dk=dk, dv=dv)
 
 
 class PerSequence(Way):
@@ -134,18 +135,19 @@ class Split(Way):
         long = sum(n >= self.min_long for n, _ in sequence_work(spec))
         return long * speed(self.kernel, "dense").host_s + speed(self.short, "varlen").host_s
 
-    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window, out=None, lse=None):
         short, long = split_sequences(seqlens, self.min_long)
         out, lse = self.short.varlen_forward(q, k, v, short, causal=causal, scale=scale,
-                                             window=window)
+                                             window=window, out=out, lse=lse)
         forward_each(self.kernel, q, k, v, long, out, lse, causal=causal, scale=scale,
                      window=window)
         return out, lse
 
-    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window,
+                         dq=None, dk=None, dv=None):
         short, long = split_sequences(seqlens, self.min_long)
         grads = self.short.varlen_backward(dout, q, k, v, out, lse, short, causal=causal,
-                                           scale=scale, window=window)
+                                           scale=scale, window=window, dq=dq, dk=dk, dv=dv)
         backward_each(self.kernel, dout, q, k, v, out, lse, long, grads, causal=causal,
                       scale=scale, window=window)
         return grads
@@ -213,31 +215,37 @@ class Padded(Way):
             copies = 12 * padded_tokens * token_bytes / COPY_BYTES_PER_S
         return s.host_s + len(work) * s.seconds(flops, longest) + copies
 
-    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window, out=None, lse=None):
         pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
         if pad is None:
             return self.kernel.varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                              window=window)
+                                              window=window, out=out, lse=lse)
         if pad.count == 0:
             return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
-                                           window=window)
+                                           window=window, out=out, lse=lse)
         out_d, lse_d = self.kernel.forward(pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
-                                           causal=causal, scale=scale, window=window)
-        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+                                           causal=causal, scale=scale, window=window,
+                                           out=pad.dense_target(out, "q"))
+        if lse is None:
+            lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         pad.unpad_lse(lse_d, lse)
         return pad.packed(out_d, q, "q"), lse
 
-    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window,
+                         dq=None, dk=None, dv=None):
         pad = padding(seqlens, q.shape[0], k.shape[0], band(causal, window), q.device)
         if pad is None:
             return self.kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                               scale=scale, window=window)
+                                               scale=scale, window=window, dq=dq, dk=dk, dv=dv)
         if pad.count == 0:
             return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
-                                            scale=scale, window=window)
+                                            scale=scale, window=window, dq=dq, dk=dk, dv=dv)
+        targets = {side + name: pad.dense_target(g, side)
+                   for g, side, name in zip((dq, dk, dv), "qkk", ("q", "k", "v"))}
         grads = self.kernel.backward(
             pad.dense(dout, "q"), pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
             pad.dense(out, "q"), pad.pad_lse(lse), causal=causal, scale=scale, window=window,
+            dq=targets["qq"], dk=targets["kk"], dv=targets["kv"],
         )
         return tuple(pad.packed(g, t, side) for g, t, side in zip(grads, (q, k, v), "qkk"))
 
@@ -262,6 +270,14 @@ class Padding:
         flat = t.new_zeros(self.count * self.length[side], *t.shape[1:])
         flat[self.slots[side]] = t[self.tokens[side]]
         return flat.view(shape).transpose(1, 2)
+
+    def dense_target(self, t: torch.Tensor | None, side: str) -> torch.Tensor | None:
+        """A given packed output buffer as the dense [N, H, m, E] view a kernel may write
+        into: only when the pack is that batch already and ``t`` is contiguous (else None:
+        the result is copied into it)."""
+        if t is None or self.slots[side] is not None or not t.is_contiguous():
+            return None
+        return self.dense(t, side)
 
     def packed(self, dense: torch.Tensor, model: torch.Tensor, side: str) -> torch.Tensor:
         """Dense [N, H, m, E] -> packed like ``model``, zeros on tokens outside the sequences."""

@@ -126,10 +126,16 @@ def _written(results, targets):
         if target is None:
             done.append(result)
             continue
-        if result is not target:
+        if not _same(result, target):
             target.copy_(result)
         done.append(target)
     return tuple(done)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the same elements (nothing to copy)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 # ---- packed ---------------------------------------------------------------------------------
@@ -151,13 +157,33 @@ def _rows(seqlens, p: Piece):
     return slice(cu_q[0], cu_q[-1]), slice(cu_k[0], cu_k[-1]), local
 
 
-def packed_forward(kernel, q, k, v, seqlens, mask):
+def packed_outputs(q: torch.Tensor, out=None, lse=None):
+    """(out, lse) buffers of a packed call on ``q`` that writes only its sequences' rows: the
+    given ones (or new) holding out 0 and lse -inf, what every other row gets."""
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        out.zero_()
+    if lse is None:
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    lse.fill_(float("-inf"))
+    return out, lse
+
+
+def packed_grads(inputs, grads) -> tuple:
+    """Gradient buffers of a packed call on ``inputs`` (q, k, v) that writes only its
+    sequences' rows: the given ones (or new), zeroed."""
+    return tuple(torch.zeros_like(t) if g is None else g.zero_() for t, g in zip(inputs, grads))
+
+
+def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
     limits = kernel.limits
     split = _packed_split(kernel, q, k, seqlens, (q, k, v))
     if not split:
-        return kernel._varlen_forward(q, k, v, seqlens, **mask)
-    out = torch.zeros_like(q)
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+        out, lse = outputs
+        return _written(kernel._varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse),
+                        outputs)
+    out, lse = packed_outputs(q, *outputs)
     for p in split:
         rows, keys, local = _rows(seqlens, p)
         o, l = kernel._varlen_forward(*(_own(t, limits) for t in (
@@ -167,12 +193,14 @@ def packed_forward(kernel, q, k, v, seqlens, mask):
     return out, lse
 
 
-def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask):
+def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None, None, None)):
     limits = kernel.limits
     split = _packed_split(kernel, q, k, seqlens, (dout, q, k, v, out))
     if not split:
-        return kernel._varlen_backward(dout, q, k, v, out, lse, seqlens, **mask)
-    grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        dq, dk, dv = grads
+        return _written(kernel._varlen_backward(dout, q, k, v, out, lse, seqlens, **mask, dq=dq,
+                                                dk=dk, dv=dv), grads)
+    grads = packed_grads((q, k, v), grads)
     shared = {}
     for p in split:
         rows, keys, local = _rows(seqlens, p)

@@ -275,3 +275,26 @@ def test_packed_sequences(kernel, causal, lengths_q, lengths_k, kv_heads):
     torch.testing.assert_close(lse[seen].double(), want.lse[seen], **LSE,
                                msg=lambda m: f"lse: {m}")
     reference.assert_results((out, dq, dk, dv), want)
+
+
+@pytest.mark.parametrize("causal,lengths_q,lengths_k,kv_heads", PACKED[:1] + PACKED[2:3])
+def test_packed_sequences_into_given_buffers(kernel, causal, lengths_q, lengths_k, kv_heads):
+    """Output buffers filled with NaN are written whole, in place (sequences without keys or
+    without queries too), and hold what a call without buffers returns (``local_forward``
+    hands whole documents' rows of a joint result to the kernel so)."""
+    q, k, v, dout, seqlens = packed(lengths_q, lengths_k, kv_heads)
+    mask = dict(causal=causal, scale=scale_for(q.shape[-1]))
+    out, lse = kernel.varlen_forward(q, k, v, seqlens, **mask)
+    want = (out, lse, *kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, **mask))
+    buffers = [torch.full_like(t, math.nan) for t in want]
+    got = kernel.varlen_forward(q, k, v, seqlens, **mask, out=buffers[0], lse=buffers[1])
+    got += kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, **mask, dq=buffers[2],
+                                  dk=buffers[3], dv=buffers[4])
+    for name, result, buffer, expected in zip(("out", "lse", "dq", "dk", "dv"), got, buffers,
+                                              want):
+        assert result.data_ptr() == buffer.data_ptr(), f"{name}: written in place"
+        if name in ("out", "lse"):
+            assert torch.equal(buffer, expected), f"{name} differs from a call without buffers"
+        else:  # the backward sums dQ (and GQA's dK/dV) with atomics: the order may differ
+            torch.testing.assert_close(buffer, expected, atol=1e-2, rtol=1e-2,
+                                       msg=lambda m, name=name: f"{name}: {m}")
