@@ -63,7 +63,7 @@ from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
 from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
-                    fold_calls, packed_call, part_call, row_index)
+                    fold_calls, gradients, outputs, packed_call, part_call, row_index)
 from .overlap import Overlap
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
@@ -416,13 +416,12 @@ class AllGather(Transported, SequenceSchedule):
             others.index_copy_(2, slots, from_buffer(gathered[j], layout))
         return others
 
-    def forward(self, q, k, v, spec, kernel, dropout=None):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         packed = spec.packing is not None
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
         own, calls, rank_order = self._plan(spec)
-        out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        out, lse = outputs(q, out, lse, packed)
         groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
         blocks = self._blocks(own, calls, rank_order)
         if packed:
@@ -438,13 +437,13 @@ class AllGather(Transported, SequenceSchedule):
             del gathered
         return (as_packed(out) if packed else out), lse
 
-    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
+                 dv=None):
         packed = spec.packing is not None
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
         own, calls, rank_order = self._plan(spec)
-        dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
-                      for t in (q, k, v))
+        dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
         groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
         blocks = self._blocks(own, calls, rank_order)
         if packed:  # two gather regions, then the scatter's

@@ -37,6 +37,25 @@ def as_packed(t: torch.Tensor) -> torch.Tensor:
     return t[0].transpose(0, 1)
 
 
+def outputs(q: torch.Tensor, out, lse, packed: bool):
+    """(out, lse) buffers of a schedule's forward on its queries ``q`` ([1, H, T, E] views when
+    ``packed``): the given ones (packed out as such a view) or new ones."""
+    if out is None:
+        out = _empty_like(q)
+    elif packed:
+        out = as_block(out)
+    if lse is None:
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def gradients(inputs, grads, packed: bool) -> tuple:
+    """(dq, dk, dv) buffers of a schedule's backward on ``inputs`` (q, k, v; [1, H, T, E]
+    views when ``packed``): the given ones (packed as such views) or new ones."""
+    return tuple(_empty_like(t) if g is None else (as_block(g) if packed else g)
+                 for t, g in zip(inputs, grads))
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseCall:
     """Query rows ``rows`` vs key rows ``keys`` (slices) of dense blocks, masked by ``causal``

@@ -126,13 +126,15 @@ class _OuterKernel(Kernel):
         return self.outer.backward(dout, q, k, v, out, lse, self._local(q, k), self.kernel,
                                    dropout)
 
-    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window):
-        out, lse = self.outer.forward(q, k, v, self._local(q, k), self.kernel)
+    def _varlen_forward(self, q, k, v, seqlens, *, causal, scale, window, out=None, lse=None):
+        out, lse = self.outer.forward(q, k, v, self._local(q, k), self.kernel, out=out,
+                                      lse=None if lse is None else lse.unsqueeze(0))
         return out, lse[0]
 
-    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window):
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, *, causal, scale, window,
+                         dq=None, dk=None, dv=None):
         return self.outer.backward(dout, q, k, v, out, lse.unsqueeze(0), self._local(q, k),
-                                   self.kernel)
+                                   self.kernel, dq=dq, dk=dk, dv=dv)
 
 
 class Hybrid(Schedule):

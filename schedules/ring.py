@@ -84,7 +84,7 @@ from . import dry_run, heads, mask_plans
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
 from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
-                    dq_sum_of, fold_calls, part_call, put_rows, zero_outside)
+                    dq_sum_of, fold_calls, gradients, outputs, part_call, put_rows, zero_outside)
 from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -317,7 +317,7 @@ class Ring(Transported, SequenceSchedule):
         before it sends the next group's, so one; else two."""
         return 1 if remote == 1 else 2
 
-    def forward(self, q, k, v, spec, kernel, dropout=None):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         packed = spec.layout.is_varlen
         if packed:
             q, k, v = (as_block(t) for t in (q, k, v))
@@ -325,8 +325,7 @@ class Ring(Transported, SequenceSchedule):
         calls, order = dict(steps), [step for step, _ in steps]
         remote = order[1:]
         groups = self.groups_of(q, k, spec)
-        out = layout_of(q).empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        out, lse = outputs(q, out, lse, packed)
         blocks = sum(len(c) for c in calls.values())
         (kv,) = self._rings(k, groups, remote, travel,
                             (k.dtype, self._kv_slots(len(groups), len(remote))))
@@ -340,7 +339,8 @@ class Ring(Transported, SequenceSchedule):
                 merged.finish()
         return (as_packed(out) if packed else out), lse
 
-    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
+                 dv=None):
         packed = spec.layout.is_varlen
         if packed:
             dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
@@ -353,8 +353,7 @@ class Ring(Transported, SequenceSchedule):
         split = count != len(groups)
         groups = heads.groups_of(count, q.shape[1], k.shape[1]) if split else groups
         orders = self._backward_orders(len(groups), remote, own_first=split)
-        dq, dk, dv = (layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
-                      for t in (q, k, v))
+        dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
         one_hop = self._sums_make_one_hop(spec, remote)
         carried = self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None
         kv, sums = self._rings(k, groups, remote, travel,

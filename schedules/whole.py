@@ -9,8 +9,10 @@ A rank's local tokens are its whole documents, then its part of the cut document
                              load-balanced split: K/V travel, one block size on every rank)
     backward   the same, dQ/dK/dV of each set written into its rows
 
-A rank whose rows are all whole (or all cut) returns that one part's results as they are,
-with no copy into the rows of a joint result.
+Each part writes straight into its rows of the joint out, lse and gradients (output buffers
+of the kernel call and of the schedule's loop: FA4's varlen call and the padded way write
+there in place, other kernels copy their results in). A rank whose rows are all whole (or
+all cut) returns that one part's results as they are.
 
 The cut packing runs on the schedule's *twin*: the same schedule, mesh, communicator and
 transport buffers, with the load-balanced partition. ``describe`` adds the whole documents'
@@ -136,43 +138,43 @@ class WholeDocuments:
         cut = cut_spec(spec)
         return 1 if cut is None else self.twin().kernel_calls(cut)
 
-    def forward(self, q, k, v, spec, kernel, dropout=None):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         if not isinstance(spec.packing, DocumentPacking):
-            return super().forward(q, k, v, spec, kernel, dropout)
+            return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse)
         w, cut = spec.packing.whole_tokens, cut_spec(spec)
         if cut is None:  # every document whole: the local call's results as they are
-            return local_forward(kernel, q, k, v, whole_spec(spec))
+            return local_forward(kernel, q, k, v, whole_spec(spec), out=out, lse=lse)
         if not w:  # every row cut
-            return self._running_twin().forward(q, k, v, cut, kernel)
-        out = torch.empty_like(q)
-        lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        parts = [(slice(0, w), local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec))),
-                 (slice(w, None), self._running_twin().forward(q[w:], k[w:], v[w:], cut,
-                                                               kernel))]
-        for rows, (o, l) in parts:
-            out[rows] = o
-            lse[:, :, rows] = l
+            return self._running_twin().forward(q, k, v, cut, kernel, out=out, lse=lse)
+        out = torch.empty_like(q) if out is None else out
+        if lse is None:
+            lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        # each part writes its rows of the joint result
+        local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec), out=out[:w],
+                      lse=lse[:, :, :w])
+        self._running_twin().forward(q[w:], k[w:], v[w:], cut, kernel, out=out[w:],
+                                     lse=lse[:, :, w:])
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
+                 dv=None):
+        grads = dict(dq=dq, dk=dk, dv=dv)
         if not isinstance(spec.packing, DocumentPacking):
-            return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout)
+            return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout, **grads)
         w, cut = spec.packing.whole_tokens, cut_spec(spec)
         if cut is None:
-            return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec))
+            return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec), **grads)
         if not w:
-            return self._running_twin().backward(dout, q, k, v, out, lse, cut, kernel)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
-        parts = [(slice(0, w), local_backward(
-                     kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
-                     whole_spec(spec))),
-                 (slice(w, None), self._running_twin().backward(
-                     dout[w:], q[w:], k[w:], v[w:], out[w:], lse[:, :, w:].contiguous(), cut,
-                     kernel))]
-        for rows, results in parts:
-            for grad, result in zip(grads, results):
-                grad[rows] = result
-        return tuple(grads)
+            return self._running_twin().backward(dout, q, k, v, out, lse, cut, kernel, **grads)
+        dq, dk, dv = (torch.empty_like(t) if g is None else g
+                      for g, t in zip(grads.values(), (q, k, v)))
+        # each part writes its rows of the joint gradients
+        local_backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
+                       whole_spec(spec), dq=dq[:w], dk=dk[:w], dv=dv[:w])
+        self._running_twin().backward(dout[w:], q[w:], k[w:], v[w:], out[w:],
+                                      lse[:, :, w:].contiguous(), cut, kernel, dq=dq[w:],
+                                      dk=dk[w:], dv=dv[w:])
+        return dq, dk, dv
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):

@@ -39,30 +39,45 @@ def spec_seqlens(spec: AttentionSpec) -> Seqlens:
     return packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded)
 
 
-def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None):
-    """(out, lse) of the whole local problem; lse is fp32 [B, H, S] ([1, H, T] for THD)."""
+def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None,
+                  *, out=None, lse=None):
+    """(out, lse) of the whole local problem; lse is fp32 [B, H, S] ([1, H, T] for THD).
+    Written into ``out`` and ``lse`` when given."""
     scale = spec.softmax_scale
     if spec.mask is not None:
-        return _masked(spec, kernel, "forward", (q, k, v), scale)
+        return _into(_masked(spec, kernel, "forward", (q, k, v), scale), (out, lse))
     if not spec.layout.is_varlen:
         return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout,
-                              window=spec.window)
-    out, lse = kernel.varlen_forward(q, k, v, spec_seqlens(spec), causal=spec.causal,
-                                     scale=scale, window=spec.window)
-    return out, lse.unsqueeze(0)
+                              window=spec.window, out=out, lse=lse)
+    out, packed_lse = kernel.varlen_forward(q, k, v, spec_seqlens(spec), causal=spec.causal,
+                                            scale=scale, window=spec.window, out=out,
+                                            lse=None if lse is None else lse[0])
+    return out, (packed_lse.unsqueeze(0) if lse is None else lse)
 
 
 def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
-                   dropout: Dropout | None = None):
-    """(dq, dk, dv) of the whole local problem, given its out and lse."""
+                   dropout: Dropout | None = None, *, dq=None, dk=None, dv=None):
+    """(dq, dk, dv) of the whole local problem, given its out and lse; written into ``dq``,
+    ``dk``, ``dv`` when given."""
     scale = spec.softmax_scale
     if spec.mask is not None:
-        return _masked(spec, kernel, "backward", (dout, q, k, v, out), scale, lse)
+        return _into(_masked(spec, kernel, "backward", (dout, q, k, v, out), scale, lse),
+                     (dq, dk, dv))
     if not spec.layout.is_varlen:
         return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
-                               dropout=dropout, window=spec.window)
+                               dropout=dropout, window=spec.window, dq=dq, dk=dk, dv=dv)
     return kernel.varlen_backward(dout, q, k, v, out, lse[0], spec_seqlens(spec),
-                                  causal=spec.causal, scale=scale, window=spec.window)
+                                  causal=spec.causal, scale=scale, window=spec.window, dq=dq,
+                                  dk=dk, dv=dv)
+
+
+def _into(results, targets) -> tuple:
+    """``results`` copied into the ``targets`` that are given; the targets, or the results
+    where none is given."""
+    for result, target in zip(results, targets):
+        if target is not None:
+            target.copy_(result)
+    return tuple(r if t is None else t for r, t in zip(results, targets))
 
 
 def _masked(spec: AttentionSpec, kernel: Kernel, what: str, tensors, scale, lse=None):
