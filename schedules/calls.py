@@ -128,32 +128,41 @@ class PackedCall:
     causal: bool
     window: Window | None = None
 
-    def forward(self, kernel, q, k, v, scale, dropout=None):  # packed: no dropout (spec)
+    def forward(self, kernel, q, k, v, scale, dropout=None, outputs=(None, None)):
+        """(out, lse) of the call's query rows, written into ``outputs`` (out, lse of those
+        rows) when given. Packed: no dropout (spec)."""
+        out, lse = outputs
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
             causal=self.causal, scale=scale, window=self.window,
+            out=None if out is None else as_packed(out), lse=None if lse is None else lse[0],
         )
         return as_block(o), lse.unsqueeze(0)
 
     def forward_into(self, kernel, outputs, q, k, v, scale, dropout=None):
-        """``forward`` copied into ``outputs`` (the varlen kernels write their own)."""
-        for buffer, result in zip(outputs, self.forward(kernel, q, k, v, scale, dropout)):
-            buffer.copy_(result)
+        """``forward`` written into ``outputs`` (out, lse of the call's rows)."""
+        self.forward(kernel, q, k, v, scale, dropout, outputs)
 
-    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
+    def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None,
+                 targets=(None, None, None)):
+        """(dq of the query rows, dk and dv of the key rows); written into the rows of the
+        ``targets`` that are given when the rows are consecutive (a slice or all)."""
         lse = _take_lse(lse[0], self.rows)
+        dq, dk, dv = (None if t is None or isinstance(span, torch.Tensor) else _take(t, span)
+                      for t, span in zip(targets, (self.rows, self.keys, self.keys)))
         grads = kernel.varlen_backward(
             _take(dout, self.rows), _take(q, self.rows), _take(k, self.keys),
             _take(v, self.keys), _take(out, self.rows), lse, self.seqlens,
-            causal=self.causal, scale=scale, window=self.window,
+            causal=self.causal, scale=scale, window=self.window, dq=dq, dk=dk, dv=dv,
         )
         return tuple(as_block(g) for g in grads)
 
     def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
-        """``backward``, each gradient also written into its rows of a target that is not None."""
-        grads = self.backward(kernel, dout, q, k, v, out, lse, scale, dropout)
+        """``backward``, each gradient also written into its rows of a target that is not None
+        (by the kernel where the rows are consecutive)."""
+        grads = self.backward(kernel, dout, q, k, v, out, lse, scale, dropout, targets)
         for t, span, g in zip(targets, (self.rows, self.keys, self.keys), grads):
-            if t is not None:
+            if t is not None and isinstance(span, torch.Tensor):
                 put_rows(t, span, g)
         return grads
 
