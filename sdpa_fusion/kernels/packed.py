@@ -228,6 +228,8 @@ class Padded(Way):
                                            out=pad.dense_target(out, "q"))
         if lse is None:
             lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        if pad.slots["q"] is not None:  # rows outside every sequence see no key
+            lse.fill_(-math.inf)
         pad.unpad_lse(lse_d, lse)
         return pad.packed(out_d, q, "q"), lse
 
