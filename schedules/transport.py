@@ -159,12 +159,15 @@ class Ring:
         self.data, self._flat, self._mover = data, flat, mover
         self._offsets = [offset + i * data.nbytes for i in range(data.slots)]
         self._shifts = 0
+        self._views: dict[int, list[torch.Tensor]] = {}
 
     def tensors(self, slot: int) -> list[torch.Tensor]:
-        """The logical tensors slot ``slot`` holds (views into the buffer)."""
-        start = self._offsets[slot]
-        elements = self._flat[start:start + self.data.nbytes].view(self.data.dtype)
-        return views(elements, self.data.shapes, self.data.layout)
+        """The logical tensors slot ``slot`` holds (views into the buffer, made once)."""
+        if slot not in self._views:
+            start = self._offsets[slot]
+            elements = self._flat[start:start + self.data.nbytes].view(self.data.dtype)
+            self._views[slot] = views(elements, self.data.shapes, self.data.layout)
+        return list(self._views[slot])
 
     def shift(self, tensors, hops: int = 1) -> Pending:
         """Start sending ``tensors`` (logical, of this ring's shapes; any memory) to the rank

@@ -9,6 +9,7 @@ raise the same ValueError. ``explain``/``plan`` check one rank's call and never 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -148,7 +149,7 @@ def _check_device(device: torch.device, mesh) -> None:
 def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) -> dict[str, str]:
     """What every rank of the schedule's control group must have alike for this call."""
     full = p.schedule.global_spec(p.spec).replace(scale=p.spec.softmax_scale)
-    fields = {f.name: repr(getattr(full, f.name)) for f in dataclasses.fields(full)}
+    fields = {f.name: _text(getattr(full, f.name)) for f in dataclasses.fields(full)}
     fields.update(p.schedule.configuration_fields())
     fields.update(
         kernel=p.kernel.name, device=device.type,
@@ -156,6 +157,18 @@ def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) 
         inputs="DTensor" if dtensor else "torch.Tensor",
     )
     return fields
+
+
+def _text(value) -> str:
+    """``repr(value)``; that of a long tuple (a pack's offsets) made once."""
+    if isinstance(value, tuple) and len(value) > 64:
+        return _long_text(value)
+    return repr(value)
+
+
+@functools.lru_cache(maxsize=16)
+def _long_text(value: tuple) -> str:
+    return repr(value)
 
 
 class _Attention(torch.autograd.Function):

@@ -15,6 +15,7 @@ explicit layout that a tensor's shape or strides contradict is a ValueError. A n
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 
@@ -215,7 +216,9 @@ def cu_seqlens_values(name: str, cu_seqlens, device=None) -> list[int]:
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
     if isinstance(cu_seqlens, (list, tuple)):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        plain = set(map(type, cu_seqlens)) <= {int}  # one pass in C (a pack of many sequences)
+        if not plain and not all(isinstance(x, int) and not isinstance(x, bool)
+                                 for x in cu_seqlens):
             raise ValueError(f"{name}={_show(list(cu_seqlens))} must hold Python ints")
         return list(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
@@ -246,7 +249,14 @@ def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
 
 def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: bool = True) -> None:
     """Raise a ValueError naming ``name`` unless ``values`` are cumulative sequence lengths
-    [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``)."""
+    [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``).
+    Offsets that passed are remembered (a call checks its pack's offsets again and again)."""
+    _checked_offsets(name, tuple(values), total_tokens, exact)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_offsets(name: str, offsets: tuple[int, ...], total_tokens: int, exact: bool) -> None:
+    values = list(offsets)
     if len(values) < 2:
         raise ValueError(f"{name}={values} needs at least 2 entries [0, l0, l0+l1, ...]")
     if values[0] != 0:
@@ -270,7 +280,13 @@ def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: boo
 
 def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:
     """Raise a ValueError unless the padded slots ``cu_seqlens_padded`` hold one slot per
-    sequence of ``cu_seqlens``, each at least as long as its sequence."""
+    sequence of ``cu_seqlens``, each at least as long as its sequence (remembered when they
+    do, as ``check_offsets``)."""
+    _checked_padding(tuple(cu_seqlens), tuple(cu_seqlens_padded))
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_padding(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ...]) -> None:
     if len(cu_seqlens_padded) != len(cu_seqlens):
         raise ValueError(
             f"cu_seqlens_padded has {len(cu_seqlens_padded)} entries but "

@@ -178,16 +178,16 @@ def test_split_sequences_cuts_long_ones_into_pieces_of_a_tile_or_the_longest_sho
     short, long = packed.split_sequences(packed_seqlens((0, 10, 13, 15, 45)), 10)
     assert long == (((0, 10), (0, 10)), ((15, 45), (15, 45)))
     # the long ones: queries without keys, keys without queries, each in one piece of a tile
-    assert short.lengths_q == [10, 0, 3, 2, 30, 0]
-    assert short.lengths_k == [0, 10, 3, 2, 0, 30]
+    assert list(short.lengths_q) == [10, 0, 3, 2, 30, 0]
+    assert list(short.lengths_k) == [0, 10, 3, 2, 0, 30]
     assert short.cu_q[-1] == short.cu_k[-1] == 45
     short, _ = packed.split_sequences(packed_seqlens((0, 300, 600, 800)), 250)
-    assert short.lengths_q == [200, 100, 0, 0] * 2 + [200]  # pieces of the 200-token one
+    assert list(short.lengths_q) == [200, 100, 0, 0] * 2 + [200]  # pieces of the 200-token one
     # only long sequences: pieces of one tile, not one sequence per token
     short, long = packed.split_sequences(packed_seqlens((0, 1000)), 10)
     assert long == (((0, 1000), (0, 1000)),)
-    assert short.lengths_q == [128] * 7 + [104] + [0] * 8
-    assert short.lengths_k == [0] * 8 + [128] * 7 + [104]
+    assert list(short.lengths_q) == [128] * 7 + [104] + [0] * 8
+    assert list(short.lengths_k) == [0] * 8 + [128] * 7 + [104]
 
 
 # ---- attention(layout="thd") end to end ----------------------------------------------------------
@@ -220,8 +220,8 @@ def test_thd_with_padding_window_and_gqa(lengths, extra, causal, window, seed):
 def test_packed_seqlens_gives_padding_sequences_of_its_own():
     seqlens = packed_seqlens((0, 5, 6, 20), (0, 8, 10, 24))
     # sequence, padding queries (no keys), padding keys (no queries), for each padded slot
-    assert seqlens.lengths_q == [5, 3, 0, 1, 1, 0, 14]
-    assert seqlens.lengths_k == [5, 0, 3, 1, 0, 1, 14]
+    assert list(seqlens.lengths_q) == [5, 3, 0, 1, 1, 0, 14]
+    assert list(seqlens.lengths_k) == [5, 0, 3, 1, 0, 1, 14]
     assert packed_seqlens((0, 4, 9)) == Seqlens((0, 4, 9), (0, 4, 9))
 
 

@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import operator
 
 import torch
 
@@ -67,19 +68,20 @@ class Seqlens:
     cu_q: tuple[int, ...]
     cu_k: tuple[int, ...]
 
-    @property
-    def lengths_q(self) -> list[int]:
-        return [b - a for a, b in zip(self.cu_q, self.cu_q[1:])]
+    # made once per call's Seqlens: a pack of many sequences is read on every kernel call
+    @functools.cached_property
+    def lengths_q(self) -> tuple[int, ...]:
+        return tuple(map(operator.sub, self.cu_q[1:], self.cu_q))
 
-    @property
-    def lengths_k(self) -> list[int]:
-        return [b - a for a, b in zip(self.cu_k, self.cu_k[1:])]
+    @functools.cached_property
+    def lengths_k(self) -> tuple[int, ...]:
+        return tuple(map(operator.sub, self.cu_k[1:], self.cu_k))
 
-    @property
+    @functools.cached_property
     def max_q(self) -> int:
         return max(self.lengths_q, default=0)
 
-    @property
+    @functools.cached_property
     def max_k(self) -> int:
         return max(self.lengths_k, default=0)
 

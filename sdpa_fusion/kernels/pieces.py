@@ -12,6 +12,7 @@ outside every piece's sequences get out 0, lse -inf and gradient 0, as the kerne
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -141,10 +142,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---- packed ---------------------------------------------------------------------------------
 def _packed_split(kernel, q, k, seqlens, tensors):
     limits = kernel.limits
-    lengths_q, lengths_k = seqlens.lengths_q, seqlens.lengths_k
-    pieces = packed_pieces(lengths_q, lengths_k, q.shape[1], k.shape[1], q.shape[2], limits)
-    longest = max(zip(lengths_q, lengths_k), key=max, default=(0, 0))
-    return _split(pieces, tensors, limits, _too_long(kernel, *longest, q.shape[2]))
+    pieces = _packed_pieces(seqlens, q.shape[1], k.shape[1], q.shape[2], limits)
+    if pieces is None:  # the message of the longest sequence's refusal
+        longest = max(zip(seqlens.lengths_q, seqlens.lengths_k), key=max, default=(0, 0))
+        return _split(None, tensors, limits, _too_long(kernel, *longest, q.shape[2]))
+    return _split(pieces, tensors, limits, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_pieces(seqlens, heads: int, kv_heads: int, e: int, limits):
+    """``packed_pieces`` of one call's sequences, made once per (pack, shape, limits)."""
+    return packed_pieces(seqlens.lengths_q, seqlens.lengths_k, heads, kv_heads, e, limits)
 
 
 def _rows(seqlens, p: Piece):
