@@ -312,8 +312,3 @@ def _show(values: list, most: int = 12) -> str:
 
 def seqlens_of(cu_seqlens: list[int]) -> list[int]:
     return [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-
-
-def sequence_view(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Tokens [start, end) of a packed [T, H, E] tensor as a BSHE [1, H, s, E] view."""
-    return packed[start:end].unsqueeze(0).transpose(1, 2)

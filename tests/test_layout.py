@@ -8,7 +8,7 @@ import torch
 
 from sdpa_fusion import Layout
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.layout import check_layout, has_layout, seqlens_of, sequence_view
+from sdpa_fusion.layout import check_layout, has_layout, seqlens_of
 
 SHAPE = (2, 3, 5, 8)  # logical [B, H, S, E]
 
@@ -112,16 +112,6 @@ def test_check_layout_names_the_argument():
 def test_layout_of_tells_bshe_from_bhse():
     assert layout_of(make(Layout.BSHE)) is Layout.BSHE
     assert layout_of(make(Layout.BHSE)) is Layout.BHSE
-
-
-def test_sequence_view_is_a_bshe_view_of_the_packed_tokens():
-    packed = torch.randn(12, 3, 8)
-    view = sequence_view(packed, 4, 9)
-    assert view.shape == (1, 3, 5, 8)
-    assert has_layout(view, Layout.BSHE)
-    assert torch.equal(view[0].transpose(0, 1), packed[4:9])
-    view.zero_()
-    assert packed[4:9].abs().sum() == 0 and packed[:4].abs().sum() > 0  # shares memory
 
 
 def test_seqlens_of():
