@@ -162,9 +162,8 @@ class FlashAttention4Kernel(Kernel):
         if shift is None:
             return super()._varlen_forward(q, k, v, seqlens, causal=causal, scale=scale,
                                            window=window, out=out, lse=lse)
-        out = _contiguous_or_new(out, q)
+        out = _contiguous_or_new(out, q)  # lse: FA4's own (a given one is copied into: small)
         lse = forward(q, k, v, scale=scale, window=fa4_window(causal, window, 0, shift), out=out,
-                      lse=lse if lse is not None and lse.is_contiguous() else None,
                       packed=self._packed(seqlens, q.device))
         _clear_rows_without_keys(out, lse, seqlens)
         return out, lse
