@@ -131,11 +131,12 @@ class PackedCall:
     def forward(self, kernel, q, k, v, scale, dropout=None, outputs=(None, None)):
         """(out, lse) of the call's query rows, written into ``outputs`` (out, lse of those
         rows) when given. Packed: no dropout (spec)."""
-        out, lse = outputs
+        out_rows, lse_rows = outputs
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
             causal=self.causal, scale=scale, window=self.window,
-            out=None if out is None else as_packed(out), lse=None if lse is None else lse[0],
+            out=None if out_rows is None else as_packed(out_rows),
+            lse=None if lse_rows is None else lse_rows[0],
         )
         return as_block(o), lse.unsqueeze(0)
 

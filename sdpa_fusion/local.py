@@ -8,6 +8,7 @@ import functools
 import torch
 
 from .kernels import Dropout, Kernel, Seqlens
+from .kernels.pieces import written
 from .masked import spec_call
 from .spec import AttentionSpec
 
@@ -45,7 +46,7 @@ def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout
     Written into ``out`` and ``lse`` when given."""
     scale = spec.softmax_scale
     if spec.mask is not None:
-        return _into(_masked(spec, kernel, "forward", (q, k, v), scale), (out, lse))
+        return written(_masked(spec, kernel, "forward", (q, k, v), scale), (out, lse))
     if not spec.layout.is_varlen:
         return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout,
                               window=spec.window, out=out, lse=lse)
@@ -61,7 +62,7 @@ def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
     ``dk``, ``dv`` when given."""
     scale = spec.softmax_scale
     if spec.mask is not None:
-        return _into(_masked(spec, kernel, "backward", (dout, q, k, v, out), scale, lse),
+        return written(_masked(spec, kernel, "backward", (dout, q, k, v, out), scale, lse),
                      (dq, dk, dv))
     if not spec.layout.is_varlen:
         return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
@@ -69,15 +70,6 @@ def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
     return kernel.varlen_backward(dout, q, k, v, out, lse[0], spec_seqlens(spec),
                                   causal=spec.causal, scale=scale, window=spec.window, dq=dq,
                                   dk=dk, dv=dv)
-
-
-def _into(results, targets) -> tuple:
-    """``results`` copied into the ``targets`` that are given; the targets, or the results
-    where none is given."""
-    for result, target in zip(results, targets):
-        if target is not None:
-            target.copy_(result)
-    return tuple(r if t is None else t for r, t in zip(results, targets))
 
 
 def _masked(spec: AttentionSpec, kernel: Kernel, what: str, tensors, scale, lse=None):

@@ -242,12 +242,11 @@ class Padded(Way):
         if pad.count == 0:
             return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, causal=causal,
                                             scale=scale, window=window, dq=dq, dk=dk, dv=dv)
-        targets = {side + name: pad.dense_target(g, side)
-                   for g, side, name in zip((dq, dk, dv), "qkk", ("q", "k", "v"))}
+        dq_d, dk_d, dv_d = (pad.dense_target(g, side) for g, side in zip((dq, dk, dv), "qkk"))
         grads = self.kernel.backward(
             pad.dense(dout, "q"), pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
             pad.dense(out, "q"), pad.pad_lse(lse), causal=causal, scale=scale, window=window,
-            dq=targets["qq"], dk=targets["kk"], dv=targets["kv"],
+            dq=dq_d, dk=dk_d, dv=dv_d,
         )
         return tuple(pad.packed(g, t, side) for g, t, side in zip(grads, (q, k, v), "qkk"))
 

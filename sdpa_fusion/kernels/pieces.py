@@ -70,7 +70,7 @@ def dense_forward(kernel, q, k, v, mask, dropout, out, lse):
     split = _split(dense_pieces(q.shape, k.shape, limits), (q, k, v, out),
                    limits, _too_long(kernel, q.shape[2], k.shape[2], q.shape[3]))
     if not split:
-        return _written(kernel._forward(q, k, v, dropout=dropout, out=out, lse=lse, **mask),
+        return written(kernel._forward(q, k, v, dropout=dropout, out=out, lse=lse, **mask),
                         (out, lse))
     out = _empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
@@ -80,7 +80,7 @@ def dense_forward(kernel, q, k, v, mask, dropout, out, lse):
             *(_own(t, limits) for t in (q[p.batch, p.q], k[p.batch, p.kv], v[p.batch, p.kv])),
             dropout=_stream(dropout, i, p),
             out=_target(views[0], limits), lse=_target(views[1], limits, contiguous=True), **mask)
-        _written(results, views)
+        written(results, views)
     return out, lse
 
 
@@ -90,7 +90,7 @@ def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
                    limits, _too_long(kernel, q.shape[2], k.shape[2], q.shape[3]))
     dq, dk, dv = grads
     if not split:
-        return _written(kernel._backward(dout, q, k, v, out, lse, dropout=dropout, dq=dq, dk=dk,
+        return written(kernel._backward(dout, q, k, v, out, lse, dropout=dropout, dq=dq, dk=dk,
                                          dv=dv, **mask), grads)
     grads = tuple(_empty_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
     shared = {}  # fp32 dK/dV sums of K/V heads shared by pieces
@@ -103,9 +103,9 @@ def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
         results = kernel._backward(*args, lse[p.batch, p.q].contiguous(),
                                    dropout=_stream(dropout, i, p), dq=targets[0],
                                    dk=targets[1], dv=targets[2], **mask)
-        _written(results[:1], views[:1])
+        written(results[:1], views[:1])
         if not p.shares_kv:
-            _written(results[1:], views[1:])
+            written(results[1:], views[1:])
             continue
         key = (p.batch.start, p.kv.start)
         if key not in shared:
@@ -119,7 +119,7 @@ def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
     return grads
 
 
-def _written(results, targets):
+def written(results, targets):
     """``results`` written into the ``targets`` that are given (where the kernel did not
     write them itself); returns the targets, or the results where no target was given."""
     done = []
@@ -189,7 +189,7 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
     split = _packed_split(kernel, q, k, seqlens, (q, k, v))
     if not split:
         out, lse = outputs
-        return _written(kernel._varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse),
+        return written(kernel._varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse),
                         outputs)
     out, lse = packed_outputs(q, *outputs)
     for p in split:
@@ -206,7 +206,7 @@ def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None,
     split = _packed_split(kernel, q, k, seqlens, (dout, q, k, v, out))
     if not split:
         dq, dk, dv = grads
-        return _written(kernel._varlen_backward(dout, q, k, v, out, lse, seqlens, **mask, dq=dq,
+        return written(kernel._varlen_backward(dout, q, k, v, out, lse, seqlens, **mask, dq=dq,
                                                 dk=dk, dv=dv), grads)
     grads = packed_grads((q, k, v), grads)
     shared = {}
