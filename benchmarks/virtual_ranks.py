@@ -15,7 +15,9 @@ copy stands for each transfer); then once more, checked. Records kept past ``--r
 (default: half the memory free when the row starts) are made again by another record run.
 Every row frees all it made before the next starts, a failed one (out of memory) too, and is
 recorded as such. A row is the slowest rank's median time next to one
-GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU. With
+GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU. ``--runs N``
+measures every row N times, each pass with a one-GPU step of its own, and keeps the N ratios
+(``slowest_x_p_over_one_gpu_runs``: the goals' spread, ``docs/tables.py``). With
 ``--profile`` each rank's device time of one more step is split into attention kernels,
 device-to-device copies and the rest (``device_time``).
 
@@ -261,31 +263,47 @@ def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
                                     cu_seqlens=cu)
         return torch.autograd.grad(out, (q, k, v), x[3])
 
-    start = time.monotonic()
-    one = common.measure(whole, [inputs], warmup=args.warmup, iters=args.iters, min_iters=2,
-                         budget_s=args.budget_s)
-    say(f"batch {batch}: {len(lengths)} documents, {total} tokens; one device "
-        f"{common.number(one.median_ms)} ms ({one.status}), {time.monotonic() - start:.1f} s")
-    keep(common.make_row(panel, f"1 GPU {args.kernel}", mean, one, flops, ranks=1, **fields))
-    for schedule, partition, parts in itertools.product(args.schedules, args.partitions,
-                                                        args.ranks):
-        name = f"{schedule} {partition} P={parts}"
-        if out_of_time(args):
-            say(f"{batch} {name}: not started (--max-seconds)")
-            continue
+    rows = {}  # name -> the row of the first pass, which later passes add their ratio to
+    for run in range(args.runs):
+        start = time.monotonic()
+        one = common.measure(whole, [inputs], warmup=args.warmup, iters=args.iters,
+                             min_iters=2, budget_s=args.budget_s)
+        say(f"batch {batch}{_pass(args, run)}: {len(lengths)} documents, {total} tokens; one "
+            f"device {common.number(one.median_ms)} ms ({one.status}), "
+            f"{time.monotonic() - start:.1f} s")
+        if run == 0:
+            keep(common.make_row(panel, f"1 GPU {args.kernel}", mean, one, flops, ranks=1,
+                                 **fields))
+        for schedule, partition, parts in itertools.product(args.schedules, args.partitions,
+                                                            args.ranks):
+            name = f"{schedule} {partition} P={parts}"
+            if out_of_time(args):
+                say(f"{batch} {name}{_pass(args, run)}: not started (--max-seconds)")
+                continue
 
-        def step_say(text, name=name):
-            say(f"  {batch} {name} {text}")
+            def step_say(text, name=name):
+                say(f"  {batch} {name} {text}")
 
-        row = ranks_row(args, schedule, parts, partition, inputs, cu, problem, step_say)
-        m = row.pop("measurement")
-        ratio = (m.median_ms * parts / one.median_ms) if m.median_ms and one.median_ms \
-            else None
-        keep(common.make_row(panel, name, mean, m, flops / parts,
-                             slowest_x_p_over_one_gpu=ratio, goal=1.1, **row, **fields))
-        say(f"{batch} {name}: slowest {common.number(m.median_ms)} ms x {parts} / one "
-            f"device = {common.number(ratio)} (goal 1.1), {m.status}"
-            + (f": {m.error}" if m.error else ""))
+            row = ranks_row(args, schedule, parts, partition, inputs, cu, problem, step_say)
+            m = row.pop("measurement")
+            ratio = (m.median_ms * parts / one.median_ms) if m.median_ms and one.median_ms \
+                else None
+            if name in rows:
+                rows[name]["slowest_x_p_over_one_gpu_runs"].append(ratio)
+                keep(None)
+            else:
+                rows[name] = common.make_row(
+                    panel, name, mean, m, flops / parts, slowest_x_p_over_one_gpu=ratio,
+                    slowest_x_p_over_one_gpu_runs=[ratio], goal=1.1, **row, **fields)
+                keep(rows[name])
+            say(f"{batch} {name}{_pass(args, run)}: slowest {common.number(m.median_ms)} ms x "
+                f"{parts} / one device = {common.number(ratio)} (goal 1.1), {m.status}"
+                + (f": {m.error}" if m.error else ""))
+
+
+def _pass(args, run: int) -> str:
+    """`` (pass i of n)`` when ``--runs`` asks for several passes."""
+    return f" (pass {run + 1} of {args.runs})" if args.runs > 1 else ""
 
 
 def out_of_time(args) -> bool:
@@ -316,6 +334,9 @@ def parse_args(argv=None):
                    help="the longest a record phase or a rank's wait for a transfer may take")
     p.add_argument("--max-seconds", type=float, default=0,
                    help="start no row after this long (0: no limit)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="measure every row this many times, each pass with its own one-GPU "
+                        "step (the goals' spread; the first pass's row is kept whole)")
     p.add_argument("--profile", action="store_true",
                    help="also split each rank's device time (attention, copies, the rest)")
     p.add_argument("--tiny", action="store_true", help="small batches, reference kernel, CPU")
@@ -350,7 +371,9 @@ def main(argv=None) -> int:
         print(f"[{time.monotonic() - start:6.1f}s] {text}", flush=True)
 
     def keep(row):
-        record_["rows"].append(row)
+        """Add ``row`` (None: a row already kept changed) and write the JSON."""
+        if row is not None:
+            record_["rows"].append(row)
         record_["elapsed_s"] = round(time.monotonic() - start, 1)
         common.save(args.name, record_, args, plot=False)
 

@@ -69,6 +69,12 @@ def test_a_goal_is_met_only_when_three_runs_or_more_all_clear_it(tables):
     assert tables.verdict([0.951, 0.96], 0.95, True) == "not shown: 2 runs"
     assert tables.verdict([0.949, 0.96, 0.97], 0.95, True) == "no: 2 of 3 runs clear it"
     assert tables.verdict([0.58, 0.59, 0.6], 0.6, False) == "yes"
+    # three passes of the newest run decide alone; fewer do not
+    assert tables.verdict([1.3, 1.05, 1.06, 1.07], 1.1, False, [1.05, 1.06, 1.07]) == "yes"
+    assert tables.verdict([1.3, 1.05, 1.12, 1.07], 1.1, False, [1.05, 1.12, 1.07]) == \
+        "no: 2 of 3 runs clear it"
+    assert tables.verdict([1.3, 1.05, 1.06], 1.1, False, [1.05, 1.06]) == \
+        "no: 2 of 3 runs clear it"
 
 
 def test_schedule_diagrams_are_current(draw_schedules):

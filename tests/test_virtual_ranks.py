@@ -78,12 +78,32 @@ def _rows(*argv):
     rows, held = [], []
 
     def keep(row):
-        rows.append(row)
-        held.append(_held())
+        if row is not None:  # None: a kept row changed (a later pass of --runs)
+            rows.append(row)
+            held.append(_held())
 
     virtual_ranks.batch_rows(args, "a", virtual_ranks.batches(True)["a"], lambda text: None,
                              keep)
     return rows, held
+
+
+def test_runs_measure_every_row_again_against_its_own_one_gpu_step(monkeypatch):
+    """``--runs 3``: each row keeps three ratios, each its pass's slowest rank x P over that
+    pass's one-GPU step."""
+    # per pass: one GPU, then ranks 0 and 1
+    steps = iter([10.0, 6.0, 5.0, 20.0, 9.0, 11.0, 30.0, 16.0, 2.0])
+    measure = virtual_ranks.common.measure
+
+    def timed(step, *args, **kwargs):
+        m = measure(step, *args, **kwargs)
+        m.median_ms = next(steps)
+        return m
+
+    monkeypatch.setattr(virtual_ranks.common, "measure", timed)
+    rows, _ = _rows("--ranks", "2", "--partitions", "documents", "--runs", "3")
+    assert len(rows) == 2 and rows[1]["status"] == "ok", rows
+    assert rows[1]["slowest_x_p_over_one_gpu_runs"] == [1.2, 1.1, 16 * 2 / 30], rows[1]
+    assert rows[1]["slowest_x_p_over_one_gpu"] == 1.2
 
 
 def test_every_row_frees_what_it_made():
