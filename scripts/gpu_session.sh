@@ -7,7 +7,10 @@
 #
 # PARTs, run in the order given (default: all):
 #   tests            tests-gpu, then tests-dist
-#   tests-gpu        python -m pytest -q tests/gpu, on GPU 0
+#   tests-gpu        python -m pytest -q tests/gpu, on GPU 0, but for test_long.py (~5 min
+#                    with FA4, its first calls compiling)
+#   tests-gpu-long   tests/gpu/test_long.py alone: every kernel past 2^31-element offsets
+#                    (10 min or more; the full-mask cases take about a minute each)
 #   tests-dist       mpirun -np $NP python -m pytest -q tests/gpu_distributed
 #   bench            bench-single, bench-hp, bench-cp
 #   bench-single     python -m benchmarks.single_gpu                     (~4 min)
@@ -25,9 +28,11 @@
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
 #                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
+#   bench-vr-goals   the same goals measured three times in one run (--runs 3; ring with
+#                    input-dtype sums, documents; ~6 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
-#   all              tests, then bench (12-15 min; to keep each command under 10 min,
+#   all              tests, then bench (not tests-gpu-long) (12-15 min; to keep each command under 10 min,
 #                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
 # Environment: OUT (where results go; default benchmarks/results/session), NP (ranks; 4),
@@ -104,7 +109,17 @@ tests_gpu() {
     [ -d tests/gpu ] || { skip tests-gpu "no tests/gpu"; return; }
     t=$(limit 300) || { skip tests-gpu "time budget"; return; }
     # shellcheck disable=SC2046
-    step tests-gpu "$t" "${ONE_GPU[@]}" "$PY" -m pytest $(pytest_args) tests/gpu
+    step tests-gpu "$t" "${ONE_GPU[@]}" "$PY" -m pytest $(pytest_args) tests/gpu \
+        --ignore=tests/gpu/test_long.py
+}
+
+tests_gpu_long() {
+    local t
+    [ -f tests/gpu/test_long.py ] || { skip tests-gpu-long "no tests/gpu/test_long.py"; return; }
+    t=$(limit 900) || { skip tests-gpu-long "time budget"; return; }
+    # shellcheck disable=SC2046
+    step tests-gpu-long "$t" "${ONE_GPU[@]}" "$PY" -m pytest $(pytest_args) --durations=0 \
+        tests/gpu/test_long.py
 }
 
 tests_dist() {
@@ -177,6 +192,10 @@ bench_vr() {
     bench bench-vr virtual_ranks 330 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
         --partitions documents --schedules ring,allgather --profile
 }
+bench_vr_goals() {
+    bench bench-vr-goals virtual_ranks 540 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
+        --partitions documents --schedules ring:grad_dtype=input --runs 3
+}
 
 bench_transport() {
     bench bench-transport ring_transport 150 30 "${MPI[@]}" "$PY" -m benchmarks.ring_transport
@@ -237,6 +256,7 @@ for part in "${parts[@]}"; do
         all) tests_gpu; tests_dist; bench_single; bench_hp; bench_cp_single; bench_cp_dist ;;
         tests) tests_gpu; tests_dist ;;
         tests-gpu) tests_gpu ;;
+        tests-gpu-long) tests_gpu_long ;;
         tests-dist) tests_dist ;;
         bench) bench_single; bench_hp; bench_cp_single; bench_cp_dist ;;
         bench-single) bench_single ;;
@@ -251,6 +271,7 @@ for part in "${parts[@]}"; do
         bench-thd-cp) bench_thd_cp ;;
         bench-max-seq) bench_max_seq ;;
         bench-vr) bench_vr ;;
+        bench-vr-goals) bench_vr_goals ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done

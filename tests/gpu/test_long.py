@@ -2,7 +2,10 @@
 rows against fp32 math (``benchmarks.check``): right within bf16 error, or the documented
 ValueError; a CUDA error fails the test (and ends the process).
 
-    python -m pytest -q tests/gpu/test_long.py            # about 3 min on an H200 (+ FA4: 1)
+    python -m pytest -q tests/gpu/test_long.py            # 10 min or more on an H200 with FA4
+
+(the full-mask cases of 512 heads take about a minute each: their dK/dV reference is a full
+fp32 forward; ``scripts/gpu_session.sh tests-gpu-long`` runs this file alone)
 
 Shapes (bf16, head dim 128):
 - the issue's: 32 heads, S = 600,000 (2.46e9 elements per tensor), causal, for the kernels
