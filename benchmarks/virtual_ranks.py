@@ -19,7 +19,8 @@ GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU. `
 measures every row N times, each pass with a one-GPU step of its own, and keeps the N ratios
 (``slowest_x_p_over_one_gpu_runs``: the goals' spread, ``docs/tables.py``). With
 ``--profile`` each rank's device time of one more step is split into attention kernels,
-device-to-device copies and the rest (``device_time``).
+device-to-device copies and the rest, beside the device's idle time inside the step
+(``device_time``).
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
 and 1,500 of 16-600; d log-normal lengths (median 600, sigma 1.2) in [16, 65536] packed to
@@ -152,8 +153,9 @@ ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention")  # kernel names of a
 def device_time(step, leaves) -> dict[str, float]:
     """The device time of one ``step`` in ms (torch.profiler), split by ``kind_of``:
     attention kernels, device-to-device copies (the copies that stand for transfers, and
-    contiguous copies of tensors) and the rest (merges, sums, gathers); the host's gaps are
-    not device time."""
+    contiguous copies of tensors) and the rest (merges, sums, gathers); and ``idle``, the
+    time between the step's first device work and its last when the device ran nothing
+    (``idle_ms``: waiting for the host, or for a synchronisation)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if leaves[0].is_cuda else [])
@@ -162,12 +164,26 @@ def device_time(step, leaves) -> dict[str, float]:
         if leaves[0].is_cuda:
             torch.cuda.synchronize()
     split = dict(attention=0.0, copies=0.0, other=0.0)
+    spans = []
     for e in prof.events():
         us = e.device_time if e.device_type == torch.autograd.DeviceType.CUDA else 0.0
         if not us:
             continue
         split[kind_of(e.name)] += us / 1e3
+        spans.append((e.time_range.start, e.time_range.end))
+    split["idle"] = idle_ms(spans)
     return {k: round(v, 3) for k, v in split.items()}
+
+
+def idle_ms(spans) -> float:
+    """The time in ms (spans in us) between the first start and the last end that no span
+    covers."""
+    idle, reached = 0.0, None
+    for start, end in sorted(spans):
+        if reached is not None and start > reached:
+            idle += start - reached
+        reached = end if reached is None else max(reached, end)
+    return idle / 1e3
 
 
 def kind_of(kernel: str) -> str:

@@ -33,7 +33,15 @@ def test_profile_splits_each_rank_s_device_time():
     split = rows[1]["rank_device_ms"]
     assert rows[1]["status"] == "ok" and len(split) == 2, rows[1]
     # on CPU no event has device time: every part is zero
-    assert split == [{"attention": 0.0, "copies": 0.0, "other": 0.0}] * 2, split
+    assert split == [{"attention": 0.0, "copies": 0.0, "other": 0.0, "idle": 0.0}] * 2, split
+
+
+def test_idle_is_the_time_no_device_work_covers():
+    assert virtual_ranks.idle_ms([]) == 0.0
+    # 0-1000 and 500-2000 overlap; 2500-3000 starts 500 us after them; 2600-2700 inside it
+    spans = [(2500, 3000), (0, 1000), (2600, 2700), (500, 2000)]
+    assert virtual_ranks.idle_ms(spans) == 0.5
+    assert virtual_ranks.idle_ms([(0, 10), (10, 20)]) == 0.0
 
 
 def test_device_time_kinds_of_kernels_seen_on_an_h200():
