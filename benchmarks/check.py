@@ -148,15 +148,31 @@ def _order(e: float) -> float:
 
 # ---- entry points ---------------------------------------------------------------------------
 def check(q, k, v, dout, out, dq, dk, dv, *, causal: bool, scale: float | None = None,
-          **sampling) -> Report:
+          heads: int | None = None, **sampling) -> Report:
     """Check a step on tensors held whole: q, dout, out, dq [B, H, S, E] and k, v, dk, dv
-    [B, H_kv, S, E] (logical shapes, any memory order). ``sampling``: ``rows``,
+    [B, H_kv, S, E] (logical shapes, any memory order). ``heads``: check only that many K/V
+    heads (the first, the last and evenly spaced between) and their query heads, every head
+    by default (the step ran on all; a reference of a few costs that much less, and the last
+    head keeps the largest offsets of a BHSE tensor in the check). ``sampling``: ``rows``,
     ``key_rows``, ``key_flops`` of ``check_shard``."""
+    kv_heads = q_heads = None
+    if heads is not None:
+        groups = q.shape[1] // k.shape[1]
+        kv_heads = _spread(k.shape[1], heads).to(q.device)
+        q_heads = (kv_heads[:, None] * groups + torch.arange(groups, device=q.device)).flatten()
+        q, dout, out, dq = (t.index_select(1, q_heads) for t in (q, dout, out, dq))
+        k, v, dk, dv = (t.index_select(1, kv_heads) for t in (k, v, dk, dv))
     batches = _spread(q.shape[0], BATCHES).tolist()
     problem = Problem(*(_held(t, batches) for t in (q, k, v, dout)), q.shape[2], causal,
                       _scale(scale, q))
     positions = torch.arange(q.shape[2], device=q.device)
-    return check_shard(problem, positions, out, dq, dk, dv, batches=batches, **sampling)
+    report = check_shard(problem, positions, out, dq, dk, dv, batches=batches, **sampling)
+    if heads is not None:  # name the heads of the step, not those of the sample
+        for name, worst in report.worst.items():
+            if worst is not None:
+                chosen = q_heads if name in ("out", "dq") else kv_heads
+                worst[1] = int(chosen[worst[1]])
+    return report
 
 
 def check_packed(q, k, v, dout, out, dq, dk, dv, cu_seqlens, *, causal: bool = True,

@@ -100,6 +100,24 @@ def test_a_wrong_row_is_caught_where_it_is(name):
     assert all(e < 1e-5 for n, e in report.errors.items() if n != name)
 
 
+@pytest.mark.parametrize("name", ["dq", "dk"])
+def test_a_sample_of_heads_checks_those_heads_and_names_them(name):
+    """``heads=2`` of 4 K/V heads (8 query heads, GQA): K/V heads 0 and 3, query heads 0, 1,
+    6, 7. A wrong row of a sampled head is caught and named by its head in the step; one of
+    a head left out is not seen."""
+    q, k, v, dout = inputs(1, 8, 4, 48, 16, "bhse")
+    results = dict(zip(check.NAMES, step(q, k, v, dout, True)))
+    right = check.check(q, k, v, dout, *results.values(), causal=True, heads=2)
+    assert right.right and max(right.errors.values()) < 1e-5, check.line(right.as_dict())
+    head, missed, row = (7, 3, 41) if name == "dq" else (3, 2, 40)  # a sampled row each
+    wrong = results[name]
+    wrong[0, missed, row] += 1.0  # a head the sample leaves out
+    assert check.check(q, k, v, dout, *results.values(), causal=True, heads=2).right
+    wrong[0, head, row] += 0.5 * wrong[0, head, row].norm() / 4
+    report = check.check(q, k, v, dout, *results.values(), causal=True, heads=2)
+    assert not report.right and report.worst[name] == [0, head, row], report.worst
+
+
 def test_rows_of_a_few_terms_are_left_out_of_dq_and_dk():
     """bf16 rounding of a sum of a few terms of both signs is no error of the step: a wrong
     value there is not counted, one row further in is."""

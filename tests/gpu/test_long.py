@@ -2,17 +2,19 @@
 rows against fp32 math (``benchmarks.check``): right within bf16 error, or the documented
 ValueError; a CUDA error fails the test (and ends the process).
 
-    python -m pytest -q tests/gpu/test_long.py            # 10 min or more on an H200 with FA4
+    python -m pytest -q tests/gpu/test_long.py            # alone: scripts/gpu_session.sh tests-gpu-long
 
-(the full-mask cases of 512 heads take about a minute each: their dK/dV reference is a full
-fp32 forward; ``scripts/gpu_session.sh tests-gpu-long`` runs this file alone)
+(with every one of 512 heads checked, a full-mask case took about a minute on an H200, its
+dK/dV reference a full fp32 forward; they now check 32 heads, the last among them)
 
 Shapes (bf16, head dim 128):
 - the issue's: 32 heads, S = 600,000 (2.46e9 elements per tensor), causal, for the kernels
   ``auto`` picks (cuDNN, FA4): ATen's cuDNN alone returns a wrong dQ here;
 - the same element count with 512 heads of S = 37,504 (1/16 of the FLOPs:
-  offsets past 2^31 all the same, and the fp32 reference of every key's gradient stays
-  cheap), for every kernel x BSHE/BHSE x causal/full;
+  offsets past 2^31 all the same), for every kernel x BSHE/BHSE x causal/full, checked on
+  32 of the heads (the first, the last and evenly between: in BHSE the last heads hold the
+  offsets past 2^31; in BSHE every head's last rows do), so that the fp32 reference of the
+  keys' gradients stays cheap;
 - the edge: 32 heads, S = 524,288 (2^31 elements exactly), the largest call that reaches a
   kernel unsplit;
 - packed: 6 documents of 8K-24K tokens and 1,500 of 16-600 (552K tokens x 32 heads, 2.26e9
@@ -61,14 +63,15 @@ def _available(kernel: str, spec_kwargs) -> None:
         pytest.skip(reason)
 
 
-def _step(kernel: str, heads: int, s: int, layout: str, causal: bool, key_flops: float = 1e14):
+def _step(kernel: str, heads: int, s: int, layout: str, causal: bool, key_flops: float = 1e14,
+          checked_heads: int | None = None):
     _available(kernel, dict(batch=1, heads=heads, kv_heads=heads, q_len=s, kv_len=s,
                             head_dim=E, dtype=torch.bfloat16, causal=causal))
     q, k, v, dout = _inputs(heads, s, layout)
     out = sdpa_fusion.attention(q, k, v, causal=causal, kernel=kernel)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     report = check(q.detach(), k.detach(), v.detach(), dout, out.detach(), dq, dk, dv,
-                   causal=causal, key_flops=key_flops)
+                   causal=causal, key_flops=key_flops, heads=checked_heads)
     assert Layout.of(layout).to(out) is out, "the output keeps the inputs' layout"
     del q, k, v, dout, out, dq, dk, dv
     torch.cuda.empty_cache()
@@ -88,7 +91,7 @@ def test_600k_tokens_32_heads(kernel, layout):
 @pytest.mark.parametrize("layout", ["bshe", "bhse"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_past_2_31_elements(kernel, layout, causal):
-    report = _step(kernel, 512, 37_504, layout, causal, key_flops=1e15)
+    report = _step(kernel, 512, 37_504, layout, causal, checked_heads=32)
     assert report.right and all(e is not None for e in report.errors.values()), \
         line(report.as_dict())
 
