@@ -28,7 +28,7 @@
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
 #                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
-#   bench-vr-goals   the same goals measured three times in one run (--runs 3; ring with
+#   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile; ring with
 #                    input-dtype sums, documents; ~6 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
@@ -194,7 +194,7 @@ bench_vr() {
 }
 bench_vr_goals() {
     bench bench-vr-goals virtual_ranks 540 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
-        --partitions documents --schedules ring:grad_dtype=input --runs 3
+        --partitions documents --schedules ring:grad_dtype=input --runs 3 --profile
 }
 
 bench_transport() {
