@@ -71,6 +71,12 @@ def test_pieces_of_packed_calls():
     assert [(p.q, p.kv, p.sequences) for p in pieces] == [
         (slice(i, i + 1), slice(i // 2, i // 2 + 1), None) for i in range(4)]
     assert all(p.shares_kv for p in pieces)
+    # every head of runs of sequences when each sequence fits so (24 x 4 x 8 = 768 each)
+    pieces = packed_pieces([22, 22, 10], [22, 22, 10], 4, 2, 8, limits)  # runs <= 31 rows
+    assert [(p.q, p.kv, p.sequences) for p in pieces] == [
+        (slice(0, 4), slice(0, 2), slice(0, 1)), (slice(0, 4), slice(0, 2), slice(1, 2)),
+        (slice(0, 4), slice(0, 2), slice(2, 3))]
+    assert not any(p.shares_kv for p in pieces)
     # one head of every sequence together past the limit: runs of sequences apart
     pieces = packed_pieces([60, 70, 50, 20], [60, 70, 50, 20], 2, 2, 8, limits)  # <= 125 rows
     assert {p.sequences for p in pieces} == {slice(0, 1), slice(1, 3), slice(3, 4)}
@@ -139,9 +145,10 @@ def test_dropout_pieces_draw_the_same_masks_in_forward_and_backward():
 
 @pytest.mark.parametrize("elements,rows_per_sequence,calls", [
     (100_000, 0, 1),
-    (2048, 2, 2),  # 70 + 2 x 6 rows x 8 = 656 per head: K/V heads apart, 2 query heads each
+    (2048, 2, 2),  # every head of runs of at most 64 rows (2048 / (4 x 8)): 57 and 25 rows
+    (1100, 2, 4),  # the sequence of 34 + 2 rows x 32 > 1100: query heads apart (656 each)
     (700, 4, 8),   # 94 rows per head: runs of sequences of 67 and 27 rows, one head each
-], ids=["whole", "head-groups", "sequence-runs"])
+], ids=["whole", "sequence-runs-every-head", "query-heads", "sequence-runs"])
 def test_packed_calls_past_the_limit_split_exactly(elements, rows_per_sequence, calls):
     cu = (0, 5, 6, 6, 40, 47, 70)  # lengths 5, 1, 0, 34, 7, 23
     g = torch.Generator().manual_seed(3)
@@ -161,6 +168,52 @@ def test_packed_calls_past_the_limit_split_exactly(elements, rows_per_sequence, 
         torch.testing.assert_close(got, w, **FP32)
     assert sum(1 for c in bounded.calls if c[0] == "varlen_forward") == calls
     assert not bounded.past
+
+
+class _Seen(Bounded):
+    """``Bounded`` that keeps the output buffers every varlen call was given."""
+
+    def _varlen_forward(self, q, k, v, seqlens, **kw):
+        self.given = getattr(self, "given", []) + [kw["out"]]
+        return super()._varlen_forward(q, k, v, seqlens, **kw)
+
+    def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, **kw):
+        self.given = getattr(self, "given", []) + [kw["dq"], kw["dk"], kw["dv"]]
+        return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, **kw)
+
+
+def test_pieces_of_every_head_are_written_by_the_kernel_into_their_rows():
+    """A packed call split into runs of sequences with every head: each piece's inputs are
+    row blocks of the call's (no copy) and the kernel writes its out, dq, dk, dv into its rows
+    of the given buffers; the results are those of one call, rows outside every sequence
+    included."""
+    cu = (2, 7, 8, 8, 42, 49, 70)  # rows 0-1 and 70-71 in no sequence
+    g = torch.Generator().manual_seed(4)
+    q, dout = (torch.randn(72, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(72, 2, 8, generator=g) for _ in range(2))
+    seqlens = Seqlens(cu, cu)
+    mask = dict(causal=True, scale=0.4)
+    seen = _Seen(2048, rows_per_sequence=2)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((4, 72), math.nan)
+    got_out, got_lse = seen.varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse)
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    got = seen.varlen_backward(dout, q, k, v, out, lse, seqlens, **mask, dq=grads[0],
+                               dk=grads[1], dv=grads[2])
+    assert got_out is out and got_lse is lse and all(a is b for a, b in zip(got, grads))
+    varlen = [c for c in seen.calls if c[0].startswith("varlen")]
+    assert len(varlen) == 4 and not seen.past  # two runs, forward and backward
+    whole = (out, *grads)
+    for given in seen.given:  # every buffer the kernel got is rows of the call's own
+        assert given is not None and any(
+            given.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for w in whole)
+    ref = get("reference")
+    want_out, want_lse = ref.varlen_forward(q, k, v, seqlens, **mask)
+    want = ref.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask)
+    torch.testing.assert_close(out, want_out, **FP32)
+    torch.testing.assert_close(lse, want_lse, **FP32)
+    for g_, w in zip(grads, want):
+        torch.testing.assert_close(g_, w, **FP32)
 
 
 def test_rows_outside_every_sequence_stay_empty_when_sequences_split():

@@ -11,6 +11,8 @@ rows its workspaces add per sequence. No call past them reaches the kernel: ``de
 and ``packed_pieces`` cut it into calls that stay inside, each exact on its own (heads,
 batch elements and packed sequences do not mix in attention):
 
+    0. packed: consecutive sequences apart with every head, when each sequence fits so (their
+       rows of [T, H, E] are one block: no copy in or out);
     1. groups of K/V heads (with their query heads), all batch elements at once if they fit;
     2. else batch elements apart, or consecutive packed sequences apart;
     3. else the query heads of one K/V head apart (their dK/dV summed);
@@ -138,14 +140,20 @@ def packed_rows(lengths_q, lengths_k, limits: Limits) -> int:
 def packed_pieces(lengths_q, lengths_k, heads: int, kv_heads: int, e: int,
                   limits: Limits | None) -> list[Piece] | None:
     """The pieces of a packed call of sequences of ``lengths_q`` queries and ``lengths_k``
-    keys (lists), tensors [T, H, E]: ``[]`` when it fits, else head groups over all
-    sequences, or consecutive sequences apart (with the heads that fit), or None when one
-    head of one sequence does not fit."""
+    keys (lists), tensors [T, H, E]: ``[]`` when it fits, else consecutive sequences apart
+    with every head (each piece's rows one block of the tensors: nothing copied), else head
+    groups over all sequences, or consecutive sequences apart with the heads that fit (views
+    of some heads span every row: copied), or None when one head of one sequence does not
+    fit."""
     if limits is None:
         return []
     limit = limits.elements
     if packed_rows(lengths_q, lengths_k, limits) * heads * e <= limit:
         return []
+    runs = sequence_runs(lengths_q, lengths_k, limits, limit // (heads * e))
+    if runs is not None:  # every head of each run: its rows of [T, H, E] are one block
+        every_head = _head_pieces(1, heads, kv_heads, (1, kv_heads, heads))
+        return [dataclasses.replace(p, sequences=r) for r in runs for p in every_head]
     per_head = packed_rows(lengths_q, lengths_k, limits) * e
     plan = _head_plan(1, heads, kv_heads, per_head, limit)
     if plan is not None:

@@ -191,14 +191,27 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
         out, lse = outputs
         return written(kernel._varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse),
                         outputs)
-    out, lse = packed_outputs(q, *outputs)
+    out, lse = outputs
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device) \
+        if lse is None else lse
     for p in split:
         rows, keys, local = _rows(seqlens, p)
-        o, l = kernel._varlen_forward(*(_own(t, limits) for t in (
-            q[rows, p.q], k[keys, p.kv], v[keys, p.kv])), local, **mask)
-        out[rows, p.q] = o
-        lse[p.q, rows] = l
+        views = (out[rows, p.q], lse[p.q, rows])
+        results = kernel._varlen_forward(
+            *(_own(t, limits) for t in (q[rows, p.q], k[keys, p.kv], v[keys, p.kv])), local,
+            **mask, out=_target(views[0], limits, contiguous=True),
+            lse=_target(views[1], limits, contiguous=True))
+        written(results, views)
+    for a, b in _outside(seqlens.cu_q, q.shape[0]):  # rows of no sequence
+        out[a:b] = 0
+        lse[:, a:b] = float("-inf")
     return out, lse
+
+
+def _outside(cu, rows: int) -> list[tuple[int, int]]:
+    """The row ranges of a packed tensor of ``rows`` rows outside sequences ``cu``."""
+    return [(a, b) for a, b in ((0, cu[0]), (cu[-1], rows)) if b > a]
 
 
 def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None, None, None)):
@@ -208,26 +221,33 @@ def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None,
         dq, dk, dv = grads
         return written(kernel._varlen_backward(dout, q, k, v, out, lse, seqlens, **mask, dq=dq,
                                                 dk=dk, dv=dv), grads)
-    grads = packed_grads((q, k, v), grads)
+    grads = tuple(torch.empty_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
     shared = {}
     for p in split:
         rows, keys, local = _rows(seqlens, p)
-        dq, dk, dv = kernel._varlen_backward(
+        views = (grads[0][rows, p.q], grads[1][keys, p.kv], grads[2][keys, p.kv])
+        targets = [_target(views[0], limits, contiguous=True)] + \
+                  [None if p.shares_kv else _target(t, limits, contiguous=True)
+                   for t in views[1:]]
+        results = kernel._varlen_backward(
             *(_own(t, limits) for t in (dout[rows, p.q], q[rows, p.q], k[keys, p.kv],
                                         v[keys, p.kv], out[rows, p.q])),
-            lse[p.q, rows].contiguous(), local, **mask)
-        grads[0][rows, p.q] = dq
+            lse[p.q, rows].contiguous(), local, **mask, dq=targets[0], dk=targets[1],
+            dv=targets[2])
+        written(results[:1], views[:1])
         if not p.shares_kv:
-            grads[1][keys, p.kv] = dk
-            grads[2][keys, p.kv] = dv
+            written(results[1:], views[1:])
             continue
         key = (p.sequences and p.sequences.start, p.kv.start)
         if key not in shared:
-            shared[key] = [dk.float(), dv.float()], keys, p.kv
+            shared[key] = [g.float() for g in results[1:]], views[1:]
         else:
-            for acc, g in zip(shared[key][0], (dk, dv)):
+            for acc, g in zip(shared[key][0], results[1:]):
                 acc.add_(g)
-    for (sum_k, sum_v), keys, heads in shared.values():
-        grads[1][keys, heads] = sum_k
-        grads[2][keys, heads] = sum_v
+    for sums, views in shared.values():
+        for view, total in zip(views, sums):
+            view.copy_(total)
+    for grad, cu in zip(grads, (seqlens.cu_q, seqlens.cu_k, seqlens.cu_k)):
+        for a, b in _outside(cu, grad.shape[0]):  # rows of no sequence
+            grad[a:b] = 0
     return grads
