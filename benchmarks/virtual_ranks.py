@@ -12,7 +12,9 @@ one thread each and one at a time, their transfers handed over and recorded; eac
 out and gradients are checked on sampled rows against fp32 math (``benchmarks.check``).
 Replay: each rank alone runs the step again, timed, its receives copied from its record (a
 copy stands for each transfer); then once more, checked. Records kept past ``--record-gib``
-(default: half the memory free when the row starts) are made again by another record run.
+(default: half the memory free when the row starts) are made again by another record run;
+a record run out of memory runs again keeping half of what it had kept (the ranks' own
+work on the one device needs the rest).
 Every row frees all it made before the next starts, a failed one (out of memory) too, and is
 recorded as such. A row is the slowest rank's median time next to one
 GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU. ``--runs N``
@@ -44,6 +46,7 @@ from benchmarks.mailbox import Mailbox, Stopped, virtual_schedules
 from benchmarks.thd import BATCHES, TINY_BATCHES
 
 NAME = "virtual_ranks"
+RECORD_HALVINGS = 3  # a record phase out of memory runs again keeping half the receives
 KEY_FLOPS = 5e11  # fp32 work of one rank's dK/dV reference: ~10 ms on an H200 (check: 3 s)
 
 
@@ -204,14 +207,28 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
     device_ms = [None] * parts
     name, options = impl_options(schedule)
     free(args.device)  # the last row's cycles, before the budget is read
-    budget = record_bytes(args)
+    budget, halved = record_bytes(args), 0
     try:
         while left:
             box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
             start = time.monotonic()
             scheds = virtual_schedules(name, parts, inputs[0].device, box, cu,
                                        partition=partition, **options)
-            reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
+            try:
+                reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
+            except torch.OutOfMemoryError:
+                if not box.kept or halved == RECORD_HALVINGS:
+                    raise
+                held = box.kept  # the records take what the ranks' own work needs
+            else:
+                held = None
+            if held is not None:
+                del scheds, box
+                free(args.device)
+                budget, halved = held / 2, halved + 1
+                say(f"record ran out of memory keeping {held / common.GIB:.1f} GiB of "
+                    f"receives; again, keeping at most {budget / common.GIB:.1f} GiB")
+                continue
             runs += 1
             if runs == 1:
                 recorded = check.merge(reports)

@@ -137,6 +137,26 @@ def test_an_out_of_memory_row_frees_all_and_the_next_rows_run(monkeypatch):
     assert held == [(0, held[0][1])] * 5, held
 
 
+def test_a_record_phase_out_of_memory_runs_again_keeping_half(monkeypatch):
+    """The first record phase runs out of memory holding 2 MiB of receives: it runs again
+    with a budget of 1 MiB, and the row is measured and right."""
+    record, budgets = virtual_ranks.record, []
+
+    def out_of_memory_once(args, scheds, inputs, cu, box, problem):
+        budgets.append(box.budget)
+        if len(budgets) == 1:
+            box.kept = 2 << 20
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return record(args, scheds, inputs, cu, box, problem)
+
+    monkeypatch.setattr(virtual_ranks, "record", out_of_memory_once)
+    rows, held = _rows("--ranks", "2", "--partitions", "load_balanced")
+    row = rows[1]
+    assert row["status"] == "ok" and row["check"].startswith("right"), row
+    assert budgets[1] == 1 << 20 and row["record_budget_gib"] == round(1 / 1024, 3), budgets
+    assert held[1] == held[0], held
+
+
 def test_ranks_past_the_record_budget_are_recorded_by_later_runs():
     rows, _ = _rows("--ranks", "4", "--partitions", "load_balanced")
     most = max(rows[1]["bytes_received_per_rank"])
