@@ -144,6 +144,14 @@ def test_which_packed_calls_run_in_one_fa4_call(causal, window, cu_k, shift):
     assert fa4.varlen_shift(seqlens, causal, window) == shift
 
 
+def test_the_rows_fa4_leaves_unwritten_are_those_of_sequences_without_keys():
+    seqlens = Seqlens(cu_q=(0, 4, 6, 6, 10, 12), cu_k=(0, 3, 3, 5, 5, 8))
+    # sequence 1 (rows 4-6) and 3 (rows 6-10) have queries and no keys; 2 has no queries
+    assert seqlens.rows_without_keys == ((4, 6), (6, 10))
+    assert seqlens.shifts == {-1, 1}
+    assert Seqlens((0, 2), (0, 0)).shifts == frozenset()
+
+
 def test_forward_writes_given_buffers(rng):
     """out= and lse= are the results, holding what a call without them gives."""
     kernel = get("reference")

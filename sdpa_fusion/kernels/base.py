@@ -85,6 +85,16 @@ class Seqlens:
     def max_k(self) -> int:
         return max(self.lengths_k, default=0)
 
+    @functools.cached_property
+    def shifts(self) -> frozenset[int]:
+        """Keys minus queries of the sequences that have both."""
+        return frozenset(k - q for q, k in zip(self.lengths_q, self.lengths_k) if q and k)
+
+    @functools.cached_property
+    def rows_without_keys(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of the query rows of every sequence that has queries and no keys."""
+        return tuple((qa, qb) for (qa, qb), (ka, kb) in _sequences(self) if kb == ka and qb > qa)
+
     def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cu_q, cu_k) as int32 tensors on ``device`` (made once per device)."""
         return _cu_tensors(self.cu_q, self.cu_k, torch.device(device))

@@ -37,7 +37,7 @@ import torch
 
 from ..spec import AttentionSpec
 from . import fa4_rows
-from .base import Kernel, Seqlens, Window, _sequences, band, layout_of, register
+from .base import Kernel, Seqlens, Window, band, layout_of, register
 from .fa4_entry import INSTALL_HINT, backward, bshd, forward, import_error
 from .limits import Limits, dense_pieces, fits
 
@@ -83,8 +83,8 @@ def varlen_shift(seqlens: Seqlens, causal: bool, window: Window | None) -> int |
     keys take any shift."""
     if band(causal, window) == (None, None):
         return 0
-    shifts = {k - q for q, k in zip(seqlens.lengths_q, seqlens.lengths_k) if q and k}
-    shift = shifts.pop() if len(shifts) == 1 else (None if shifts else 0)
+    shifts = seqlens.shifts
+    shift = next(iter(shifts)) if len(shifts) == 1 else (None if shifts else 0)
     if shift is None or any(side is not None and side < 0
                             for side in fa4_window(causal, window, 0, shift)):
         return None
@@ -95,10 +95,9 @@ def _clear_rows_without_keys(out, lse, seqlens: Seqlens) -> None:
     """out 0 and lse -inf for the queries of packed sequences that have no keys. FA4 masks
     every score of such a sequence, but multiplies the probabilities (all 0) with a tile of
     values loaded from outside the sequence, which need not be finite."""
-    for (qa, qb), (ka, kb) in _sequences(seqlens):
-        if kb == ka and qb > qa:
-            out[qa:qb] = 0
-            lse[:, qa:qb] = float("-inf")
+    for qa, qb in seqlens.rows_without_keys:
+        out[qa:qb] = 0
+        lse[:, qa:qb] = float("-inf")
 
 
 def _contiguous_or_new(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
