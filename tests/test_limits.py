@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import sdpa_fusion
 from sdpa_fusion.kernels import KernelUnavailable, Limits, Seqlens, get
@@ -214,6 +216,56 @@ def test_pieces_of_every_head_are_written_by_the_kernel_into_their_rows():
     torch.testing.assert_close(lse, want_lse, **FP32)
     for g_, w in zip(grads, want):
         torch.testing.assert_close(g_, w, **FP32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1,
+                      max_size=6),
+       before=st.integers(0, 2), after=st.integers(0, 2), kv_heads=st.sampled_from([4, 2, 1]),
+       elements=st.integers(40, 600), rows_per_sequence=st.integers(0, 2),
+       given_buffers=st.booleans(), causal=st.booleans())
+@example(pairs=[(12, 12), (0, 3), (5, 0), (1, 1)], before=1, after=2, kv_heads=2, elements=300,
+         rows_per_sequence=1, given_buffers=True, causal=True)
+def test_any_split_packed_call_gives_the_unsplit_results(pairs, before, after, kv_heads,
+                                                         elements, rows_per_sequence,
+                                                         given_buffers, causal):
+    """Random packs (lengths 0 and 1, queries != keys, rows outside every sequence) and
+    limits: whatever pieces the split takes (runs of every head, head groups, query heads of
+    one K/V head), out, lse and the gradients are the unsplit call's, given NaN-filled
+    buffers or none; a pack no split fits is refused."""
+    cu_q, cu_k = [before], [before]
+    for n, m in pairs:
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + m)
+    seqlens = Seqlens(tuple(cu_q), tuple(cu_k))
+    g = torch.Generator().manual_seed(len(pairs) + elements)
+    q, dout = (torch.randn(cu_q[-1] + after, 4, 4, generator=g) for _ in range(2))
+    k, v = (torch.randn(cu_k[-1] + after, kv_heads, 4, generator=g) for _ in range(2))
+    mask = dict(causal=causal, scale=0.5)
+    ref = get("reference")
+    want_out, want_lse = ref.varlen_forward(q, k, v, seqlens, **mask)
+    want = ref.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask)
+    bounded = Bounded(elements, rows_per_sequence)
+    buffers = dict(out=torch.full_like(q, math.nan), lse=torch.full((4, q.shape[0]), math.nan))
+    grads = dict(dq=torch.full_like(q, math.nan), dk=torch.full_like(k, math.nan),
+                 dv=torch.full_like(v, math.nan))
+    try:
+        out, lse = bounded.varlen_forward(q, k, v, seqlens, **mask,
+                                          **(buffers if given_buffers else {}))
+    except (ValueError, KernelUnavailable):
+        head_dim = q.shape[2]  # refused only when one head of one sequence does not fit
+        assert max(packed_rows([n], [m], bounded.limits) for n, m in pairs) * head_dim > elements
+        return
+    got = bounded.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask,
+                                  **(grads if given_buffers else {}))
+    assert not bounded.past
+    if given_buffers:
+        assert out is buffers["out"] and lse is buffers["lse"]
+        assert all(a is b for a, b in zip(got, grads.values()))
+    torch.testing.assert_close(out, want_out, **FP32)
+    torch.testing.assert_close(lse, want_lse, **FP32)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, **FP32, msg=name)
 
 
 def test_rows_outside_every_sequence_stay_empty_when_sequences_split():

@@ -146,6 +146,8 @@ def _packed_split(kernel, q, k, seqlens, tensors):
     if pieces is None:  # the message of the longest sequence's refusal
         longest = max(zip(seqlens.lengths_q, seqlens.lengths_k), key=max, default=(0, 0))
         return _split(None, tensors, limits, _too_long(kernel, *longest, q.shape[2]))
+    # the sequences fit, the tensors do not (rows outside every sequence, or a view of a
+    # wider buffer): one piece of the sequences' rows (``_rows``), copied where still past it
     return _split(pieces, tensors, limits, None)
 
 
@@ -156,10 +158,10 @@ def _packed_pieces(seqlens, heads: int, kv_heads: int, e: int, limits):
 
 
 def _rows(seqlens, p: Piece):
-    """(query rows, key rows, the piece's Seqlens counted from its first rows)."""
-    if p.sequences is None:
-        return slice(None), slice(None), seqlens
-    a, b = p.sequences.start, p.sequences.stop
+    """(query rows, key rows, the piece's Seqlens counted from its first rows): the rows of
+    its sequences (all of them for ``sequences`` None), none outside."""
+    a, b = (0, len(seqlens.lengths_q)) if p.sequences is None else \
+        (p.sequences.start, p.sequences.stop)
     cu_q, cu_k = seqlens.cu_q[a:b + 1], seqlens.cu_k[a:b + 1]
     local = type(seqlens)(tuple(c - cu_q[0] for c in cu_q), tuple(c - cu_k[0] for c in cu_k))
     return slice(cu_q[0], cu_q[-1]), slice(cu_k[0], cu_k[-1]), local
