@@ -200,6 +200,10 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
     for p in split:
         rows, keys, local = _rows(seqlens, p)
         views = (out[rows, p.q], lse[p.q, rows])
+        if _empty(rows) or _empty(keys):  # no kernel call on no rows: what kernels give
+            views[0].zero_()
+            views[1].fill_(float("-inf"))
+            continue
         results = kernel._varlen_forward(
             *(_own(t, limits) for t in (q[rows, p.q], k[keys, p.kv], v[keys, p.kv])), local,
             **mask, out=_target(views[0], limits, contiguous=True),
@@ -209,6 +213,10 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
         out[a:b] = 0
         lse[:, a:b] = float("-inf")
     return out, lse
+
+
+def _empty(span: slice) -> bool:
+    return span.stop == span.start
 
 
 def _outside(cu, rows: int) -> list[tuple[int, int]]:
@@ -228,6 +236,10 @@ def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None,
     for p in split:
         rows, keys, local = _rows(seqlens, p)
         views = (grads[0][rows, p.q], grads[1][keys, p.kv], grads[2][keys, p.kv])
+        if _empty(rows) or _empty(keys):  # no kernel call on no rows: gradients 0
+            for view in views:
+                view.zero_()
+            continue
         targets = [_target(views[0], limits, contiguous=True)] + \
                   [None if p.shares_kv else _target(t, limits, contiguous=True)
                    for t in views[1:]]
