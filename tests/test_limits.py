@@ -145,6 +145,18 @@ def test_dropout_pieces_draw_the_same_masks_in_forward_and_backward():
         torch.testing.assert_close(g, w, **FP32)
 
 
+def _one_call(q, k, v, dout, seqlens, mask):
+    """(out, lse, dq, dk, dv) of the packed call unsplit (the reference kernel: no limit)."""
+    ref = get("reference")
+    out, lse = ref.varlen_forward(q, k, v, seqlens, **mask)
+    return (out, lse, *ref.varlen_backward(dout, q, k, v, out, lse, seqlens, **mask))
+
+
+def _assert_results(got, want):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, **FP32, msg=name)
+
+
 @pytest.mark.parametrize("elements,rows_per_sequence,calls", [
     (100_000, 0, 1),
     (2048, 2, 2),  # every head of runs of at most 64 rows (2048 / (4 x 8)): 57 and 25 rows
@@ -161,13 +173,7 @@ def test_packed_calls_past_the_limit_split_exactly(elements, rows_per_sequence, 
     bounded = Bounded(elements, rows_per_sequence)
     out, lse = bounded.varlen_forward(q, k, v, seqlens, **mask)
     grads = bounded.varlen_backward(dout, q, k, v, out, lse, seqlens, **mask)
-    ref = get("reference")
-    want_out, want_lse = ref.varlen_forward(q, k, v, seqlens, **mask)
-    want = ref.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask)
-    torch.testing.assert_close(out, want_out, **FP32)
-    torch.testing.assert_close(lse, want_lse, **FP32)
-    for got, w in zip(grads, want):
-        torch.testing.assert_close(got, w, **FP32)
+    _assert_results((out, lse, *grads), _one_call(q, k, v, dout, seqlens, mask))
     assert sum(1 for c in bounded.calls if c[0] == "varlen_forward") == calls
     assert not bounded.past
 
@@ -209,13 +215,7 @@ def test_pieces_of_every_head_are_written_by_the_kernel_into_their_rows():
     for given in seen.given:  # every buffer the kernel got is rows of the call's own
         assert given is not None and any(
             given.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for w in whole)
-    ref = get("reference")
-    want_out, want_lse = ref.varlen_forward(q, k, v, seqlens, **mask)
-    want = ref.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask)
-    torch.testing.assert_close(out, want_out, **FP32)
-    torch.testing.assert_close(lse, want_lse, **FP32)
-    for g_, w in zip(grads, want):
-        torch.testing.assert_close(g_, w, **FP32)
+    _assert_results((out, lse, *grads), _one_call(q, k, v, dout, seqlens, mask))
 
 
 @settings(max_examples=30, deadline=None)
@@ -242,9 +242,7 @@ def test_any_split_packed_call_gives_the_unsplit_results(pairs, before, after, k
     q, dout = (torch.randn(cu_q[-1] + after, 4, 4, generator=g) for _ in range(2))
     k, v = (torch.randn(cu_k[-1] + after, kv_heads, 4, generator=g) for _ in range(2))
     mask = dict(causal=causal, scale=0.5)
-    ref = get("reference")
-    want_out, want_lse = ref.varlen_forward(q, k, v, seqlens, **mask)
-    want = ref.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask)
+    want = _one_call(q, k, v, dout, seqlens, mask)
     bounded = Bounded(elements, rows_per_sequence)
     buffers = dict(out=torch.full_like(q, math.nan), lse=torch.full((4, q.shape[0]), math.nan))
     grads = dict(dq=torch.full_like(q, math.nan), dk=torch.full_like(k, math.nan),
@@ -256,16 +254,13 @@ def test_any_split_packed_call_gives_the_unsplit_results(pairs, before, after, k
         head_dim = q.shape[2]  # refused only when one head of one sequence does not fit
         assert max(packed_rows([n], [m], bounded.limits) for n, m in pairs) * head_dim > elements
         return
-    got = bounded.varlen_backward(dout, q, k, v, want_out, want_lse, seqlens, **mask,
+    got = bounded.varlen_backward(dout, q, k, v, *want[:2], seqlens, **mask,
                                   **(grads if given_buffers else {}))
     assert not bounded.past
     if given_buffers:
         assert out is buffers["out"] and lse is buffers["lse"]
         assert all(a is b for a, b in zip(got, grads.values()))
-    torch.testing.assert_close(out, want_out, **FP32)
-    torch.testing.assert_close(lse, want_lse, **FP32)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, **FP32, msg=name)
+    _assert_results((out, lse, *got), want)
 
 
 def test_rows_outside_every_sequence_stay_empty_when_sequences_split():
