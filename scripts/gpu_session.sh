@@ -10,7 +10,7 @@
 #   tests-gpu        python -m pytest -q tests/gpu, on GPU 0, but for test_long.py (~5 min
 #                    with FA4, its first calls compiling)
 #   tests-gpu-long   tests/gpu/test_long.py alone: every kernel past 2^31-element offsets
-#                    (10 min or more; the full-mask cases take about a minute each)
+#                    (10 min or more while its 512-head cases checked every head; now 32)
 #   tests-dist       mpirun -np $NP python -m pytest -q tests/gpu_distributed
 #   bench            bench-single, bench-hp, bench-cp
 #   bench-single     python -m benchmarks.single_gpu                     (~4 min)
