@@ -273,7 +273,8 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
 
 def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
     """The rows of one batch: one GPU on the whole batch, then every (partition, P); each
-    row handed to ``keep`` as it is made."""
+    row handed to ``keep`` as it is made. With ``--runs N`` all of it N times, each later
+    pass adding its ratio to the first pass's row (``keep(None)``: a row changed)."""
     import sdpa_fusion
 
     g = torch.Generator(device=args.device).manual_seed(0)
