@@ -179,20 +179,28 @@ def test_packed_calls_past_the_limit_split_exactly(elements, rows_per_sequence, 
 
 
 class _Seen(Bounded):
-    """``Bounded`` that keeps the output buffers every varlen call was given."""
+    """``Bounded`` that keeps the inputs and the output buffers every varlen call got."""
 
     def _varlen_forward(self, q, k, v, seqlens, **kw):
+        self.inputs = getattr(self, "inputs", []) + [q, k, v]
         self.given = getattr(self, "given", []) + [kw["out"]]
         return super()._varlen_forward(q, k, v, seqlens, **kw)
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens, **kw):
+        self.inputs = getattr(self, "inputs", []) + [dout, q, k, v, out]
         self.given = getattr(self, "given", []) + [kw["dq"], kw["dk"], kw["dv"]]
         return super()._varlen_backward(dout, q, k, v, out, lse, seqlens, **kw)
 
 
+def _rows_of(t: torch.Tensor, tensors) -> bool:
+    """Whether ``t`` is a view of one of ``tensors`` (no copy)."""
+    return any(t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+               for w in tensors)
+
+
 def test_pieces_of_every_head_are_written_by_the_kernel_into_their_rows():
     """A packed call split into runs of sequences with every head: each piece's inputs are
-    row blocks of the call's (no copy) and the kernel writes its out, dq, dk, dv into its rows
+    row blocks of the call's (no copy), and the kernel writes its out, dq, dk, dv into its rows
     of the given buffers; the results are those of one call, rows outside every sequence
     included."""
     cu = (2, 7, 8, 8, 42, 49, 70)  # rows 0-1 and 70-71 in no sequence
@@ -211,10 +219,9 @@ def test_pieces_of_every_head_are_written_by_the_kernel_into_their_rows():
     assert got_out is out and got_lse is lse and all(a is b for a, b in zip(got, grads))
     varlen = [c for c in seen.calls if c[0].startswith("varlen")]
     assert len(varlen) == 4 and not seen.past  # two runs, forward and backward
-    whole = (out, *grads)
     for given in seen.given:  # every buffer the kernel got is rows of the call's own
-        assert given is not None and any(
-            given.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for w in whole)
+        assert given is not None and _rows_of(given, (out, *grads))
+    assert all(_rows_of(t, (q, k, v, dout, out)) for t in seen.inputs)  # nothing copied in
     _assert_results((out, lse, *grads), _one_call(q, k, v, dout, seqlens, mask))
 
 
