@@ -28,12 +28,12 @@
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
 #                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
-#   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile; ring with
-#                    input-dtype sums, documents; ~6 min): the goals' spread
+#   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile;
+#                    ring with input-dtype sums, documents; ~6 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
-#   all              tests, then bench (not tests-gpu-long) (12-15 min; to keep each command under 10 min,
-#                    run `tests`, then `bench-single bench-hp`, then `bench-cp`)
+#   all              tests, then bench, not tests-gpu-long (12-15 min; to keep each command
+#                    under 10 min, run `tests`, then `bench-single bench-hp`, then `bench-cp`)
 #
 # Environment: OUT (where results go; default benchmarks/results/session), NP (ranks; 4),
 # BUDGET_S (seconds this whole command may take; 540: each step gets at most what is left,

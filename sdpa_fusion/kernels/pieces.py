@@ -146,8 +146,9 @@ def _packed_split(kernel, q, k, seqlens, tensors):
     if pieces is None:  # the message of the longest sequence's refusal
         longest = max(zip(seqlens.lengths_q, seqlens.lengths_k), key=max, default=(0, 0))
         return _split(None, tensors, limits, _too_long(kernel, *longest, q.shape[2]))
-    # the sequences fit, the tensors do not (rows outside every sequence, or a view of a
-    # wider buffer): one piece of the sequences' rows (``_rows``), copied where still past it
+    # where the sequences fit and a tensor does not (rows outside every sequence, or a view
+    # of a wider buffer), ``_split`` gives one piece of all: ``_rows`` takes its sequences'
+    # rows, ``_own`` copies what is still past the limit
     return _split(pieces, tensors, limits, None)
 
 
