@@ -33,6 +33,7 @@ after every row, the PNG at the end (``benchmarks.common.save``).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import itertools
 import threading
@@ -150,15 +151,17 @@ def replay(args, sched, inputs, cu, box: Mailbox, problem):
     return m, report, device_time(step, leaves) if args.profile else None
 
 
+TOP_OTHER = 8  # kernels outside attention named in a profiled step's split
 ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention")  # kernel names of attention cores
 
 
-def device_time(step, leaves) -> dict[str, float]:
+def device_time(step, leaves) -> dict:
     """The device time of one ``step`` in ms (torch.profiler), split by ``kind_of``:
     attention kernels, device-to-device copies (the copies that stand for transfers, and
-    contiguous copies of tensors) and the rest (merges, sums, gathers); and ``idle``, the
+    contiguous copies of tensors) and the rest (merges, sums, gathers); ``idle``, the
     time between the step's first device work and its last when the device ran nothing
-    (``idle_ms``: waiting for the host, or for a synchronisation)."""
+    (``idle_ms``: waiting for the host, or for a synchronisation); and ``largest_other``,
+    the ``TOP_OTHER`` kernels outside attention that took the most time, [name, ms]."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if leaves[0].is_cuda else [])
@@ -167,15 +170,20 @@ def device_time(step, leaves) -> dict[str, float]:
         if leaves[0].is_cuda:
             torch.cuda.synchronize()
     split = dict(attention=0.0, copies=0.0, other=0.0)
-    spans = []
+    spans, rest = [], collections.Counter()
     for e in prof.events():
         us = e.device_time if e.device_type == torch.autograd.DeviceType.CUDA else 0.0
         if not us:
             continue
-        split[kind_of(e.name)] += us / 1e3
+        kind = kind_of(e.name)
+        split[kind] += us / 1e3
+        if kind != "attention":
+            rest[e.name[:80]] += us / 1e3
         spans.append((e.time_range.start, e.time_range.end))
     split["idle"] = idle_ms(spans)
-    return {k: round(v, 3) for k, v in split.items()}
+    times = {k: round(v, 3) for k, v in split.items()}
+    times["largest_other"] = [[name, round(ms, 3)] for name, ms in rest.most_common(TOP_OTHER)]
+    return times
 
 
 def idle_ms(spans) -> float:
