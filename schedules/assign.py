@@ -2,11 +2,14 @@
 
 A pure function of (document lengths, ranks, tolerance), the same on every rank. Each rank
 pays per token for the rest of the model and per document about L^2 for causal attention,
-so a rank's load is its tokens and its work (the sum of L^2 / 2 of its documents). A whole
+so a rank's load is its tokens and its work: per document its L^2 / 2 causal query-key
+pairs, plus ``TOKEN_PAIRS`` per token for what attention costs per row apart from its pairs
+(loading the rows, the tiles' epilogues, the backward's pre- and postprocessing). A whole
 document needs no communication; a cut document is split over every rank by the
-load-balanced partition, so each rank gets about L / P of its tokens and L^2 / (2P) of its
-work, and its K/V travel.
+load-balanced partition, so each rank gets about L / P of its tokens and of its work, and
+its K/V travel.
 
+    (token_pairs=0 in this picture)
     lengths 9 7 3 3 2 2 1 1, P = 2: a rank's share is 14 tokens and 39.5 of work
     9 has more work than a share (40.5): cut, 4.5 tokens and 20.25 work on each rank
     placed: rank 0: 7 1      + cut    12.5 tokens, 45.25 work
@@ -20,8 +23,14 @@ share, are cut; the others are placed largest first, each on the rank where it r
 larger of (tokens / mean tokens, work / mean work) the least. While some rank's tokens or
 work exceed (1 + tolerance) x the mean, the largest whole document is cut too and the rest
 placed again. Bound: every rank's tokens and work are within (1 + tolerance) of the mean
-(counting each cut document as L / P tokens and L^2 / (2P) work per rank), or every
+(counting each cut document as L / P tokens and work(L) / P work per rank), or every
 document is cut (the load-balanced split of every document).
+
+Why the per-token term: with pairs alone, a batch of a few long documents among many short
+ones (batch (c) of ``benchmarks.virtual_ranks``: six of 11K-20K tokens, 1,500 of 16-600)
+counts its longest document as more than a quarter of the batch's work, so four ranks cut
+all six, while in time (the short documents' rows are a third of the batch's attention
+time) each fits whole on one rank, and nothing need travel.
 """
 
 from __future__ import annotations
@@ -58,25 +67,36 @@ class Assignment:
                 _ratio(max(self.work), sum(self.work) / self.parts))
 
 
-def work(length: int) -> float:
-    """The causal attention work of one document of ``length`` tokens (pairs)."""
-    return length * length / 2
+# What attention costs per token apart from its query-key pairs, in pairs: a least-squares
+# fit of fwd+bwd time = pairs x 0.088 ms/M + tokens x 0.054 ms/K over the one-GPU rows of
+# batches a-d in benchmarks/results/virtual_ranks.json (FA4, bf16, 32 heads of 128, H200):
+# 617 pairs a token, within 2 ms of each batch's time.
+TOKEN_PAIRS = 600
 
 
-def assign(lengths, parts: int, *, tolerance: float = 0.05) -> Assignment:
-    """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure)."""
+def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
+    """The causal attention work of one document of ``length`` tokens, in query-key pairs:
+    its L^2 / 2 pairs and ``token_pairs`` per token."""
+    return length * length / 2 + token_pairs * length
+
+
+def assign(lengths, parts: int, *, tolerance: float = 0.05,
+           token_pairs: float = TOKEN_PAIRS) -> Assignment:
+    """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure);
+    ``token_pairs``: see ``work``."""
     lengths = tuple(int(n) for n in lengths)
     if parts < 1 or any(n < 0 for n in lengths):
         raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
     total_tokens = sum(lengths)
-    total_work = sum(work(n) for n in lengths)
+    total_work = sum(work(n, token_pairs) for n in lengths)
     mean_tokens, mean_work = total_tokens / parts, total_work / parts
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    cut = {i for i in order
-           if parts > 1 and (lengths[i] > mean_tokens or work(lengths[i]) > mean_work)}
+    cut = {i for i in order if parts > 1 and (lengths[i] > mean_tokens
+                                              or work(lengths[i], token_pairs) > mean_work)}
     limit = 1.0 + tolerance
     while True:
-        owner, tokens, loads = _place(lengths, parts, order, cut, mean_tokens, mean_work)
+        owner, tokens, loads = _place(lengths, parts, order, cut, mean_tokens, mean_work,
+                                      token_pairs)
         whole = [i for i in order if i not in cut]
         balanced = (max(tokens) <= limit * mean_tokens + 1e-9
                     and max(loads) <= limit * mean_work + 1e-9)
@@ -85,16 +105,16 @@ def assign(lengths, parts: int, *, tolerance: float = 0.05) -> Assignment:
         cut.add(whole[0])
 
 
-def _place(lengths, parts, order, cut, mean_tokens, mean_work):
+def _place(lengths, parts, order, cut, mean_tokens, mean_work, token_pairs):
     """(owner, tokens, work) after placing every document not in ``cut`` largest first."""
     shared_tokens = sum(lengths[i] for i in cut) / parts
-    shared_work = sum(work(lengths[i]) for i in cut) / parts
+    shared_work = sum(work(lengths[i], token_pairs) for i in cut) / parts
     tokens, loads = [shared_tokens] * parts, [shared_work] * parts
     owner = [CUT] * len(lengths)
     for i in order:
         if i in cut:
             continue
-        n, w = lengths[i], work(lengths[i])
+        n, w = lengths[i], work(lengths[i], token_pairs)
         rank = min(range(parts), key=lambda r: (max(_ratio(tokens[r] + n, mean_tokens),
                                                     _ratio(loads[r] + w, mean_work)),
                                                 tokens[r], r))

@@ -10,6 +10,7 @@ from sdpa_fusion.cli import spec_text
 from sdpa_fusion.spec import AttentionSpec
 
 from . import predict
+from .assign import work
 from .plan import mesh_names, plan_ranks
 
 GIB = float(1 << 30)
@@ -54,7 +55,7 @@ class MeshReport:
 def documents(packing) -> dict:
     """What a rank holds of a packed batch: its tokens, the documents it holds whole, those
     cut over every rank, and its causal attention work (query-key pairs, a cut document
-    counted as its share)."""
+    counted as its share; ``schedules.assign.work``)."""
     assignment = getattr(packing, "assignment", None)
     if assignment is not None:  # partition documents
         return {"tokens": packing.tokens, "whole_documents": len(packing.whole_lengths),
@@ -62,7 +63,7 @@ def documents(packing) -> dict:
                 "work_pairs": assignment.work[packing.rank]}
     lengths = [n for n in packing.split.lengths.tolist() if n]  # every document is cut
     return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
-            "work_pairs": sum(n * n / 2 for n in lengths) / packing.parts}
+            "work_pairs": sum(work(n) for n in lengths) / packing.parts}
 
 
 def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],

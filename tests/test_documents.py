@@ -26,24 +26,36 @@ from schedules.partition import Documents
     ([3, 3, 3], 1, 0.0, (0, 0, 0)),  # one rank holds everything whole
 ])
 def test_assignment_table(lengths, parts, tolerance, owner):
-    assert assign(lengths, parts, tolerance=tolerance).owner == owner
+    """Pairs alone (``token_pairs=0``, the picture of ``schedules.assign``)."""
+    assert assign(lengths, parts, tolerance=tolerance, token_pairs=0).owner == owner
+
+
+def test_a_long_document_among_short_ones_stays_whole_when_rows_cost_too():
+    """One document of 100 tokens among forty of 10, P = 2: its 5,000 pairs exceed a rank's
+    share of the pairs (3,500), so pairs alone cut it; counted with the cost of its rows it
+    is a fifth of the work, and stays whole, the short documents balancing the ranks."""
+    lengths = [100] + [10] * 40
+    assert assign(lengths, 2, token_pairs=0).cut == (0,)
+    a = assign(lengths, 2)
+    assert not a.cut and a.tokens == (250, 250)
+    assert max(a.imbalance) <= 1.05
 
 
 @settings(max_examples=60, derandomize=True, database=None, deadline=None)
 @given(st.lists(st.integers(0, 300), min_size=1, max_size=40), st.sampled_from([2, 3, 4, 8]),
-       st.sampled_from([0.0, 0.05, 0.2]))
-def test_bounds(lengths, parts, tolerance):
+       st.sampled_from([0.0, 0.05, 0.2]), st.sampled_from([0, 600]))
+def test_bounds(lengths, parts, tolerance, token_pairs):
     """Each rank's tokens and work within (1 + tolerance) of the mean, or every document cut;
     shares add up; no document longer than a rank's share stays whole."""
-    a = assign(lengths, parts, tolerance=tolerance)
+    a = assign(lengths, parts, tolerance=tolerance, token_pairs=token_pairs)
     total = sum(lengths)
     assert sum(a.tokens) == pytest.approx(total)
-    assert sum(a.work) == pytest.approx(sum(work(n) for n in lengths))
+    assert sum(a.work) == pytest.approx(sum(work(n, token_pairs) for n in lengths))
     if any(o != CUT for o, n in zip(a.owner, lengths) if n):
         tokens, loads = a.imbalance
         assert tokens <= 1 + tolerance + 1e-9 and loads <= 1 + tolerance + 1e-9
     assert all(o == CUT for o, n in zip(a.owner, lengths) if n > total / parts)
-    assert assign(lengths, parts, tolerance=tolerance) == a  # deterministic
+    assert assign(lengths, parts, tolerance=tolerance, token_pairs=token_pairs) == a
 
 
 def test_short_documents_stay_whole_and_balanced():

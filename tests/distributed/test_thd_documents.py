@@ -110,7 +110,8 @@ def test_short_documents_move_nothing(mesh, name):
 @pytest.mark.parametrize("name", ["ring", "allgather"])
 def test_cut_documents_move_what_describe_says(mesh, name):
     p = mesh.size()
-    problem = make_packed([6 * p + 1, 2, 0, 3, 1, 9 * p], h=4, h_kv=2, causal=True)
+    # 12p tokens: more than a rank's share, so cut (and 6p + 1 too at P >= 4)
+    problem = make_packed([6 * p + 1, 2, 0, 3, 1, 12 * p], h=4, h_kv=2, causal=True)
     sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
     kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
     d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
