@@ -214,7 +214,7 @@ def test_a_rank_s_packing_is_read_from_host_values_made_once(monkeypatch):
     import sdpa_fusion
     from schedules.whole import cut_spec, whole_spec
 
-    lengths = [40, 3, 9, 1, 20, 7, 64]
+    lengths = [40, 3, 9, 1, 20, 7, 100]  # 100: more than a rank's share, cut
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     sched = schedules.get("ring", sdpa_fusion.VirtualMesh((2,), ("seq",), rank=0),
                           partition="documents")

@@ -111,7 +111,7 @@ def test_packed_runs_that_see_the_same_keys_share_a_call(p):
     """At P = 2 a rank's two runs of every sequence see the same keys of the other rank
     (rank 1: chunk 0 before both its chunks), so its gathered keys make one call, and each
     key gets one contribution to its dK/dV; above, at most MAX_RUNS calls."""
-    sched = schedules.get("allgather", VirtualMesh((p,), ("seq",)))
+    sched = schedules.get("allgather", VirtualMesh((p,), ("seq",)), partition="load_balanced")
     cu = torch.tensor([0, 37, 37, 38, 38 + 16 * p, 38 + 16 * p + 5])
     for rank in range(p):
         own, calls = packed_plan(sched.pack(cu, rank=rank), causal=True)
