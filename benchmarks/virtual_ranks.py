@@ -131,7 +131,8 @@ def record(args, scheds, inputs, cu, box: Mailbox, problem) -> list[dict | None]
 
 def replay(args, sched, inputs, cu, box: Mailbox, problem):
     """(measurement, check report, device time split or None) of ``sched``'s rank alone,
-    its receives from ``box``; the split (``device_time``) with ``--profile``."""
+    its receives from ``box``; the split (``device_time``) with ``--profile``, with the
+    ``allocator_events`` of the timed steps."""
     import sdpa_fusion
 
     local = sched.pack(cu)
@@ -145,28 +146,45 @@ def replay(args, sched, inputs, cu, box: Mailbox, problem):
                                     schedule=sched, cu_seqlens=local)
         return (out, *torch.autograd.grad(out, (q, k, v), x[3]))
 
+    before = allocator_events(leaves[0].device)
     m = common.measure(step, [leaves], warmup=args.warmup, iters=args.iters, min_iters=2,
                        budget_s=args.budget_s)
+    timed = allocator_events(leaves[0].device, since=before)
     report = check_rank(problem, local, *(t.detach() for t in step(leaves)))
-    return m, report, device_time(step, leaves) if args.profile else None
+    return m, report, dict(device_time(step, leaves), allocator=timed) if args.profile else None
+
+
+def allocator_events(device, since: dict | None = None) -> dict:
+    """How often the CUDA caching allocator called cudaMalloc and cudaFree (each may wait for
+    the device) and retried an allocation after freeing its cache, on ``device`` (counts since
+    ``since`` when given; zeros off CUDA)."""
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    counts = {name: stats.get(key, 0) for name, key in (("mallocs", "num_device_alloc"),
+                                                        ("frees", "num_device_free"),
+                                                        ("retries", "num_alloc_retries"))}
+    return counts if since is None else {k: v - since[k] for k, v in counts.items()}
 
 
 TOP_OTHER = 8  # kernels outside attention named in a profiled step's split
+PROFILED_STEPS = 2  # steps profiled back to back (the idle between them counts)
 ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention")  # kernel names of attention cores
 
 
 def device_time(step, leaves) -> dict:
-    """The device time of one ``step`` in ms (torch.profiler), split by ``kind_of``:
-    attention kernels, device-to-device copies (the copies that stand for transfers, and
-    contiguous copies of tensors) and the rest (merges, sums, gathers); ``idle``, the
-    time between the step's first device work and its last when the device ran nothing
-    (``idle_ms``: waiting for the host, or for a synchronisation); and ``largest_other``,
-    the ``TOP_OTHER`` kernels outside attention that took the most time, [name, ms]."""
+    """The device time of a ``step`` in ms (torch.profiler; the mean of ``PROFILED_STEPS``
+    run back to back, as the timed ones are), split by ``kind_of``: attention kernels,
+    device-to-device copies (the copies that stand for transfers, and contiguous copies of
+    tensors) and the rest (merges, sums, gathers); ``idle``, the time between the first
+    step's first device work and the last step's last when the device ran nothing
+    (``idle_ms``: waiting for the host, or for a synchronisation, within a step or between
+    two); and ``largest_other``, the ``TOP_OTHER`` kernels outside attention that took the
+    most time, [name, ms]."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if leaves[0].is_cuda else [])
     with profile(activities=activities) as prof:
-        step(leaves)
+        for _ in range(PROFILED_STEPS):
+            step(leaves)
         if leaves[0].is_cuda:
             torch.cuda.synchronize()
     split = dict(attention=0.0, copies=0.0, other=0.0)
@@ -181,8 +199,9 @@ def device_time(step, leaves) -> dict:
             rest[e.name[:80]] += us / 1e3
         spans.append((e.time_range.start, e.time_range.end))
     split["idle"] = idle_ms(spans)
-    times = {k: round(v, 3) for k, v in split.items()}
-    times["largest_other"] = [[name, round(ms, 3)] for name, ms in rest.most_common(TOP_OTHER)]
+    times = {k: round(v / PROFILED_STEPS, 3) for k, v in split.items()}
+    times["largest_other"] = [[name, round(ms / PROFILED_STEPS, 3)]
+                              for name, ms in rest.most_common(TOP_OTHER)]
     return times
 
 
@@ -308,14 +327,16 @@ def batch_rows(args, batch: str, lengths: list[int], say, keep) -> None:
     rows = {}  # name -> the row of the first pass, which later passes add their ratio to
     for run in range(args.runs):
         start = time.monotonic()
+        before = allocator_events(inputs[0].device)
         one = common.measure(whole, [inputs], warmup=args.warmup, iters=args.iters,
                              min_iters=2, budget_s=args.budget_s)
+        allocator = allocator_events(inputs[0].device, since=before)
         say(f"batch {batch}{_pass(args, run)}: {len(lengths)} documents, {total} tokens; one "
             f"device {common.number(one.median_ms)} ms ({one.status}), "
             f"{time.monotonic() - start:.1f} s")
         if run == 0:
             keep(common.make_row(panel, f"1 GPU {args.kernel}", mean, one, flops, ranks=1,
-                                 **fields))
+                                 allocator=allocator, **fields))
         for schedule, partition, parts in itertools.product(args.schedules, args.partitions,
                                                             args.ranks):
             name = f"{schedule} {partition} P={parts}"

@@ -34,7 +34,8 @@ def test_profile_splits_each_rank_s_device_time():
     assert rows[1]["status"] == "ok" and len(split) == 2, rows[1]
     # on CPU no event has device time: every part is zero
     assert split == [{"attention": 0.0, "copies": 0.0, "other": 0.0, "idle": 0.0,
-                      "largest_other": []}] * 2, split
+                      "largest_other": [],
+                      "allocator": {"mallocs": 0, "frees": 0, "retries": 0}}] * 2, split
 
 
 def test_idle_is_the_time_no_device_work_covers():
