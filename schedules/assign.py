@@ -29,8 +29,9 @@ document is cut (the load-balanced split of every document).
 Why the per-token term: with pairs alone, a batch of a few long documents among many short
 ones (batch (c) of ``benchmarks.virtual_ranks``: six of 11K-20K tokens, 1,500 of 16-600)
 counts its longest document as more than a quarter of the batch's work, so four ranks cut
-all six, while in time (the short documents' rows are a third of the batch's attention
-time) each fits whole on one rank, and nothing need travel.
+all six; in time (the short documents' rows are a third of the batch's attention time)
+each is less than a rank's share, and only the two that the balance of tokens and work
+cannot place whole are cut.
 """
 
 from __future__ import annotations
