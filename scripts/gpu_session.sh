@@ -7,7 +7,7 @@
 #
 # PARTs, run in the order given (default: all):
 #   tests            tests-gpu, then tests-dist
-#   tests-gpu        python -m pytest -q tests/gpu, on GPU 0, but for test_long.py (~5 min
+#   tests-gpu        python -m pytest -q tests/gpu, on GPU 0, but for test_long.py (~3 min
 #                    with FA4, its first calls compiling)
 #   tests-gpu-long   tests/gpu/test_long.py alone: every kernel past 2^31-element offsets
 #                    (10 min or more while its 512-head cases checked every head; now 32)
@@ -29,7 +29,7 @@
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
 #                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
 #   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile;
-#                    ring with input-dtype sums, documents; ~6 min): the goals' spread
+#                    ring with input-dtype sums, documents; ~4 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
 #   all              tests, then bench, not tests-gpu-long (12-15 min; to keep each command
