@@ -88,16 +88,15 @@ def assign(lengths, parts: int, *, tolerance: float = 0.05,
     lengths = tuple(int(n) for n in lengths)
     if parts < 1 or any(n < 0 for n in lengths):
         raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
-    total_tokens = sum(lengths)
-    total_work = sum(work(n, token_pairs) for n in lengths)
-    mean_tokens, mean_work = total_tokens / parts, total_work / parts
+    works = tuple(work(n, token_pairs) for n in lengths)
+    mean_tokens, mean_work = sum(lengths) / parts, sum(works) / parts
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    cut = {i for i in order if parts > 1 and (lengths[i] > mean_tokens
-                                              or work(lengths[i], token_pairs) > mean_work)}
+    cut = {i for i in order
+           if parts > 1 and (lengths[i] > mean_tokens or works[i] > mean_work)}
     limit = 1.0 + tolerance
     while True:
-        owner, tokens, loads = _place(lengths, parts, order, cut, mean_tokens, mean_work,
-                                      token_pairs)
+        owner, tokens, loads = _place(lengths, works, parts, order, cut, mean_tokens,
+                                      mean_work)
         whole = [i for i in order if i not in cut]
         balanced = (max(tokens) <= limit * mean_tokens + 1e-9
                     and max(loads) <= limit * mean_work + 1e-9)
@@ -106,16 +105,16 @@ def assign(lengths, parts: int, *, tolerance: float = 0.05,
         cut.add(whole[0])
 
 
-def _place(lengths, parts, order, cut, mean_tokens, mean_work, token_pairs):
+def _place(lengths, works, parts, order, cut, mean_tokens, mean_work):
     """(owner, tokens, work) after placing every document not in ``cut`` largest first."""
     shared_tokens = sum(lengths[i] for i in cut) / parts
-    shared_work = sum(work(lengths[i], token_pairs) for i in cut) / parts
+    shared_work = sum(works[i] for i in cut) / parts
     tokens, loads = [shared_tokens] * parts, [shared_work] * parts
     owner = [CUT] * len(lengths)
     for i in order:
         if i in cut:
             continue
-        n, w = lengths[i], work(lengths[i], token_pairs)
+        n, w = lengths[i], works[i]
         rank = min(range(parts), key=lambda r: (max(_ratio(tokens[r] + n, mean_tokens),
                                                     _ratio(loads[r] + w, mean_work)),
                                                 tokens[r], r))

@@ -5,9 +5,10 @@ the ranks within the planner's tolerance), else the one the cost model predicts 
 before the heads are known; bytes and FLOPs both grow with heads x head dim, so the choice
 hardly depends on them.
 
-    documents       the slowest rank's causal pairs (``schedules.assign``), in calls as long
-                    as its longest whole document, beside the ring of the cut documents only
-    load_balanced   an even share of the pairs, in calls of a P-th of the longest document,
+    documents       the slowest rank's work (``schedules.assign``: its causal pairs and the
+                    cost of its rows, in pairs), in calls as long as its longest whole
+                    document, beside the ring of the cut documents only
+    load_balanced   an even share of that work, in calls of a P-th of the longest document,
                     beside the ring of every token
 """
 
@@ -51,9 +52,10 @@ def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str 
 
 def _seconds(schedule, pairs: float, length: int, ring_tokens: int, kernel: str,
              transport: str, path) -> float:
-    """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` causal query-key pairs in
-    calls of ``length`` keys, beside the transfers of a load-balanced split of
-    ``ring_tokens`` tokens (those of a dense sequence of as many, ``schedule.twin()``)."""
+    """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` of work
+    (``schedules.assign.work``) in calls of ``length`` keys, beside the transfers of a
+    load-balanced split of ``ring_tokens`` tokens (those of a dense sequence of as many,
+    ``schedule.twin()``)."""
     flops = 4.0 * REFERENCE_HEADS * REFERENCE_HEAD_DIM * pairs * FORWARD_AND_BACKWARD
     compute = flops / rate(kernel, REFERENCE_HEAD_DIM, True, "fwd+bwd", max(length, 1),
                            path).value
