@@ -77,18 +77,14 @@ import enum
 
 import torch
 
-from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import Merged
-
-from . import dry_run, heads, mask_plans
+from . import dry_run, heads, mask_plans, runner
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import (DenseCall, PackedCall, Sum, add_rows, as_block, as_packed, call_grads,
-                    dq_sum_of, fold_calls, gradients, outputs, part_call, put_rows, zero_outside)
+from .calls import DenseCall, PackedCall, as_block, part_call
 from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
-from .transport import RingData, Transported
+from .transport import Transported
 from .whole import whole_documents
 
 GRAD_DTYPES = ("auto", "fp32", "input")
@@ -223,13 +219,6 @@ class Ring(Transported, SequenceSchedule):
         calls = self._calls(spec, s_q, s_kv)
         return [(step, [] if call is None else [call]) for step, call in enumerate(calls)], None
 
-    def _sent(self, t: torch.Tensor, travel) -> torch.Tensor:
-        """The rows of this rank's block ``t`` that travel."""
-        if travel is None:
-            return t
-        n, starts = travel
-        return t.narrow(2, starts[self.index], n)
-
     def _calls(self, spec, s_q: int, s_kv: int) -> list:
         """The kernel call (or None) of every ring step of this rank without a window."""
         sources = [(self.index - step) % self.size for step in range(self.size)]
@@ -260,50 +249,6 @@ class Ring(Transported, SequenceSchedule):
         local = self.local_spec(spec)
         return len(self._plan(local, local.q_len, local.kv_len)[0])
 
-    def _streams(self, dropout, step: int, group: heads.HeadGroup):
-        """The dropout streams of this rank's queries of head group ``group`` against the
-        block of ring step ``step``, one per kernel call of the step (``streams(i)``); None
-        without dropout."""
-        if dropout is None:
-            return None
-        source = (self.index - step) % self.size
-        return lambda call: dropout.stream("ring", self.index, source, group.index, call)
-
-    def _kv_steps(self, k, v, groups, orders, remote, kv, travel=None):
-        """(group, step, K block, V block) for every group g and every step of ``orders[g]``:
-        the block of rank r - step (step 0: this rank's own), K/V coming through the ring
-        ``kv`` (None when no block travels). ``remote``: the steps other than 0, in order; a
-        block goes from the rank of one to that of the next, several hops at once (its rows
-        ``travel``, all by default). One shift is in flight at a time: a block travels on (or
-        the next group's own block leaves) while the current one is used."""
-        own = [(g.of_kv(k), g.of_kv(v)) for g in groups]
-        leaving = [tuple(self._sent(t, travel) for t in block) for block in own]
-        following = dict(zip(remote, remote[1:]))
-        if kv is not None:
-            pending = kv.shift(leaving[0], hops=remote[0])
-        for index, g in enumerate(groups):
-            for step in orders[index]:
-                if step == 0:
-                    yield g, 0, *own[index]
-                    continue
-                block = tuple(pending.wait())
-                if step in following:
-                    pending = kv.shift(block, hops=following[step] - step)
-                elif index + 1 < len(groups):
-                    pending = kv.shift(leaving[index + 1], hops=remote[0])
-                yield g, step, *block
-
-    def _rings(self, k, groups, remote, travel, *dtypes_and_slots):
-        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors (S:
-        the rows that ``travel``), all in this call's buffer of the transport; Nones when no
-        block travels."""
-        if not remote:
-            return [None] * len(dtypes_and_slots)
-        shape = tuple(self._sent(groups[0].of_kv(k), travel).shape)
-        datas = [RingData((shape, shape), dtype, layout_of(k), slots)
-                 for dtype, slots in dtypes_and_slots]
-        return self.mover(k.device).rings(datas, k.device)
-
     @staticmethod
     def _kv_slots(groups: int, remote: int) -> int:
         """Receive slots of the K/V ring for ``remote`` steps per group: two, or one when
@@ -318,87 +263,106 @@ class Ring(Transported, SequenceSchedule):
         return 1 if remote == 1 else 2
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        packed = spec.layout.is_varlen
-        if packed:
-            q, k, v = (as_block(t) for t in (q, k, v))
-        steps, travel = self._plan(spec, q.shape[2], k.shape[2])
-        calls, order = dict(steps), [step for step, _ in steps]
-        remote = order[1:]
-        groups = self.groups_of(q, k, spec)
-        out, lse = outputs(q, out, lse, packed)
-        blocks = sum(len(c) for c in calls.values())
-        (kv,) = self._rings(k, groups, remote, travel,
-                            (k.dtype, self._kv_slots(len(groups), len(remote))))
-        for g, step, kb, vb in self._kv_steps(k, v, groups, [order] * len(groups), remote, kv,
-                                              travel):
-            if step == 0:
-                merged = Merged(g.of_q(out), g.of_q(lse), blocks)
-            fold_calls(calls[step], kernel, merged, g.of_q(q), kb, vb, spec.softmax_scale,
-                       self._streams(dropout, step, g))
-            if step == order[-1]:
-                merged.finish()
-        return (as_packed(out) if packed else out), lse
+        plan = self.plan(spec, *_blocks(spec, q, k), backward=False)
+        return runner.forward(plan, q, k, v, spec, kernel, self.mover(k.device), dropout,
+                              out=out, lse=lse)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
                  dv=None):
-        packed = spec.layout.is_varlen
-        if packed:
-            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+        plan = self.plan(spec, *_blocks(spec, q, k), backward=True)
+        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, self.mover(k.device),
+                               dropout, dq=dq, dk=dk, dv=dv)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
+        with [B, H, S, E] q and k (see the module docstring)."""
         steps, travel = self._plan(spec, q.shape[2], k.shape[2])
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
-        home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
-        groups = self.groups_of(q, k, spec)
-        count = self._backward_groups(len(groups), spec, len(remote), k.shape[1], q.shape[1],
+        groups = len(self.groups_of(q, k, spec))
+        if travel is not None:
+            travel = (travel[1][self.index], travel[0])
+        if not backward:
+            return runner.Plan(self._forward_ops(calls, remote, groups), groups, travel,
+                               self._kv_slots(groups, len(remote)))
+        count = self._backward_groups(groups, spec, len(remote), k.shape[1], q.shape[1],
                                       q.shape[2])
-        split = count != len(groups)
-        groups = heads.groups_of(count, q.shape[1], k.shape[1]) if split else groups
-        orders = self._backward_orders(len(groups), remote, own_first=split)
-        dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
         one_hop = self._sums_make_one_hop(spec, remote)
-        carried = self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None
-        kv, sums = self._rings(k, groups, remote, travel,
-                               (k.dtype, self._kv_slots(len(groups), len(remote))),
-                               (self.sums_dtype(spec), self._sums_slots(len(remote))))
-        early = None  # (gradients, sums on their way) of an own block worked on first
-        for g, step, kb, vb in self._kv_steps(k, v, groups, orders, remote, kv, travel):
-            order = orders[g.index]
-            args = (g.of_q(dout), g.of_q(q), kb, vb, g.of_q(out), g.of_q(lse), spec.softmax_scale)
-            if step == order[0]:
-                dq_sum = dq_sum_of(kernel, g.of_q(dq), [c for s in order for c in calls[s]],
-                                   args, dropout)
-            run = _Step(calls[step], kernel, dq_sum, args, self._streams(dropout, step, g))
-            if step == 0:  # the own block: its dK/dV straight into the gradients, plus the sums
-                targets = (g.of_kv(dk), g.of_kv(dv))
-                run.write(targets)
-                if sums is not None and step == order[-1]:  # they arrived meanwhile
-                    self._add_sums(targets, sent, travel, carried)
-            elif step == remote[0]:  # this rank starts the block's sums
-                outgoing = sums.data.empty(k.device)
-                run.write(outgoing, zero_rest=not one_hop)
-                if early is not None:  # before this shift's slot takes the next sums
-                    self._add_sums(*early, travel, carried)
-                    early = None
-                sent = sums.shift(outgoing, hops=home[step] - step)
-                del outgoing  # the transport holds it until it has left
-            else:  # add to the sums of the ranks before, which arrive meanwhile
-                sent = sums.shift(run.add_into(sent), hops=home[step] - step)
-            if step == order[-1]:
-                dq_sum.finish()
-                if order[0] == 0 and sums is not None:  # its sums come home with this shift
-                    early = (targets, sent)
-        if packed:
-            dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
-        return dq, dk, dv
+        return runner.Plan(
+            self._backward_ops(calls, remote, count, own_first=count != groups,
+                               one_hop=one_hop),
+            count, travel, self._kv_slots(count, len(remote)),
+            (self.sums_dtype(spec), self._sums_slots(len(remote))) if remote else None,
+            self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None)
 
-    def _add_sums(self, targets, pending, travel, rows=None) -> None:
-        """Add the dK/dV sums ``pending`` brings into this rank's ``targets`` (their ``rows``
-        only, when given: see ``_sums_rows``)."""
-        for target, summed in zip(targets, pending.wait()):
-            target = self._sent(target, travel)
-            if rows is None:
-                target.add_(summed)
-            else:
-                add_rows(target, rows, summed[:, :, rows])
+    def _steps(self, groups: int, orders, remote):
+        """(group, step, K/V ops) for every group g and every step of ``orders[g]``: the
+        block of rank r - step (step 0: this rank's own). ``remote``: the steps other than
+        0, in order; a block goes from the rank of one to that of the next, several hops at
+        once. One shift is in flight at a time: a block travels on (or the next group's own
+        block leaves) while the current one is used."""
+        following = dict(zip(remote, remote[1:]))
+        first = [runner.Send(remote[0], group=0)] if remote else []
+        for g in range(groups):
+            for step in orders[g]:
+                ops = [runner.KV(g, arrives=step != 0)]
+                if step in following:
+                    ops.append(runner.Send(following[step] - step))
+                elif step != 0 and g + 1 < groups:
+                    ops.append(runner.Send(remote[0], group=g + 1))
+                yield g, step, first + ops
+                first = []
+
+    def _stream(self, step: int, group: int) -> tuple:
+        """The dropout stream key of this rank's calls on the block of ring step ``step``."""
+        return "ring", self.index, (self.index - step) % self.size, group
+
+    def _forward_ops(self, calls, remote, groups: int) -> tuple:
+        order, blocks = [0, *remote], sum(len(c) for c in calls.values())
+        ops = []
+        for g, step, kv in self._steps(groups, [order] * groups, remote):
+            ops += kv
+            if step == 0:
+                ops.append(runner.Open(g, blocks))
+            ops.append(runner.Fold(tuple(calls[step]), self._stream(step, g)))
+            if step == order[-1]:
+                ops.append(runner.Finish())
+        return tuple(ops)
+
+    def _backward_ops(self, calls, remote, groups: int, *, own_first: bool,
+                      one_hop: bool) -> tuple:
+        """Backward: the own block's dK/dV straight into the gradients; the sums of a block
+        start on the rank after its owner (NEW), gather every rank's share on the way
+        (ARRIVING) and end on the owner (AddSums), one ``home`` after another. An own block
+        worked on first has its sums added once the next group's first block is worked on
+        (``early``)."""
+        home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
+        orders = self._backward_orders(groups, remote, own_first=own_first)
+        ops, early = [], None
+        for g, step, kv in self._steps(groups, orders, remote):
+            order, own = orders[g], tuple(calls[step])
+            ops += kv
+            if step == order[0]:
+                ops.append(runner.OpenDq(g, tuple(c for s in order for c in calls[s])))
+            stream = self._stream(step, g)
+            if step == 0:
+                ops.append(runner.Grads(own, stream, runner.OWN))
+                if remote and step == order[-1]:  # its sums arrived meanwhile
+                    ops.append(runner.AddSums(g))
+            elif step == remote[0]:  # this rank starts the block's sums
+                ops.append(runner.Grads(own, stream, runner.NEW, zero_rest=not one_hop))
+                if early is not None:  # before this shift's slot takes the next sums
+                    ops.append(runner.AddSums(early))
+                    early = None
+                ops.append(runner.SendSums(home[step] - step))
+            else:  # add to the sums of the ranks before, which arrive meanwhile
+                ops += [runner.Grads(own, stream, runner.ARRIVING),
+                        runner.SendSums(home[step] - step)]
+            if step == order[-1]:
+                ops.append(runner.FinishDq())
+                if order[0] == 0 and remote:  # its sums come home with this shift
+                    early = g
+        return tuple(ops)
 
     @staticmethod
     def _sums_make_one_hop(spec, remote: list[int]) -> bool:
@@ -473,52 +437,7 @@ class Ring(Transported, SequenceSchedule):
         _, travel = self._plan(self.local_spec(spec), rows, rows)
         return rows if travel is None else travel[0]
 
-class _Step:
-    """One backward step: the kernel calls (maybe none) of a head group's tensors on one K/V
-    block, ``args`` = (dout, q, K block, V block, out, lse, scale); their dQ goes into
-    ``dq_sum``, call i draws dropout stream ``streams(i)``."""
 
-    def __init__(self, calls, kernel, dq_sum: Sum, args, streams):
-        self.calls, self.kernel, self.dq_sum = calls, kernel, dq_sum
-        self.args, self.streams = args, streams
-
-    def add_into(self, pending):
-        """Add the calls' dK/dV to the sums ``pending`` brings (they arrive while the first
-        call runs); returns the sums."""
-        grads = self._grads(0) if self.calls else ()
-        summed = pending.wait()
-        for acc, grad in zip(summed, grads):
-            add_rows(acc, self.calls[0].keys, grad)
-        del grads
-        self._add_rest(summed)
-        return summed
-
-    def write(self, targets, zero_rest: bool = True) -> None:
-        """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
-        keys, unless not ``zero_rest``: then only the first call's keys are written, and
-        nobody reads the rest); the first call's straight from the kernel when they have the
-        kernel's dtype."""
-        if not self.calls:
-            for t in targets:
-                t.zero_()
-            return
-        keys = self.calls[0].keys
-        if zero_rest:
-            for t in targets:
-                zero_outside(t, keys)
-        if targets[0].dtype == self.args[2].dtype:
-            self._grads(0, targets)
-        else:
-            for t, grad in zip(targets, self._grads(0)):  # fp32 sums of bf16 gradients
-                put_rows(t, keys, grad)
-        self._add_rest(targets)
-
-    def _add_rest(self, sums) -> None:
-        """Add the dK/dV of every call but the first into ``sums``."""
-        for i in range(1, len(self.calls)):
-            for acc, grad in zip(sums, self._grads(i)):
-                add_rows(acc, self.calls[i].keys, grad)
-
-    def _grads(self, i: int, targets=(None, None)):
-        return call_grads(self.calls[i], self.kernel, self.dq_sum, self.args,
-                          self.streams and self.streams(i), targets)
+def _blocks(spec, *tensors):
+    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
+    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors

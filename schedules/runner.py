@@ -1,0 +1,332 @@
+"""One runner for the plans of the sequence schedules.
+
+A sequence schedule is a planner: for this rank's local problem it returns a ``Plan``, the
+ordered ops of a forward or a backward as data (which K/V block the calls read, the kernel
+calls with their rows, keys and masks, the transfers, where each gradient goes), and
+``forward`` / ``backward`` here run any plan:
+
+    plan = schedule.plan(spec, q.shape, k.shape, backward=False)
+    out, lse = runner.forward(plan, q, k, v, spec, kernel, mover)
+
+The ops of a ring forward over P = 3 ranks, one head group, at rank r (block j: rank j's):
+
+    Send(hops=1, group=0)        this rank's own block starts for rank r + 1
+    KV(group=0, arrives=False)   the calls read the own block ...
+    Open(group=0, blocks=3)      ... into the merged result of the group's rows
+    Fold(calls, stream)          ... (the kernel calls on the block)
+    KV(group=0, arrives=True)    wait for the block of rank r - 1
+    Send(hops=1)                 ... and pass it on while it is used
+    Fold(calls, stream)
+    KV(group=0, arrives=True)    the block of rank r - 2
+    Fold(calls, stream)
+    Finish()
+
+A backward's ops add where dK/dV go (``Grads``: into this rank's gradients, into new sums,
+or added into the sums in flight), the sums' transfers (``SendSums``) and their landing
+(``AddSums``). The transfers go through the schedule's transport (``schedules.transport``):
+rings of K/V blocks and of dK/dV sums, with the plan's slots. Nothing in the runner knows a
+schedule: the order of the ops is the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sdpa_fusion.kernels.base import layout_of
+from sdpa_fusion.merge import Merged
+
+from . import heads
+from .calls import (Sum, add_rows, as_block, as_packed, call_grads, dq_sum_of, fold_calls,
+                    gradients, outputs, put_rows, zero_outside)
+from .transport import RingData
+
+
+# ---- ops ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Start moving K/V ``hops`` ranks on: this rank's own block of head group ``group``, or
+    (``group`` None) the block that arrived last."""
+
+    hops: int
+    group: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KV:
+    """The K/V block the next calls read: this rank's own of head group ``group``, or (``arrives``)
+    the block in flight (waits for it)."""
+
+    group: int
+    arrives: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Open:
+    """Forward: start the merged result of head group ``group``'s rows, which get at most
+    ``blocks`` calls each."""
+
+    group: int
+    blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """Forward: fold the kernel ``calls`` on the current block into the merged result; call i
+    draws dropout stream ``(*stream, i)``."""
+
+    calls: tuple
+    stream: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """Forward: the merged result is complete (written into out and lse)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenDq:
+    """Backward: start the dQ sum of head group ``group``, to which ``calls`` contribute."""
+
+    group: int
+    calls: tuple
+
+
+# where a Grads op puts the calls' dK/dV
+OWN = "own"  # this rank's gradients of the group (zero where no call reached)
+NEW = "new"  # new sums (that a SendSums sends)
+ARRIVING = "arriving"  # added into the sums in flight (waits for them; a SendSums sends them on)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grads:
+    """Backward: the kernel ``calls`` on the current block, their dQ into the dQ sum and their
+    dK/dV ``into`` OWN, NEW (rows outside the calls' keys zeroed unless not ``zero_rest``:
+    then only the first call's keys are written, nobody reads the rest) or ARRIVING."""
+
+    calls: tuple
+    stream: tuple
+    into: str
+    zero_rest: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SendSums:
+    """Backward: start moving the dK/dV sums (NEW or ARRIVING) ``hops`` ranks on."""
+
+    hops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AddSums:
+    """Backward: wait for the sums in flight and add them into this rank's dK/dV of head
+    group ``group`` (only the plan's ``carried`` rows, when it has them)."""
+
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishDq:
+    """Backward: the dQ sum is complete (written into dq)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One rank's ops for a forward or a backward of a local problem, over ``groups`` head
+    groups. ``travel`` = (start, rows): the rows of a block that travel (None: all);
+    ``kv_slots``: receive slots of the K/V ring (0: no block travels); ``sums`` = (dtype,
+    slots) of the dK/dV sums ring (None: no sums travel); ``carried``: the rows of this
+    rank's block that the sums it receives carry (None: all)."""
+
+    ops: tuple
+    groups: int
+    travel: tuple[int, int] | None = None
+    kv_slots: int = 0
+    sums: tuple[torch.dtype, int] | None = None
+    carried: slice | None = None
+
+    @property
+    def kernel_calls(self) -> int:
+        return sum(len(op.calls) for op in self.ops if isinstance(op, (Fold, Grads)))
+
+
+# ---- the runner -----------------------------------------------------------------------------
+def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None, lse=None):
+    """(out, lse) of the forward ``plan`` on this rank's q, k, v."""
+    packed = spec.layout.is_varlen
+    if packed:
+        q, k, v = (as_block(t) for t in (q, k, v))
+    out, lse = outputs(q, out, lse, packed)
+    run = _Run(plan, q, k, v, mover, dropout)
+    (run.kv,) = run.rings((k.dtype, plan.kv_slots))
+    merged = None
+    for op in plan.ops:
+        if isinstance(op, Open):
+            g = run.groups[op.group]
+            merged = Merged(g.of_q(out), g.of_q(lse), op.blocks)
+        elif isinstance(op, Fold):
+            g = run.group
+            fold_calls(op.calls, kernel, merged, g.of_q(q), *run.block, spec.softmax_scale,
+                       run.streams(op.stream))
+        elif isinstance(op, Finish):
+            merged.finish()
+        else:
+            run.move(op)
+    return (as_packed(out) if packed else out), lse
+
+
+def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=None, *, dq=None,
+             dk=None, dv=None):
+    """(dq, dk, dv) of the backward ``plan`` on this rank's tensors and the global out, lse."""
+    packed = spec.layout.is_varlen
+    if packed:
+        dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+    dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
+    run = _Run(plan, q, k, v, mover, dropout)
+    run.kv, sums = run.rings((k.dtype, plan.kv_slots), plan.sums or (None, 0))
+    dq_sum = outgoing = pending = args = None
+
+    def targets(group: int):
+        g = run.groups[group]
+        return g.of_kv(dk), g.of_kv(dv)
+
+    for op in plan.ops:
+        if isinstance(op, (OpenDq, Grads)) and args is None:  # the current block's
+            g = run.group
+            args = (g.of_q(dout), g.of_q(q), *run.block, g.of_q(out), g.of_q(lse),
+                    spec.softmax_scale)
+        if isinstance(op, OpenDq):
+            dq_sum = dq_sum_of(kernel, g.of_q(dq), op.calls, args, dropout)
+        elif isinstance(op, Grads):
+            step = _Step(op.calls, kernel, dq_sum, args, run.streams(op.stream))
+            if op.into == OWN:
+                step.write(targets(g.index))
+            elif op.into == NEW:
+                outgoing = sums.data.empty(k.device)
+                step.write(outgoing, zero_rest=op.zero_rest)
+            else:
+                outgoing = step.add_into(pending)
+        elif isinstance(op, SendSums):
+            pending = sums.shift(outgoing, hops=op.hops)
+            outgoing = None  # the transport holds it until it has left
+        elif isinstance(op, AddSums):
+            _add_sums(targets(op.group), pending, run.sent, plan.carried)
+        elif isinstance(op, FinishDq):
+            dq_sum.finish()
+        else:
+            run.move(op)
+            args = None
+    if packed:
+        dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
+    return dq, dk, dv
+
+
+class _Run:
+    """What the ops of one call share: the head groups, the K/V block the calls read, the
+    block in flight."""
+
+    def __init__(self, plan: Plan, q, k, v, mover, dropout):
+        self.plan, self.k, self.mover, self.dropout = plan, k, mover, dropout
+        self.groups = heads.groups_of(plan.groups, q.shape[1], k.shape[1])
+        self.own = [(g.of_kv(k), g.of_kv(v)) for g in self.groups]
+        self.leaving = [tuple(self.sent(t) for t in block) for block in self.own]
+        self.group, self.block, self.pending, self.kv = None, None, None, None
+
+    def sent(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of a block ``t`` that travel."""
+        if self.plan.travel is None:
+            return t
+        start, rows = self.plan.travel
+        return t.narrow(2, start, rows)
+
+    def rings(self, *dtypes_and_slots):
+        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors (S:
+        the rows that travel), all in this call's buffer of the transport; None where no
+        slots."""
+        wanted = [(dtype, slots) for dtype, slots in dtypes_and_slots if slots]
+        if not wanted:
+            return [None] * len(dtypes_and_slots)
+        shape = tuple(self.leaving[0][0].shape)
+        datas = [RingData((shape, shape), dtype, layout_of(self.k), slots)
+                 for dtype, slots in wanted]
+        made = iter(self.mover.rings(datas, self.k.device))
+        return [next(made) if slots else None for _, slots in dtypes_and_slots]
+
+    def move(self, op) -> None:
+        """Run a K/V op: start a transfer (``Send``) or take a block (``KV``)."""
+        if isinstance(op, Send):
+            block = self.block if op.group is None else self.leaving[op.group]
+            self.pending = self.kv.shift(block, hops=op.hops)
+        elif isinstance(op, KV):
+            self.group = self.groups[op.group]
+            self.block = tuple(self.pending.wait()) if op.arrives else self.own[op.group]
+        else:
+            raise TypeError(f"not an op of this runner: {op!r}")
+
+    def streams(self, stream: tuple):
+        """Call i's dropout stream ``(*stream, i)``; None without dropout."""
+        if self.dropout is None:
+            return None
+        return lambda call: self.dropout.stream(*stream, call)
+
+
+def _add_sums(targets, pending, sent, rows=None) -> None:
+    """Add the dK/dV sums ``pending`` brings into ``targets`` (their rows that travel; of
+    those only ``rows``, when given)."""
+    for target, summed in zip(targets, pending.wait()):
+        target = sent(target)
+        if rows is None:
+            target.add_(summed)
+        else:
+            add_rows(target, rows, summed[:, :, rows])
+
+
+class _Step:
+    """The kernel calls (maybe none) of a backward op on one K/V block, ``args`` = (dout, q,
+    K block, V block, out, lse, scale); their dQ goes into ``dq_sum``, call i draws dropout
+    stream ``streams(i)``."""
+
+    def __init__(self, calls, kernel, dq_sum: Sum, args, streams):
+        self.calls, self.kernel, self.dq_sum = calls, kernel, dq_sum
+        self.args, self.streams = args, streams
+
+    def add_into(self, pending):
+        """Add the calls' dK/dV to the sums ``pending`` brings (they arrive while the first
+        call runs); returns the sums."""
+        grads = self._grads(0) if self.calls else ()
+        summed = pending.wait()
+        for acc, grad in zip(summed, grads):
+            add_rows(acc, self.calls[0].keys, grad)
+        del grads
+        self._add_rest(summed)
+        return summed
+
+    def write(self, targets, zero_rest: bool = True) -> None:
+        """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
+        keys, unless not ``zero_rest``); the first call's straight from the kernel when they
+        have the kernel's dtype."""
+        if not self.calls:
+            for t in targets:
+                t.zero_()
+            return
+        keys = self.calls[0].keys
+        if zero_rest:
+            for t in targets:
+                zero_outside(t, keys)
+        if targets[0].dtype == self.args[2].dtype:
+            self._grads(0, targets)
+        else:
+            for t, grad in zip(targets, self._grads(0)):  # fp32 sums of bf16 gradients
+                put_rows(t, keys, grad)
+        self._add_rest(targets)
+
+    def _add_rest(self, sums) -> None:
+        """Add the dK/dV of every call but the first into ``sums``."""
+        for i in range(1, len(self.calls)):
+            for acc, grad in zip(sums, self._grads(i)):
+                add_rows(acc, self.calls[i].keys, grad)
+
+    def _grads(self, i: int, targets=(None, None)):
+        return call_grads(self.calls[i], self.kernel, self.dq_sum, self.args,
+                          self.streams and self.streams(i), targets)
