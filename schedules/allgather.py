@@ -55,15 +55,14 @@ import functools
 import torch
 
 from sdpa_fusion.kernels.base import layout_of
-from sdpa_fusion.merge import Merged
 
-from . import dry_run, mask_plans
+from . import dry_run, mask_plans, runner
 from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
                     window_band)
 from .base import Description
 from .buffers import buffer_shape, from_buffer, to_buffer
-from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, backward_calls, call_grads,
-                    fold_calls, gradients, outputs, packed_call, part_call, row_index)
+from .calls import (DenseCall, Sum, add_rows, as_block, as_packed, packed_call, part_call,
+                    row_index)
 from .overlap import Overlap
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
@@ -263,19 +262,6 @@ class AllGather(Transported, SequenceSchedule):
         key = ("allgather-disjoint", local.causal, window_band(local))
         return local.dtype if packing.cached(key, disjoint) else torch.float32
 
-    @staticmethod
-    def _contributions(sums: torch.Tensor, calls) -> int:
-        """The most gathered calls that add to one key's sum: one where the sums take the
-        input dtype (the calls' key sets are disjoint, ``_sums_dtype``)."""
-        return len(calls) if sums.dtype == torch.float32 else 1
-
-    def _streams(self, dropout, part: str, group):
-        """The dropout streams of this rank's ``part`` ("own" or "gathered") of kernel calls
-        of head group ``group``, one per call (``streams(i)``); None without dropout."""
-        if dropout is None:
-            return None
-        return lambda call: dropout.stream("allgather", self.index, part, group.index, call)
-
     def _other_positions(self, kv_len: int, device, rank_order: bool):
         """(rank, where its tokens go in ``others``) for every other rank."""
         if rank_order:
@@ -289,66 +275,11 @@ class AllGather(Transported, SequenceSchedule):
         slot = kept.cumsum(0) - 1
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
-    def _gathers(self, spec, k, v, groups, rank_order: bool):
-        """(group, ``keys()``, where the other ranks' tokens are in them) for every head
-        group: ``keys()`` waits for the group's K and V and gives them as the calls take them
-        (the caller runs the own calls before, so that the gather travels beside them), then
-        starts the next group's gather, which travels beside the gathered calls."""
-        if spec.packing is not None:
-            yield from self._packed_gathers(k, v, groups)
-            return
-        layout = layout_of(k)
-        positions = self._other_positions(k.shape[2] * self.size, k.device, rank_order)
-
-        def start(g):
-            return [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
-
-        pending = start(groups[0])
-
-        def keys(index: int):
-            nonlocal pending
-            gathered, pending = [p.wait() for p in pending], None
-            built = [self._others(t, positions, layout) for t in gathered]
-            del gathered
-            if index + 1 < len(groups):
-                pending = start(groups[index + 1])
-            return built
-
-        for index, g in enumerate(groups):
-            yield g, functools.partial(keys, index), positions
-
     def _region_bytes(self, k, groups, dtype) -> int:
         """Bytes of a region of a group's packed K and V (or dK and dV sums), every rank's
         tokens, in ``dtype``: a gather's (two are used in turn) or a scatter's."""
         item = (k.shape[1] // len(groups), k.shape[3], dtype)
         return sections([item, item], self.size * k.shape[2])[1]
-
-    def _packed_gathers(self, k, v, groups):
-        """``_gathers`` of packed K and V [1, H_kv, T, E]: each group's K and V [1, h, P T, E],
-        every rank's tokens in rank order (this rank's own rows left unfilled: no call reads
-        them), through exchanges into two regions used in turn."""
-        p, tokens = self.size, k.shape[2]
-        item = (k.shape[1] // len(groups), k.shape[3], k.dtype)
-
-        def start(index):
-            sends = [as_packed(groups[index].of_kv(t)).contiguous() if p > 1 else None
-                     for t in (k, v)]  # alone: nothing to send
-            base = index % 2 * self._region_bytes(k, groups, k.dtype)
-            pending, offsets = self._to_slots([[send] * p for send in sends], item, tokens, base,
-                                              k.device)
-            return InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
-                                                   for at in offsets])
-
-        in_flight = start(0)
-
-        def arrived(index):
-            nonlocal in_flight
-            keys = in_flight.finish()
-            in_flight = start(index + 1) if index + 1 < len(groups) else None
-            return keys
-
-        for index, g in enumerate(groups):
-            yield g, functools.partial(arrived, index), None
 
     def _to_slots(self, parts, item, tokens: int, base: int, device):
         """Start putting ``parts[i][j]`` ([``tokens``, h, E] of ``item`` = (h, E, dtype)) into
@@ -417,90 +348,77 @@ class AllGather(Transported, SequenceSchedule):
         return others
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        packed = spec.packing is not None
-        if packed:
-            q, k, v = (as_block(t) for t in (q, k, v))
-        own, calls, rank_order = self._plan(spec)
-        out, lse = outputs(q, out, lse, packed)
-        groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
-        blocks = self._blocks(own, calls, rank_order)
-        if packed:
-            self.mover(k.device).reserve(2 * self._region_bytes(k, groups, k.dtype), k.device)
-        for g, arriving, _ in self._gathers(spec, k, v, groups, rank_order):
-            merged = Merged(g.of_q(out), g.of_q(lse), blocks)
-            fold_calls(own, kernel, merged, g.of_q(q), g.of_kv(k), g.of_kv(v), scale,
-                       self._streams(dropout, "own", g))
-            gathered = arriving()
-            fold_calls(calls, kernel, merged, g.of_q(q), *gathered, scale,
-                       self._streams(dropout, "gathered", g))
-            merged.finish()
-            del gathered
-        return (as_packed(out) if packed else out), lse
+        plan = self.plan(spec, *_blocks(spec, q, k), backward=False)
+        return runner.forward(plan, q, k, v, spec, kernel, None, dropout, out=out, lse=lse)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
                  dv=None):
-        packed = spec.packing is not None
-        if packed:
-            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
-        own, calls, rank_order = self._plan(spec)
-        dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
-        groups, scale = self.groups_of(q, k, spec), spec.softmax_scale
-        blocks = self._blocks(own, calls, rank_order)
-        if packed:  # two gather regions, then the scatter's
-            gathers = 2 * self._region_bytes(k, groups, k.dtype)
-            scatter = self._region_bytes(k, groups, self._sums_dtype(spec))
-            self.mover(k.device).reserve(gathers + scatter, k.device)
-        landing = None  # packed: (a group's dK/dV sums in flight, its own gradients, targets)
-        for index, (g, arriving, positions) in enumerate(
-                self._gathers(spec, k, v, groups, rank_order)):
-            # the own calls run while the group's gather travels; a packed call's last group
-            # runs them after its gathered calls instead, while its sums travel
-            own_first = not packed or index < len(groups) - 1
-            dq_sum = Sum(g.of_q(dq), blocks)
-            dout_g, q_g, out_g, lse_g = (g.of_q(t) for t in (dout, q, out, lse))
-            args = (dout_g, q_g, g.of_kv(k), g.of_kv(v), out_g, lse_g, scale)
-            if own_first:
-                mine = self._own_grads(own, kernel, dq_sum, args, self._streams(dropout, "own", g))
-                if landing is not None:  # behind this group's own calls
-                    landing = self._land(*landing)
-            keys = arriving()
-            sums = [torch.empty_like(t, dtype=self._sums_dtype(spec)) for t in keys]
-            backward_calls(calls, kernel, dq_sum, (dout_g, q_g, *keys, out_g, lse_g, scale),
-                           [Sum(t, self._contributions(t, calls)) for t in sums],
-                           self._streams(dropout, "gathered", g))
-            del keys
-            if not packed:
-                dq_sum.finish()
-                for target in (g.of_kv(dk), g.of_kv(dv)):  # one at a time: dK, then dV
-                    summed = self._scatter(mine.pop(0), sums.pop(0), positions, target)
-                    target.copy_(summed)
-                    del summed
-                continue
-            if landing is not None:  # behind this (last) group's gathered calls
-                landing = self._land(*landing)
-            in_flight = self._start_scatter(sums, gathers)
-            del sums
-            if not own_first:
-                mine = self._own_grads(own, kernel, dq_sum, args, self._streams(dropout, "own", g))
-            dq_sum.finish()
-            landing = (in_flight, mine, [g.of_kv(dk), g.of_kv(dv)])
-            del mine
-        if landing is not None:
-            self._land(*landing)
-        if packed:
-            dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
-        return dq, dk, dv
+        plan = self.plan(spec, *_blocks(spec, q, k), backward=True)
+        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout,
+                               dq=dq, dk=dk, dv=dv)
 
-    @staticmethod
-    def _own_grads(own, kernel, dq_sum: Sum, args, streams):
-        """[dK parts, dV parts] of the own calls on ``args`` (as ``calls.call_grads``), each
-        part (key rows, gradient); their dQ goes into ``dq_sum``."""
-        parts = [[], []]
-        for i, call in enumerate(own):
-            grads = call_grads(call, kernel, dq_sum, args, streams and streams(i))
-            for part, grad in zip(parts, grads):
-                part.append((call.keys, grad))
-        return parts
+    # ---- the plan ------------------------------------------------------------------------
+    def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
+        with [B, H, S, E] q and k: per head group the own calls while the group's gather
+        travels, then the calls over the gathered keys while the next group's does."""
+        own, calls, rank_order = self._plan(spec)
+        groups = len(self.groups_of(q, k, spec))
+        blocks = self._blocks(own, calls, rank_order)
+        transfers = _Transfers(self, spec, rank_order)
+        if not backward:
+            return runner.Plan(self._forward_ops(own, calls, groups, blocks), groups,
+                               transfers=transfers)
+        return runner.Plan(self._backward_ops(own, calls, groups, blocks, spec.packing is not None),
+                           groups, sums=(self._sums_dtype(spec), 0), transfers=transfers)
+
+    def _stream(self, part: str, group: int) -> tuple:
+        """The dropout stream key of this rank's ``part`` ("own" or "gathered") of calls."""
+        return "allgather", self.index, part, group
+
+    def _forward_ops(self, own, calls, groups: int, blocks: int) -> tuple:
+        ops = [runner.Gather(0)]
+        for g in range(groups):
+            ops += [runner.KV(g), runner.Open(g, blocks),
+                    runner.Fold(tuple(own), self._stream("own", g)), runner.KV(g, arrives=True)]
+            if g + 1 < groups:
+                ops.append(runner.Gather(g + 1))
+            ops += [runner.Fold(tuple(calls), self._stream("gathered", g)), runner.Finish()]
+        return tuple(ops)
+
+    def _backward_ops(self, own, calls, groups: int, blocks: int, packed: bool) -> tuple:
+        """Backward: the own calls run while the group's gather travels, their dK/dV kept
+        (PARTS); the gathered calls' dK/dV sums (SUMS) go to their owners, dense by a
+        reduce-scatter (Scatter), packed through the transport, landing behind the next
+        group's own calls (a packed call's last group runs its own calls after its gathered
+        calls instead, while its sums travel)."""
+        ops = [runner.Gather(0)]
+        for g in range(groups):
+            own_first = not packed or g < groups - 1
+            own_grads = [runner.KV(g), runner.Grads(tuple(own), self._stream("own", g),
+                                                    runner.PARTS)]
+            ops.append(runner.OpenDq(g, contributions=blocks))
+            if own_first:
+                ops += own_grads
+                if packed and g:
+                    ops.append(runner.Land(g - 1))
+            ops.append(runner.KV(g, arrives=True))
+            if g + 1 < groups:
+                ops.append(runner.Gather(g + 1))
+            ops += [runner.Grads(tuple(calls), self._stream("gathered", g), runner.SUMS),
+                    runner.Drop()]
+            if not packed:
+                ops += [runner.FinishDq(), runner.Scatter(g)]
+                continue
+            if not own_first and g:
+                ops.append(runner.Land(g - 1))
+            ops.append(runner.StartScatter(g))
+            if not own_first:
+                ops += own_grads
+            ops.append(runner.FinishDq())
+        if packed:
+            ops.append(runner.Land(groups - 1))
+        return tuple(ops)
 
     def _scatter(self, own, others, positions, like):
         """This rank's tokens' dK (or dV), fp32, of a head group: every rank's gradients of
@@ -548,3 +466,76 @@ class AllGather(Transported, SequenceSchedule):
         pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
             sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
         return len(own) + len(calls), pairs
+
+
+class _Transfers:
+    """How one call's K/V is gathered and its gathered keys' dK/dV sums go back to their
+    owners (``runner.Plan.transfers``): dense by collectives, packed through the
+    schedule's transport into regions of its buffer (two gathers' in turn, then the
+    scatter's)."""
+
+    def __init__(self, schedule: AllGather, spec, rank_order: bool):
+        self.schedule, self.spec, self.rank_order = schedule, spec, rank_order
+        self.packed = spec.packing is not None
+        self.positions = None
+
+    def begin(self, k, groups, backward: bool) -> None:
+        if not self.packed:
+            return
+        s = self.schedule
+        self.k, self.groups = k, groups
+        self.gathers = 2 * s._region_bytes(k, groups, k.dtype)
+        scatter = s._region_bytes(k, groups, s._sums_dtype(self.spec)) if backward else 0
+        s.mover(k.device).reserve(self.gathers + scatter, k.device)
+
+    def gather(self, g, k, v):
+        """Start gathering head group ``g``'s K and V; ``wait()`` gives them in call order
+        (the other ranks' tokens in global order, or rank order under a window; packed:
+        every rank's tokens in rank order, this rank's own rows left unfilled)."""
+        if self.packed:
+            return self._packed_gather(g, k, v)
+        s, layout = self.schedule, layout_of(k)
+        if self.positions is None:
+            self.positions = s._other_positions(k.shape[2] * s.size, k.device, self.rank_order)
+        pending = [s.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
+        return _Arriving(lambda: [s._others(p.wait(), self.positions, layout) for p in pending])
+
+    def _packed_gather(self, g, k, v):
+        s = self.schedule
+        p, tokens = s.size, k.shape[2]
+        item = (k.shape[1] // len(self.groups), k.shape[3], k.dtype)
+        sends = [as_packed(g.of_kv(t)).contiguous() if p > 1 else None
+                 for t in (k, v)]  # alone: nothing to send
+        base = g.index % 2 * s._region_bytes(k, self.groups, k.dtype)
+        pending, offsets = s._to_slots([[send] * p for send in sends], item, tokens, base,
+                                       k.device)
+        in_flight = InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
+                                                    for at in offsets])
+        return _Arriving(in_flight.finish)
+
+    def scatter(self, parts, sums, targets) -> None:
+        """Dense: per target (dK, then dV), every rank's gradients of this rank's tokens
+        summed (reduce-scatter) and written into it."""
+        for target in targets:
+            summed = self.schedule._scatter(parts.pop(0), sums.pop(0), self.positions, target)
+            target.copy_(summed)
+            del summed
+
+    def start_scatter(self, group: int, sums):
+        """Packed: start sending the sums to their owners."""
+        return self.schedule._start_scatter(sums, self.gathers)
+
+    def land(self, in_flight, parts, targets) -> None:
+        self.schedule._land(in_flight, parts, targets)
+
+
+class _Arriving:
+    """A gather in flight; ``wait()`` gives its K and V."""
+
+    def __init__(self, finish):
+        self.wait = finish
+
+
+def _blocks(spec, *tensors):
+    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
+    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors

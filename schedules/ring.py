@@ -368,7 +368,7 @@ class Ring(Transported, SequenceSchedule):
     def _sums_make_one_hop(spec, remote: list[int]) -> bool:
         """Whether the dK/dV sums of a block come from one rank alone, straight home, in one
         dense call without a window (one remote step: P = 2): that rank then writes only
-        its call's keys (``_Step.write``, nothing zeroed) and the owner adds only those
+        its call's keys (``runner.Grads`` with ``zero_rest`` off) and the owner adds only those
         (``_sums_rows``), half of a block at P = 2 with the load-balanced partition.
         Otherwise every row travels, zeros where no call reached."""
         return len(remote) == 1 and not spec.layout.is_varlen and window_band(spec) is None

@@ -38,8 +38,8 @@ from sdpa_fusion.kernels.base import layout_of
 from sdpa_fusion.merge import Merged
 
 from . import heads
-from .calls import (Sum, add_rows, as_block, as_packed, call_grads, dq_sum_of, fold_calls,
-                    gradients, outputs, put_rows, zero_outside)
+from .calls import (Sum, add_rows, as_block, as_packed, backward_calls, call_grads, dq_sum_of,
+                    fold_calls, gradients, outputs, put_rows, zero_outside)
 from .transport import RingData
 
 
@@ -54,12 +54,25 @@ class Send:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gather:
+    """Start gathering every rank's K/V of head group ``group`` (the plan's ``transfers``
+    say how, and in which order the gathered keys come)."""
+
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
 class KV:
     """The K/V block the next calls read: this rank's own of head group ``group``, or (``arrives``)
     the block in flight (waits for it)."""
 
     group: int
     arrives: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    """No call reads the current K/V block any more (what it holds may go)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +100,21 @@ class Finish:
 
 @dataclasses.dataclass(frozen=True)
 class OpenDq:
-    """Backward: start the dQ sum of head group ``group``, to which ``calls`` contribute."""
+    """Backward: start the dQ sum of head group ``group``, to which ``calls`` contribute
+    (summed in the kernel where it can: every call on keys of one block size); with
+    ``contributions``, an ordinary sum of that many."""
 
     group: int
-    calls: tuple
+    calls: tuple = ()
+    contributions: int | None = None
 
 
 # where a Grads op puts the calls' dK/dV
 OWN = "own"  # this rank's gradients of the group (zero where no call reached)
 NEW = "new"  # new sums (that a SendSums sends)
 ARRIVING = "arriving"  # added into the sums in flight (waits for them; a SendSums sends them on)
+PARTS = "parts"  # kept as (keys, gradient) parts of the group, for its Scatter or Land
+SUMS = "sums"  # summed per key of the block into new sums in the plan's dtype (Scatter them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +145,30 @@ class AddSums:
 
 
 @dataclasses.dataclass(frozen=True)
+class Scatter:
+    """Backward: every rank's SUMS of this rank's keys, and its own PARTS, summed into its
+    dK/dV of head group ``group`` (the plan's ``transfers``; waits)."""
+
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StartScatter:
+    """Backward: start sending the SUMS of head group ``group`` to the ranks whose keys they
+    are (the plan's ``transfers``; ``Land`` adds what came)."""
+
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Land:
+    """Backward: wait for what the StartScatter of head group ``group`` brings and write it,
+    with the group's own PARTS, into this rank's dK/dV."""
+
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
 class FinishDq:
     """Backward: the dQ sum is complete (written into dq)."""
 
@@ -136,8 +178,11 @@ class Plan:
     """One rank's ops for a forward or a backward of a local problem, over ``groups`` head
     groups. ``travel`` = (start, rows): the rows of a block that travel (None: all);
     ``kv_slots``: receive slots of the K/V ring (0: no block travels); ``sums`` = (dtype,
-    slots) of the dK/dV sums ring (None: no sums travel); ``carried``: the rows of this
-    rank's block that the sums it receives carry (None: all)."""
+    slots) of the dK/dV sums (slots of their ring; 0: no ring; None: no sums); ``carried``:
+    the rows of this rank's block that the sums it receives carry (None: all);
+    ``transfers``: what gathers and scatters (``begin(k, groups, backward)``, ``gather(group,
+    k, v)``, ``scatter(parts, sums, targets)``, ``start_scatter(group, sums)``,
+    ``land(landing, parts, targets)``)."""
 
     ops: tuple
     groups: int
@@ -145,6 +190,7 @@ class Plan:
     kv_slots: int = 0
     sums: tuple[torch.dtype, int] | None = None
     carried: slice | None = None
+    transfers: object = None
 
     @property
     def kernel_calls(self) -> int:
@@ -159,6 +205,7 @@ def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None,
         q, k, v = (as_block(t) for t in (q, k, v))
     out, lse = outputs(q, out, lse, packed)
     run = _Run(plan, q, k, v, mover, dropout)
+    run.begin(backward=False)
     (run.kv,) = run.rings((k.dtype, plan.kv_slots))
     merged = None
     for op in plan.ops:
@@ -184,34 +231,53 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
         dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
     dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
     run = _Run(plan, q, k, v, mover, dropout)
+    run.begin(backward=True)
     run.kv, sums = run.rings((k.dtype, plan.kv_slots), plan.sums or (None, 0))
-    dq_sum = outgoing = pending = args = None
+    dq_sum = outgoing = pending = args = gathered = None
+    parts, landing = {}, {}
 
     def targets(group: int):
         g = run.groups[group]
         return g.of_kv(dk), g.of_kv(dv)
 
     for op in plan.ops:
-        if isinstance(op, (OpenDq, Grads)) and args is None:  # the current block's
+        needs_block = isinstance(op, Grads) or (isinstance(op, OpenDq) and
+                                                op.contributions is None)
+        if needs_block and args is None:  # the current block's
             g = run.group
             args = (g.of_q(dout), g.of_q(q), *run.block, g.of_q(out), g.of_q(lse),
                     spec.softmax_scale)
         if isinstance(op, OpenDq):
-            dq_sum = dq_sum_of(kernel, g.of_q(dq), op.calls, args, dropout)
+            target = run.groups[op.group].of_q(dq)
+            dq_sum = Sum(target, op.contributions) if needs_block is False else \
+                dq_sum_of(kernel, target, op.calls, args, dropout)
         elif isinstance(op, Grads):
             step = _Step(op.calls, kernel, dq_sum, args, run.streams(op.stream))
-            if op.into == OWN:
+            if op.into == PARTS:
+                parts[g.index] = step.parts()
+            elif op.into == SUMS:
+                gathered = step.sums(plan.sums[0])
+            elif op.into == OWN:
                 step.write(targets(g.index))
             elif op.into == NEW:
                 outgoing = sums.data.empty(k.device)
                 step.write(outgoing, zero_rest=op.zero_rest)
             else:
                 outgoing = step.add_into(pending)
+            del step  # nothing of the block stays referenced past its calls
         elif isinstance(op, SendSums):
             pending = sums.shift(outgoing, hops=op.hops)
             outgoing = None  # the transport holds it until it has left
         elif isinstance(op, AddSums):
             _add_sums(targets(op.group), pending, run.sent, plan.carried)
+        elif isinstance(op, Scatter):
+            plan.transfers.scatter(parts.pop(op.group), gathered, targets(op.group))
+            gathered = None
+        elif isinstance(op, StartScatter):
+            landing[op.group] = plan.transfers.start_scatter(op.group, gathered)
+            gathered = None
+        elif isinstance(op, Land):
+            plan.transfers.land(landing.pop(op.group), parts.pop(op.group), targets(op.group))
         elif isinstance(op, FinishDq):
             dq_sum.finish()
         else:
@@ -227,11 +293,16 @@ class _Run:
     block in flight."""
 
     def __init__(self, plan: Plan, q, k, v, mover, dropout):
-        self.plan, self.k, self.mover, self.dropout = plan, k, mover, dropout
+        self.plan, self.k, self.v, self.mover, self.dropout = plan, k, v, mover, dropout
         self.groups = heads.groups_of(plan.groups, q.shape[1], k.shape[1])
         self.own = [(g.of_kv(k), g.of_kv(v)) for g in self.groups]
         self.leaving = [tuple(self.sent(t) for t in block) for block in self.own]
         self.group, self.block, self.pending, self.kv = None, None, None, None
+
+    def begin(self, backward: bool) -> None:
+        """Before the first op: the transfers take what they keep for the call."""
+        if self.plan.transfers is not None:
+            self.plan.transfers.begin(self.k, self.groups, backward)
 
     def sent(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of a block ``t`` that travel."""
@@ -254,13 +325,21 @@ class _Run:
         return [next(made) if slots else None for _, slots in dtypes_and_slots]
 
     def move(self, op) -> None:
-        """Run a K/V op: start a transfer (``Send``) or take a block (``KV``)."""
-        if isinstance(op, Send):
+        """Run a K/V op: start a transfer (``Send``, ``Gather``), take a block (``KV``) or
+        let it go (``Drop``)."""
+        if isinstance(op, Gather):
+            self.pending = self.plan.transfers.gather(self.groups[op.group], self.k, self.v)
+        elif isinstance(op, Send):
             block = self.block if op.group is None else self.leaving[op.group]
             self.pending = self.kv.shift(block, hops=op.hops)
+        elif isinstance(op, Drop):
+            self.block = None
         elif isinstance(op, KV):
             self.group = self.groups[op.group]
-            self.block = tuple(self.pending.wait()) if op.arrives else self.own[op.group]
+            if op.arrives:  # what the transfer held goes with it
+                self.block, self.pending = tuple(self.pending.wait()), None
+            else:
+                self.block = self.own[op.group]
         else:
             raise TypeError(f"not an op of this runner: {op!r}")
 
@@ -301,6 +380,23 @@ class _Step:
         del grads
         self._add_rest(summed)
         return summed
+
+    def parts(self):
+        """[dK parts, dV parts] of the calls, each part (key rows, gradient)."""
+        kept = [[], []]
+        for i, call in enumerate(self.calls):
+            for part, grad in zip(kept, self._grads(i)):
+                part.append((call.keys, grad))
+        return kept
+
+    def sums(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The calls' dK and dV summed per key of the block, in ``dtype`` (fp32: every call
+        adds; else the calls' key sets are disjoint, one gradient per key)."""
+        sums = [torch.empty_like(t, dtype=dtype) for t in self.args[2:4]]
+        contributions = len(self.calls) if dtype == torch.float32 else 1
+        backward_calls(self.calls, self.kernel, self.dq_sum, self.args,
+                       [Sum(t, contributions) for t in sums], self.streams)
+        return sums
 
     def write(self, targets, zero_rest: bool = True) -> None:
         """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
