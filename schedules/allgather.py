@@ -479,19 +479,20 @@ class _Transfers:
         self.packed = spec.packing is not None
         self.positions = None
 
-    def begin(self, k, groups, backward: bool) -> None:
+    def begin(self, tensors, groups, backward: bool) -> None:
+        self.tensors, self.groups = tensors, groups
         if not self.packed:
             return
-        s = self.schedule
-        self.k, self.groups = k, groups
+        s, k = self.schedule, tensors["k"]
         self.gathers = 2 * s._region_bytes(k, groups, k.dtype)
         scatter = s._region_bytes(k, groups, s._sums_dtype(self.spec)) if backward else 0
         s.mover(k.device).reserve(self.gathers + scatter, k.device)
 
-    def gather(self, g, k, v):
+    def gather(self, g):
         """Start gathering head group ``g``'s K and V; ``wait()`` gives them in call order
         (the other ranks' tokens in global order, or rank order under a window; packed:
         every rank's tokens in rank order, this rank's own rows left unfilled)."""
+        k, v = self.tensors["k"], self.tensors["v"]
         if self.packed:
             return self._packed_gather(g, k, v)
         s, layout = self.schedule, layout_of(k)
@@ -513,20 +514,23 @@ class _Transfers:
                                                     for at in offsets])
         return _Arriving(in_flight.finish)
 
-    def scatter(self, parts, sums, targets) -> None:
+    def _targets(self, g):
+        return [g.of_kv(self.tensors["dk"]), g.of_kv(self.tensors["dv"])]
+
+    def scatter(self, g, parts, sums) -> None:
         """Dense: per target (dK, then dV), every rank's gradients of this rank's tokens
         summed (reduce-scatter) and written into it."""
-        for target in targets:
+        for target in self._targets(g):
             summed = self.schedule._scatter(parts.pop(0), sums.pop(0), self.positions, target)
             target.copy_(summed)
             del summed
 
-    def start_scatter(self, group: int, sums):
+    def start_scatter(self, g, sums):
         """Packed: start sending the sums to their owners."""
         return self.schedule._start_scatter(sums, self.gathers)
 
-    def land(self, in_flight, parts, targets) -> None:
-        self.schedule._land(in_flight, parts, targets)
+    def land(self, g, in_flight, parts) -> None:
+        self.schedule._land(in_flight, parts, self._targets(g))
 
 
 class _Arriving:

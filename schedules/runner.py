@@ -76,6 +76,16 @@ class Drop:
 
 
 @dataclasses.dataclass(frozen=True)
+class Attend:
+    """Attend the arrived block, which carries its own queries: ``call`` over all of it
+    (None: no query sees a key), dropout stream ``stream``; its results go home by the
+    next Scatter or StartScatter."""
+
+    call: object
+    stream: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class Open:
     """Forward: start the merged result of head group ``group``'s rows, which get at most
     ``blocks`` calls each."""
@@ -146,24 +156,25 @@ class AddSums:
 
 @dataclasses.dataclass(frozen=True)
 class Scatter:
-    """Backward: every rank's SUMS of this rank's keys, and its own PARTS, summed into its
-    dK/dV of head group ``group`` (the plan's ``transfers``; waits)."""
+    """Send the results of head group ``group`` (SUMS, with the group's PARTS, or what
+    Attend gave) home and write what comes into this rank's outputs (the plan's
+    ``transfers``; waits)."""
 
     group: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StartScatter:
-    """Backward: start sending the SUMS of head group ``group`` to the ranks whose keys they
-    are (the plan's ``transfers``; ``Land`` adds what came)."""
+    """Start sending the results of head group ``group`` home (the plan's ``transfers``;
+    ``Land`` writes what came)."""
 
     group: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Land:
-    """Backward: wait for what the StartScatter of head group ``group`` brings and write it,
-    with the group's own PARTS, into this rank's dK/dV."""
+    """Wait for what the StartScatter of head group ``group`` brings and write it (with the
+    group's PARTS) into this rank's outputs."""
 
     group: int
 
@@ -180,9 +191,9 @@ class Plan:
     ``kv_slots``: receive slots of the K/V ring (0: no block travels); ``sums`` = (dtype,
     slots) of the dK/dV sums (slots of their ring; 0: no ring; None: no sums); ``carried``:
     the rows of this rank's block that the sums it receives carry (None: all);
-    ``transfers``: what gathers and scatters (``begin(k, groups, backward)``, ``gather(group,
-    k, v)``, ``scatter(parts, sums, targets)``, ``start_scatter(group, sums)``,
-    ``land(landing, parts, targets)``)."""
+    ``transfers``: what gathers and scatters (``begin(tensors, groups, backward)``,
+    ``gather(group)``, ``scatter(group, parts, results)``, ``start_scatter(group, results)``,
+    ``land(group, landing, parts)``)."""
 
     ops: tuple
     groups: int
@@ -204,8 +215,7 @@ def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None,
     if packed:
         q, k, v = (as_block(t) for t in (q, k, v))
     out, lse = outputs(q, out, lse, packed)
-    run = _Run(plan, q, k, v, mover, dropout)
-    run.begin(backward=False)
+    run = _Run(plan, dict(q=q, k=k, v=v, out=out, lse=lse), spec, kernel, mover, dropout)
     (run.kv,) = run.rings((k.dtype, plan.kv_slots))
     merged = None
     for op in plan.ops:
@@ -219,7 +229,7 @@ def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None,
         elif isinstance(op, Finish):
             merged.finish()
         else:
-            run.move(op)
+            run.do(op)
     return (as_packed(out) if packed else out), lse
 
 
@@ -230,11 +240,10 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
     if packed:
         dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
     dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
-    run = _Run(plan, q, k, v, mover, dropout)
-    run.begin(backward=True)
+    run = _Run(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv),
+               spec, kernel, mover, dropout)
     run.kv, sums = run.rings((k.dtype, plan.kv_slots), plan.sums or (None, 0))
-    dq_sum = outgoing = pending = args = gathered = None
-    parts, landing = {}, {}
+    dq_sum = outgoing = pending = args = None
 
     def targets(group: int):
         g = run.groups[group]
@@ -254,9 +263,9 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
         elif isinstance(op, Grads):
             step = _Step(op.calls, kernel, dq_sum, args, run.streams(op.stream))
             if op.into == PARTS:
-                parts[g.index] = step.parts()
+                run.parts[g.index] = step.parts()
             elif op.into == SUMS:
-                gathered = step.sums(plan.sums[0])
+                run.results = step.sums(plan.sums[0])
             elif op.into == OWN:
                 step.write(targets(g.index))
             elif op.into == NEW:
@@ -270,18 +279,10 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
             outgoing = None  # the transport holds it until it has left
         elif isinstance(op, AddSums):
             _add_sums(targets(op.group), pending, run.sent, plan.carried)
-        elif isinstance(op, Scatter):
-            plan.transfers.scatter(parts.pop(op.group), gathered, targets(op.group))
-            gathered = None
-        elif isinstance(op, StartScatter):
-            landing[op.group] = plan.transfers.start_scatter(op.group, gathered)
-            gathered = None
-        elif isinstance(op, Land):
-            plan.transfers.land(landing.pop(op.group), parts.pop(op.group), targets(op.group))
         elif isinstance(op, FinishDq):
             dq_sum.finish()
         else:
-            run.move(op)
+            run.do(op)
             args = None
     if packed:
         dq, dk, dv = (as_packed(t) for t in (dq, dk, dv))
@@ -289,20 +290,20 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
 
 
 class _Run:
-    """What the ops of one call share: the head groups, the K/V block the calls read, the
-    block in flight."""
+    """What the ops of one call share: its tensors, the head groups, the K/V block the calls
+    read, the block in flight, what a group's calls leave for its Scatter or Land."""
 
-    def __init__(self, plan: Plan, q, k, v, mover, dropout):
-        self.plan, self.k, self.v, self.mover, self.dropout = plan, k, v, mover, dropout
+    def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout):
+        self.plan, self.tensors, self.spec, self.kernel = plan, tensors, spec, kernel
+        self.mover, self.dropout = mover, dropout
+        q, k, v = tensors["q"], tensors["k"], tensors["v"]
         self.groups = heads.groups_of(plan.groups, q.shape[1], k.shape[1])
         self.own = [(g.of_kv(k), g.of_kv(v)) for g in self.groups]
         self.leaving = [tuple(self.sent(t) for t in block) for block in self.own]
-        self.group, self.block, self.pending, self.kv = None, None, None, None
-
-    def begin(self, backward: bool) -> None:
-        """Before the first op: the transfers take what they keep for the call."""
-        if self.plan.transfers is not None:
-            self.plan.transfers.begin(self.k, self.groups, backward)
+        self.group = self.block = self.pending = self.kv = self.results = None
+        self.parts, self.landing = {}, {}
+        if plan.transfers is not None:  # before the first op: what they keep for the call
+            plan.transfers.begin(tensors, self.groups, "dout" in tensors)
 
     def sent(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of a block ``t`` that travel."""
@@ -318,17 +319,20 @@ class _Run:
         wanted = [(dtype, slots) for dtype, slots in dtypes_and_slots if slots]
         if not wanted:
             return [None] * len(dtypes_and_slots)
+        k = self.tensors["k"]
         shape = tuple(self.leaving[0][0].shape)
-        datas = [RingData((shape, shape), dtype, layout_of(self.k), slots)
-                 for dtype, slots in wanted]
-        made = iter(self.mover.rings(datas, self.k.device))
+        datas = [RingData((shape, shape), dtype, layout_of(k), slots) for dtype, slots in wanted]
+        made = iter(self.mover.rings(datas, k.device))
         return [next(made) if slots else None for _, slots in dtypes_and_slots]
 
-    def move(self, op) -> None:
-        """Run a K/V op: start a transfer (``Send``, ``Gather``), take a block (``KV``) or
-        let it go (``Drop``)."""
+    def do(self, op) -> None:
+        """Run an op that forward and backward share: start a transfer (``Send``,
+        ``Gather``), take a block (``KV``) or let it go (``Drop``), attend a block that
+        carries its queries (``Attend``), send results home (``Scatter``, ``StartScatter``,
+        ``Land``)."""
+        transfers = self.plan.transfers
         if isinstance(op, Gather):
-            self.pending = self.plan.transfers.gather(self.groups[op.group], self.k, self.v)
+            self.pending = transfers.gather(self.groups[op.group])
         elif isinstance(op, Send):
             block = self.block if op.group is None else self.leaving[op.group]
             self.pending = self.kv.shift(block, hops=op.hops)
@@ -340,8 +344,40 @@ class _Run:
                 self.block, self.pending = tuple(self.pending.wait()), None
             else:
                 self.block = self.own[op.group]
+        elif isinstance(op, Attend):
+            self.results = self._attend(op)
+        elif isinstance(op, Scatter):
+            transfers.scatter(self.groups[op.group], self.parts.pop(op.group, None),
+                              self.results)
+            self.results = None
+        elif isinstance(op, StartScatter):
+            self.landing[op.group] = transfers.start_scatter(self.groups[op.group],
+                                                             self.results)
+            self.results = None
+        elif isinstance(op, Land):
+            transfers.land(self.groups[op.group], self.landing.pop(op.group),
+                           self.parts.pop(op.group, None))
         else:
             raise TypeError(f"not an op of this runner: {op!r}")
+
+    def _attend(self, op) -> list[torch.Tensor]:
+        """The results of ``op.call`` on the arrived block: forward (q, k, v) -> [out, lse
+        [..., 1]]; backward (dout, q, k, v, out, lse [..., 1]) -> [dq, dk, dv]; zeros (lse
+        -inf) when the call is None."""
+        block, call, scale = self.block, op.call, self.spec.softmax_scale
+        stream = None if self.dropout is None else self.dropout.stream(*op.stream)
+        if len(block) == 3:
+            q = block[0]
+            if call is None:  # no real token anywhere
+                return [torch.zeros_like(q),
+                        torch.full((*q.shape[:3], 1), float("-inf"), device=q.device)]
+            out, lse = call.forward(self.kernel, *block, scale, stream)
+            return [out, lse.unsqueeze(-1)]
+        if call is None:
+            return [torch.zeros_like(t) for t in block[1:4]]
+        *inputs, lse = block
+        return list(call.backward(self.kernel, *inputs, lse.squeeze(-1).contiguous(), scale,
+                                  stream))
 
     def streams(self, stream: tuple):
         """Call i's dropout stream ``(*stream, i)``; None without dropout."""

@@ -46,7 +46,7 @@ import torch
 
 from sdpa_fusion.layout import Layout
 
-from . import dry_run, heads, mask_plans
+from . import dry_run, heads, mask_plans, runner
 from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
@@ -305,38 +305,6 @@ class Ulysses(Transported, SequenceSchedule):
         every rank places its region alike."""
         return sections(items, self.size * max(routes.counts))
 
-    def _pipeline(self, groups, inputs, attend, outputs, fills, routes: Routes, spec) -> None:
-        """Every head group's ``inputs(g)`` to its heads, ``attend(g, *heads)``, the results
-        into ``outputs(g)`` (padding rows ``fills``): the next group's inputs travel while a
-        group is attended, its results while the next one is. Replicated K/V heads' results
-        (fewer in a group than ranks) are summed back as blocks."""
-        p, first, targets = self.size, inputs(groups[0]), outputs(groups[0])
-        routed = [t.shape[1] >= p for t in targets]
-        heads_bytes = self._heads_region(first, routes)[2]
-        sequence_bytes = self._sequence_region(
-            [(t.shape[1] // p, t.shape[3], t.dtype) for t, r in zip(targets, routed) if r],
-            routes)[1]
-        self.mover(first[0].device).reserve(heads_bytes + sequence_bytes, first[0].device)
-        incoming, outgoing = self._start_heads(first, routes, 0), None
-        for i, g in enumerate(groups):
-            arrived = incoming.finish()
-            incoming = self._start_heads(inputs(groups[i + 1]), routes, 0) \
-                if i + 1 < len(groups) else None
-            results = attend(g, *arrived)
-            del arrived
-            if outgoing is not None:
-                outgoing.finish()
-            targets = outputs(g)
-            summed = [(t, target) for t, target, r in zip(results, targets, routed) if not r]
-            if summed:
-                self._blocks_to_sequence(*zip(*summed), Layout.BSHE, spec, 0.0)
-            sent = [(t, target, fill) for t, target, fill, r in zip(results, targets, fills, routed)
-                    if r]
-            del results, summed
-            outgoing = self._start_sequence(*zip(*sent), routes, heads_bytes)
-            del sent
-        outgoing.finish()
-
     def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
         """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
         shapes = [(b, self._heads_per_rank(h), s, e)
@@ -411,75 +379,40 @@ class Ulysses(Transported, SequenceSchedule):
     def _kv_fit(self, kv_heads: int) -> bool:
         return kv_heads % self.size == 0 or self.size % kv_heads == 0
 
-    def _stream(self, dropout, group):
-        """The dropout stream of this rank's heads of head group ``group`` over the whole
-        sequence (None without dropout)."""
-        return dropout.stream("ulysses", self.index, group.index) if dropout is not None else None
-
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        packed = spec.packing is not None
-        layout = Layout.BSHE if packed else spec.layout
-        if packed:
-            q, k, v = (as_block(t) for t in (q, k, v))
-        call = self._call(spec)
-        out = layout.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-
-        def attend(g, q_h, k_h, v_h):
-            if call is None:  # no real token anywhere
-                return [torch.zeros_like(q_h),
-                        torch.full((*q_h.shape[:3], 1), float("-inf"), device=q.device)]
-            out_h, lse_h = call.forward(kernel, q_h, k_h, v_h, spec.softmax_scale,
-                                        self._stream(dropout, g))
-            return [out_h, lse_h.unsqueeze(-1)]
-
-        groups, routes = self.groups_of(q, k, spec), self._routes(spec, layout)
-        if routes is not None:
-            self._pipeline(groups, lambda g: [g.of_q(q), g.of_kv(k), g.of_kv(v)], attend,
-                           lambda g: [g.of_q(out), g.of_q(lse).unsqueeze(-1)],
-                           (0.0, float("-inf")), routes, spec)
-        else:
-            for g in groups:
-                out_h, lse_h = attend(g, *self._to_heads([g.of_q(q), g.of_kv(k), g.of_kv(v)],
-                                                         layout, spec))
-                self._blocks_to_sequence([out_h], [g.of_q(out)], layout, spec, 0.0)
-                self._blocks_to_sequence([lse_h], [g.of_q(lse).unsqueeze(-1)], Layout.BHSE,
-                                         spec, float("-inf"))
-                del out_h, lse_h
-        return (as_packed(out) if packed else out), lse
+        plan = self.plan(spec, *_blocks(spec, q, k), backward=False)
+        return runner.forward(plan, q, k, v, spec, kernel, None, dropout)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        packed = spec.packing is not None
-        layout = Layout.BSHE if packed else spec.layout
-        if packed:
-            dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
+        plan = self.plan(spec, *_blocks(spec, q, k), backward=True)
+        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
+        with [B, H, S, E] q and k: per head group, its heads of every token arrive, are
+        attended by one call and go home. Packed (by ``Routes``) as a pipeline: the next
+        group's heads travel while a group is attended, its results while the next one is."""
+        layout = Layout.BSHE if spec.packing is not None else spec.layout
+        routes, groups = self._routes(spec, layout), len(self.groups_of(q, k, spec))
         call = self._call(spec)
-        dq, dk, dv = (layout.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-
-        def attend(g, dout_h, q_h, k_h, v_h, out_h, lse_h):
-            if call is None:
-                return [torch.zeros_like(t) for t in (q_h, k_h, v_h)]
-            return list(call.backward(kernel, dout_h, q_h, k_h, v_h, out_h,
-                                      lse_h.squeeze(-1).contiguous(), spec.softmax_scale,
-                                      self._stream(dropout, g)))
-
-        groups, routes = self.groups_of(q, k, spec), self._routes(spec, layout)
+        ops = [runner.Gather(0)] if routes is not None else []
+        for g in range(groups):
+            attend = runner.Attend(call, ("ulysses", self.index, g))
+            if routes is None:
+                ops += [runner.Gather(g), runner.KV(g, arrives=True), attend, runner.Drop(),
+                        runner.Scatter(g)]
+                continue
+            ops.append(runner.KV(g, arrives=True))
+            if g + 1 < groups:
+                ops.append(runner.Gather(g + 1))
+            ops += [attend, runner.Drop()]
+            if g:
+                ops.append(runner.Land(g - 1))
+            ops.append(runner.StartScatter(g))
         if routes is not None:
-            self._pipeline(groups, lambda g: [g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
-                                              g.of_q(out), g.of_q(lse).unsqueeze(-1)],
-                           attend, lambda g: [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)],
-                           (0.0, 0.0, 0.0), routes, spec)
-        else:
-            for g in groups:
-                inputs = self._to_heads([g.of_q(dout), g.of_q(q), g.of_kv(k), g.of_kv(v),
-                                         g.of_q(out)], layout, spec)
-                inputs += self._to_heads([g.of_q(lse).unsqueeze(-1)], Layout.BHSE, spec)
-                grads = attend(g, *inputs)
-                del inputs
-                self._blocks_to_sequence(grads, [g.of_q(dq), g.of_kv(dk), g.of_kv(dv)], layout,
-                                         spec, 0.0)
-                del grads
-        return tuple(as_packed(t) for t in (dq, dk, dv)) if packed else (dq, dk, dv)
+            ops.append(runner.Land(groups - 1))
+        return runner.Plan(tuple(ops), groups, transfers=_Exchanges(self, spec, layout, routes))
 
     def _kv_per_rank(self, spec) -> tuple[int, bool]:
         """(K/V heads this rank attends over all head groups, whether they are replicated:
@@ -538,3 +471,87 @@ class Ulysses(Transported, SequenceSchedule):
                      else ""),
             memory_of=dry_run.memory_of(self, spec),
         )
+
+
+class _Exchanges:
+    """How one call's heads travel under ulysses (``runner.Plan.transfers``): a group's
+    inputs to the owners of their heads, every token (``gather``), and the results home
+    (``scatter``; packed: ``start_scatter`` and ``land``, through the transport, by the
+    routes of the real tokens)."""
+
+    def __init__(self, schedule: Ulysses, spec, layout: Layout, routes: Routes | None):
+        self.schedule, self.spec, self.layout, self.routes = schedule, spec, layout, routes
+
+    def begin(self, tensors, groups, backward: bool) -> None:
+        t = tensors
+        lse = t["lse"].unsqueeze(-1)
+        if backward:
+            self.inputs = lambda g: [g.of_q(t["dout"]), g.of_q(t["q"]), g.of_kv(t["k"]),
+                                     g.of_kv(t["v"]), g.of_q(t["out"]), g.of_q(lse)]
+            self.outputs = lambda g: [g.of_q(t["dq"]), g.of_kv(t["dk"]), g.of_kv(t["dv"])]
+            self.fills = (0.0, 0.0, 0.0)
+        else:
+            self.inputs = lambda g: [g.of_q(t["q"]), g.of_kv(t["k"]), g.of_kv(t["v"])]
+            self.outputs = lambda g: [g.of_q(t["out"]), g.of_q(lse)]
+            self.fills = (0.0, float("-inf"))
+        if self.routes is None:
+            return
+        s, first, targets = self.schedule, self.inputs(groups[0]), self.outputs(groups[0])
+        self.routed = [target.shape[1] >= s.size for target in targets]
+        self.heads_bytes = s._heads_region(first, self.routes)[2]
+        sequence_bytes = s._sequence_region(
+            [(target.shape[1] // s.size, target.shape[3], target.dtype)
+             for target, r in zip(targets, self.routed) if r], self.routes)[1]
+        s.mover(first[0].device).reserve(self.heads_bytes + sequence_bytes, first[0].device)
+
+    def gather(self, g):
+        """Start sending this rank's tokens of group ``g``'s heads to their owners;
+        ``wait()`` gives this rank's heads of every token (lse [..., 1] in BHSE)."""
+        s, inputs = self.schedule, self.inputs(g)
+        if self.routes is not None:
+            return _Arriving(s._start_heads(inputs, self.routes, 0).finish)
+        lse = inputs[5:]  # backward: lse travels in its own layout
+        arrived = s._to_heads(inputs[:5], self.layout, self.spec)
+        if lse:
+            arrived += s._to_heads(lse, Layout.BHSE, self.spec)
+        return _Arriving(lambda: arrived)
+
+    def scatter(self, g, parts, results) -> None:
+        """Dense: this rank's heads of every token back to the ranks holding the tokens,
+        written into group ``g``'s outputs (lse, in BHSE, apart)."""
+        s, targets = self.schedule, self.outputs(g)
+        if len(targets) == 2:  # forward: out, then lse
+            out, lse = results
+            results.clear()
+            s._blocks_to_sequence([out], targets[:1], self.layout, self.spec, 0.0)
+            s._blocks_to_sequence([lse], targets[1:], Layout.BHSE, self.spec, float("-inf"))
+            return
+        s._blocks_to_sequence(results, targets, self.layout, self.spec, 0.0)
+
+    def start_scatter(self, g, results):
+        """Packed: start sending the results home (replicated K/V heads' results, fewer in a
+        group than ranks, summed back as blocks first)."""
+        s, targets = self.schedule, self.outputs(g)
+        summed = [(t, target) for t, target, r in zip(results, targets, self.routed) if not r]
+        if summed:
+            s._blocks_to_sequence(*zip(*summed), Layout.BSHE, self.spec, 0.0)
+        sent = [(t, target, fill) for t, target, fill, r in
+                zip(results, targets, self.fills, self.routed) if r]
+        results.clear()
+        del summed
+        return s._start_sequence(*zip(*sent), self.routes, self.heads_bytes)
+
+    def land(self, g, in_flight, parts) -> None:
+        in_flight.finish()
+
+
+class _Arriving:
+    """A transfer in flight; ``wait()`` gives what arrives."""
+
+    def __init__(self, finish):
+        self.wait = finish
+
+
+def _blocks(spec, *tensors):
+    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
+    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors
