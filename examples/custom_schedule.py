@@ -2,13 +2,15 @@
 
     mpirun -np 4 python examples/custom_schedule.py
 
-Each rank keeps S/P contiguous tokens of q, k and v. The forward all-gathers K and V and
-attends the rank's queries to every key with the local kernel; the backward gathers them
-again, computes this rank's queries' share of dK and dV for every key, and sums the shares
-over the ranks (a reduce-scatter). Its transfers go through the schedule's communicator
-(``self.comm``), so ``describe()`` comes from a dry run of this very code: its kernel calls,
-FLOPs, the bytes it moves and the memory it holds. No mask: ``causal=True`` is refused by ``validate`` with the fix. The walk
-through this file is docs/custom_schedule.md.
+Each rank keeps S/P contiguous tokens of q, k and v. The schedule is a planner: its
+``plan`` lists the ops of a call (``schedules.runner``), and the one runner of every
+sequence schedule runs them. The forward gathers K and V and attends the rank's queries to
+every key; the backward gathers them again, computes this rank's queries' share of dK and
+dV for every key, and sums the shares over the ranks (a reduce-scatter). Its transfers go
+through the schedule's communicator (``self.comm``), so ``describe()`` comes from a dry run
+of this very code: its kernel calls, FLOPs, the bytes it moves and the memory it holds. No
+mask: ``causal=True`` is refused by ``validate`` with the fix. The walk through this file is
+docs/custom_schedule.md.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 
 import schedules
 import sdpa_fusion
-from schedules import Schedule, dry_run
+from schedules import Schedule, dry_run, runner
+from schedules.calls import DenseCall
 
 
 class GatherKV(Schedule):
@@ -40,31 +43,54 @@ class GatherKV(Schedule):
                 "positions of each rank's tokens: use schedule 'allgather' or 'ring'"
             )
 
-    def _gather(self, t: torch.Tensor, spec) -> torch.Tensor:
-        """Every rank's ``t`` concatenated along the sequence, in the spec's layout."""
-        parts = self.comm.all_gather(t).wait()  # [P, B, H, S/P, E], in rank order
-        return spec.layout.to(torch.cat(parts.unbind(0), dim=2))
+    def plan(self, spec, *, backward: bool) -> runner.Plan:
+        """This rank's ops: gather K and V, then one call of its queries over every key; in
+        backward that call's dK and dV of every key (SUMS) go to their owners (Scatter)."""
+        every_key = (DenseCall(slice(None), slice(None), causal=False),)
+        stream = ("gather_kv", self.index)  # the call's dropout stream (none here)
+        if backward:
+            ops = [runner.Gather(0), runner.OpenDq(0, contributions=1), runner.KV(0, arrives=True),
+                   runner.Grads(every_key, stream, runner.SUMS), runner.Drop(),
+                   runner.FinishDq(), runner.Scatter(0)]
+        else:
+            ops = [runner.Gather(0), runner.KV(0, arrives=True), runner.Open(0, blocks=1),
+                   runner.Fold(every_key, stream), runner.Finish()]
+        return runner.Plan(tuple(ops), groups=1, sums=(torch.float32, 0),
+                           transfers=Transfers(self, spec))
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        k_all, v_all = self._gather(k, spec), self._gather(v, spec)
-        return kernel.forward(q, k_all, v_all, causal=False, scale=spec.softmax_scale)
+        return runner.forward(self.plan(spec, backward=False), q, k, v, spec, kernel, None)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        k_all, v_all = self._gather(k, spec), self._gather(v, spec)
-        dq, dk_all, dv_all = kernel.backward(dout, q, k_all, v_all, out, lse, causal=False,
-                                             scale=spec.softmax_scale)
-        return dq, self._sum_shares(dk_all, k), self._sum_shares(dv_all, v)
-
-    def _sum_shares(self, grad_all: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """This rank's keys' gradient: every rank's share summed in fp32 (a reduce-scatter
-        of the shares of each rank's keys), in the layout and dtype of ``like``."""
-        shares = torch.stack(grad_all.float().chunk(self.size, dim=2))  # [P, B, H, S/P, E]
-        return torch.empty_like(like).copy_(self.comm.reduce_scatter(shares))
+        return runner.backward(self.plan(spec, backward=True), dout, q, k, v, out, lse, spec,
+                               kernel, None)
 
     def describe(self, spec):
         """Kernel calls, FLOPs, bytes and memory per rank for the global ``spec``: what a dry
         run of this forward and backward does (data-less tensors, nothing moved)."""
         return dry_run.describe(self, spec)
+
+
+class Transfers:
+    """How a call's K/V come to every rank and their gradients go home (``Plan.transfers``)."""
+
+    def __init__(self, schedule: GatherKV, spec):
+        self.comm, self.size, self.layout = schedule.comm, schedule.size, spec.layout
+
+    def begin(self, tensors, groups, backward: bool) -> None:
+        self.tensors = tensors  # the call's q, k, v, ... (and in backward dq, dk, dv)
+
+    def gather(self, group):
+        """Every rank's K and V, concatenated along the sequence in rank order."""
+        every = [self.comm.all_gather(self.tensors[name]).wait() for name in ("k", "v")]
+        return runner.Arriving([self.layout.to(torch.cat(t.unbind(0), dim=2)) for t in every])
+
+    def scatter(self, group, parts, sums) -> None:
+        """This rank's keys' dK and dV: every rank's share summed in fp32 (a reduce-scatter
+        of the shares of each rank's keys)."""
+        for name, grad_all in zip(("dk", "dv"), sums):
+            shares = torch.stack(grad_all.chunk(self.size, dim=2))  # [P, B, H, S/P, E]
+            self.tensors[name].copy_(self.comm.reduce_scatter(shares))
 
 
 schedules.register(GatherKV)

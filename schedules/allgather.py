@@ -348,12 +348,12 @@ class AllGather(Transported, SequenceSchedule):
         return others
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        plan = self.plan(spec, *_blocks(spec, q, k), backward=False)
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
         return runner.forward(plan, q, k, v, spec, kernel, None, dropout, out=out, lse=lse)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
                  dv=None):
-        plan = self.plan(spec, *_blocks(spec, q, k), backward=True)
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
         return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout,
                                dq=dq, dk=dk, dv=dv)
 
@@ -499,7 +499,7 @@ class _Transfers:
         if self.positions is None:
             self.positions = s._other_positions(k.shape[2] * s.size, k.device, self.rank_order)
         pending = [s.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
-        return _Arriving(lambda: [s._others(p.wait(), self.positions, layout) for p in pending])
+        return runner.Arriving(lambda: [s._others(p.wait(), self.positions, layout) for p in pending])
 
     def _packed_gather(self, g, k, v):
         s = self.schedule
@@ -512,7 +512,7 @@ class _Transfers:
                                        k.device)
         in_flight = InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
                                                     for at in offsets])
-        return _Arriving(in_flight.finish)
+        return runner.Arriving(in_flight.finish)
 
     def _targets(self, g):
         return [g.of_kv(self.tensors["dk"]), g.of_kv(self.tensors["dv"])]
@@ -531,15 +531,3 @@ class _Transfers:
 
     def land(self, g, in_flight, parts) -> None:
         self.schedule._land(in_flight, parts, self._targets(g))
-
-
-class _Arriving:
-    """A gather in flight; ``wait()`` gives its K and V."""
-
-    def __init__(self, finish):
-        self.wait = finish
-
-
-def _blocks(spec, *tensors):
-    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
-    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors

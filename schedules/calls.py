@@ -1,12 +1,12 @@
 """Kernel calls on parts of K/V blocks: which query rows of this rank meet which key rows of
-a block, and with what mask. The one vocabulary of the sequence schedules' loops.
+a block, and with what mask. The one vocabulary of the sequence schedules' plans.
 
 A ``DenseCall`` takes row ranges (slices of the sequence dim) of [B, H, S, E] tensors. A
 ``PackedCall`` takes row indices of packed tokens (None: every row; a slice: consecutive
 rows; neither copies) and the ``Seqlens`` of one varlen kernel call, so all sequences of a
 packed batch go into one kernel call; its rows are precomputed once per packing. Packed
 [T, H, E] tensors travel through the schedules as [1, H, T, E] views (``as_block``), so
-loops, merges and transports are the same for dense and packed tensors; the calls hand the
+plans, merges and transports are the same for dense and packed tensors; the calls hand the
 kernels [T, H, E] tensors again.
 
 A call's mask is data: ``causal`` and a top-left ``window`` in the call's own coordinates

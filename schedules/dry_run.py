@@ -9,8 +9,8 @@ the real one does (collectives' results, p2p's slots and the copies it sends, he
 waited for; the copy-engine transport's symmetric buffer, kept between calls and counted as
 ``kept``). Its kernel calls go through ``WorkspaceKernel``, which allocates what the GPU
 kernels do and computes nothing (counting its calls and their FLOPs). ``Allocations`` counts
-every storage that ops create and when it dies, so the peak is that of the loop that runs;
-nothing models it a second time. The built-in schedules take their memory from here; a
+every storage that ops create and when it dies, so the peak is that of the code that runs
+(``schedules.runner`` on the schedule's plan); nothing models it a second time. The built-in schedules take their memory from here; a
 schedule of your own may take its whole ``describe()`` (``describe``).
 """
 

@@ -80,7 +80,7 @@ import torch
 from . import dry_run, heads, mask_plans, runner
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import DenseCall, PackedCall, as_block, part_call
+from .calls import DenseCall, PackedCall, part_call
 from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -263,13 +263,13 @@ class Ring(Transported, SequenceSchedule):
         return 1 if remote == 1 else 2
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        plan = self.plan(spec, *_blocks(spec, q, k), backward=False)
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
         return runner.forward(plan, q, k, v, spec, kernel, self.mover(k.device), dropout,
                               out=out, lse=lse)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
                  dv=None):
-        plan = self.plan(spec, *_blocks(spec, q, k), backward=True)
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
         return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, self.mover(k.device),
                                dropout, dq=dq, dk=dk, dv=dv)
 
@@ -436,8 +436,3 @@ class Ring(Transported, SequenceSchedule):
         rows = self.local_tokens(spec)
         _, travel = self._plan(self.local_spec(spec), rows, rows)
         return rows if travel is None else travel[0]
-
-
-def _blocks(spec, *tensors):
-    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
-    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors

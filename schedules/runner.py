@@ -5,7 +5,7 @@ ordered ops of a forward or a backward as data (which K/V block the calls read, 
 calls with their rows, keys and masks, the transfers, where each gradient goes), and
 ``forward`` / ``backward`` here run any plan:
 
-    plan = schedule.plan(spec, q.shape, k.shape, backward=False)
+    plan = schedule.plan(spec, *runner.blocks(spec, q, k), backward=False)
     out, lse = runner.forward(plan, q, k, v, spec, kernel, mover)
 
 The ops of a ring forward over P = 3 ranks, one head group, at rank r (block j: rank j's):
@@ -21,11 +21,22 @@ The ops of a ring forward over P = 3 ranks, one head group, at rank r (block j: 
     Fold(calls, stream)
     Finish()
 
-A backward's ops add where dK/dV go (``Grads``: into this rank's gradients, into new sums,
-or added into the sums in flight), the sums' transfers (``SendSums``) and their landing
-(``AddSums``). The transfers go through the schedule's transport (``schedules.transport``):
-rings of K/V blocks and of dK/dV sums, with the plan's slots. Nothing in the runner knows a
-schedule: the order of the ops is the schedule.
+The ops, by what they do:
+
+    K/V blocks     Send (the ring's shifts), Gather (the plan's transfers), KV, Drop
+    forward        Open, Fold, Finish: calls folded into the merged result
+    backward       OpenDq ... FinishDq: the dQ sum; Grads: a block's calls, their dK/dV
+                   into this rank's gradients (OWN), new sums (NEW), the sums in flight
+                   (ARRIVING), kept parts (PARTS) or summed per key (SUMS)
+    sums home      SendSums, AddSums (the ring's); Scatter, StartScatter, Land (the plan's
+                   transfers)
+    whole blocks   Attend: a block that arrives with its queries (ulysses' heads)
+
+Rings of K/V blocks and dK/dV sums go through the schedule's transport
+(``schedules.transport``), with the plan's slots; other transfers through the plan's
+``transfers`` object, which the planner gives. Nothing in the runner knows a schedule: the
+order of the ops is the schedule. Whatever it runs, ``schedules.dry_run`` runs the same
+code on data-less tensors for ``describe()``'s memory.
 """
 
 from __future__ import annotations
@@ -202,10 +213,6 @@ class Plan:
     sums: tuple[torch.dtype, int] | None = None
     carried: slice | None = None
     transfers: object = None
-
-    @property
-    def kernel_calls(self) -> int:
-        return sum(len(op.calls) for op in self.ops if isinstance(op, (Fold, Grads)))
 
 
 # ---- the runner -----------------------------------------------------------------------------
@@ -462,3 +469,17 @@ class _Step:
     def _grads(self, i: int, targets=(None, None)):
         return call_grads(self.calls[i], self.kernel, self.dq_sum, self.args,
                           self.streams and self.streams(i), targets)
+
+
+class Arriving:
+    """A transfer in flight (what a plan's ``transfers.gather`` returns): ``wait()`` gives
+    what it brings, ``finish()`` called once (or what has arrived, when given as a list)."""
+
+    def __init__(self, finish):
+        self.wait = finish if callable(finish) else lambda: finish
+
+
+def blocks(spec, *tensors):
+    """Packed [T, H, E] tensors as the [1, H, T, E] blocks plans are made of (dense ones as
+    they are)."""
+    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors

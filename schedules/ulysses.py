@@ -380,11 +380,11 @@ class Ulysses(Transported, SequenceSchedule):
         return kv_heads % self.size == 0 or self.size % kv_heads == 0
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        plan = self.plan(spec, *_blocks(spec, q, k), backward=False)
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
         return runner.forward(plan, q, k, v, spec, kernel, None, dropout)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
-        plan = self.plan(spec, *_blocks(spec, q, k), backward=True)
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
         return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout)
 
     # ---- the plan ------------------------------------------------------------------------
@@ -509,12 +509,12 @@ class _Exchanges:
         ``wait()`` gives this rank's heads of every token (lse [..., 1] in BHSE)."""
         s, inputs = self.schedule, self.inputs(g)
         if self.routes is not None:
-            return _Arriving(s._start_heads(inputs, self.routes, 0).finish)
+            return runner.Arriving(s._start_heads(inputs, self.routes, 0).finish)
         lse = inputs[5:]  # backward: lse travels in its own layout
         arrived = s._to_heads(inputs[:5], self.layout, self.spec)
         if lse:
             arrived += s._to_heads(lse, Layout.BHSE, self.spec)
-        return _Arriving(lambda: arrived)
+        return runner.Arriving(arrived)
 
     def scatter(self, g, parts, results) -> None:
         """Dense: this rank's heads of every token back to the ranks holding the tokens,
@@ -543,15 +543,3 @@ class _Exchanges:
 
     def land(self, g, in_flight, parts) -> None:
         in_flight.finish()
-
-
-class _Arriving:
-    """A transfer in flight; ``wait()`` gives what arrives."""
-
-    def __init__(self, finish):
-        self.wait = finish
-
-
-def _blocks(spec, *tensors):
-    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
-    return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors
