@@ -1,0 +1,138 @@
+"""The plans the sequence schedules make for the runner (``schedules/runner.py``), checked as
+data on every rank of meshes of 2, 4 and 8 (``VirtualMesh``, data-less tensors): transfers
+and arrivals alternate, calls read a block only while one is current, every result is
+opened and finished once per head group, and a backward runs exactly the calls its forward
+ran. That the runner computes the right numbers from them is the distributed suite's
+business (tests/distributed, against the fp32 reference); that it allocates what
+``describe`` says, tests/distributed/test_memory.py.
+
+Run: pytest -q tests/test_runner.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import schedules
+import sdpa_fusion
+from schedules import dry_run, runner
+from sdpa_fusion import VirtualMesh
+
+SCHEDULES = [("ring", {}), ("ring", {"partition": "contiguous"}), ("ring", {"head_groups": 2}),
+             ("ring", {"partition": "documents"}), ("allgather", {}),
+             ("allgather", {"head_groups": 2}), ("allgather", {"partition": "documents"}),
+             ("ulysses", {}), ("ulysses", {"transport": "copy_engine"})]
+
+
+def problems(p: int):
+    """(name, global spec): dense causal, full, GQA and windowed problems, packed batches."""
+    dense = dict(batch=1, heads=4 * p, kv_heads=2 * p, q_len=32 * p, kv_len=32 * p, head_dim=16)
+    cu = (0, *torch.tensor([20 * p, 3, 0, 7, 5 * p + 1]).cumsum(0).tolist())
+    packed = {**dense, "q_len": cu[-1], "kv_len": cu[-1], "layout": "thd", "cu_seqlens": cu}
+    spec = sdpa_fusion.AttentionSpec
+    return [("causal", spec(**dense, causal=True)), ("full", spec(**dense)),
+            ("gqa", spec(**{**dense, "kv_heads": p}, causal=True)),
+            ("window", spec(**dense, causal=True, window=(9, 0))),
+            ("packed", spec(**packed, causal=True)), ("packed-window", spec(**packed, window=(6, 2)))]
+
+
+def plans(name: str, options: dict, p: int):
+    """(where, forward plan, backward plan) of every rank and problem."""
+    for what, spec in problems(p):
+        for rank in range(p):
+            sched = schedules.get(name, VirtualMesh((p,), ("seq",), rank=rank), **options)
+            planned = spec
+            if spec.layout.is_varlen and getattr(sched, "by_documents", lambda *_: False)(
+                    spec.cu_seqlens, spec.cu_seqlens_padded):
+                # whole documents: one local call, no plan; the cut ones run on its twin
+                planned, sched = sched._cut_global(spec), sched.twin()
+                if planned is None:
+                    continue
+            local, (q, k, _, _) = dry_run._local(sched, planned)
+            try:
+                sched.validate(local)
+            except ValueError:  # a problem this schedule refuses (tests/test_describe.py)
+                continue
+            q, k = runner.blocks(local, q, k)
+            yield ((name, options, p, what, rank), sched.plan(local, q, k, backward=False),
+                   sched.plan(local, q, k, backward=True))
+
+
+def assert_well_formed(plan: runner.Plan, where, backward: bool) -> list:
+    """The plan's invariants; returns the calls it runs."""
+    pending = current = False  # a transfer in flight; a block the calls may read
+    opened, finished, calls = [], [], []
+    landing, sums = set(), 0
+    for op in plan.ops:
+        if isinstance(op, (runner.Send, runner.Gather)):
+            assert not pending, (where, "two transfers in flight", op)
+            pending = True
+        elif isinstance(op, runner.KV):
+            assert 0 <= op.group < plan.groups, (where, op)
+            if op.arrives:
+                assert pending, (where, "a block arrives that nothing sent", op)
+                pending = False
+            current = True
+        elif isinstance(op, runner.Drop):
+            current = False
+        elif isinstance(op, (runner.Fold, runner.Grads, runner.Attend)):
+            assert current, (where, "calls on no block", op)
+            calls += op.calls if not isinstance(op, runner.Attend) else [op.call]
+            if isinstance(op, runner.Grads) and op.into in (runner.NEW, runner.ARRIVING):
+                sums += 1
+        elif isinstance(op, (runner.Open, runner.OpenDq)):
+            assert len(opened) == len(finished), (where, "opened twice", op)
+            opened.append(op.group)
+        elif isinstance(op, (runner.Finish, runner.FinishDq)):
+            finished.append(opened[-1])
+        elif isinstance(op, runner.SendSums):
+            assert sums == 1, (where, "sums sent that no call made", op)
+            sums = 0
+        elif isinstance(op, runner.StartScatter):
+            landing.add(op.group)
+        elif isinstance(op, runner.Land):
+            landing.remove(op.group)
+    assert not pending and not landing and sums == 0, (where, "left in flight")
+    assert isinstance(plan.ops[-1], (runner.Finish, runner.FinishDq, runner.Scatter,
+                                     runner.Land, runner.AddSums, runner.SendSums)), where
+    if any(isinstance(op, (runner.Open, runner.OpenDq)) for op in plan.ops):
+        assert sorted(opened) == sorted(finished) == list(range(plan.groups)), (where, opened)
+    return calls
+
+
+@pytest.mark.parametrize("p", [2, 4, 8], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("name, options", SCHEDULES,
+                         ids=[f"{n}-{'-'.join(map(str, o.values())) or 'default'}"
+                              for n, o in SCHEDULES])
+def test_plans_are_well_formed_and_backward_runs_the_forward_calls(name, options, p):
+    planned = 0
+    for where, forward, backward in plans(name, options, p):
+        ran = assert_well_formed(forward, where, backward=False)
+        differentiated = assert_well_formed(backward, where, backward=True)
+        assert {_key(c) for c in ran} == {_key(c) for c in differentiated}, where
+        planned += 1
+    assert planned
+
+
+def _key(call):
+    """A call by value where it has one (dense calls), else by identity (packed calls are
+    made once per packing)."""
+    try:
+        return hash(call), call
+    except TypeError:
+        return id(call)
+
+
+def test_the_ring_plan_is_the_one_the_runner_docstring_shows():
+    """P = 3, one head group, no mask: the own block leaves, then each block arrives and
+    travels on while it is used, except the last."""
+    spec = sdpa_fusion.AttentionSpec(1, 2, 2, 48, 48, 16)
+    sched = schedules.get("ring", VirtualMesh((3,), ("seq",), rank=1), head_groups=1)
+    local, (q, k, _, _) = dry_run._local(sched, spec)
+    ops = sched.plan(local, q, k, backward=False).ops
+    assert [type(op).__name__ for op in ops] == [
+        "Send", "KV", "Open", "Fold", "KV", "Send", "Fold", "KV", "Fold", "Finish"]
+    assert ops[0] == runner.Send(1, group=0) and ops[5] == runner.Send(1)
+    assert [op.arrives for op in ops if isinstance(op, runner.KV)] == [False, True, True]
+    assert [op.stream[2] for op in ops if isinstance(op, runner.Fold)] == [1, 0, 2]  # owners
