@@ -242,13 +242,6 @@ class Ring(Transported, SequenceSchedule):
             return rows
         return min(rows, mask[0] + mask[1] + 1)
 
-    def _step_count(self, spec) -> int:
-        """Steps every rank takes for the global ``spec`` (the own block's included)."""
-        if window_band(spec) is None and spec.mask is None:
-            return self.size
-        local = self.local_spec(spec)
-        return len(self._plan(local, local.q_len, local.kv_len)[0])
-
     @staticmethod
     def _kv_slots(groups: int, remote: int) -> int:
         """Receive slots of the K/V ring for ``remote`` steps per group: two, or one when
@@ -410,29 +403,36 @@ class Ring(Transported, SequenceSchedule):
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        p, steps = self.size, self._step_count(spec)
-        kv_block = 2 * spec.batch * spec.kv_heads * self._block_rows(spec) * spec.head_dim
-        kv_bytes = kv_block * spec.dtype.itemsize
-        sums_bytes = kv_block * self.sums_dtype(spec).itemsize
-        forward = spec.flops() / p
-        groups, shifts = self.groups_for(spec), steps - 1
-        back = self._backward_groups(groups, spec, shifts, spec.kv_heads, spec.heads,
-                                     self.local_tokens(spec))
+        """Steps and bytes counted on this rank's plans for the global ``spec`` (a step: a
+        group's calls on one block; a shift moves one group's block, or its sums)."""
+        local, rows = self.local_spec(spec), self.local_tokens(spec)
+        q, k = (torch.empty(spec.batch, h, rows, spec.head_dim, device="meta")
+                for h in (spec.heads, spec.kv_heads))
+        forward, backward = (self.plan(local, q, k, backward=b) for b in (False, True))
+        block_rows = rows if forward.travel is None else forward.travel[1]
+
+        def block(plan, dtype) -> int:  # bytes of one group's K and V (or sums) that travel
+            return (2 * spec.batch * (spec.kv_heads // plan.groups) * block_rows * spec.head_dim
+                    * dtype.itemsize)
+
+        sums_dtype = self.sums_dtype(spec)
+        kv_bytes = _count(forward, runner.Send) * block(forward, spec.dtype)
+        back_bytes = _count(backward, runner.Send) * block(backward, spec.dtype) + \
+            _count(backward, runner.SendSums) * block(backward, sums_dtype)
+        flops = spec.flops() / self.size
         return Description(
-            self.name, p, steps=steps * groups, bytes_sent=shifts * kv_bytes,
-            bytes_received=shifts * kv_bytes, flops=forward, backward_steps=steps * back,
-            backward_bytes_sent=shifts * (kv_bytes + sums_bytes),
-            backward_bytes_received=shifts * (kv_bytes + sums_bytes),
-            backward_flops=spec.flops(backward=True) / p - forward,
+            self.name, self.size, steps=_count(forward, runner.Fold), bytes_sent=kv_bytes,
+            bytes_received=kv_bytes, flops=flops, backward_steps=_count(backward, runner.Grads),
+            backward_bytes_sent=back_bytes, backward_bytes_received=back_bytes,
+            backward_flops=spec.flops(backward=True) / self.size - flops,
             notes=f"partition {self.partition.name}; transport {self.transport}; "
-                  f"{groups} head group(s) ({back} in backward); K/V blocks of "
-                  f"{kv_bytes // groups} bytes, dK/dV sums of {sums_bytes // back} bytes "
-                  f"({self.sums_dtype(spec)})",
+                  f"{forward.groups} head group(s) ({backward.groups} in backward); K/V blocks "
+                  f"of {block(forward, spec.dtype)} bytes, dK/dV sums of "
+                  f"{block(backward, sums_dtype)} bytes ({sums_dtype})",
             memory_of=dry_run.memory_of(self, spec),
         )
 
-    def _block_rows(self, spec) -> int:
-        """Rows of the blocks that travel in a call on the global ``spec``."""
-        rows = self.local_tokens(spec)
-        _, travel = self._plan(self.local_spec(spec), rows, rows)
-        return rows if travel is None else travel[0]
+
+def _count(plan, kind) -> int:
+    """How many ops of ``kind`` the plan has."""
+    return sum(isinstance(op, kind) for op in plan.ops)
