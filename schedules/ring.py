@@ -221,10 +221,11 @@ class Ring(Transported, SequenceSchedule):
 
     def _calls(self, spec, s_q: int, s_kv: int) -> list:
         """The kernel call (or None) of every ring step of this rank without a window."""
-        sources = [(self.index - step) % self.size for step in range(self.size)]
+        me = self.index
+        sources = [(me - step) % self.size for step in range(self.size)]
 
         def case(source):
-            return block_case(self.index, source, spec.causal, self.partition)
+            return block_case(me, source, spec.causal, self.partition)
 
         packing = spec.packing
         if packing is None:
@@ -306,18 +307,20 @@ class Ring(Transported, SequenceSchedule):
                 yield g, step, first + ops
                 first = []
 
-    def _stream(self, step: int, group: int) -> tuple:
-        """The dropout stream key of this rank's calls on the block of ring step ``step``."""
-        return "ring", self.index, (self.index - step) % self.size, group
+    def _streams(self):
+        """The dropout stream key of this rank's calls on the block of ring step ``step`` of
+        head group ``group``: ``stream(step, group)``."""
+        me, p = self.index, self.size
+        return lambda step, group: ("ring", me, (me - step) % p, group)
 
     def _forward_ops(self, calls, remote, groups: int) -> tuple:
         order, blocks = [0, *remote], sum(len(c) for c in calls.values())
-        ops = []
+        ops, stream = [], self._streams()
         for g, step, kv in self._steps(groups, [order] * groups, remote):
             ops += kv
             if step == 0:
                 ops.append(runner.Open(g, blocks))
-            ops.append(runner.Fold(tuple(calls[step]), self._stream(step, g)))
+            ops.append(runner.Fold(tuple(calls[step]), stream(step, g)))
             if step == order[-1]:
                 ops.append(runner.Finish())
         return tuple(ops)
@@ -331,13 +334,13 @@ class Ring(Transported, SequenceSchedule):
         (``early``)."""
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         orders = self._backward_orders(groups, remote, own_first=own_first)
-        ops, early = [], None
+        ops, early, streams = [], None, self._streams()
         for g, step, kv in self._steps(groups, orders, remote):
             order, own = orders[g], tuple(calls[step])
             ops += kv
             if step == order[0]:
                 ops.append(runner.OpenDq(g, tuple(c for s in order for c in calls[s])))
-            stream = self._stream(step, g)
+            stream = streams(step, g)
             if step == 0:
                 ops.append(runner.Grads(own, stream, runner.OWN))
                 if remote and step == order[-1]:  # its sums arrived meanwhile
