@@ -262,91 +262,6 @@ class AllGather(Transported, SequenceSchedule):
         key = ("allgather-disjoint", local.causal, window_band(local))
         return local.dtype if packing.cached(key, disjoint) else torch.float32
 
-    def _other_positions(self, kv_len: int, device, rank_order: bool):
-        """(rank, where its tokens go in ``others``) for every other rank."""
-        if rank_order:
-            s_local = kv_len // self.size
-            others = [j for j in range(self.size) if j != self.index]
-            return [(j, torch.arange(slot * s_local, (slot + 1) * s_local, device=device))
-                    for slot, j in enumerate(others)]
-        positions = self.positions(kv_len, device)
-        kept = torch.ones(kv_len, dtype=torch.long, device=device)
-        kept[positions[self.index]] = 0
-        slot = kept.cumsum(0) - 1
-        return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
-
-    def _region_bytes(self, k, groups, dtype) -> int:
-        """Bytes of a region of a group's packed K and V (or dK and dV sums), every rank's
-        tokens, in ``dtype``: a gather's (two are used in turn) or a scatter's."""
-        item = (k.shape[1] // len(groups), k.shape[3], dtype)
-        return sections([item, item], self.size * k.shape[2])[1]
-
-    def _to_slots(self, parts, item, tokens: int, base: int, device):
-        """Start putting ``parts[i][j]`` ([``tokens``, h, E] of ``item`` = (h, E, dtype)) into
-        this rank's slot of tensor i in rank j's region at ``base``, which holds every rank's
-        slot of each tensor, rank order; (pending, byte offsets of the tensors)."""
-        p, me = self.size, self.index
-        offsets, nbytes = sections([item] * len(parts), p * tokens)
-        row = item[0] * item[1] * item[2].itemsize
-        mover = self.mover(device)
-        region = mover.region(base, nbytes, device)
-        puts, takes = [], []
-        for pieces, at in zip(parts, offsets):
-            for j in range(p):
-                if j != me:
-                    puts.append(Put(pieces[j], (j - me) % p, at + me * tokens * row))
-                    takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
-        return mover.exchange(puts, takes, region), offsets
-
-    def _start_scatter(self, sums, base: int) -> InFlight:
-        """Start sending every other rank the dK and dV ``sums`` [1, h, P T, E] of its tokens
-        (rank order; this rank's own are zero: no gathered call reads them); ``finish()``
-        gives, per tensor, the sum of what came, in this rank's region."""
-        p, me = self.size, self.index
-        tokens = sums[0].shape[2] // p
-        item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
-        parts = [[rows[j * tokens:(j + 1) * tokens] for j in range(p)]
-                 for rows in map(as_packed, sums)]
-        pending, offsets = self._to_slots(parts, item, tokens, base, sums[0].device)
-        others = [j for j in range(p) if j != me]
-
-        def place(flat):
-            accs = []
-            for at in offsets:
-                received = rows_at(flat, at, p * tokens, item).view(p, tokens, *item[:2])
-                acc = received[others[0]] if others else received[me].zero_()
-                for j in others[1:]:  # the region is this rank's until its next exchange
-                    acc.add_(received[j])
-                accs.append(acc)
-            return accs
-
-        return InFlight(pending, place)
-
-    @staticmethod
-    def _land(in_flight: InFlight, mine, targets) -> None:
-        """Wait for a group's dK/dV sums, add this rank's own gradients ``mine`` (per tensor,
-        (key rows, gradient) parts) and write them into ``targets``; None (nothing in flight
-        any more)."""
-        for acc, parts, target in zip(in_flight.finish(), mine, targets):
-            # sums in the target's dtype take a last gradient of every row on the way: one pass
-            fused = bool(parts) and parts[-1][0] is None and acc.dtype == target.dtype
-            for rows, grad in parts[:-1] if fused else parts:
-                add_rows(as_block(acc), rows, grad)
-            if fused:
-                torch.add(acc, as_packed(parts[-1][1]), out=as_packed(target))
-            else:
-                as_packed(target).copy_(acc)
-
-    def _others(self, gathered: torch.Tensor, positions, layout) -> torch.Tensor:
-        """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
-        ``positions`` (global token order, or rank order under a window)."""
-        b, h, s_local, e = from_buffer(gathered[0], layout).shape
-        others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
-                              device=gathered.device)
-        for j, slots in positions:
-            others.index_copy_(2, slots, from_buffer(gathered[j], layout))
-        return others
-
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
         return runner.forward(plan, q, k, v, spec, kernel, None, dropout, out=out, lse=lse)
@@ -420,23 +335,6 @@ class AllGather(Transported, SequenceSchedule):
             ops.append(runner.Land(groups - 1))
         return tuple(ops)
 
-    def _scatter(self, own, others, positions, like):
-        """This rank's tokens' dK (or dV), fp32, of a head group: every rank's gradients of
-        them, summed (``own``: this rank's own, as (key rows, gradient) parts; ``others``: its
-        fp32 sums of the other ranks' tokens, in ``_others`` order); ``like``: the local
-        tensor's layout."""
-        layout = layout_of(like)
-        send = torch.empty((self.size, *buffer_shape(like.shape, layout)), dtype=torch.float32,
-                           device=like.device)
-        for j, slots in positions:
-            torch.index_select(others, 2, slots, out=from_buffer(send[j], layout))
-        del others
-        mine = Sum(from_buffer(send[self.index], layout), len(own))
-        for rows, grad in own:
-            mine.add(rows, grad)
-        mine.finish()
-        return from_buffer(self.comm.reduce_scatter(send), layout)
-
     def describe(self, spec):
         p, itemsize = self.size, spec.dtype.itemsize
         kv = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
@@ -476,18 +374,24 @@ class _Transfers:
 
     def __init__(self, schedule: AllGather, spec, rank_order: bool):
         self.schedule, self.spec, self.rank_order = schedule, spec, rank_order
+        self.size, self.index = schedule.size, schedule.index
         self.packed = spec.packing is not None
         self.positions = None
+
+    @property
+    def comm(self):
+        return self.schedule.comm  # when a call runs (a plan may be made on a VirtualMesh)
 
     def begin(self, tensors, groups, backward: bool) -> None:
         self.tensors, self.groups = tensors, groups
         if not self.packed:
             return
-        s, k = self.schedule, tensors["k"]
-        self.gathers = 2 * s._region_bytes(k, groups, k.dtype)
-        scatter = s._region_bytes(k, groups, s._sums_dtype(self.spec)) if backward else 0
-        s.mover(k.device).reserve(self.gathers + scatter, k.device)
+        k = tensors["k"]
+        self.gathers = 2 * self._region_bytes(k.dtype)
+        scatter = self._region_bytes(self.schedule._sums_dtype(self.spec)) if backward else 0
+        self.schedule.mover(k.device).reserve(self.gathers + scatter, k.device)
 
+    # ---- K/V to every rank -------------------------------------------------------------------
     def gather(self, g):
         """Start gathering head group ``g``'s K and V; ``wait()`` gives them in call order
         (the other ranks' tokens in global order, or rank order under a window; packed:
@@ -495,39 +399,130 @@ class _Transfers:
         k, v = self.tensors["k"], self.tensors["v"]
         if self.packed:
             return self._packed_gather(g, k, v)
-        s, layout = self.schedule, layout_of(k)
+        layout = layout_of(k)
         if self.positions is None:
-            self.positions = s._other_positions(k.shape[2] * s.size, k.device, self.rank_order)
-        pending = [s.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
-        return runner.Arriving(lambda: [s._others(p.wait(), self.positions, layout) for p in pending])
+            self.positions = self._other_positions(k.shape[2] * self.size, k.device)
+        pending = [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
+        return runner.Arriving(lambda: [self._others(p.wait(), layout) for p in pending])
+
+    def _other_positions(self, kv_len: int, device):
+        """(rank, where its tokens go in ``others``) for every other rank."""
+        if self.rank_order:
+            s_local = kv_len // self.size
+            others = [j for j in range(self.size) if j != self.index]
+            return [(j, torch.arange(slot * s_local, (slot + 1) * s_local, device=device))
+                    for slot, j in enumerate(others)]
+        positions = self.schedule.positions(kv_len, device)
+        kept = torch.ones(kv_len, dtype=torch.long, device=device)
+        kept[positions[self.index]] = 0
+        slot = kept.cumsum(0) - 1
+        return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
+
+    def _others(self, gathered: torch.Tensor, layout) -> torch.Tensor:
+        """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
+        ``positions`` (global token order, or rank order under a window)."""
+        b, h, s_local, e = from_buffer(gathered[0], layout).shape
+        others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
+                              device=gathered.device)
+        for j, slots in self.positions:
+            others.index_copy_(2, slots, from_buffer(gathered[j], layout))
+        return others
 
     def _packed_gather(self, g, k, v):
-        s = self.schedule
-        p, tokens = s.size, k.shape[2]
+        p, tokens = self.size, k.shape[2]
         item = (k.shape[1] // len(self.groups), k.shape[3], k.dtype)
         sends = [as_packed(g.of_kv(t)).contiguous() if p > 1 else None
                  for t in (k, v)]  # alone: nothing to send
-        base = g.index % 2 * s._region_bytes(k, self.groups, k.dtype)
-        pending, offsets = s._to_slots([[send] * p for send in sends], item, tokens, base,
-                                       k.device)
+        base = g.index % 2 * self._region_bytes(k.dtype)
+        pending, offsets = self._to_slots([[send] * p for send in sends], item, tokens, base,
+                                          k.device)
         in_flight = InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
                                                     for at in offsets])
         return runner.Arriving(in_flight.finish)
 
+    def _region_bytes(self, dtype) -> int:
+        """Bytes of a region of a group's packed K and V (or dK and dV sums), every rank's
+        tokens, in ``dtype``: a gather's (two are used in turn) or a scatter's."""
+        k = self.tensors["k"]
+        item = (k.shape[1] // len(self.groups), k.shape[3], dtype)
+        return sections([item, item], self.size * k.shape[2])[1]
+
+    def _to_slots(self, parts, item, tokens: int, base: int, device):
+        """Start putting ``parts[i][j]`` ([``tokens``, h, E] of ``item`` = (h, E, dtype)) into
+        this rank's slot of tensor i in rank j's region at ``base``, which holds every rank's
+        slot of each tensor, rank order; (pending, byte offsets of the tensors)."""
+        p, me = self.size, self.index
+        offsets, nbytes = sections([item] * len(parts), p * tokens)
+        row = item[0] * item[1] * item[2].itemsize
+        mover = self.schedule.mover(device)
+        region = mover.region(base, nbytes, device)
+        puts, takes = [], []
+        for pieces, at in zip(parts, offsets):
+            for j in range(p):
+                if j != me:
+                    puts.append(Put(pieces[j], (j - me) % p, at + me * tokens * row))
+                    takes.append(Take((me - j) % p, at + j * tokens * row, tokens * row))
+        return mover.exchange(puts, takes, region), offsets
+
+    # ---- dK/dV home --------------------------------------------------------------------------
     def _targets(self, g):
         return [g.of_kv(self.tensors["dk"]), g.of_kv(self.tensors["dv"])]
 
     def scatter(self, g, parts, sums) -> None:
         """Dense: per target (dK, then dV), every rank's gradients of this rank's tokens
-        summed (reduce-scatter) and written into it."""
+        summed in fp32 (this rank's own ``parts``, as (key rows, gradient), and every rank's
+        ``sums`` of the gathered keys, in ``_others`` order; a reduce-scatter), written into
+        it."""
         for target in self._targets(g):
-            summed = self.schedule._scatter(parts.pop(0), sums.pop(0), self.positions, target)
+            layout, own = layout_of(target), parts.pop(0)
+            send = torch.empty((self.size, *buffer_shape(target.shape, layout)),
+                               dtype=torch.float32, device=target.device)
+            for j, slots in self.positions:
+                torch.index_select(sums[0], 2, slots, out=from_buffer(send[j], layout))
+            del sums[0]
+            mine = Sum(from_buffer(send[self.index], layout), len(own))
+            for rows, grad in own:
+                mine.add(rows, grad)
+            mine.finish()
+            del own, mine
+            summed = from_buffer(self.comm.reduce_scatter(send), layout)
+            del send
             target.copy_(summed)
             del summed
 
-    def start_scatter(self, g, sums):
-        """Packed: start sending the sums to their owners."""
-        return self.schedule._start_scatter(sums, self.gathers)
+    def start_scatter(self, g, sums) -> InFlight:
+        """Packed: start sending every other rank the dK and dV ``sums`` [1, h, P T, E] of its
+        tokens (rank order; this rank's own are zero: no gathered call reads them);
+        ``finish()`` gives, per tensor, the sum of what came, in this rank's region."""
+        p, me = self.size, self.index
+        tokens = sums[0].shape[2] // p
+        item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
+        parts = [[rows[j * tokens:(j + 1) * tokens] for j in range(p)]
+                 for rows in map(as_packed, sums)]
+        pending, offsets = self._to_slots(parts, item, tokens, self.gathers, sums[0].device)
+        others = [j for j in range(p) if j != me]
 
-    def land(self, g, in_flight, parts) -> None:
-        self.schedule._land(in_flight, parts, self._targets(g))
+        def place(flat):
+            accs = []
+            for at in offsets:
+                received = rows_at(flat, at, p * tokens, item).view(p, tokens, *item[:2])
+                acc = received[others[0]] if others else received[me].zero_()
+                for j in others[1:]:  # the region is this rank's until its next exchange
+                    acc.add_(received[j])
+                accs.append(acc)
+            return accs
+
+        return InFlight(pending, place)
+
+    def land(self, g, in_flight: InFlight, mine) -> None:
+        """Wait for a group's dK/dV sums, add this rank's own gradients ``mine`` (per tensor,
+        (key rows, gradient) parts) and write them into its dK and dV."""
+        for acc, parts, target in zip(in_flight.finish(), mine, self._targets(g)):
+            # sums in the target's dtype take a last gradient of every row on the way: one pass
+            fused = bool(parts) and parts[-1][0] is None and acc.dtype == target.dtype
+            for rows, grad in parts[:-1] if fused else parts:
+                add_rows(as_block(acc), rows, grad)
+            if fused:
+                torch.add(acc, as_packed(parts[-1][1]), out=as_packed(target))
+            else:
+                as_packed(target).copy_(acc)

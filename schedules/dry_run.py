@@ -10,8 +10,9 @@ waited for; the copy-engine transport's symmetric buffer, kept between calls and
 ``kept``). Its kernel calls go through ``WorkspaceKernel``, which allocates what the GPU
 kernels do and computes nothing (counting its calls and their FLOPs). ``Allocations`` counts
 every storage that ops create and when it dies, so the peak is that of the code that runs
-(``schedules.runner`` on the schedule's plan); nothing models it a second time. The built-in schedules take their memory from here; a
-schedule of your own may take its whole ``describe()`` (``describe``).
+(``schedules.runner`` on the schedule's plan); nothing models it a second time. The built-in
+schedules take their memory from here; a schedule of your own may take its whole
+``describe()`` (``describe``).
 """
 
 from __future__ import annotations
