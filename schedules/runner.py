@@ -142,7 +142,8 @@ SUMS = "sums"  # summed per key of the block into new sums in the plan's dtype (
 class Grads:
     """Backward: the kernel ``calls`` on the current block, their dQ into the dQ sum and their
     dK/dV ``into`` OWN, NEW (rows outside the calls' keys zeroed unless not ``zero_rest``:
-    then only the first call's keys are written, nobody reads the rest) or ARRIVING."""
+    then only the first call's keys are written, nobody reads the rest), ARRIVING, PARTS or
+    SUMS (above)."""
 
     calls: tuple
     stream: tuple
