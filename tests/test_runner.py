@@ -34,7 +34,8 @@ def problems(p: int):
     return [("causal", spec(**dense, causal=True)), ("full", spec(**dense)),
             ("gqa", spec(**{**dense, "kv_heads": p}, causal=True)),
             ("window", spec(**dense, causal=True, window=(9, 0))),
-            ("packed", spec(**packed, causal=True)), ("packed-window", spec(**packed, window=(6, 2)))]
+            ("packed", spec(**packed, causal=True)),
+            ("packed-window", spec(**packed, window=(6, 2)))]
 
 
 def plans(name: str, options: dict, p: int):
