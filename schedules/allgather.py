@@ -46,6 +46,9 @@ Composed masks (``mask=``): the own block and the gathered keys (rank order) are
 Sliding windows: the own block and every other rank's block (``others`` then in rank order)
 are split into the calls of ``schedules.bands``, each a window in its own coordinates; blocks
 the window does not reach make no call.
+
+All of the above is a plan (``AllGather.plan``: the ops of ``schedules.runner``, which runs
+them; the gathers and scatters are its ``_Transfers``).
 """
 
 from __future__ import annotations

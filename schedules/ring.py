@@ -69,6 +69,8 @@ skipped step moves nothing.
 
 Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
 head group and the call's place in its step, the same in forward and backward.
+
+All of the above is a plan (``Ring.plan``: the ops of ``schedules.runner``, which runs them).
 """
 
 from __future__ import annotations

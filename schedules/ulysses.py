@@ -36,6 +36,9 @@ The exchanges go through ``transport`` (see ``schedules.transport``): on GPUs of
 copy engines move them beside the attention kernel, which holds every SM (NCCL's kernels would
 wait for it). ``head_groups="auto"`` then takes ``heads.PIPELINE_GROUPS`` groups where the
 heads allow, so that only the first group's inputs and the last one's results are not hidden.
+
+All of the above is a plan (``Ulysses.plan``: the ops of ``schedules.runner``, which runs
+them; the exchanges are its ``_Exchanges``).
 """
 
 from __future__ import annotations
