@@ -75,7 +75,11 @@ class Transfers:
     """How a call's K/V come to every rank and their gradients go home (``Plan.transfers``)."""
 
     def __init__(self, schedule: GatherKV, spec):
-        self.comm, self.size, self.layout = schedule.comm, schedule.size, spec.layout
+        self.schedule, self.size, self.layout = schedule, schedule.size, spec.layout
+
+    @property
+    def comm(self):  # read when a call runs: a plan may be made on a VirtualMesh
+        return self.schedule.comm
 
     def begin(self, tensors, groups, backward: bool) -> None:
         self.tensors = tensors  # the call's q, k, v, ... (and in backward dq, dk, dv)

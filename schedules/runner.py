@@ -266,16 +266,16 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
                     spec.softmax_scale)
         if isinstance(op, OpenDq):
             target = run.groups[op.group].of_q(dq)
-            dq_sum = Sum(target, op.contributions) if needs_block is False else \
-                dq_sum_of(kernel, target, op.calls, args, dropout)
+            dq_sum = dq_sum_of(kernel, target, op.calls, args, dropout) \
+                if op.contributions is None else Sum(target, op.contributions)
         elif isinstance(op, Grads):
             step = _Step(op.calls, kernel, dq_sum, args, run.streams(op.stream))
             if op.into == PARTS:
-                run.parts[g.index] = step.parts()
+                run.parts[run.group.index] = step.parts()
             elif op.into == SUMS:
                 run.results = step.sums(plan.sums[0])
             elif op.into == OWN:
-                step.write(targets(g.index))
+                step.write(targets(run.group.index))
             elif op.into == NEW:
                 outgoing = sums.data.empty(k.device)
                 step.write(outgoing, zero_rest=op.zero_rest)
@@ -474,7 +474,8 @@ class _Step:
 
 class Arriving:
     """A transfer in flight (what a plan's ``transfers.gather`` returns): ``wait()`` gives
-    what it brings, ``finish()`` called once (or what has arrived, when given as a list)."""
+    what it brings, by calling ``finish`` (once) or, when ``finish`` is what has already
+    arrived, returning it."""
 
     def __init__(self, finish):
         self.wait = finish if callable(finish) else lambda: finish

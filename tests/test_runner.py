@@ -60,7 +60,7 @@ def plans(name: str, options: dict, p: int):
                    sched.plan(local, q, k, backward=True))
 
 
-def assert_well_formed(plan: runner.Plan, where, backward: bool) -> list:
+def assert_well_formed(plan: runner.Plan, where) -> list:
     """The plan's invariants; returns the calls it runs."""
     pending = current = False  # a transfer in flight; a block the calls may read
     opened, finished, calls = [], [], []
@@ -109,8 +109,8 @@ def assert_well_formed(plan: runner.Plan, where, backward: bool) -> list:
 def test_plans_are_well_formed_and_backward_runs_the_forward_calls(name, options, p):
     planned = 0
     for where, forward, backward in plans(name, options, p):
-        ran = assert_well_formed(forward, where, backward=False)
-        differentiated = assert_well_formed(backward, where, backward=True)
+        ran = assert_well_formed(forward, where)
+        differentiated = assert_well_formed(backward, where)
         assert {_key(c) for c in ran} == {_key(c) for c in differentiated}, where
         planned += 1
     assert planned
