@@ -97,6 +97,40 @@ for line in wanted:
 PY
 }
 
+pip_install() { "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir "$@"; }
+
+# The CUDA wheels (torch, nvidia-*, triton, nvFuser) are about 3 GB to download and 8 GB
+# installed. One pip call keeps every wheel it downloaded until it ends, so the disk must hold
+# both at once; installing them one per call first keeps the peak at the venv plus one wheel.
+# No wheel cache either, for the same reason.
+install_staged() {
+  local report heavy req
+  report="$(mktemp)"
+  if pip_install --quiet --dry-run --report "$report" -e "$ROOT[$EXTRAS]" 2>/dev/null; then
+    heavy="$("$VENV/bin/python" - "$report" <<'PY'
+import json
+import sys
+
+with open(sys.argv[1]) as f:
+    report = json.load(f)
+for item in report["install"]:
+    name, version = item["metadata"]["name"], item["metadata"]["version"]
+    big = name.lower().startswith(("nvidia-", "nvfuser")) or name in ("torch", "triton")
+    if big and not item["download_info"]["url"].startswith("file:"):
+        print(f"{name}=={version}")
+PY
+)"
+    for req in $heavy; do
+      log "installing $req on its own ($(df -h --output=avail "$VENV" | tail -1 | tr -d ' ') free)"
+      pip_install --quiet --no-deps "$req"
+    done
+  else
+    log "pip could not report its plan (pip older than 22.2?); installing in one call"
+  fi
+  rm -f "$report"
+  pip_install -e "$ROOT[$EXTRAS]"
+}
+
 if [[ "${1:-}" == "--which-python" ]]; then  # the interpreter a new venv would use
   find_python
   exit
@@ -128,12 +162,10 @@ else
   log "installing sdpa-fusion[$EXTRAS] into $VENV (torch and nvFuser are large: about 8 GB;" \
       "minutes on first use; $(df -h --output=avail "$(dirname "$VENV")" | tail -1 | tr -d ' ') free)"
   start=$SECONDS
-  # no wheel cache: the venv alone takes about 8 GB, a cached copy of the wheels 3 more
-  "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir -e "$ROOT[$EXTRAS]"
+  install_staged
   if [[ "$CUDA" == cu130 ]]; then
     # Both nvFuser builds ship the module nvfuser_direct; make the CUDA 13 one win.
-    "$VENV/bin/python" -m pip install --progress-bar off --no-cache-dir --force-reinstall --no-deps \
-      nvfuser-cu130-torch210
+    pip_install --force-reinstall --no-deps nvfuser-cu130-torch210
   fi
   log "installed in $((SECONDS - start)) s"
 fi
