@@ -179,16 +179,6 @@ class Ulysses(Transported, SequenceSchedule):
         """The first of ``heads`` heads that ``rank`` attends (replicas share one when heads < P)."""
         return rank * heads // self.size
 
-    def _all_to_all(self, fill, shapes, layout: Layout, like: torch.Tensor):
-        """One all-to-all of several tensors. ``fill(j, blocks)`` writes what goes to rank j
-        into logical ``blocks`` of ``shapes``; returns, for each rank j, the blocks from j."""
-        numel = sum(int(torch.Size(s).numel()) for s in shapes)
-        send = torch.empty((self.size, numel), dtype=like.dtype, device=like.device)
-        for j in range(self.size):
-            fill(j, views(send[j], shapes, layout))
-        received = self.comm.all_to_all(send)
-        return [views(part, shapes, layout) for part in received]
-
     def _placement(self, spec, s_local: int, device) -> Placement:
         """Where every rank's ``s_local`` tokens go in the whole sequence."""
         if spec.packing is not None:
@@ -223,148 +213,6 @@ class Ulysses(Transported, SequenceSchedule):
             return None
         return spec.packing.cached(("ulysses-routes", self.index),
                                    lambda: Routes.of(self._packed_plan(spec)[0], self.index))
-
-    def _start_heads(self, tensors, routes: Routes, base: int) -> InFlight:
-        """Start sending this rank's real tokens of packed [1, H, S/P, E] ``tensors`` to the
-        owners of their heads (region at ``base``); ``finish()`` gives this rank's heads
-        [1, H/P, T, E] of every real token in packed order. Per tensor: one gather per rank
-        into a send buffer, the exchange, one gather into packed order."""
-        n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
-        items, offsets, nbytes = self._heads_region(tensors, routes)
-        mover = self.mover(tensors[0].device)
-        region = mover.region(base, nbytes, tensors[0].device)
-        puts, takes = [], []
-        for t, (width, e, _), at in zip(tensors, items, offsets):
-            row = width * e * t.element_size()
-            send = t.new_empty((p * n, width, e))
-            for j in range(p):
-                part = send[j * n:(j + 1) * n]
-                torch.index_select(as_packed(t).narrow(1, self._first_head(j, t.shape[1]), width),
-                                   0, routes.rows, out=part)
-                puts.append(Put(part, (j - me) % p, at + starts[me] * row))
-                takes.append(Take((me - j) % p, at + starts[j] * row, routes.counts[j] * row))
-        pending = mover.exchange(puts, takes, region)
-        del puts, send, part
-
-        def place(flat):
-            return [as_block(torch.index_select(rows_at(flat, at, routes.total, item), 0,
-                                                routes.order))
-                    for item, at in zip(items, offsets)]
-
-        return InFlight(pending, place)
-
-    def _start_sequence(self, tensors, targets, fills, routes: Routes, base: int) -> InFlight:
-        """Start sending this rank's heads [1, h, T, E] of every real token back to the
-        ranks holding the tokens (region at ``base``); ``finish()`` writes them into
-        ``targets`` [1, P h, S/P, E], padding rows ``fills``. Per tensor: one gather of every
-        rank's rows, the exchange, one gather into local order."""
-        n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
-            routes.counts
-        items = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
-        offsets, nbytes = self._sequence_region(items, routes)
-        mover = self.mover(tensors[0].device)
-        region = mover.region(base, nbytes, tensors[0].device)
-        puts, takes = [], []
-        for t, (width, e, _), at in zip(tensors, items, offsets):
-            row = width * e * t.element_size()
-            send = torch.index_select(as_packed(t), 0, routes.back)
-            for j in range(p):
-                puts.append(Put(send[starts[j]:starts[j] + counts[j]], (j - me) % p,
-                                at + me * counts[j] * row))
-                takes.append(Take((me - j) % p, at + j * n * row, n * row))
-        pending = mover.exchange(puts, takes, region)
-        del puts, send
-
-        def place(flat):
-            for target, fill, item, at in zip(targets, fills, items, offsets):
-                self._place_rows(rows_at(flat, at, p * n, item).view(p, n, *item[:2]), target,
-                                 fill, routes)
-
-        return InFlight(pending, place)
-
-    def _place_rows(self, received, target, fill: float, routes: Routes) -> None:
-        """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
-        tokens; padding rows ``fill``. One gather per rank straight into its heads of the
-        target (rows of contiguous heads: the GPU's vectorized gather, no temporary)."""
-        p, n, width, _ = received.shape
-        dest = as_packed(target)
-        if n == 0:  # every local row is padding
-            dest.fill_(fill)
-            return
-        for j in range(p):
-            torch.index_select(received[j], 0, routes.local, out=dest.narrow(1, j * width, width))
-        if len(routes.padding):
-            dest.index_fill_(0, routes.padding, fill)
-
-    def _heads_region(self, tensors, routes: Routes):
-        """(items, section offsets, bytes) of the region receiving this rank's heads of
-        ``tensors``: every real token's row of each."""
-        items = [(self._heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
-        return (items, *sections(items, routes.total))
-
-    def _sequence_region(self, items, routes: Routes) -> tuple[list[int], int]:
-        """(section offsets, bytes) of the region receiving every rank's heads ``items`` of
-        this rank's real tokens: as many rows per rank as the rank with the most, so that
-        every rank places its region alike."""
-        return sections(items, self.size * max(routes.counts))
-
-    def _to_heads(self, tensors, layout: Layout, spec) -> list[torch.Tensor]:
-        """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
-        shapes = [(b, self._heads_per_rank(h), s, e)
-                  for b, h, s, e in (t.shape for t in tensors)]
-
-        def fill(j, blocks):
-            for t, block in zip(tensors, blocks):
-                block.copy_(t.narrow(1, self._first_head(j, t.shape[1]), block.shape[1]))
-
-        received = self._all_to_all(fill, shapes, layout, tensors[0])
-        outs = []
-        for i, (b, h, s, e) in enumerate(shapes):
-            place = self._placement(spec, s, tensors[i].device)
-            out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
-                               device=tensors[i].device)
-            if not place.complete:
-                out.zero_()
-            for blocks, (rows, slots) in zip(received, place.parts):
-                out.index_copy_(2, slots, take(blocks[i], rows))
-            outs.append(out)
-        return outs
-
-    def _blocks_to_sequence(self, tensors, targets, layout: Layout, spec, padding: float) -> None:
-        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
-        into ``targets`` [B, h, S/P, E], by one all-to-all of blocks of every local row;
-        replicated K/V heads are summed; rows that did not travel (padding) are ``padding``."""
-        places = [self._placement(spec, t.shape[2] // self.size, t.device) for t in tensors]
-        shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
-                  for t, place in zip(tensors, places)]
-
-        def fill(j, blocks):
-            for t, place, block in zip(tensors, places, blocks):
-                rows, slots = place.parts[j]
-                if rows is None:
-                    torch.index_select(t, 2, slots, out=block)
-                else:
-                    block.fill_(padding)
-                    put_rows(block, rows, take(t, slots))
-
-        received = self._all_to_all(fill, shapes, layout, tensors[0])
-        for i, target in enumerate(targets):
-            self._place_heads([blocks[i] for blocks in received], target)
-
-    def _place_heads(self, blocks, target: torch.Tensor) -> None:
-        """``target`` [B, heads, S/P, E] from the head blocks of every rank, in rank order."""
-        heads, width = target.shape[1], blocks[0].shape[1]
-        replicated = heads < self.size
-        acc = torch.zeros(target.shape, dtype=torch.float32, device=target.device) \
-            if replicated else target
-        for j, block in enumerate(blocks):
-            part = acc.narrow(1, self._first_head(j, heads), width)
-            if replicated:
-                part.add_(block)
-            else:
-                part.copy_(block)
-        if replicated:
-            target.copy_(acc)
 
     def groups_fit(self, groups, heads_q, kv_heads):
         return (heads_q // groups) % self.size == 0 and self._kv_fit(kv_heads // groups)
@@ -484,6 +332,19 @@ class _Exchanges:
 
     def __init__(self, schedule: Ulysses, spec, layout: Layout, routes: Routes | None):
         self.schedule, self.spec, self.layout, self.routes = schedule, spec, layout, routes
+        self.size, self.index = schedule.size, schedule.index
+        self.first_head, self.heads_per_rank = schedule._first_head, schedule._heads_per_rank
+
+    @property
+    def comm(self):
+        return self.schedule.comm
+
+    def mover(self, device):
+        return self.schedule.mover(device)
+
+    def placement(self, s_local: int, device) -> Placement:
+        """Where every rank's ``s_local`` tokens go in the whole sequence."""
+        return self.schedule._placement(self.spec, s_local, device)
 
     def begin(self, tensors, groups, backward: bool) -> None:
         t = tensors
@@ -499,50 +360,209 @@ class _Exchanges:
             self.fills = (0.0, float("-inf"))
         if self.routes is None:
             return
-        s, first, targets = self.schedule, self.inputs(groups[0]), self.outputs(groups[0])
-        self.routed = [target.shape[1] >= s.size for target in targets]
-        self.heads_bytes = s._heads_region(first, self.routes)[2]
-        sequence_bytes = s._sequence_region(
-            [(target.shape[1] // s.size, target.shape[3], target.dtype)
-             for target, r in zip(targets, self.routed) if r], self.routes)[1]
-        s.mover(first[0].device).reserve(self.heads_bytes + sequence_bytes, first[0].device)
+        first, targets = self.inputs(groups[0]), self.outputs(groups[0])
+        self.routed = [target.shape[1] >= self.size for target in targets]
+        self.heads_bytes = self._heads_region(first)[2]
+        sequence_bytes = self._sequence_region(
+            [(target.shape[1] // self.size, target.shape[3], target.dtype)
+             for target, r in zip(targets, self.routed) if r])[1]
+        self.mover(first[0].device).reserve(self.heads_bytes + sequence_bytes, first[0].device)
 
     def gather(self, g):
         """Start sending this rank's tokens of group ``g``'s heads to their owners;
         ``wait()`` gives this rank's heads of every token (lse [..., 1] in BHSE)."""
-        s, inputs = self.schedule, self.inputs(g)
+        inputs = self.inputs(g)
         if self.routes is not None:
-            return runner.Arriving(s._start_heads(inputs, self.routes, 0).finish)
+            return runner.Arriving(self._start_heads(inputs, 0).finish)
         lse = inputs[5:]  # backward: lse travels in its own layout
-        arrived = s._to_heads(inputs[:5], self.layout, self.spec)
+        arrived = self._to_heads(inputs[:5], self.layout)
         if lse:
-            arrived += s._to_heads(lse, Layout.BHSE, self.spec)
+            arrived += self._to_heads(lse, Layout.BHSE)
         return runner.Arriving(arrived)
 
     def scatter(self, g, parts, results) -> None:
         """Dense: this rank's heads of every token back to the ranks holding the tokens,
         written into group ``g``'s outputs (lse, in BHSE, apart)."""
-        s, targets = self.schedule, self.outputs(g)
+        targets = self.outputs(g)
         if len(targets) == 2:  # forward: out, then lse
             out, lse = results
             results.clear()
-            s._blocks_to_sequence([out], targets[:1], self.layout, self.spec, 0.0)
-            s._blocks_to_sequence([lse], targets[1:], Layout.BHSE, self.spec, float("-inf"))
+            self._blocks_to_sequence([out], targets[:1], self.layout, 0.0)
+            self._blocks_to_sequence([lse], targets[1:], Layout.BHSE, float("-inf"))
             return
-        s._blocks_to_sequence(results, targets, self.layout, self.spec, 0.0)
+        self._blocks_to_sequence(results, targets, self.layout, 0.0)
 
     def start_scatter(self, g, results):
         """Packed: start sending the results home (replicated K/V heads' results, fewer in a
         group than ranks, summed back as blocks first)."""
-        s, targets = self.schedule, self.outputs(g)
+        targets = self.outputs(g)
         summed = [(t, target) for t, target, r in zip(results, targets, self.routed) if not r]
         if summed:
-            s._blocks_to_sequence(*zip(*summed), Layout.BSHE, self.spec, 0.0)
+            self._blocks_to_sequence(*zip(*summed), Layout.BSHE, 0.0)
         sent = [(t, target, fill) for t, target, fill, r in
                 zip(results, targets, self.fills, self.routed) if r]
         results.clear()
         del summed
-        return s._start_sequence(*zip(*sent), self.routes, self.heads_bytes)
+        return self._start_sequence(*zip(*sent), self.heads_bytes)
 
     def land(self, g, in_flight, parts) -> None:
         in_flight.finish()
+
+    # ---- dense: all-to-alls of blocks of every local row ---------------------------------------
+    def _all_to_all(self, fill, shapes, layout: Layout, like: torch.Tensor):
+        """One all-to-all of several tensors. ``fill(j, blocks)`` writes what goes to rank j
+        into logical ``blocks`` of ``shapes``; returns, for each rank j, the blocks from j."""
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        send = torch.empty((self.size, numel), dtype=like.dtype, device=like.device)
+        for j in range(self.size):
+            fill(j, views(send[j], shapes, layout))
+        received = self.comm.all_to_all(send)
+        return [views(part, shapes, layout) for part in received]
+
+    def _to_heads(self, tensors, layout: Layout) -> list[torch.Tensor]:
+        """Sequence-sharded [B, h, S/P, E] -> this rank's heads [B, h/P, S, E], global order."""
+        shapes = [(b, self.heads_per_rank(h), s, e)
+                  for b, h, s, e in (t.shape for t in tensors)]
+
+        def fill(j, blocks):
+            for t, block in zip(tensors, blocks):
+                block.copy_(t.narrow(1, self.first_head(j, t.shape[1]), block.shape[1]))
+
+        received = self._all_to_all(fill, shapes, layout, tensors[0])
+        outs = []
+        for i, (b, h, s, e) in enumerate(shapes):
+            place = self.placement(s, tensors[i].device)
+            out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
+                               device=tensors[i].device)
+            if not place.complete:
+                out.zero_()
+            for blocks, (rows, slots) in zip(received, place.parts):
+                out.index_copy_(2, slots, take(blocks[i], rows))
+            outs.append(out)
+        return outs
+
+    def _blocks_to_sequence(self, tensors, targets, layout: Layout, padding: float) -> None:
+        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
+        into ``targets`` [B, h, S/P, E], by one all-to-all of blocks of every local row;
+        replicated K/V heads are summed; rows that did not travel (padding) are ``padding``."""
+        places = [self.placement(t.shape[2] // self.size, t.device) for t in tensors]
+        shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
+                  for t, place in zip(tensors, places)]
+
+        def fill(j, blocks):
+            for t, place, block in zip(tensors, places, blocks):
+                rows, slots = place.parts[j]
+                if rows is None:
+                    torch.index_select(t, 2, slots, out=block)
+                else:
+                    block.fill_(padding)
+                    put_rows(block, rows, take(t, slots))
+
+        received = self._all_to_all(fill, shapes, layout, tensors[0])
+        for i, target in enumerate(targets):
+            self._place_heads([blocks[i] for blocks in received], target)
+
+    def _place_heads(self, blocks, target: torch.Tensor) -> None:
+        """``target`` [B, heads, S/P, E] from the head blocks of every rank, in rank order."""
+        heads, width = target.shape[1], blocks[0].shape[1]
+        replicated = heads < self.size
+        acc = torch.zeros(target.shape, dtype=torch.float32, device=target.device) \
+            if replicated else target
+        for j, block in enumerate(blocks):
+            part = acc.narrow(1, self.first_head(j, heads), width)
+            if replicated:
+                part.add_(block)
+            else:
+                part.copy_(block)
+        if replicated:
+            target.copy_(acc)
+
+
+    # ---- packed: the real tokens by their routes, through the transport ----------------------
+    def _start_heads(self, tensors, base: int) -> InFlight:
+        """Start sending this rank's real tokens of packed [1, H, S/P, E] ``tensors`` to the
+        owners of their heads (region at ``base``); ``finish()`` gives this rank's heads
+        [1, H/P, T, E] of every real token in packed order. Per tensor: one gather per rank
+        into a send buffer, the exchange, one gather into packed order."""
+        routes = self.routes
+        n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
+        items, offsets, nbytes = self._heads_region(tensors)
+        mover = self.mover(tensors[0].device)
+        region = mover.region(base, nbytes, tensors[0].device)
+        puts, takes = [], []
+        for t, (width, e, _), at in zip(tensors, items, offsets):
+            row = width * e * t.element_size()
+            send = t.new_empty((p * n, width, e))
+            for j in range(p):
+                part = send[j * n:(j + 1) * n]
+                torch.index_select(as_packed(t).narrow(1, self.first_head(j, t.shape[1]), width),
+                                   0, routes.rows, out=part)
+                puts.append(Put(part, (j - me) % p, at + starts[me] * row))
+                takes.append(Take((me - j) % p, at + starts[j] * row, routes.counts[j] * row))
+        pending = mover.exchange(puts, takes, region)
+        del puts, send, part
+
+        def place(flat):
+            return [as_block(torch.index_select(rows_at(flat, at, routes.total, item), 0,
+                                                routes.order))
+                    for item, at in zip(items, offsets)]
+
+        return InFlight(pending, place)
+
+    def _start_sequence(self, tensors, targets, fills, base: int) -> InFlight:
+        """Start sending this rank's heads [1, h, T, E] of every real token back to the
+        ranks holding the tokens (region at ``base``); ``finish()`` writes them into
+        ``targets`` [1, P h, S/P, E], padding rows ``fills``. Per tensor: one gather of every
+        rank's rows, the exchange, one gather into local order."""
+        routes = self.routes
+        n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
+            routes.counts
+        items = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
+        offsets, nbytes = self._sequence_region(items)
+        mover = self.mover(tensors[0].device)
+        region = mover.region(base, nbytes, tensors[0].device)
+        puts, takes = [], []
+        for t, (width, e, _), at in zip(tensors, items, offsets):
+            row = width * e * t.element_size()
+            send = torch.index_select(as_packed(t), 0, routes.back)
+            for j in range(p):
+                puts.append(Put(send[starts[j]:starts[j] + counts[j]], (j - me) % p,
+                                at + me * counts[j] * row))
+                takes.append(Take((me - j) % p, at + j * n * row, n * row))
+        pending = mover.exchange(puts, takes, region)
+        del puts, send
+
+        def place(flat):
+            for target, fill, item, at in zip(targets, fills, items, offsets):
+                self._place_rows(rows_at(flat, at, p * n, item).view(p, n, *item[:2]), target,
+                                 fill)
+
+        return InFlight(pending, place)
+
+    def _place_rows(self, received, target, fill: float) -> None:
+        """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
+        tokens; padding rows ``fill``. One gather per rank straight into its heads of the
+        target (rows of contiguous heads: the GPU's vectorized gather, no temporary)."""
+        p, n, width, _ = received.shape
+        routes = self.routes
+        dest = as_packed(target)
+        if n == 0:  # every local row is padding
+            dest.fill_(fill)
+            return
+        for j in range(p):
+            torch.index_select(received[j], 0, routes.local, out=dest.narrow(1, j * width, width))
+        if len(routes.padding):
+            dest.index_fill_(0, routes.padding, fill)
+
+    def _heads_region(self, tensors):
+        """(items, section offsets, bytes) of the region receiving this rank's heads of
+        ``tensors``: every real token's row of each."""
+        items = [(self.heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
+        return (items, *sections(items, self.routes.total))
+
+    def _sequence_region(self, items) -> tuple[list[int], int]:
+        """(section offsets, bytes) of the region receiving every rank's heads ``items`` of
+        this rank's real tokens: as many rows per rank as the rank with the most, so that
+        every rank places its region alike."""
+        return sections(items, self.size * max(self.routes.counts))
+
