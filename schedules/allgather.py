@@ -339,16 +339,25 @@ class AllGather(Transported, SequenceSchedule):
         return tuple(ops)
 
     def describe(self, spec):
-        p, itemsize = self.size, spec.dtype.itemsize
-        kv = 2 * spec.batch * spec.kv_heads * self.local_tokens(spec) * spec.head_dim
-        sums = self._sums_dtype(self.local_spec(spec)) if spec.layout.is_varlen else torch.float32
-        gather, scatter = (p - 1) * kv * itemsize, (p - 1) * kv * sums.itemsize
+        """Bytes counted on this rank's plans for the global ``spec`` (a gather brings one
+        head group's K and V of every other rank, a scatter sends as many dK/dV sums); steps
+        (kernel calls of a group) and FLOPs from its calls."""
+        forward, backward = runner.plans_of(self, spec)
+        sums = backward.sums[0]
+
+        def others(plan, dtype) -> int:  # bytes of one group's K and V of the other ranks
+            return (2 * spec.batch * (spec.kv_heads // plan.groups) * self.local_tokens(spec)
+                    * spec.head_dim * (self.size - 1) * dtype.itemsize)
+
+        gather = forward.count(runner.Gather) * others(forward, spec.dtype)
+        back = backward.count(runner.Gather) * others(backward, spec.dtype) + \
+            backward.count(runner.Scatter, runner.StartScatter) * others(backward, sums)
         steps, pairs = self._work(spec)
         flops = 4.0 * spec.batch * spec.heads * spec.head_dim * pairs
         return Description(
-            self.name, p, steps=steps, bytes_sent=gather, bytes_received=gather,
-            flops=flops, backward_steps=steps, backward_bytes_sent=gather + scatter,
-            backward_bytes_received=gather + scatter, backward_flops=2.5 * flops,
+            self.name, self.size, steps=steps, bytes_sent=gather, bytes_received=gather,
+            flops=flops, backward_steps=steps, backward_bytes_sent=back,
+            backward_bytes_received=back, backward_flops=2.5 * flops,
             notes=f"partition {self.partition.name}; steps are kernel calls, flops this rank's; "
                   f"K/V all-gathered again in backward, dK/dV sums reduce-scattered in "
                   f"{str(sums).replace('torch.', '')}; "

@@ -410,24 +410,21 @@ class Ring(Transported, SequenceSchedule):
     def describe(self, spec):
         """Steps and bytes counted on this rank's plans for the global ``spec`` (a step: a
         group's calls on one block; a shift moves one group's block, or its sums)."""
-        local, rows = self.local_spec(spec), self.local_tokens(spec)
-        q, k = (torch.empty(spec.batch, h, rows, spec.head_dim, device="meta")
-                for h in (spec.heads, spec.kv_heads))
-        forward, backward = (self.plan(local, q, k, backward=b) for b in (False, True))
-        block_rows = rows if forward.travel is None else forward.travel[1]
+        forward, backward = runner.plans_of(self, spec)
+        block_rows = self.local_tokens(spec) if forward.travel is None else forward.travel[1]
 
         def block(plan, dtype) -> int:  # bytes of one group's K and V (or sums) that travel
             return (2 * spec.batch * (spec.kv_heads // plan.groups) * block_rows * spec.head_dim
                     * dtype.itemsize)
 
         sums_dtype = self.sums_dtype(spec)
-        kv_bytes = _count(forward, runner.Send) * block(forward, spec.dtype)
-        back_bytes = _count(backward, runner.Send) * block(backward, spec.dtype) + \
-            _count(backward, runner.SendSums) * block(backward, sums_dtype)
+        kv_bytes = forward.count(runner.Send) * block(forward, spec.dtype)
+        back_bytes = backward.count(runner.Send) * block(backward, spec.dtype) + \
+            backward.count(runner.SendSums) * block(backward, sums_dtype)
         flops = spec.flops() / self.size
         return Description(
-            self.name, self.size, steps=_count(forward, runner.Fold), bytes_sent=kv_bytes,
-            bytes_received=kv_bytes, flops=flops, backward_steps=_count(backward, runner.Grads),
+            self.name, self.size, steps=forward.count(runner.Fold), bytes_sent=kv_bytes,
+            bytes_received=kv_bytes, flops=flops, backward_steps=backward.count(runner.Grads),
             backward_bytes_sent=back_bytes, backward_bytes_received=back_bytes,
             backward_flops=spec.flops(backward=True) / self.size - flops,
             notes=f"partition {self.partition.name}; transport {self.transport}; "
@@ -436,8 +433,3 @@ class Ring(Transported, SequenceSchedule):
                   f"{block(backward, sums_dtype)} bytes ({sums_dtype})",
             memory_of=dry_run.memory_of(self, spec),
         )
-
-
-def _count(plan, kind) -> int:
-    """How many ops of ``kind`` the plan has."""
-    return sum(isinstance(op, kind) for op in plan.ops)

@@ -215,6 +215,19 @@ class Plan:
     carried: slice | None = None
     transfers: object = None
 
+    def count(self, *kinds) -> int:
+        """How many of the plan's ops are of one of ``kinds``."""
+        return sum(isinstance(op, kinds) for op in self.ops)
+
+
+def plans_of(schedule, spec) -> tuple[Plan, Plan]:
+    """``schedule``'s forward and backward plans on this rank for the global ``spec``, made
+    on data-less blocks (for ``describe()`` to count)."""
+    local, rows = schedule.local_spec(spec), schedule.local_tokens(spec)
+    q, k = (torch.empty(spec.batch, h, rows, spec.head_dim, device="meta")
+            for h in (spec.heads, spec.kv_heads))
+    return tuple(schedule.plan(local, q, k, backward=b) for b in (False, True))
+
 
 # ---- the runner -----------------------------------------------------------------------------
 def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None, lse=None):
