@@ -50,7 +50,6 @@ import torch
 from sdpa_fusion.layout import Layout
 
 from . import dry_run, heads, mask_plans, runner
-from .base import Description
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
 from .partition import Documents
@@ -265,63 +264,19 @@ class Ulysses(Transported, SequenceSchedule):
             ops.append(runner.Land(groups - 1))
         return runner.Plan(tuple(ops), groups, transfers=_Exchanges(self, spec, layout, routes))
 
-    def _kv_per_rank(self, spec) -> tuple[int, bool]:
-        """(K/V heads this rank attends over all head groups, whether they are replicated:
-        a group with fewer K/V heads than ranks gives each rank a copy of one)."""
-        groups = self.groups_for(spec)
-        kv = spec.kv_heads // groups
-        return groups * self._heads_per_rank(kv), kv < self.size
-
-    def _packed_traffic(self, spec) -> tuple[int, int, int, int]:
-        """Bytes (forward sent, received; backward sent, received) of a packed call: the
-        real tokens of q, k, v, out, lse, dout and the gradients by their routes; the
-        gradients of replicated K/V heads as blocks of every local row."""
-        p, local, e = self.size, self.local_tokens(spec), spec.head_dim * spec.dtype.itemsize
-        counts = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").real.sum(1).tolist()
-        mine, others = counts[self.index], sum(counts) - counts[self.index]
-        h, (h_kv, replicated) = spec.heads // p, self._kv_per_rank(spec)
-
-        def away(nbytes):  # per head of ``nbytes`` a row: this rank's rows to every owner
-            return mine * (p - 1) * nbytes
-
-        def back(nbytes):  # per head: every other rank's rows
-            return others * nbytes
-
-        if replicated:  # dK/dV summed from blocks
-            kv_grads = (2 * h_kv * (p - 1) * local * e,) * 2
-        else:
-            kv_grads = (2 * h_kv * back(e), 2 * h_kv * away(e))
-        heads_in = h + 2 * h_kv, 3 * h + 2 * h_kv  # forward: q, k, v; backward: dout, q, k, v, out
-        return ((heads_in[0] * away(e) + h * back(e) + h * back(4),
-                 heads_in[0] * back(e) + h * away(e) + h * away(4),
-                 heads_in[1] * away(e) + h * away(4) + h * back(e) + kv_grads[0],
-                 heads_in[1] * back(e) + h * back(4) + h * away(e) + kv_grads[1]))
-
     def describe(self, spec):
-        p, local = self.size, self.local_tokens(spec)
-        q_head = spec.batch * (spec.q_len // p if not spec.layout.is_varlen else local) \
-            * spec.head_dim * spec.dtype.itemsize
-        kv_head = spec.batch * local * spec.head_dim * spec.dtype.itemsize
-        h, (h_kv, _) = spec.heads // p, self._kv_per_rank(spec)
-        lse = q_head // (spec.head_dim * spec.dtype.itemsize) * h * 4
-        forward = (p - 1) * (2 * h * q_head + 2 * h_kv * kv_head + lse)  # q, k, v; out, lse
-        backward = (p - 1) * (3 * h * q_head + 2 * h_kv * kv_head + lse  # dout, q, k, v, out, lse
-                              + h * q_head + 2 * h_kv * kv_head)         # dq, dk, dv
-        traffic = (forward, forward, backward, backward)
-        if spec.layout.is_varlen and self.routes_packed:
-            traffic = self._packed_traffic(spec)
-        flops = spec.flops() / p
-        return Description(
-            self.name, p, steps=1, bytes_sent=traffic[0], bytes_received=traffic[1], flops=flops,
-            backward_steps=1, backward_bytes_sent=traffic[2], backward_bytes_received=traffic[3],
-            backward_flops=spec.flops(backward=True) / p - flops,
-            notes=f"partition {self.partition.name}; {h} of {spec.heads} heads and {h_kv} K/V "
-                  f"heads per rank over the whole sequence; all-to-alls repeated in backward; "
-                  f"{self.groups_for(spec)} head group(s)"
-                  + (f"; packed through transport {self.transport}" if spec.layout.is_varlen
-                     else ""),
-            memory_of=dry_run.memory_of(self, spec),
-        )
+        """What a dry run of this rank's plans does for the global ``spec``
+        (``schedules.dry_run``): its kernel calls, their FLOPs, the bytes its exchanges move
+        and its memory."""
+        d = dry_run.describe(self, spec)
+        groups = self.groups_for(spec)
+        h_kv = groups * self._heads_per_rank(spec.kv_heads // groups)
+        return dataclasses.replace(d, notes=(
+            f"partition {self.partition.name}; {spec.heads // self.size} of {spec.heads} heads "
+            f"and {h_kv} K/V heads per rank over the whole sequence; all-to-alls repeated in "
+            f"backward; {groups} head group(s)"
+            + (f"; packed through transport {self.transport}" if spec.layout.is_varlen else "")
+            + f"; {d.notes}"))
 
 
 class _Exchanges:
