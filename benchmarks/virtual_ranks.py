@@ -389,7 +389,10 @@ def parse_args(argv=None):
     p.add_argument("--shrink", type=int, default=1,
                    help="divide every document length by this (CPU runs of medium size)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=5, help="timed iterations at most")
+    p.add_argument("--iters", type=int, default=100,
+                   help="timed iterations at most (a short step takes this many, so that its "
+                        "median holds still; a long one as many as --budget-s allows, at "
+                        "least 2)")
     p.add_argument("--budget-s", type=float, default=0.5,
                    help="seconds of timed iterations per step (fewer where a step is long)")
     p.add_argument("--record-gib", type=float, default=None,
