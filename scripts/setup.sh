@@ -157,7 +157,7 @@ fi
 if [[ "$fresh" == 0 ]] && satisfied; then
   log "reusing $VENV: every requirement of pyproject.toml ([$EXTRAS]) is installed"
   # the package's own metadata (its command's entry point, its package data) may have changed
-  "$VENV/bin/python" -m pip install --progress-bar off --quiet --no-deps -e "$ROOT"
+  pip_install --quiet --no-deps -e "$ROOT"
 else
   log "installing sdpa-fusion[$EXTRAS] into $VENV (torch and nvFuser are large: about 8 GB;" \
       "minutes on first use; $(df -h --output=avail "$(dirname "$VENV")" | tail -1 | tr -d ' ') free)"
