@@ -37,6 +37,8 @@ cannot place whole are cut.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 CUT = -1  # the owner of a document cut over every rank
 
@@ -84,8 +86,14 @@ def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
 def assign(lengths, parts: int, *, tolerance: float = 0.05,
            token_pairs: float = TOKEN_PAIRS) -> Assignment:
     """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure);
-    ``token_pairs``: see ``work``."""
-    lengths = tuple(int(n) for n in lengths)
+    ``token_pairs``: see ``work``. Kept for the last few batches: the partition's choice and
+    its split ask for the same one."""
+    return _assign(tuple(int(n) for n in lengths), parts, tolerance, token_pairs)
+
+
+@functools.lru_cache(maxsize=8)
+def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
+            token_pairs: float) -> Assignment:
     if parts < 1 or any(n < 0 for n in lengths):
         raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
     works = tuple(work(n, token_pairs) for n in lengths)
@@ -115,9 +123,16 @@ def _place(lengths, works, parts, order, cut, mean_tokens, mean_work):
         if i in cut:
             continue
         n, w = lengths[i], works[i]
-        rank = min(range(parts), key=lambda r: (max(_ratio(tokens[r] + n, mean_tokens),
-                                                    _ratio(loads[r] + w, mean_work)),
-                                                tokens[r], r))
+        # the rank of least (max(tokens, work ratio after), tokens, rank): a loop, as this
+        # runs for every document of every new packing
+        rank, least, fewest = 0, math.inf, math.inf
+        for r in range(parts):
+            t = tokens[r]
+            a = (t + n) / mean_tokens if mean_tokens > 0 else 0.0
+            b = (loads[r] + w) / mean_work if mean_work > 0 else 0.0
+            after = a if a > b else b
+            if after < least or (after == least and t < fewest):
+                rank, least, fewest = r, after, t
         owner[i] = rank
         tokens[rank] += n
         loads[rank] += w

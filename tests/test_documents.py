@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import schedules
@@ -56,6 +56,44 @@ def test_bounds(lengths, parts, tolerance, token_pairs):
         assert tokens <= 1 + tolerance + 1e-9 and loads <= 1 + tolerance + 1e-9
     assert all(o == CUT for o, n in zip(a.owner, lengths) if n > total / parts)
     assert assign(lengths, parts, tolerance=tolerance, token_pairs=token_pairs) == a
+
+
+def placed_by_the_rule(lengths, parts, tolerance, token_pairs):
+    """The owners of schedules.assign's rule written plainly: cut what exceeds a share;
+    place the rest largest first where the larger of the two ratios after it is least
+    (then the fewest tokens, then the lowest rank); while unbalanced, cut the largest whole
+    document too."""
+    works = [work(n, token_pairs) for n in lengths]
+    mean_t, mean_w = sum(lengths) / parts, sum(works) / parts
+    ratio = lambda x, mean: x / mean if mean > 0 else 0.0  # noqa: E731
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    cut = {i for i in order if parts > 1 and (lengths[i] > mean_t or works[i] > mean_w)}
+    while True:
+        tokens = [sum(lengths[i] for i in cut) / parts] * parts
+        loads = [sum(works[i] for i in cut) / parts] * parts
+        owner = [CUT] * len(lengths)
+        for i in (i for i in order if i not in cut):
+            r = min(range(parts), key=lambda r: (max(ratio(tokens[r] + lengths[i], mean_t),
+                                                     ratio(loads[r] + works[i], mean_w)),
+                                                 tokens[r], r))
+            owner[i], tokens[r], loads[r] = r, tokens[r] + lengths[i], loads[r] + works[i]
+        whole = [i for i in order if i not in cut]
+        if not whole or (max(tokens) <= (1 + tolerance) * mean_t + 1e-9
+                         and max(loads) <= (1 + tolerance) * mean_w + 1e-9):
+            return tuple(owner)
+        cut.add(whole[0])
+
+
+@settings(max_examples=80, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 5000)), max_size=60),
+       st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([0.0, 0.05, 0.2]),
+       st.sampled_from([0, 600]))
+@example([2, 2, 1, 5, 3, 6, 5, 2], 2, 0.2, 0)  # a tie in ratio that the fewer tokens break
+def test_placement_is_the_rule(lengths, parts, tolerance, token_pairs):
+    """assign's placement loop (written for speed: it runs for every document of every new
+    packing) places as the rule says."""
+    a = assign(lengths, parts, tolerance=tolerance, token_pairs=token_pairs)
+    assert a.owner == placed_by_the_rule(lengths, parts, tolerance, token_pairs)
 
 
 def test_short_documents_stay_whole_and_balanced():
