@@ -346,8 +346,7 @@ class AllGather(Transported, SequenceSchedule):
         sums = backward.sums[0]
 
         def others(plan, dtype) -> int:  # bytes of one group's K and V of the other ranks
-            return (2 * spec.batch * (spec.kv_heads // plan.groups) * self.local_tokens(spec)
-                    * spec.head_dim * (self.size - 1) * dtype.itemsize)
+            return plan.kv_bytes(spec, (self.size - 1) * self.local_tokens(spec), dtype)
 
         gather = forward.count(runner.Gather) * others(forward, spec.dtype)
         back = backward.count(runner.Gather) * others(backward, spec.dtype) + \

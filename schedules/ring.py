@@ -414,8 +414,7 @@ class Ring(Transported, SequenceSchedule):
         block_rows = self.local_tokens(spec) if forward.travel is None else forward.travel[1]
 
         def block(plan, dtype) -> int:  # bytes of one group's K and V (or sums) that travel
-            return (2 * spec.batch * (spec.kv_heads // plan.groups) * block_rows * spec.head_dim
-                    * dtype.itemsize)
+            return plan.kv_bytes(spec, block_rows, dtype)
 
         sums_dtype = self.sums_dtype(spec)
         kv_bytes = forward.count(runner.Send) * block(forward, spec.dtype)

@@ -219,6 +219,13 @@ class Plan:
         """How many of the plan's ops are of one of ``kinds``."""
         return sum(isinstance(op, kinds) for op in self.ops)
 
+    def kv_bytes(self, spec, rows: int, dtype: torch.dtype) -> int:
+        """Bytes of one head group's K and V (or their dK/dV sums) of ``rows`` rows in
+        ``dtype`` (batch, K/V heads and head dim from ``spec``): what one of the plan's
+        transfers of them moves."""
+        return (2 * spec.batch * (spec.kv_heads // self.groups) * rows * spec.head_dim
+                * dtype.itemsize)
+
 
 def plans_of(schedule, spec) -> tuple[Plan, Plan]:
     """``schedule``'s forward and backward plans on this rank for the global ``spec``, made
