@@ -104,7 +104,7 @@ pip_install() { "$VENV/bin/python" -m pip install --progress-bar off --no-cache-
 # both at once; installing them one per call first keeps the peak at the venv plus one wheel.
 # No wheel cache either, for the same reason.
 install_staged() {
-  local report heavy req
+  local report heavy="" req
   report="$(mktemp)"
   if pip_install --quiet --dry-run --report "$report" -e "$ROOT[$EXTRAS]" 2>/dev/null; then
     heavy="$("$VENV/bin/python" - "$report" <<'PY'
@@ -120,14 +120,14 @@ for item in report["install"]:
         print(f"{name}=={version}")
 PY
 )"
-    for req in $heavy; do
-      log "installing $req on its own ($(df -h --output=avail "$VENV" | tail -1 | tr -d ' ') free)"
-      pip_install --quiet --no-deps "$req"
-    done
   else
     log "pip could not report its plan (pip older than 22.2?); installing in one call"
   fi
   rm -f "$report"
+  for req in $heavy; do
+    log "installing $req on its own ($(df -h --output=avail "$VENV" | tail -1 | tr -d ' ') free)"
+    pip_install --quiet --no-deps "$req"
+  done
   pip_install -e "$ROOT[$EXTRAS]"
 }
 
