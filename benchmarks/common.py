@@ -164,8 +164,9 @@ def measure(step: Callable, input_sets: Sequence, *, warmup: int = 3, iters: int
     """Time ``step(inputs)`` rotating over ``input_sets``; never raises.
 
     ``warmup`` untimed calls come first. With ``budget_s`` the number of timed iterations is
-    cut (down to ``min_iters``) so that they take about that long; leave it None when several
-    ranks must run the same number of iterations. With ``hold_s`` steps then run back to back
+    cut (down to ``min_iters``) so that they take about that long, estimated from the warm-up
+    calls after the first (which may compile; a warm-up of one call gets one more); leave it
+    None when several ranks must run the same number of iterations. With ``hold_s`` steps then run back to back
     for about that many seconds more, untimed, so that the timed ones find the GPU at the
     clock it keeps under sustained load (a power or thermal limit takes a while to settle);
     ``agree(go)`` makes the ranks of a distributed step decide together when to stop (True
@@ -188,14 +189,20 @@ def _measure(step, sets, warmup, iters, min_iters, budget_s, before_timing,
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sampler = telemetry.sampler() if cuda else None  # started before it is needed
     seconds = []
-    for i in range(warmup):
+
+    def untimed(i: int) -> None:
         sync()
         t0 = time.perf_counter()
         step(sets[i % len(sets)])
         sync()
         seconds.append(time.perf_counter() - t0)
+
+    for i in range(warmup):
+        untimed(i)
     if budget_s is not None and seconds:
-        estimate = min(seconds[1:] or seconds)
+        if len(seconds) == 1:  # the first call may compile: the estimate takes one more
+            untimed(1)
+        estimate = min(seconds[1:])
         iters = max(min_iters, min(iters, int(budget_s / max(estimate, 1e-6))))
     if hold_s > 0:
         _hold(step, sets, hold_s, sync, agree)

@@ -57,6 +57,21 @@ def test_measure_without_hold_times_right_after_warmup():
     assert m.status == "ok" and m.hold_s == 0.0 and len(calls) == 6
 
 
+def test_budget_is_estimated_past_a_first_call_that_compiles():
+    """A first call 100x slower than the others (a kernel compiling) does not cut the timed
+    iterations to the least: the estimate takes a call after it."""
+    import time
+
+    calls = []
+
+    def step(x):
+        time.sleep(0.2 if not calls else 0.002)
+        calls.append(x)
+
+    m = common.measure(step, [0], warmup=1, iters=10, min_iters=2, budget_s=0.1)
+    assert m.status == "ok" and m.iters == 10 and len(calls) == 2 + 10
+
+
 def test_hold_alone_runs_about_its_seconds():
     import time
 
