@@ -8,6 +8,7 @@ raise the same ValueError. ``explain``/``plan`` check one rank's call and never 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -159,6 +160,52 @@ def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) 
     return fields
 
 
+_PLANS: collections.OrderedDict = collections.OrderedDict()  # call key -> (plan, fields)
+PLANS_KEPT = 64  # the plans of the last calls kept (a model's layers ask again every step)
+
+
+def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
+    """``plan`` of a call, and the agreement fields made for it so far (by whether a backward
+    follows and whether the inputs were DTensors): made once per call key (``_call_key``)
+    among the last ``PLANS_KEPT`` calls without a schedule, or of the schedule (kept with
+    it, so they go with it); a call that fails is planned, and raises, every time."""
+    key = _call_key(q, k, v, options)
+    if key is None:
+        return plan(q, k, v, **options), {}
+    schedule = options["schedule"]
+    kept = _PLANS if schedule is None else \
+        schedule.__dict__.setdefault("_attention_plans", collections.OrderedDict())
+    if key in kept:
+        kept.move_to_end(key)
+        return kept[key]
+    kept[key] = found = (plan(q, k, v, **options), {})
+    while len(kept) > PLANS_KEPT:
+        kept.popitem(last=False)
+    return found
+
+
+def _call_key(q, k, v, options: dict):
+    """What a call's plan depends on: the tensors' shapes, strides, dtypes and devices, and
+    the options; None when an option may change without its identity changing (a tensor of
+    offsets, a list) or cannot be a key, so that the call is planned anew."""
+    if any(isinstance(value, (torch.Tensor, list)) for value in options.values()):
+        return None
+    key = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)),
+           tuple((name, _typed(value)) for name, value in options.items() if name != "schedule"))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _typed(value):
+    """``value`` with the type of every part, so that a key tells ``1`` from ``True``."""
+    if isinstance(value, tuple):
+        return tuple(_typed(v) for v in value)
+    return type(value), value
+
+
 def _text(value) -> str:
     """``repr(value)``; that of a long tuple (a pack's offsets) made once."""
     if isinstance(value, tuple) and len(value) > 64:
@@ -222,12 +269,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     p = fields = error = rewrap = None
     try:
         (q, k, v), rewrap = unwrap_dtensors((q, k, v), schedule)
-        p = plan(q, k, v, causal=causal, scale=scale, layout=layout, kernel=kernel,
-                 schedule=schedule, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
-                 cu_seqlens_padded=cu_seqlens_padded, window=window, mask=mask)
+        options = dict(causal=causal, scale=scale, layout=layout, kernel=kernel,
+                       schedule=schedule, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
+                       cu_seqlens_padded=cu_seqlens_padded, window=window, mask=mask)
+        p, known_fields = _planned(q, k, v, options)
         if schedule is not None and schedule.mesh is not None:
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            fields = call_fields(p, needs_grad, rewrap is not None, q.device)
+            said = (needs_grad, rewrap is not None)
+            if said not in known_fields:
+                known_fields[said] = call_fields(p, needs_grad, rewrap is not None, q.device)
+            fields = known_fields[said]
     except Exception as e:  # noqa: BLE001 - every failure is agreed on, not only ValueError
         error = e
     control = schedule.control if schedule is not None and hasattr(schedule, "control") else None

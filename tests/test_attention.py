@@ -164,3 +164,57 @@ def test_explain_raises_what_attention_would(rng):
     q, k, v = qkv(rng)
     with pytest.raises(KernelUnavailable, match="CUDA"):
         sdpa_fusion.explain(q, k, v, layout="bshe", kernel="flash")
+
+
+# ---- plans kept across calls -------------------------------------------------------------------
+def _counting_plans(monkeypatch):
+    from sdpa_fusion import api
+
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(kwargs)
+        return plan(*args, **kwargs)
+
+    plan = api.plan
+    monkeypatch.setattr(api, "plan", counted)
+    monkeypatch.setattr(api, "_PLANS", type(api._PLANS)())
+    return made
+
+
+def test_a_call_like_an_earlier_one_reuses_its_plan_and_stays_right(monkeypatch, rng):
+    """A model's layers call attention alike every step: planned once, right every time;
+    another shape, memory order or option is planned anew."""
+    made = _counting_plans(monkeypatch)
+    for layout, causal in [(Layout.BHSE, True), (Layout.BHSE, True), (Layout.BSHE, True),
+                           (Layout.BHSE, False), (Layout.BHSE, True)]:
+        q, k, v = qkv(rng, layout)
+        out = sdpa_fusion.attention(q, k, v, causal=causal)
+        assert_close(out, reference.attention(q, k, v, causal=causal).out, torch.float32)
+    assert len(made) == 3
+
+
+def test_bad_input_after_a_kept_plan_still_raises(monkeypatch, rng):
+    made = _counting_plans(monkeypatch)
+    q, k, v = qkv(rng)
+    sdpa_fusion.attention(q, k, v, causal=True)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="causal=1 must be True or False"):
+            sdpa_fusion.attention(q, k, v, causal=1)
+    sdpa_fusion.attention(q, k, v, causal=True)
+    assert len(made) == 3
+
+
+def test_offsets_in_a_tensor_are_read_on_every_call(monkeypatch, rng):
+    """cu_seqlens in a tensor may change in place between calls: never a kept plan."""
+    made = _counting_plans(monkeypatch)
+    q, k, v = (torch.randn(20, 2, 8, generator=rng) for _ in range(3))
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+    for cut in (5, 12):
+        cu[1] = cut
+        out = sdpa_fusion.attention(q, k, v, layout="thd", causal=True, cu_seqlens=cu)
+        for a, b in ((0, cut), (cut, 20)):
+            want = reference.attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                       causal=True).out
+            assert_close(out[a:b], want[0].transpose(0, 1), torch.float32)
+    assert len(made) == 2
