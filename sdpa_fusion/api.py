@@ -161,7 +161,7 @@ def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) 
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()  # call key -> (plan, fields)
-PLANS_KEPT = 64  # the plans of the last calls kept (a model's layers ask again every step)
+PLANS_KEPT = 8  # plans kept: a model's layers repeat a few calls, each step's packing anew
 
 
 def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
@@ -186,9 +186,12 @@ def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
 
 def _call_key(q, k, v, options: dict):
     """What a call's plan depends on: the tensors' shapes, strides, dtypes and devices, and
-    the options; None when an option may change without its identity changing (a tensor of
-    offsets, a list) or cannot be a key, so that the call is planned anew."""
-    if any(isinstance(value, (torch.Tensor, list)) for value in options.values()):
+    the options; None, so that the call is planned anew, when an option may change without
+    its identity changing (a tensor of offsets, a list) or cannot be a key, with a mask (it
+    holds tensors, and a batch brings its own), or when q, k, v are not tensors (``plan``
+    says so)."""
+    if any(isinstance(value, (torch.Tensor, list)) for value in options.values()) or \
+            options["mask"] is not None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
     key = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)),
            tuple((name, _typed(value)) for name, value in options.items() if name != "schedule"))

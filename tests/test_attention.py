@@ -218,3 +218,13 @@ def test_offsets_in_a_tensor_are_read_on_every_call(monkeypatch, rng):
                                        causal=True).out
             assert_close(out[a:b], want[0].transpose(0, 1), torch.float32)
     assert len(made) == 2
+
+
+def test_calls_with_a_mask_are_planned_every_time(monkeypatch, rng):
+    """A mask holds tensors and a batch brings its own: no plan of it is kept."""
+    made = _counting_plans(monkeypatch)
+    q, k, v = qkv(rng)
+    mask = sdpa_fusion.masks.prefix(5)
+    for _ in range(2):
+        sdpa_fusion.attention(q, k, v, causal=True, mask=mask)
+    assert len(made) == 2
