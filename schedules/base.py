@@ -14,6 +14,7 @@ caches and per-rank state in ``_private`` attributes.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -79,6 +80,12 @@ class Schedule(abc.ABC):
             mesh.size(self.dim)  # a clear error for an unknown dim name
         else:
             self.dim = dim
+
+    @functools.cached_property
+    def kept_plans(self) -> collections.OrderedDict:
+        """The plans of recent ``attention`` calls on this schedule (``sdpa_fusion.api`` keeps
+        them here, so that they go with the schedule)."""
+        return collections.OrderedDict()
 
     # ---- mesh helpers --------------------------------------------------------------------
     @property

@@ -167,14 +167,14 @@ PLANS_KEPT = 8  # plans kept: a model's layers repeat a few calls, each step's p
 def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
     """``plan`` of a call, and the agreement fields made for it so far (by whether a backward
     follows and whether the inputs were DTensors): made once per call key (``_call_key``)
-    among the last ``PLANS_KEPT`` calls without a schedule, or of the schedule (kept with
-    it, so they go with it); a call that fails is planned, and raises, every time."""
-    key = _call_key(q, k, v, options)
-    if key is None:
-        return plan(q, k, v, **options), {}
+    among the last ``PLANS_KEPT`` calls without a schedule, or of the schedule (in its
+    ``kept_plans``, where it has them); a call that fails is planned, and raises, every
+    time."""
     schedule = options["schedule"]
-    kept = _PLANS if schedule is None else \
-        schedule.__dict__.setdefault("_attention_plans", collections.OrderedDict())
+    kept = _PLANS if schedule is None else getattr(schedule, "kept_plans", None)
+    key = _call_key(q, k, v, options)
+    if key is None or kept is None:
+        return plan(q, k, v, **options), {}
     if key in kept:
         kept.move_to_end(key)
         return kept[key]

@@ -247,3 +247,16 @@ def test_auto_takes_documents_where_the_model_says_faster():
     assert not hasattr(named.pack(short), "assignment")
     assert named.describe(spec).notes.startswith("partition load_balanced;")
     assert torch.equal(ring.position_ids(32), named.position_ids(32))
+
+
+def test_the_twin_and_dry_copies_keep_plans_of_their_own():
+    """``attention`` keeps a schedule's plans in ``kept_plans``: the copies that run the cut
+    documents (with another partition) and dry runs start without them."""
+    from schedules import dry_run
+
+    ring = schedules.get("ring", sdpa_fusion.VirtualMesh((2,), ("seq",), rank=0),
+                         partition="documents")
+    ring.kept_plans["a call"] = "its plan"
+    assert not ring.twin().kept_plans
+    assert not dry_run._dry(ring, {}).kept_plans
+    assert ring.kept_plans == {"a call": "its plan"}
