@@ -163,18 +163,18 @@ def measure(step: Callable, input_sets: Sequence, *, warmup: int = 3, iters: int
             agree: Callable[[bool], bool] | None = None) -> Measurement:
     """Time ``step(inputs)`` rotating over ``input_sets``; never raises.
 
-    ``warmup`` untimed calls come first. With ``budget_s`` the number of timed iterations is
-    cut (down to ``min_iters``) so that they take about that long, estimated from the warm-up
-    calls after the first (which may compile; a warm-up of one call gets one more); leave it
-    None when several ranks must run the same number of iterations. With ``hold_s`` steps then run back to back
-    for about that many seconds more, untimed, so that the timed ones find the GPU at the
+    ``warmup`` untimed calls come first. With ``budget_s`` the number of timed iterations is cut
+    (down to ``min_iters``) so that they take about that long, estimated from the warm-up calls
+    after the first (which may compile; a warm-up of one call gets one more); leave it None when
+    several ranks must run the same number of iterations. With ``hold_s`` steps then run back to
+    back for about that many seconds more, untimed, so that the timed ones find the GPU at the
     clock it keeps under sustained load (a power or thermal limit takes a while to settle);
-    ``agree(go)`` makes the ranks of a distributed step decide together when to stop (True
-    while any rank goes on). Timed iterations run back to back (the steady state of a
-    training loop: host work overlaps the device's) after ``before_timing`` (a barrier, say);
-    ``before_each`` runs before every timed iteration, outside the timed region, instead.
-    On GPUs ``gpus`` records their clocks over the timed iterations (``telemetry``). A
-    failure is returned as a Measurement whose status says what went wrong.
+    ``agree(go)`` makes the ranks of a distributed step decide together when to stop (True while
+    any rank goes on). Timed iterations run back to back (the steady state of a training loop:
+    host work overlaps the device's) after ``before_timing`` (a barrier, say); ``before_each``
+    runs before every timed iteration, outside the timed region, instead. On GPUs ``gpus``
+    records their clocks over the timed iterations (``telemetry``). A failure is returned as a
+    Measurement whose status says what went wrong.
     """
     try:
         return _measure(step, list(input_sets), warmup, iters, min_iters, budget_s,
