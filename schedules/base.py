@@ -81,11 +81,11 @@ class Schedule(abc.ABC):
         else:
             self.dim = dim
 
-    @functools.cached_property
+    @property
     def kept_plans(self) -> collections.OrderedDict:
         """The plans of recent ``attention`` calls on this schedule (``sdpa_fusion.api`` keeps
-        them here, so that they go with the schedule)."""
-        return collections.OrderedDict()
+        them here, so that they go with the schedule; a cache, not configuration)."""
+        return self.__dict__.setdefault("_kept_plans", collections.OrderedDict())
 
     # ---- mesh helpers --------------------------------------------------------------------
     @property

@@ -290,7 +290,7 @@ def _dry(schedule, done: dict):
     for name, value in list(vars(dry).items()):
         if isinstance(value, Schedule):
             setattr(dry, name, _dry(value, done))
-    for name in ("_configuration_fields", "kept_plans"):
+    for name in ("_configuration_fields", "_kept_plans"):
         dry.__dict__.pop(name, None)
     if schedule.mesh is not None and schedule.dim is not None:
         comm = dry.__dict__["comm"] = DryComm(schedule.index, schedule.size)

@@ -103,7 +103,7 @@ class WholeDocuments:
             twin = copy.copy(self)
             twin.partition = LoadBalanced()
             twin._splits, twin._positions, twin._contiguous = collections.OrderedDict(), {}, {}
-            for name in ("_configuration_fields", "comm", "kept_plans"):
+            for name in ("_configuration_fields", "comm", "_kept_plans"):
                 twin.__dict__.pop(name, None)
             self._twin = twin
         return twin

@@ -251,12 +251,15 @@ def test_auto_takes_documents_where_the_model_says_faster():
 
 def test_the_twin_and_dry_copies_keep_plans_of_their_own():
     """``attention`` keeps a schedule's plans in ``kept_plans``: the copies that run the cut
-    documents (with another partition) and dry runs start without them."""
+    documents (with another partition) and dry runs start without them, and the fields the
+    ranks agree on leave them out."""
     from schedules import dry_run
 
     ring = schedules.get("ring", sdpa_fusion.VirtualMesh((2,), ("seq",), rank=0),
                          partition="documents")
-    ring.kept_plans["a call"] = "its plan"
+    ring.kept_plans["a call"] = (ring, {})  # a plan holds its schedule
     assert not ring.twin().kept_plans
     assert not dry_run._dry(ring, {}).kept_plans
-    assert ring.kept_plans == {"a call": "its plan"}
+    assert ring.kept_plans == {"a call": (ring, {})}
+    # a cache, not configuration: the ranks' agreement does not read it
+    assert not any("kept" in name for name in ring.configuration())
