@@ -103,14 +103,29 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
            if parts > 1 and (lengths[i] > mean_tokens or works[i] > mean_work)}
     limit = 1.0 + tolerance
     while True:
+        whole = [i for i in order if i not in cut]
+        if whole and _breaks_the_bound(lengths, works, parts, cut, whole[0],
+                                       limit * mean_tokens, limit * mean_work):
+            cut.add(whole[0])  # what placing them all would end in, without placing them
+            continue
         owner, tokens, loads = _place(lengths, works, parts, order, cut, mean_tokens,
                                       mean_work)
-        whole = [i for i in order if i not in cut]
         balanced = (max(tokens) <= limit * mean_tokens + 1e-9
                     and max(loads) <= limit * mean_work + 1e-9)
         if balanced or not whole:
             return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads))
         cut.add(whole[0])
+
+
+def _breaks_the_bound(lengths, works, parts, cut, largest: int, most_tokens: float,
+                      most_work: float) -> bool:
+    """Whether the ``largest`` whole document, on any rank, takes it past ``most_tokens`` or
+    ``most_work`` with the shares of the ``cut`` documents alone (by more than rounding): a
+    placement of all would then be unbalanced, and the rule would cut it next."""
+    shared_tokens = sum(lengths[i] for i in cut) / parts
+    shared_work = sum(works[i] for i in cut) / parts
+    return (shared_tokens + lengths[largest] > most_tokens + 1e-6
+            or shared_work + works[largest] > most_work + 1e-6)
 
 
 def _place(lengths, works, parts, order, cut, mean_tokens, mean_work):
