@@ -104,11 +104,14 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
     limit = 1.0 + tolerance
     while True:
         whole = [i for i in order if i not in cut]
-        if whole and _breaks_the_bound(lengths, works, parts, cut, whole[0],
-                                       limit * mean_tokens, limit * mean_work):
-            cut.add(whole[0])  # what placing them all would end in, without placing them
+        shared = (sum(lengths[i] for i in cut) / parts, sum(works[i] for i in cut) / parts)
+        # the largest whole document past the bound on any rank, with the cut documents'
+        # shares alone (by more than rounding): placing them all could only end in cutting it
+        if whole and (shared[0] + lengths[whole[0]] > limit * mean_tokens + 1e-6
+                      or shared[1] + works[whole[0]] > limit * mean_work + 1e-6):
+            cut.add(whole[0])
             continue
-        owner, tokens, loads = _place(lengths, works, parts, order, cut, mean_tokens,
+        owner, tokens, loads = _place(lengths, works, parts, order, cut, shared, mean_tokens,
                                       mean_work)
         balanced = (max(tokens) <= limit * mean_tokens + 1e-9
                     and max(loads) <= limit * mean_work + 1e-9)
@@ -117,22 +120,10 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
         cut.add(whole[0])
 
 
-def _breaks_the_bound(lengths, works, parts, cut, largest: int, most_tokens: float,
-                      most_work: float) -> bool:
-    """Whether the ``largest`` whole document, on any rank, takes it past ``most_tokens`` or
-    ``most_work`` with the shares of the ``cut`` documents alone (by more than rounding): a
-    placement of all would then be unbalanced, and the rule would cut it next."""
-    shared_tokens = sum(lengths[i] for i in cut) / parts
-    shared_work = sum(works[i] for i in cut) / parts
-    return (shared_tokens + lengths[largest] > most_tokens + 1e-6
-            or shared_work + works[largest] > most_work + 1e-6)
-
-
-def _place(lengths, works, parts, order, cut, mean_tokens, mean_work):
-    """(owner, tokens, work) after placing every document not in ``cut`` largest first."""
-    shared_tokens = sum(lengths[i] for i in cut) / parts
-    shared_work = sum(works[i] for i in cut) / parts
-    tokens, loads = [shared_tokens] * parts, [shared_work] * parts
+def _place(lengths, works, parts, order, cut, shared, mean_tokens, mean_work):
+    """(owner, tokens, work) after placing every document not in ``cut`` largest first, every
+    rank starting from the ``shared`` (tokens, work) of the cut documents."""
+    tokens, loads = [shared[0]] * parts, [shared[1]] * parts
     owner = [CUT] * len(lengths)
     for i in order:
         if i in cut:
