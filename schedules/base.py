@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -80,6 +81,14 @@ class Schedule(abc.ABC):
             mesh.size(self.dim)  # a clear error for an unknown dim name
         else:
             self.dim = dim
+
+    def copy_without_caches(self) -> "Schedule":
+        """A shallow copy of this schedule without what is made per object (its configuration
+        fields, its kept plans): a copy that is changed or run otherwise makes its own."""
+        other = copy.copy(self)
+        for name in ("_configuration_fields", "_kept_plans"):
+            other.__dict__.pop(name, None)
+        return other
 
     @property
     def kept_plans(self) -> collections.OrderedDict:

@@ -17,7 +17,6 @@ schedules take their memory from here; a schedule of your own may take its whole
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import threading
@@ -286,12 +285,10 @@ def _dry(schedule, done: dict):
     """A copy of ``schedule`` (and of the schedules it holds) whose transfers are dry."""
     if id(schedule) in done:
         return done[id(schedule)]
-    dry = done[id(schedule)] = copy.copy(schedule)
+    dry = done[id(schedule)] = schedule.copy_without_caches()
     for name, value in list(vars(dry).items()):
         if isinstance(value, Schedule):
             setattr(dry, name, _dry(value, done))
-    for name in ("_configuration_fields", "_kept_plans"):
-        dry.__dict__.pop(name, None)
     if schedule.mesh is not None and schedule.dim is not None:
         comm = dry.__dict__["comm"] = DryComm(schedule.index, schedule.size)
         if hasattr(dry, "_movers"):

@@ -22,7 +22,6 @@ kernel call (no bytes) to the twin's description of the cut packing.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 
 import torch
@@ -100,11 +99,10 @@ class WholeDocuments:
         transport buffers (made once): what runs the cut packing."""
         twin = self.__dict__.get("_twin")
         if twin is None:
-            twin = copy.copy(self)
+            twin = self.copy_without_caches()
             twin.partition = LoadBalanced()
             twin._splits, twin._positions, twin._contiguous = collections.OrderedDict(), {}, {}
-            for name in ("_configuration_fields", "comm", "_kept_plans"):
-                twin.__dict__.pop(name, None)
+            twin.__dict__.pop("comm", None)
             self._twin = twin
         return twin
 
