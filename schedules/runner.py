@@ -21,22 +21,11 @@ The ops of a ring forward over P = 3 ranks, one head group, at rank r (block j: 
     Fold(calls, stream)
     Finish()
 
-The ops, by what they do:
-
-    K/V blocks     Send (the ring's shifts), Gather (the plan's transfers), KV, Drop
-    forward        Open, Fold, Finish: calls folded into the merged result
-    backward       OpenDq ... FinishDq: the dQ sum; Grads: a block's calls, their dK/dV
-                   into this rank's gradients (OWN), new sums (NEW), the sums in flight
-                   (ARRIVING), kept parts (PARTS) or summed per key (SUMS)
-    sums home      SendSums, AddSums (the ring's); Scatter, StartScatter, Land (the plan's
-                   transfers)
-    whole blocks   Attend: a block that arrives with its queries (ulysses' heads)
-
-Rings of K/V blocks and dK/dV sums go through the schedule's transport
-(``schedules.transport``), with the plan's slots; other transfers through the plan's
-``transfers`` object, which the planner gives. Nothing in the runner knows a schedule: the
-order of the ops is the schedule. Whatever it runs, ``schedules.dry_run`` runs the same
-code on data-less tensors for ``describe()``'s memory.
+Forward folds calls into a merged result (Open, Fold, Finish); backward sums dQ (OpenDq ...
+FinishDq) and sends a block's dK/dV where ``Grads.into`` says. Rings of K/V blocks and dK/dV
+sums go through the schedule's transport (``schedules.transport``), other transfers through
+the plan's ``transfers``. The runner knows no schedule: the order of the ops is the schedule.
+``schedules.dry_run`` runs the same code on data-less tensors for ``describe()``'s memory.
 """
 
 from __future__ import annotations
@@ -66,8 +55,8 @@ class Send:
 
 @dataclasses.dataclass(frozen=True)
 class Gather:
-    """Start gathering every rank's K/V of head group ``group`` (the plan's ``transfers``
-    say how, and in which order the gathered keys come)."""
+    """Start gathering every rank's K/V of head group ``group`` (by the plan's
+    ``transfers``)."""
 
     group: int
 
@@ -88,9 +77,8 @@ class Drop:
 
 @dataclasses.dataclass(frozen=True)
 class Attend:
-    """Attend the arrived block, which carries its own queries: ``call`` over all of it
-    (None: no query sees a key), dropout stream ``stream``; its results go home by the
-    next Scatter or StartScatter."""
+    """Attend the arrived block, which carries its own queries, by ``call`` (None: no query
+    sees a key); the results go home by the next Scatter or StartScatter."""
 
     call: object
     stream: tuple
@@ -121,9 +109,8 @@ class Finish:
 
 @dataclasses.dataclass(frozen=True)
 class OpenDq:
-    """Backward: start the dQ sum of head group ``group``, to which ``calls`` contribute
-    (summed in the kernel where it can: every call on keys of one block size); with
-    ``contributions``, an ordinary sum of that many."""
+    """Backward: start the dQ sum of head group ``group`` over ``calls`` (in the kernel where
+    it can), or with ``contributions``, an ordinary sum of that many."""
 
     group: int
     calls: tuple = ()
@@ -140,10 +127,9 @@ SUMS = "sums"  # summed per key of the block into new sums in the plan's dtype (
 
 @dataclasses.dataclass(frozen=True)
 class Grads:
-    """Backward: the kernel ``calls`` on the current block, their dQ into the dQ sum and their
-    dK/dV ``into`` OWN, NEW (rows outside the calls' keys zeroed unless not ``zero_rest``:
-    then only the first call's keys are written, nobody reads the rest), ARRIVING, PARTS or
-    SUMS (above)."""
+    """Backward: the kernel ``calls`` on the current block, their dQ into the dQ sum, their
+    dK/dV ``into`` one of the places above (NEW without ``zero_rest``: only the first call's
+    keys are written, nobody reads the rest)."""
 
     calls: tuple
     stream: tuple
@@ -168,17 +154,15 @@ class AddSums:
 
 @dataclasses.dataclass(frozen=True)
 class Scatter:
-    """Send the results of head group ``group`` (SUMS, with the group's PARTS, or what
-    Attend gave) home and write what comes into this rank's outputs (the plan's
-    ``transfers``; waits)."""
+    """Send the results of head group ``group`` (SUMS and PARTS, or Attend's) home and write
+    what comes into this rank's outputs (waits)."""
 
     group: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StartScatter:
-    """Start sending the results of head group ``group`` home (the plan's ``transfers``;
-    ``Land`` writes what came)."""
+    """Start sending the results of head group ``group`` home (``Land`` writes them)."""
 
     group: int
 
@@ -198,14 +182,13 @@ class FinishDq:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One rank's ops for a forward or a backward of a local problem, over ``groups`` head
-    groups. ``travel`` = (start, rows): the rows of a block that travel (None: all);
-    ``kv_slots``: receive slots of the K/V ring (0: no block travels); ``sums`` = (dtype,
-    slots) of the dK/dV sums (slots of their ring; 0: no ring; None: no sums); ``carried``:
-    the rows of this rank's block that the sums it receives carry (None: all);
-    ``transfers``: what gathers and scatters (``begin(tensors, groups, backward)``,
-    ``gather(group)``, ``scatter(group, parts, results)``, ``start_scatter(group, results)``,
-    ``land(group, landing, parts)``)."""
+    """One rank's ops for a forward or a backward of a local problem over ``groups`` head
+    groups. ``travel`` = (start, rows) of a block that travel (None: all); ``kv_slots``: of
+    the K/V ring (0: none); ``sums`` = (dtype, ring slots) of the dK/dV sums (None: no
+    sums); ``carried``: the rows of this rank's block that received sums carry (None: all);
+    ``transfers``: ``begin(tensors, groups, backward)``, ``gather(group)``,
+    ``scatter(group, parts, results)``, ``start_scatter(group, results)`` and
+    ``land(group, landing, parts)``."""
 
     ops: tuple
     groups: int
@@ -220,16 +203,14 @@ class Plan:
         return sum(isinstance(op, kinds) for op in self.ops)
 
     def kv_bytes(self, spec, rows: int, dtype: torch.dtype) -> int:
-        """Bytes of one head group's K and V (or their dK/dV sums) of ``rows`` rows in
-        ``dtype`` (batch, K/V heads and head dim from ``spec``): what one of the plan's
-        transfers of them moves."""
+        """Bytes of one head group's K and V (or dK/dV sums) of ``rows`` rows in ``dtype``."""
         return (2 * spec.batch * (spec.kv_heads // self.groups) * rows * spec.head_dim
                 * dtype.itemsize)
 
 
 def plans_of(schedule, spec) -> tuple[Plan, Plan]:
     """``schedule``'s forward and backward plans on this rank for the global ``spec``, made
-    on data-less blocks (for ``describe()`` to count)."""
+    on data-less blocks."""
     local, rows = schedule.local_spec(spec), schedule.local_tokens(spec)
     q, k = (torch.empty(spec.batch, h, rows, spec.head_dim, device="meta")
             for h in (spec.heads, spec.kv_heads))
@@ -305,8 +286,12 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
         elif isinstance(op, SendSums):
             pending = sums.shift(outgoing, hops=op.hops)
             outgoing = None  # the transport holds it until it has left
-        elif isinstance(op, AddSums):
-            _add_sums(targets(op.group), pending, run.sent, plan.carried)
+        elif isinstance(op, AddSums):  # only the carried rows, when the plan has them
+            for target, summed in zip(targets(op.group), pending.wait()):
+                if plan.carried is None:
+                    run.sent(target).add_(summed)
+                else:
+                    add_rows(run.sent(target), plan.carried, summed[:, :, plan.carried])
         elif isinstance(op, FinishDq):
             dq_sum.finish()
         else:
@@ -318,8 +303,8 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
 
 
 class _Run:
-    """What the ops of one call share: its tensors, the head groups, the K/V block the calls
-    read, the block in flight, what a group's calls leave for its Scatter or Land."""
+    """What the ops of one call share: tensors, head groups, the current and in-flight
+    blocks, what a group's calls leave for its Scatter or Land."""
 
     def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout):
         self.plan, self.tensors, self.spec, self.kernel = plan, tensors, spec, kernel
@@ -342,8 +327,7 @@ class _Run:
 
     def rings(self, *dtypes_and_slots):
         """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors (S:
-        the rows that travel), all in this call's buffer of the transport; None where no
-        slots."""
+        the rows that travel); None where no slots."""
         wanted = [(dtype, slots) for dtype, slots in dtypes_and_slots if slots]
         if not wanted:
             return [None] * len(dtypes_and_slots)
@@ -354,10 +338,7 @@ class _Run:
         return [next(made) if slots else None for _, slots in dtypes_and_slots]
 
     def do(self, op) -> None:
-        """Run an op that forward and backward share: start a transfer (``Send``,
-        ``Gather``), take a block (``KV``) or let it go (``Drop``), attend a block that
-        carries its queries (``Attend``), send results home (``Scatter``, ``StartScatter``,
-        ``Land``)."""
+        """Run an op that forward and backward share."""
         transfers = self.plan.transfers
         if isinstance(op, Gather):
             self.pending = transfers.gather(self.groups[op.group])
@@ -389,9 +370,8 @@ class _Run:
             raise TypeError(f"not an op of this runner: {op!r}")
 
     def _attend(self, op) -> list[torch.Tensor]:
-        """The results of ``op.call`` on the arrived block: forward (q, k, v) -> [out, lse
-        [..., 1]]; backward (dout, q, k, v, out, lse [..., 1]) -> [dq, dk, dv]; zeros (lse
-        -inf) when the call is None."""
+        """``op.call`` on the arrived block: (q, k, v) -> [out, lse [..., 1]], (dout, q, k,
+        v, out, lse [..., 1]) -> [dq, dk, dv]; zeros (lse -inf) when the call is None."""
         block, call, scale = self.block, op.call, self.spec.softmax_scale
         stream = None if self.dropout is None else self.dropout.stream(*op.stream)
         if len(block) == 3:
@@ -414,29 +394,16 @@ class _Run:
         return lambda call: self.dropout.stream(*stream, call)
 
 
-def _add_sums(targets, pending, sent, rows=None) -> None:
-    """Add the dK/dV sums ``pending`` brings into ``targets`` (their rows that travel; of
-    those only ``rows``, when given)."""
-    for target, summed in zip(targets, pending.wait()):
-        target = sent(target)
-        if rows is None:
-            target.add_(summed)
-        else:
-            add_rows(target, rows, summed[:, :, rows])
-
-
 class _Step:
     """The kernel calls (maybe none) of a backward op on one K/V block, ``args`` = (dout, q,
-    K block, V block, out, lse, scale); their dQ goes into ``dq_sum``, call i draws dropout
-    stream ``streams(i)``."""
+    K block, V block, out, lse, scale); their dQ goes into ``dq_sum``."""
 
     def __init__(self, calls, kernel, dq_sum: Sum, args, streams):
         self.calls, self.kernel, self.dq_sum = calls, kernel, dq_sum
         self.args, self.streams = args, streams
 
     def add_into(self, pending):
-        """Add the calls' dK/dV to the sums ``pending`` brings (they arrive while the first
-        call runs); returns the sums."""
+        """The sums ``pending`` brings (while the first call runs) plus the calls' dK/dV."""
         grads = self._grads(0) if self.calls else ()
         summed = pending.wait()
         for acc, grad in zip(summed, grads):
@@ -463,9 +430,8 @@ class _Step:
         return sums
 
     def write(self, targets, zero_rest: bool = True) -> None:
-        """Write the calls' dK/dV into ``targets`` (full blocks: zero outside the calls'
-        keys, unless not ``zero_rest``); the first call's straight from the kernel when they
-        have the kernel's dtype."""
+        """Write the calls' dK/dV into ``targets``, zero outside the calls' keys if
+        ``zero_rest`` (the first call's straight from the kernel in its dtype)."""
         if not self.calls:
             for t in targets:
                 t.zero_()
@@ -493,9 +459,8 @@ class _Step:
 
 
 class Arriving:
-    """A transfer in flight (what a plan's ``transfers.gather`` returns): ``wait()`` gives
-    what it brings, by calling ``finish`` (once) or, when ``finish`` is what has already
-    arrived, returning it."""
+    """A transfer in flight (what ``transfers.gather`` returns): ``wait()`` calls ``finish``
+    (once), or returns it when it is what has already arrived."""
 
     def __init__(self, finish):
         self.wait = finish if callable(finish) else lambda: finish
