@@ -46,8 +46,7 @@ from .transport import RingData
 # ---- ops ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Send:
-    """Start moving K/V ``hops`` ranks on: this rank's own block of head group ``group``, or
-    (``group`` None) the block that arrived last."""
+    """Start moving K/V ``hops`` ranks on: the own block of ``group``, or (None) the last."""
 
     hops: int
     group: int | None = None
@@ -55,16 +54,14 @@ class Send:
 
 @dataclasses.dataclass(frozen=True)
 class Gather:
-    """Start gathering every rank's K/V of head group ``group`` (by the plan's
-    ``transfers``)."""
+    """Start gathering every rank's K/V of head group ``group`` (the plan's ``transfers``)."""
 
     group: int
 
 
 @dataclasses.dataclass(frozen=True)
 class KV:
-    """The K/V block the next calls read: this rank's own of head group ``group``, or (``arrives``)
-    the block in flight (waits for it)."""
+    """The block the next calls read: the own of ``group``, or (``arrives``) the one in flight."""
 
     group: int
     arrives: bool = False
@@ -86,8 +83,7 @@ class Attend:
 
 @dataclasses.dataclass(frozen=True)
 class Open:
-    """Forward: start the merged result of head group ``group``'s rows, which get at most
-    ``blocks`` calls each."""
+    """Forward: start the merged result of ``group``'s rows, at most ``blocks`` calls each."""
 
     group: int
     blocks: int
@@ -95,8 +91,7 @@ class Open:
 
 @dataclasses.dataclass(frozen=True)
 class Fold:
-    """Forward: fold the kernel ``calls`` on the current block into the merged result; call i
-    draws dropout stream ``(*stream, i)``."""
+    """Forward: fold the kernel ``calls`` on the current block into the merged result."""
 
     calls: tuple
     stream: tuple
@@ -146,16 +141,14 @@ class SendSums:
 
 @dataclasses.dataclass(frozen=True)
 class AddSums:
-    """Backward: wait for the sums in flight and add them into this rank's dK/dV of head
-    group ``group`` (only the plan's ``carried`` rows, when it has them)."""
+    """Backward: add the sums in flight (waits) into this rank's dK/dV of ``group``."""
 
     group: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Scatter:
-    """Send the results of head group ``group`` (SUMS and PARTS, or Attend's) home and write
-    what comes into this rank's outputs (waits)."""
+    """Send ``group``'s results (SUMS and PARTS, or Attend's) home; write what comes (waits)."""
 
     group: int
 
@@ -169,8 +162,7 @@ class StartScatter:
 
 @dataclasses.dataclass(frozen=True)
 class Land:
-    """Wait for what the StartScatter of head group ``group`` brings and write it (with the
-    group's PARTS) into this rank's outputs."""
+    """Wait for ``group``'s StartScatter; write what came (with its PARTS) into the outputs."""
 
     group: int
 
