@@ -14,63 +14,38 @@ after the first costs half a block:
     block of a rank > r  the local late chunk vs the whole block
 
 Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its owner,
-travel the ring with the block and end on the owner, P - 1 hops in all (fewer shifts under a
-window, see below). The owner works on its own block last, while its sums make their last
-hop, writes its own dK/dV straight into its gradients and adds the sums. Only the first
-block of a backward keeps the GPU waiting (nothing precedes it): a call of one group (auto)
-on large blocks runs its backward as two groups (dense, no dropout: ``_backward_groups``),
-and the first works on its own block first, while the first block travels, and adds its
-sums once the second has worked on its first block. Every step uses the global
-out and lse of the forward. When a block's sums come from one rank alone (P = 2, dense, no
-window), that rank writes only its call's keys and the owner adds only those rows.
+travel the ring with the block and end on the owner. The owner works on its own block last,
+while its sums make their last hop. Only the first block of a backward keeps the GPU
+waiting: a call of one group on large blocks runs its backward as two groups
+(``_backward_groups``), the first working on its own block while the first block travels.
+When a block's sums come from one rank alone (P = 2, dense, no window), that rank writes
+only its call's keys and the owner adds only those rows.
 
-Head groups (``head_groups``, see ``schedules.heads``): the ring runs over G groups of K/V
-heads one after another, each group's blocks 1/G of the whole; the first block of the next
-group travels during the last step of the current one, so only the very first transfer of a
-call waits. What each rank holds at the peak (G groups, P ranks, blocks of one group):
+Head groups (``schedules.heads``): the ring runs over G groups of K/V heads in turn; the
+next group's first block travels during the current group's last step. At the peak a rank
+holds, beside out and lse (and dq, dk, dv): two K/V slots (one when one block travels), in
+backward the received dK/dV sums (one slot at P = 2, two above) and those sent on, and an
+fp32 sum of out or dQ only when a row gets more than two blocks.
 
-    forward   out, lse; two K/V slots (one when only one block travels); the block's output;
-              an fp32 accumulator of the group's out only when a row gets more than two
-              blocks (P > 2: with two, the first is written into out as is and the second
-              merged into it, rounding once)
-    backward  saved out, lse; dq, dk, dv; two K/V slots; the received dK/dV sums (one slot
-              at P = 2, two above) and the sums sent on; a dQ temporary and the kernel's
-              workspace; an fp32 dQ sum only when more than two blocks add to it
+dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2 without a window
+(each sum that travels is one kernel result: nothing is rounded that fp32 would not round),
+fp32 otherwise; "input" or "fp32" always. The blocks and sums go through ``transport``
+(``schedules.transport``); the own K/V goes out without a copy.
 
-dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2 without a window,
-where the sums that travel are one kernel result each (nothing is rounded that fp32 sums
-would not round), and fp32 otherwise; "input" always travels in the input dtype (half the
-bytes of fp32, one more rounding per hop), "fp32" always in fp32.
+Packed sequences: each step is one varlen call over every sequence, the step's case applied
+to each sequence's part and cut to its real tokens (``packed_call``; made once per packing).
 
-The blocks and sums travel through ``transport`` (NCCL/gloo send-receive, or copy engines
-writing into the next rank's symmetric slots on GPUs): the own K/V goes out without a copy.
-
-Packed sequences: each step is one varlen kernel call over every sequence, the step's case
-applied to each sequence's part and cut to its real tokens (``packed_call``; the rows are
-made once per packing). The blocks are the whole local K/V, padding included, so every
-block has one size.
-
-Sliding windows: each step's calls come from ``bands`` (every call a window in its own rows
-and keys; none for a block the window does not reach), and the ring takes only the steps at
-which some rank's queries see a key of the block. A shift then sends the block, and in
-backward its dK/dV sums, straight to the rank of its next step: several hops at once. Only
-the rows of a block that other ranks' queries see travel (``bands.ring_plan``: the
-widest such hull over the blocks, so that every shift has one shape): a 4K window over 64K
-tokens per rank moves 1/16 of each block, and its sums only those rows. With
-head groups every group takes those steps, and the next group's own block goes straight to
-the rank of its first step. A row may then get more blocks than steps (a block split into
-calls), so out and dQ of 16-bit inputs are summed in fp32 whenever a rank makes more than
-two calls.
-
-Composed masks (``mask=``): each step is the block's ``MaskedCall`` (``schedules.mask_plans``:
-band calls merged inside it; none for a block no query of the rank sees), and the ring takes
-only the steps at which some rank's queries see a key of the block: whole blocks travel, a
-skipped step moves nothing.
+Sliding windows and composed masks (``mask=``): each step's calls come from ``bands`` (or
+one ``MaskedCall``, ``schedules.mask_plans``), and the ring takes only the steps at which
+some rank's queries see a key of the block; a shift sends a block (and its sums) straight to
+the rank of its next step, several hops at once. Under a window only the rows of a block
+that other ranks' queries see travel (``bands.ring_plan``): a 4K window over 64K tokens per
+rank moves 1/16 of each block.
 
 Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
 head group and the call's place in its step, the same in forward and backward.
 
-All of the above is a plan (``Ring.plan``: the ops of ``schedules.runner``, which runs them).
+All of the above is a plan (``Ring.plan``: the ops of ``schedules.runner``).
 """
 
 from __future__ import annotations
@@ -131,16 +106,14 @@ def _ranges(case: Block, s_q, s_kv):
     }[case]
 
 
-def _span(span, n: int) -> slice:
-    return slice(None) if span == (0, n) else slice(*span)
-
-
 def dense_call(case: Block, s_q: int, s_kv: int) -> DenseCall | None:
     """The kernel call of a block case on dense blocks (None for SKIP)."""
     if case is Block.SKIP:
         return None
     rows, keys, causal = _ranges(case, s_q, s_kv)
-    return DenseCall(_span(rows, s_q), _span(keys, s_kv), causal)
+    rows, keys = (slice(None) if span == (0, n) else slice(*span)
+                  for span, n in ((rows, s_q), (keys, s_kv)))
+    return DenseCall(rows, keys, causal)
 
 
 def packed_call(case: Block, packing, source: int) -> PackedCall | None:
@@ -153,12 +126,6 @@ def packed_call(case: Block, packing, source: int) -> PackedCall | None:
     return part_call(packing, source, rows, keys, causal)
 
 
-def check_grad_dtype(grad_dtype: str) -> str:
-    """``grad_dtype`` if it is one of GRAD_DTYPES, else a ValueError naming them."""
-    if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad_dtype={grad_dtype!r} is not known; choose one of {GRAD_DTYPES} "
-                         f"(the dtype the dK/dV sums travel in)")
-    return grad_dtype
 
 @whole_documents
 class Ring(Transported, SequenceSchedule):
@@ -173,7 +140,10 @@ class Ring(Transported, SequenceSchedule):
                  head_groups="auto", grad_dtype="auto"):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
         self.use_transport(transport)
-        self.grad_dtype = check_grad_dtype(grad_dtype)
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype={grad_dtype!r} is not known; choose one of {GRAD_DTYPES} "
+                             f"(the dtype the dK/dV sums travel in)")
+        self.grad_dtype = grad_dtype
 
     def validate(self, spec):
         super().validate(spec)
@@ -194,9 +164,8 @@ class Ring(Transported, SequenceSchedule):
         return spec.q_len, spec.kv_len
 
     def kernel_calls(self, spec) -> int:
-        """The kernel calls this rank makes on the local ``spec``: one per ring step whose
-        block its queries see (all P load-balanced; fewer under a contiguous causal split, a
-        window or a mask), a band perhaps split in two."""
+        """The kernel calls this rank makes on the local ``spec``: those of every ring step
+        whose block its queries see."""
         steps, _ = self._plan(spec, spec.q_len, spec.kv_len)
         return max(1, sum(len(calls) for _, calls in steps))
 
@@ -208,11 +177,9 @@ class Ring(Transported, SequenceSchedule):
         return torch.float32
 
     def _plan(self, spec, s_q: int, s_kv: int):
-        """(steps, travel): (step, kernel calls) of every ring step this rank takes, in order,
-        at step i the block of rank (r - i) mod P; every step without a window, with one only
-        the steps at which some rank's queries see a key, and ``travel`` the rows of each
-        block that travel (``bands.ring_plan``; None: whole blocks). Packed calls are made
-        once per packing."""
+        """(steps, travel): (step, kernel calls) of every ring step this rank takes, in order
+        (step i: the block of rank (r - i) mod P), and the rows of each block that travel
+        (``bands.ring_plan``; None: whole blocks)."""
         if spec.mask is not None:  # a composed mask: its steps and calls, whole blocks
             return mask_plans.ring_plan(spec, self.partition, self.size, self.index), None
         mask = window_band(spec)
@@ -236,27 +203,14 @@ class Ring(Transported, SequenceSchedule):
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
     def group_rows(self, rows: int, spec) -> int:
-        """Under a sliding window of span w (keys a query may see) a block's calls are bands
-        of about w keys per row and only about w of its rows travel: its head groups are
-        sized as a block of min(rows, w) rows (one group at 4K keys where a dense 64K block
-        takes four, whose 4x the calls and barriers cost more than they save)."""
+        """Under a sliding window of span w a block's calls are bands of about w keys per row
+        and about w of its rows travel: head groups are sized as for min(rows, w) rows (one
+        group at 4K keys where a dense 64K block takes four, whose calls and barriers cost
+        more than they save)."""
         mask = window_band(spec)
         if mask is None or None in mask:
             return rows
         return min(rows, mask[0] + mask[1] + 1)
-
-    @staticmethod
-    def _kv_slots(groups: int, remote: int) -> int:
-        """Receive slots of the K/V ring for ``remote`` steps per group: two, or one when
-        only one block travels."""
-        return min(2, groups * remote)
-
-    @staticmethod
-    def _sums_slots(remote: int) -> int:
-        """Receive slots of the dK/dV sums ring: with one remote step per group (P = 2, or a
-        window that needs one) the sums a rank receives are used up (added to its own)
-        before it sends the next group's, so one; else two."""
-        return 1 if remote == 1 else 2
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
@@ -278,25 +232,30 @@ class Ring(Transported, SequenceSchedule):
         groups = len(self.groups_of(q, k, spec))
         if travel is not None:
             travel = (travel[1][self.index], travel[0])
-        if not backward:
+        if not backward:  # K/V slots: two, or one when only one block travels
             return runner.Plan(self._forward_ops(calls, remote, groups), groups, travel,
-                               self._kv_slots(groups, len(remote)))
+                               min(2, groups * len(remote)))
         count = self._backward_groups(groups, spec, len(remote), k.shape[1], q.shape[1],
                                       q.shape[2])
-        one_hop = self._sums_make_one_hop(spec, remote)
+        # a block's dK/dV sums come from one rank alone, straight home, in one dense call
+        # without a window (P = 2): that rank writes only its call's keys, the owner adds
+        # only those (``_sums_rows``): half a block at P = 2, load-balanced
+        one_hop = len(remote) == 1 and not spec.layout.is_varlen and window_band(spec) is None
+        # with one remote step per group the sums a rank receives are added to its own before
+        # it sends the next group's: one slot
+        sums_slots = 1 if len(remote) == 1 else 2
         return runner.Plan(
             self._backward_ops(calls, remote, count, own_first=count != groups,
                                one_hop=one_hop),
-            count, travel, self._kv_slots(count, len(remote)),
-            (self.sums_dtype(spec), self._sums_slots(len(remote))) if remote else None,
+            count, travel, min(2, count * len(remote)),
+            (self.sums_dtype(spec), sums_slots) if remote else None,
             self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None)
 
     def _steps(self, groups: int, orders, remote):
-        """(group, step, K/V ops) for every group g and every step of ``orders[g]``: the
-        block of rank r - step (step 0: this rank's own). ``remote``: the steps other than
-        0, in order; a block goes from the rank of one to that of the next, several hops at
-        once. One shift is in flight at a time: a block travels on (or the next group's own
-        block leaves) while the current one is used."""
+        """(group, step, K/V ops) for every group g and every step of ``orders[g]`` (the
+        block of rank r - step). ``remote``: the steps other than 0, in order. One shift is
+        in flight at a time: a block travels on (or the next group's own block leaves)
+        while the current one is used."""
         following = dict(zip(remote, remote[1:]))
         first = [runner.Send(remote[0], group=0)] if remote else []
         for g in range(groups):
@@ -310,8 +269,7 @@ class Ring(Transported, SequenceSchedule):
                 first = []
 
     def _streams(self):
-        """The dropout stream key of this rank's calls on the block of ring step ``step`` of
-        head group ``group``: ``stream(step, group)``."""
+        """``stream(step, group)``: the dropout stream key of this rank's calls on a block."""
         me, p = self.index, self.size
         return lambda step, group: ("ring", me, (me - step) % p, group)
 
@@ -329,11 +287,10 @@ class Ring(Transported, SequenceSchedule):
 
     def _backward_ops(self, calls, remote, groups: int, *, own_first: bool,
                       one_hop: bool) -> tuple:
-        """Backward: the own block's dK/dV straight into the gradients; the sums of a block
-        start on the rank after its owner (NEW), gather every rank's share on the way
-        (ARRIVING) and end on the owner (AddSums), one ``home`` after another. An own block
-        worked on first has its sums added once the next group's first block is worked on
-        (``early``)."""
+        """Backward: the own block's dK/dV straight into the gradients; a block's sums start
+        on the rank after its owner (NEW), gather every rank's share (ARRIVING) and end on
+        the owner (AddSums). An own block worked on first has its sums added once the next
+        group's first block is worked on (``early``)."""
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         orders = self._backward_orders(groups, remote, own_first=own_first)
         ops, early, streams = [], None, self._streams()
@@ -362,15 +319,6 @@ class Ring(Transported, SequenceSchedule):
                     early = g
         return tuple(ops)
 
-    @staticmethod
-    def _sums_make_one_hop(spec, remote: list[int]) -> bool:
-        """Whether the dK/dV sums of a block come from one rank alone, straight home, in one
-        dense call without a window (one remote step: P = 2): that rank then writes only
-        its call's keys (``runner.Grads`` with ``zero_rest`` off) and the owner adds only those
-        (``_sums_rows``), half of a block at P = 2 with the load-balanced partition.
-        Otherwise every row travels, zeros where no call reached."""
-        return len(remote) == 1 and not spec.layout.is_varlen and window_band(spec) is None
-
     def _sums_rows(self, spec, remote: list[int], s_q: int, s_kv: int) -> slice | None:
         """The rows of this rank's block that its one-hop sums carry: the keys of the call
         the rank before makes on it; None (all rows, zeros) when that rank makes none."""
@@ -380,14 +328,10 @@ class Ring(Transported, SequenceSchedule):
 
     def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int, heads_q: int,
                          rows: int) -> int:
-        """Head groups of a backward whose forward ran ``groups`` over ``kv_heads`` K/V heads
-        and ``heads_q`` query heads of ``rows`` rows, with ``remote`` steps that receive a
-        block: the forward's, or two where the forward runs one, blocks travel,
-        ``head_groups`` is "auto", the blocks are large (query heads x ``group_rows`` at least
-        ``heads.MIN_GROUP_WORK``: below, the host's work for twice the calls costs more than
-        the wait saves), the sequences are dense (a packed step is one varlen call over every
-        sequence) and no dropout keys the groups. The first group then works on its own
-        block while the first block arrives."""
+        """Head groups of a backward whose forward ran ``groups``: two where the forward runs
+        one, blocks travel, ``head_groups`` is "auto", the blocks are large (below
+        ``heads.MIN_GROUP_WORK`` the host's work for twice the calls costs more than the wait
+        saves), dense, and no dropout keys the groups; else the forward's."""
         work = heads_q * self.group_rows(rows, spec)
         if (groups == 1 and remote and self.head_groups == "auto" and not spec.layout.is_varlen
                 and spec.dropout_p == 0 and kv_heads % 2 == 0 and work >= heads.MIN_GROUP_WORK):
@@ -397,19 +341,18 @@ class Ring(Transported, SequenceSchedule):
     @staticmethod
     def _backward_orders(groups: int, remote: list[int], *, own_first: bool) -> list[list[int]]:
         """The backward's steps of each head group: the remote blocks, then the own block
-        (while the last sums make their last hop). With ``own_first`` (a group split in two)
-        the first group takes its own block first instead (while the first block travels),
-        and its sums are added once the next group has worked on its first block. (Forward
-        groups of 1/G of the block wait 1/G of a transfer; their first own block first would
-        hold a group's sums longer, more memory than that wait is worth.)"""
+        (while the last sums make their last hop); with ``own_first`` (a group split in two)
+        the first group takes its own block first (while the first block travels). (Other
+        groups keep the own block last: taken first it would hold a group's sums longer,
+        more memory than a wait of 1/G of a transfer is worth.)"""
         last = [*remote, 0]
         return [[0, *remote] if g == 0 and own_first and remote else last
                 for g in range(groups)]
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        """Steps and bytes counted on this rank's plans for the global ``spec`` (a step: a
-        group's calls on one block; a shift moves one group's block, or its sums)."""
+        """Steps (a group's calls on one block) and bytes counted on this rank's plans for
+        the global ``spec``."""
         forward, backward = runner.plans_of(self, spec)
         block_rows = self.local_tokens(spec) if forward.travel is None else forward.travel[1]
 
