@@ -15,40 +15,32 @@ load_balanced, P = 2, S = 16 in chunks of 4; rank 0 holds chunks 0 and 3 (tokens
     rows 4-7  (tokens 12-15)  others[:8]: tokens 4-11 of rank 1
 
 Without causal, all local rows attend to all of ``others`` in one call. Every block is
-folded into the result in place (``Merged``). Backward gathers K/V again (the forward
-keeps nothing), runs the same calls with the global out and lse, sums dQ and the dK/dV of
-every gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+folded into the result in place (``Merged``). Backward gathers K/V again (the forward keeps
+nothing), runs the same calls with the global out and lse, sums dQ and the dK/dV of every
+gathered token in fp32, and reduce-scatters dK/dV back to their owners.
 
-Head groups (``head_groups``, see ``schedules.heads``): the gathers, calls and
-reduce-scatters run one group of K/V heads at a time, the next group's gather in flight
-while the current one is attended.
-
-Packed sequences travel through ``transport`` (see ``schedules.transport``): each rank puts
-its K/V of a group into every other rank's region (two regions in turn: the next group's
-gather lands while the current one is read), and its dK/dV sums of the other ranks' tokens
-into theirs; the owner adds what came to its own gradients. The sums are fp32, or the input
-dtype where the gathered calls' key sets are disjoint (each sum is one kernel gradient: at
-P = 2 without a window, where a rank's runs that see the same keys share one call). A group's
-sums land after the next group's own calls are queued, so over copy engines both directions
-of all but the first and last group travel beside the attention kernels. (``auto`` does not
-add groups for that: on packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at
-0.76, four at 0.75; what more groups hide of the transfers, their extra calls and barriers
-cost again.)
+Head groups (``schedules.heads``): gathers, calls and reduce-scatters run one group of K/V
+heads at a time, the next group's gather in flight while the current one is attended.
 
 Packed sequences: the same calls, each one varlen call over every sequence. The own call is
 causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
 local tokens against the other ranks' real tokens of that sequence before the run (full
-mask, so the keys may stay in the gathered order: rank, then local slot).
+mask, so the keys may stay in the gathered order: rank, then local slot). They travel
+through ``transport`` (``schedules.transport``): each rank puts its K/V of a group into every
+other rank's region (two regions in turn, for the next group's gather), and its dK/dV sums
+of the other ranks' tokens into theirs. The sums are fp32, or the input dtype where the
+gathered calls' key sets are disjoint (each sum one kernel gradient). A group's sums land
+after the next group's own calls are queued, so over copy engines all but the first and last
+group's transfers travel beside the attention kernels. (``auto`` adds no groups for that: on
+packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at 0.76, four at 0.75.)
 
 Composed masks (``mask=``): the own block and the gathered keys (rank order) are one
-``MaskedCall`` each (``schedules.mask_plans``), none where no local query sees a key.
+``MaskedCall`` each (``schedules.mask_plans``). Sliding windows: the own block and every
+other rank's block (``others`` then in rank order) are split into the calls of
+``schedules.bands``; blocks the window does not reach make no call.
 
-Sliding windows: the own block and every other rank's block (``others`` then in rank order)
-are split into the calls of ``schedules.bands``, each a window in its own coordinates; blocks
-the window does not reach make no call.
-
-All of the above is a plan (``AllGather.plan``: the ops of ``schedules.runner``, which runs
-them; the gathers and scatters are its ``_Transfers``).
+All of the above is a plan (``AllGather.plan``: the ops of ``schedules.runner``; the gathers
+and scatters are its ``_Transfers``).
 """
 
 from __future__ import annotations
@@ -104,10 +96,9 @@ def packed_runs(split) -> torch.Tensor:
 
 def packed_plan(packing, causal: bool):
     """(own calls, gathered calls) of this rank on packed sequences; gathered calls take their
-    keys from every rank's part, gathered in rank order ([P * T_local] rows). Every local row
-    sees the other ranks' tokens of its sequence before its run (all of them without causal);
-    rows of one sequence that see the same keys go into one call (at P = 2 both runs of a
-    rank see the same keys: one call, and one contribution to each key's dK/dV)."""
+    keys from every rank's part in rank order ([P * T_local] rows). Every local row sees the
+    other ranks' tokens of its sequence before its run (all without causal); rows of one
+    sequence that see the same keys share one call (at P = 2 both runs of a rank do)."""
     split, r = packing.split, packing.rank
     own = part_call(packing, r, (0, split.storage), (0, split.storage), causal)
     others = split.real.clone()
@@ -155,7 +146,7 @@ def packed_plan(packing, causal: bool):
 
 def window_plan(spec, mask, partition, parts: int, rank: int):
     """(own calls, gathered calls) of ``rank`` under the band ``mask``: ``bands`` calls of its
-    block and of every other rank's block (rank order: dense ``others``, packed gathered)."""
+    block and of every other rank's block, in rank order."""
     packing = spec.packing
     if packing is None:
         return _dense_window_plan(mask, partition, parts, rank, spec.q_len, spec.kv_len)
@@ -216,16 +207,14 @@ class AllGather(Transported, SequenceSchedule):
             )
 
     def _plan(self, spec):
-        """(own calls, calls over the gathered keys, others in rank order) of this rank's
-        local ``spec``: ``others`` holds the other ranks' tokens in global order, or in rank
-        order under a window. Packed plans are made once per packing."""
+        """(own calls, calls over the gathered keys, whether ``others`` is in rank order, not
+        global order) of this rank's local ``spec``."""
         mask, packing = window_band(spec), spec.packing
+        rank = self.index if packing is None else packing.rank  # packed: the packing's rank
         if spec.mask is not None:  # a composed mask: the MaskedCalls, others in rank order
-            rank = self.index if packing is None else packing.rank
             return (*mask_plans.allgather_plan(spec, self.partition, self.size, rank), True)
-        if mask is not None:  # packed: the calls of the rank the packing is of
-            build = functools.partial(window_plan, spec, mask, self.partition, self.size,
-                                      self.index if packing is None else packing.rank)
+        if mask is not None:
+            build = functools.partial(window_plan, spec, mask, self.partition, self.size, rank)
             if packing is None:
                 return (*build(), True)
             return (*packing.cached(("allgather", mask), build), True)
@@ -237,18 +226,10 @@ class AllGather(Transported, SequenceSchedule):
         calls = gathered_calls(self.indices(q_len), kv_len, spec.kv_len, spec.causal)
         return own, [DenseCall(rows, slice(0, n), False) for rows, n in calls], False
 
-    @staticmethod
-    def _blocks(own, calls, rank_order: bool) -> int:
-        """The most calls that any query row gets: the own one and one over the gathered keys
-        (their rows are runs, apart) without a window; under one (``rank_order``) every
-        call may reach a row."""
-        return len(own) + len(calls) if rank_order else 2
-
     def _sums_dtype(self, local) -> torch.dtype:
-        """The dtype the gathered keys' dK/dV sums of the local ``spec`` take and travel in:
-        the input's where every rank's gathered calls have disjoint key sets (packed; each
-        sum is then one kernel gradient, exact in any dtype), else fp32. Every rank decides
-        alike: it plans every rank's calls."""
+        """The dtype the gathered keys' dK/dV sums of the local ``spec`` travel in: the
+        input's where every rank's gathered calls have disjoint key sets (packed; each sum
+        one kernel gradient), else fp32. Every rank decides alike."""
         packing = local.packing
         if packing is None or local.dtype == torch.float32:
             return torch.float32
@@ -259,11 +240,9 @@ class AllGather(Transported, SequenceSchedule):
             every = torch.cat(keys) if keys else torch.empty(0)
             return len(every.unique()) == len(every)
 
-        def disjoint():
-            return all(disjoint_on(rank) for rank in range(self.size))
-
         key = ("allgather-disjoint", local.causal, window_band(local))
-        return local.dtype if packing.cached(key, disjoint) else torch.float32
+        disjoint = packing.cached(key, lambda: all(map(disjoint_on, range(self.size))))
+        return local.dtype if disjoint else torch.float32
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
@@ -282,7 +261,9 @@ class AllGather(Transported, SequenceSchedule):
         travels, then the calls over the gathered keys while the next group's does."""
         own, calls, rank_order = self._plan(spec)
         groups = len(self.groups_of(q, k, spec))
-        blocks = self._blocks(own, calls, rank_order)
+        # the most calls a row gets: the own and one gathered (their rows are apart runs);
+        # under a window or mask any call may reach a row
+        blocks = len(own) + len(calls) if rank_order else 2
         transfers = _Transfers(self, spec, rank_order)
         if not backward:
             return runner.Plan(self._forward_ops(own, calls, groups, blocks), groups,
@@ -306,10 +287,9 @@ class AllGather(Transported, SequenceSchedule):
 
     def _backward_ops(self, own, calls, groups: int, blocks: int, packed: bool) -> tuple:
         """Backward: the own calls run while the group's gather travels, their dK/dV kept
-        (PARTS); the gathered calls' dK/dV sums (SUMS) go to their owners, dense by a
-        reduce-scatter (Scatter), packed through the transport, landing behind the next
-        group's own calls (a packed call's last group runs its own calls after its gathered
-        calls instead, while its sums travel)."""
+        (PARTS); the gathered calls' sums (SUMS) go home, dense by a reduce-scatter, packed
+        through the transport, landing behind the next group's own calls (the last group
+        runs its own calls after the gathered ones, while its sums travel)."""
         ops = [runner.Gather(0)]
         for g in range(groups):
             own_first = not packed or g < groups - 1
@@ -339,9 +319,8 @@ class AllGather(Transported, SequenceSchedule):
         return tuple(ops)
 
     def describe(self, spec):
-        """Bytes counted on this rank's plans for the global ``spec`` (a gather brings one
-        head group's K and V of every other rank, a scatter sends as many dK/dV sums); steps
-        (kernel calls of a group) and FLOPs from its calls."""
+        """Bytes counted on this rank's plans for the global ``spec``; steps (kernel calls)
+        and FLOPs from its calls."""
         forward, backward = runner.plans_of(self, spec)
         sums = backward.sums[0]
 
@@ -378,10 +357,9 @@ class AllGather(Transported, SequenceSchedule):
 
 
 class _Transfers:
-    """How one call's K/V is gathered and its gathered keys' dK/dV sums go back to their
-    owners (``runner.Plan.transfers``): dense by collectives, packed through the
-    schedule's transport into regions of its buffer (two gathers' in turn, then the
-    scatter's)."""
+    """How one call's K/V is gathered and the gathered keys' dK/dV sums go home
+    (``runner.Plan.transfers``): dense by collectives, packed through the transport into
+    regions of its buffer (two gathers' in turn, then the scatter's)."""
 
     def __init__(self, schedule: AllGather, spec, rank_order: bool):
         self.schedule, self.spec, self.rank_order = schedule, spec, rank_order
@@ -404,9 +382,8 @@ class _Transfers:
 
     # ---- K/V to every rank -------------------------------------------------------------------
     def gather(self, g):
-        """Start gathering head group ``g``'s K and V; ``wait()`` gives them in call order
-        (the other ranks' tokens in global order, or rank order under a window; packed:
-        every rank's tokens in rank order, this rank's own rows left unfilled)."""
+        """Start gathering head group ``g``'s K and V; ``wait()`` gives the other ranks'
+        tokens in call order (packed: every rank's in rank order, its own rows unfilled)."""
         k, v = self.tensors["k"], self.tensors["v"]
         if self.packed:
             return self._packed_gather(g, k, v)
@@ -430,8 +407,8 @@ class _Transfers:
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
     def _others(self, gathered: torch.Tensor, layout) -> torch.Tensor:
-        """The other ranks' tokens of a gathered [P, *buffer] tensor, in the order of
-        ``positions`` (global token order, or rank order under a window)."""
+        """The other ranks' tokens of a gathered [P, *buffer] tensor, placed by
+        ``positions``."""
         b, h, s_local, e = from_buffer(gathered[0], layout).shape
         others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
                               device=gathered.device)
@@ -452,16 +429,16 @@ class _Transfers:
         return runner.Arriving(in_flight.finish)
 
     def _region_bytes(self, dtype) -> int:
-        """Bytes of a region of a group's packed K and V (or dK and dV sums), every rank's
-        tokens, in ``dtype``: a gather's (two are used in turn) or a scatter's."""
+        """Bytes of a region of a group's packed K and V (or their sums) of every rank in
+        ``dtype``."""
         k = self.tensors["k"]
         item = (k.shape[1] // len(self.groups), k.shape[3], dtype)
         return sections([item, item], self.size * k.shape[2])[1]
 
     def _to_slots(self, parts, item, tokens: int, base: int, device):
         """Start putting ``parts[i][j]`` ([``tokens``, h, E] of ``item`` = (h, E, dtype)) into
-        this rank's slot of tensor i in rank j's region at ``base``, which holds every rank's
-        slot of each tensor, rank order; (pending, byte offsets of the tensors)."""
+        this rank's slot of tensor i in rank j's region at ``base`` (every rank's slot of each
+        tensor, rank order); (pending, byte offsets of the tensors)."""
         p, me = self.size, self.index
         offsets, nbytes = sections([item] * len(parts), p * tokens)
         row = item[0] * item[1] * item[2].itemsize
@@ -480,10 +457,9 @@ class _Transfers:
         return [g.of_kv(self.tensors["dk"]), g.of_kv(self.tensors["dv"])]
 
     def scatter(self, g, parts, sums) -> None:
-        """Dense: per target (dK, then dV), every rank's gradients of this rank's tokens
-        summed in fp32 (this rank's own ``parts``, as (key rows, gradient), and every rank's
-        ``sums`` of the gathered keys, in ``_others`` order; a reduce-scatter), written into
-        it."""
+        """Dense: per target (dK, then dV), this rank's own ``parts`` ((key rows, gradient))
+        and every rank's ``sums`` of the gathered keys summed in fp32 by a reduce-scatter,
+        written into it."""
         for target in self._targets(g):
             layout, own = layout_of(target), parts.pop(0)
             send = torch.empty((self.size, *buffer_shape(target.shape, layout)),
@@ -503,8 +479,7 @@ class _Transfers:
 
     def start_scatter(self, g, sums) -> InFlight:
         """Packed: start sending every other rank the dK and dV ``sums`` [1, h, P T, E] of its
-        tokens (rank order; this rank's own are zero: no gathered call reads them);
-        ``finish()`` gives, per tensor, the sum of what came, in this rank's region."""
+        tokens; ``finish()`` gives, per tensor, the sum of what came."""
         p, me = self.size, self.index
         tokens = sums[0].shape[2] // p
         item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
@@ -526,8 +501,8 @@ class _Transfers:
         return InFlight(pending, place)
 
     def land(self, g, in_flight: InFlight, mine) -> None:
-        """Wait for a group's dK/dV sums, add this rank's own gradients ``mine`` (per tensor,
-        (key rows, gradient) parts) and write them into its dK and dV."""
+        """Wait for a group's dK/dV sums, add this rank's own parts ``mine`` and write them
+        into its dK and dV."""
         for acc, parts, target in zip(in_flight.finish(), mine, self._targets(g)):
             # sums in the target's dtype take a last gradient of every row on the way: one pass
             fused = bool(parts) and parts[-1][0] is None and acc.dtype == target.dtype
