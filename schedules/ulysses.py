@@ -14,31 +14,25 @@ P = 2, H = 4, S = 8, contiguous:   before: rank 0 tokens 0-3, rank 1 tokens 4-7 
 
 K/V heads are split alike; with fewer K/V heads than ranks (P % kv_heads == 0) each K/V head
 goes to the P / kv_heads ranks whose query heads use it, and their dK/dV are summed back.
-Backward repeats the first all-to-all for dout, q, k, v and out (and lse), runs the local
-backward and returns dq, dk, dv the same way. Nothing is kept between forward and backward.
+Backward sends dout, q, k, v, out and lse the same way and returns dq, dk, dv; nothing is kept
+between forward and backward. Any partition, causal mask and sliding window works: the
+tokens are attended in global order.
 
-Any partition works, causal and sliding windows included: the tokens are attended in global
-order, the window over the whole sequence (per sequence when packed). Packed
-sequences: each rank's real tokens go to their place among the real tokens of the whole
-packed batch (no padding), attended by one varlen call; padding rows come back as zeros.
-Only real tokens travel (``Routes``): per tensor, one gather of this rank's real rows into
-a send buffer, an exchange of every rank's own count, one gather into packed order (and
-the same way back), instead of whole blocks placed row by row (at 269K tokens on 2 H200 the
-step's index copies and block copies took 45 ms of 257).
-
-Packed head groups run as a pipeline: the next group's heads travel while the current group
-is attended, and its results travel back while the next one is:
+Packed sequences: each rank's real tokens go to their place among the real tokens of the
+whole batch (no padding), attended by one varlen call; padding rows come back as zeros. Only
+real tokens travel (``Routes``): per tensor, one gather of this rank's real rows into a send
+buffer, the exchange, one gather into packed order (and back alike), not blocks placed row by
+row (at 269K tokens on 2 H200 those copies took 45 ms of 257). Head groups run as a pipeline:
 
     start heads(0)
     for g:  finish heads(g) | start heads(g+1) | attend g | finish sequence(g-1) | start sequence(g)
 
-The exchanges go through ``transport`` (see ``schedules.transport``): on GPUs of one host the
-copy engines move them beside the attention kernel, which holds every SM (NCCL's kernels would
-wait for it). ``head_groups="auto"`` then takes ``heads.PIPELINE_GROUPS`` groups where the
-heads allow, so that only the first group's inputs and the last one's results are not hidden.
+The exchanges go through ``transport`` (``schedules.transport``): on GPUs of one host the copy
+engines move them beside the attention kernel, which holds every SM; ``head_groups="auto"``
+then takes ``heads.PIPELINE_GROUPS`` groups where the heads allow.
 
-All of the above is a plan (``Ulysses.plan``: the ops of ``schedules.runner``, which runs
-them; the exchanges are its ``_Exchanges``).
+All of the above is a plan (``Ulysses.plan``: the ops of ``schedules.runner``; the exchanges
+are its ``_Exchanges``).
 """
 
 from __future__ import annotations
@@ -75,12 +69,10 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Routes:
-    """How the real tokens of a packed batch travel (every packed slot one rank's real
-    token, as ``packed_placement`` places them), for this rank: it sends its real local
+    """How the real tokens of a packed batch travel, for this rank: it sends its real local
     ``rows`` to every rank; rank j sends ``counts[j]`` rows; ``order[t]``: the received row
-    (rank by rank) of packed slot t; ``back``: the packed slots of every rank's rows, rank by
-    rank (what a head owner returns); ``local[i]``: local row i's place among ``rows`` (0
-    for ``padding`` rows)."""
+    of packed slot t; ``back``: the packed slots of every rank's rows, rank by rank;
+    ``local[i]``: local row i's place among ``rows`` (0 for ``padding`` rows)."""
 
     rows: torch.Tensor
     counts: list
@@ -92,7 +84,7 @@ class Routes:
     @property
     def starts(self) -> list[int]:
         """The first packed row of every rank's rows, in rank order."""
-        return _starts(self.counts)
+        return [sum(self.counts[:j]) for j in range(len(self.counts))]
 
     @property
     def total(self) -> int:
@@ -103,20 +95,14 @@ class Routes:
     def of(cls, place: Placement, rank: int) -> "Routes":
         rows = place.parts[rank][0]
         counts = [len(slots) for _, slots in place.parts]
+        back = torch.cat([slots for _, slots in place.parts])
         order = torch.empty(place.length, dtype=torch.long, device=rows.device)
-        for (_, slots), start in zip(place.parts, _starts(counts)):
-            order[slots] = torch.arange(start, start + len(slots), device=rows.device)
+        order[back] = torch.arange(len(back), device=rows.device)
         local = torch.zeros(place.local, dtype=torch.long, device=rows.device)
         local[rows] = torch.arange(len(rows), device=rows.device)
         real = torch.zeros(place.local, dtype=torch.bool, device=rows.device)
         real[rows] = True
-        return cls(rows, counts, order, torch.cat([slots for _, slots in place.parts]), local,
-                   (~real).nonzero().flatten())
-
-
-def _starts(counts) -> list[int]:
-    """Where each of consecutive runs of ``counts`` rows starts."""
-    return [sum(counts[:j]) for j in range(len(counts))]
+        return cls(rows, counts, order, back, local, (~real).nonzero().flatten())
 
 
 def packed_placement(split) -> Placement:
@@ -241,8 +227,7 @@ class Ulysses(Transported, SequenceSchedule):
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
         """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
         with [B, H, S, E] q and k: per head group, its heads of every token arrive, are
-        attended by one call and go home. Packed (by ``Routes``) as a pipeline: the next
-        group's heads travel while a group is attended, its results while the next one is."""
+        attended by one call and go home (packed by ``Routes``: as a pipeline)."""
         layout = Layout.BSHE if spec.packing is not None else spec.layout
         routes, groups = self._routes(spec, layout), len(self.groups_of(q, k, spec))
         call = self._call(spec)
@@ -266,8 +251,7 @@ class Ulysses(Transported, SequenceSchedule):
 
     def describe(self, spec):
         """What a dry run of this rank's plans does for the global ``spec``
-        (``schedules.dry_run``): its kernel calls, their FLOPs, the bytes its exchanges move
-        and its memory."""
+        (``schedules.dry_run``)."""
         d = dry_run.describe(self, spec)
         groups = self.groups_for(spec)
         h_kv = groups * self._heads_per_rank(spec.kv_heads // groups)
@@ -280,10 +264,9 @@ class Ulysses(Transported, SequenceSchedule):
 
 
 class _Exchanges:
-    """How one call's heads travel under ulysses (``runner.Plan.transfers``): a group's
-    inputs to the owners of their heads, every token (``gather``), and the results home
-    (``scatter``; packed: ``start_scatter`` and ``land``, through the transport, by the
-    routes of the real tokens)."""
+    """How one call's heads travel (``runner.Plan.transfers``): a group's inputs to the
+    owners of their heads (``gather``), the results home (``scatter``; packed:
+    ``start_scatter`` and ``land``, by the routes of the real tokens)."""
 
     def __init__(self, schedule: Ulysses, spec, layout: Layout, routes: Routes | None):
         self.schedule, self.spec, self.layout, self.routes = schedule, spec, layout, routes
@@ -336,8 +319,7 @@ class _Exchanges:
         return runner.Arriving(arrived)
 
     def scatter(self, g, parts, results) -> None:
-        """Dense: this rank's heads of every token back to the ranks holding the tokens,
-        written into group ``g``'s outputs (lse, in BHSE, apart)."""
+        """Dense: this rank's heads of every token back home, into group ``g``'s outputs."""
         targets = self.outputs(g)
         if len(targets) == 2:  # forward: out, then lse
             out, lse = results
@@ -348,8 +330,8 @@ class _Exchanges:
         self._blocks_to_sequence(results, targets, self.layout, 0.0)
 
     def start_scatter(self, g, results):
-        """Packed: start sending the results home (replicated K/V heads' results, fewer in a
-        group than ranks, summed back as blocks first)."""
+        """Packed: start sending the results home (those of replicated K/V heads summed back
+        as blocks first)."""
         targets = self.outputs(g)
         summed = [(t, target) for t, target, r in zip(results, targets, self.routed) if not r]
         if summed:
@@ -365,8 +347,8 @@ class _Exchanges:
 
     # ---- dense: all-to-alls of blocks of every local row ---------------------------------------
     def _all_to_all(self, fill, shapes, layout: Layout, like: torch.Tensor):
-        """One all-to-all of several tensors. ``fill(j, blocks)`` writes what goes to rank j
-        into logical ``blocks`` of ``shapes``; returns, for each rank j, the blocks from j."""
+        """One all-to-all of several tensors: ``fill(j, blocks)`` writes what goes to rank j
+        into logical ``blocks`` of ``shapes``; the blocks from each rank."""
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
         send = torch.empty((self.size, numel), dtype=like.dtype, device=like.device)
         for j in range(self.size):
@@ -397,9 +379,9 @@ class _Exchanges:
         return outs
 
     def _blocks_to_sequence(self, tensors, targets, layout: Layout, padding: float) -> None:
-        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads, written
-        into ``targets`` [B, h, S/P, E], by one all-to-all of blocks of every local row;
-        replicated K/V heads are summed; rows that did not travel (padding) are ``padding``."""
+        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads in
+        ``targets`` [B, h, S/P, E] (replicated K/V heads summed, rows that did not travel
+        ``padding``)."""
         places = [self.placement(t.shape[2] // self.size, t.device) for t in tensors]
         shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
                   for t, place in zip(tensors, places)]
@@ -432,13 +414,11 @@ class _Exchanges:
         if replicated:
             target.copy_(acc)
 
-
     # ---- packed: the real tokens by their routes, through the transport ----------------------
     def _start_heads(self, tensors, base: int) -> InFlight:
         """Start sending this rank's real tokens of packed [1, H, S/P, E] ``tensors`` to the
         owners of their heads (region at ``base``); ``finish()`` gives this rank's heads
-        [1, H/P, T, E] of every real token in packed order. Per tensor: one gather per rank
-        into a send buffer, the exchange, one gather into packed order."""
+        [1, H/P, T, E] of every real token in packed order."""
         routes = self.routes
         n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
         items, offsets, nbytes = self._heads_region(tensors)
@@ -465,10 +445,9 @@ class _Exchanges:
         return InFlight(pending, place)
 
     def _start_sequence(self, tensors, targets, fills, base: int) -> InFlight:
-        """Start sending this rank's heads [1, h, T, E] of every real token back to the
-        ranks holding the tokens (region at ``base``); ``finish()`` writes them into
-        ``targets`` [1, P h, S/P, E], padding rows ``fills``. Per tensor: one gather of every
-        rank's rows, the exchange, one gather into local order."""
+        """Start sending this rank's heads [1, h, T, E] of every real token home (region at
+        ``base``); ``finish()`` writes them into ``targets`` [1, P h, S/P, E], padding rows
+        ``fills``."""
         routes = self.routes
         n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
             routes.counts
@@ -496,8 +475,8 @@ class _Exchanges:
 
     def _place_rows(self, received, target, fill: float) -> None:
         """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
-        tokens; padding rows ``fill``. One gather per rank straight into its heads of the
-        target (rows of contiguous heads: the GPU's vectorized gather, no temporary)."""
+        tokens, padding rows ``fill``: one gather per rank straight into its heads (rows of
+        contiguous heads: the GPU's vectorized gather, no temporary)."""
         p, n, width, _ = received.shape
         routes = self.routes
         dest = as_packed(target)
@@ -517,7 +496,6 @@ class _Exchanges:
 
     def _sequence_region(self, items) -> tuple[list[int], int]:
         """(section offsets, bytes) of the region receiving every rank's heads ``items`` of
-        this rank's real tokens: as many rows per rank as the rank with the most, so that
-        every rank places its region alike."""
+        this rank's real tokens: the most rows of any rank per rank (alike on every rank)."""
         return sections(items, self.size * max(self.routes.counts))
 
