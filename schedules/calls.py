@@ -3,17 +3,12 @@ a block, and with what mask. The one vocabulary of the sequence schedules' plans
 
 A ``DenseCall`` takes row ranges (slices of the sequence dim) of [B, H, S, E] tensors. A
 ``PackedCall`` takes row indices of packed tokens (None: every row; a slice: consecutive
-rows; neither copies) and the ``Seqlens`` of one varlen kernel call, so all sequences of a
-packed batch go into one kernel call; its rows are precomputed once per packing. Packed
-[T, H, E] tensors travel through the schedules as [1, H, T, E] views (``as_block``), so
-plans, merges and transports are the same for dense and packed tensors; the calls hand the
-kernels [T, H, E] tensors again.
+rows; neither copies) and the ``Seqlens`` of one varlen kernel call over every sequence.
+Packed [T, H, E] tensors travel through the schedules as [1, H, T, E] views (``as_block``),
+so plans, merges and transports are the same for dense and packed tensors.
 
 A call's mask is data: ``causal`` and a top-left ``window`` in the call's own coordinates
 (per sequence of a packed call; ``schedules.bands`` makes them for split sequences).
-
-Rows are a slice, an index tensor or None (all rows); ``add_rows`` and ``put_rows`` write a
-call's gradients back into fp32 sums.
 """
 
 from __future__ import annotations
@@ -38,8 +33,8 @@ def as_packed(t: torch.Tensor) -> torch.Tensor:
 
 
 def outputs(q: torch.Tensor, out, lse, packed: bool):
-    """(out, lse) buffers of a schedule's forward on its queries ``q`` ([1, H, T, E] views when
-    ``packed``): the given ones (packed out as such a view) or new ones."""
+    """(out, lse) buffers of a forward on queries ``q``: the given ones (packed out as a
+    [1, H, T, E] view) or new ones."""
     if out is None:
         out = _empty_like(q)
     elif packed:
@@ -50,8 +45,8 @@ def outputs(q: torch.Tensor, out, lse, packed: bool):
 
 
 def gradients(inputs, grads, packed: bool) -> tuple:
-    """(dq, dk, dv) buffers of a schedule's backward on ``inputs`` (q, k, v; [1, H, T, E]
-    views when ``packed``): the given ones (packed as such views) or new ones."""
+    """(dq, dk, dv) buffers of a backward on ``inputs`` (q, k, v): the given ones (packed as
+    [1, H, T, E] views) or new ones."""
     return tuple(_empty_like(t) if g is None else (as_block(g) if packed else g)
                  for t, g in zip(inputs, grads))
 
@@ -66,18 +61,17 @@ class DenseCall:
     causal: bool
     window: Window | None = None
 
-    def forward(self, kernel, q, k, v, scale, dropout=None):
-        """(out, lse) of the call's query rows (``dropout``: the call's stream)."""
+    def forward(self, kernel, q, k, v, scale, dropout=None, outputs=(None, None)):
+        """(out, lse) of the call's query rows, written into ``outputs`` (out, lse of those
+        rows) when given (``dropout``: the call's stream)."""
         r, c = self.rows, self.keys
+        out, lse = outputs
         return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
-                              window=self.window, dropout=dropout)
+                              window=self.window, dropout=dropout, out=out, lse=lse)
 
     def forward_into(self, kernel, outputs, q, k, v, scale, dropout=None):
         """``forward`` written into ``outputs`` (out, lse of the call's rows)."""
-        r, c = self.rows, self.keys
-        out, lse = outputs
-        kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
-                       window=self.window, dropout=dropout, out=out, lse=lse)
+        self.forward(kernel, q, k, v, scale, dropout, outputs)
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None):
         """(dq of the query rows, dk and dv of the key rows), given the global out and lse."""
@@ -85,18 +79,14 @@ class DenseCall:
                                   dropout)
 
     def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
-        """``backward`` writing each gradient into its call's rows of the given target (a
-        tensor shaped, typed and laid out like q, k or v; other rows untouched), or into a
-        new tensor where the target is None; returns the three gradients (views of targets)."""
+        """``backward`` writing each gradient into its call's rows of the given target (shaped,
+        typed and laid out like q, k or v), or into a new tensor where the target is None."""
         r, c = self.rows, self.keys
-        args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
-                lse[:, :, r].contiguous())
-        mask = dict(causal=self.causal, scale=scale, window=self.window, dropout=dropout)
-        if all(t is None for t in targets):
-            return kernel.backward(*args, **mask)
         dq, dk, dv = (None if t is None else t[:, :, span]
                       for t, span in zip(targets, (r, c, c)))
-        return kernel.backward(*args, **mask, dq=dq, dk=dk, dv=dv)
+        return kernel.backward(dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
+                               lse[:, :, r].contiguous(), causal=self.causal, scale=scale,
+                               window=self.window, dropout=dropout, dq=dq, dk=dk, dv=dv)
 
     def backward_rows(self, query_rows, targets, k, v) -> list:
         """[dK, dV] of the call (into the targets' key rows, as ``backward_into``); its dQ
@@ -118,9 +108,8 @@ class DenseCall:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedCall:
     """One varlen kernel call: packed query rows ``rows`` vs key rows ``keys`` (index tensors
-    grouped by sequence, slices for consecutive rows, None for every row in order), sequence
-    i being queries ``seqlens.cu_q[i]:cu_q[i+1]`` and keys ``seqlens.cu_k[i]:cu_k[i+1]`` of
-    them; every sequence masked by ``causal`` and ``window``."""
+    grouped by sequence, slices for consecutive rows, None for every row in order), split
+    into sequences by ``seqlens``, each masked by ``causal`` and ``window``."""
 
     rows: torch.Tensor | slice | None
     keys: torch.Tensor | slice | None
@@ -148,7 +137,11 @@ class PackedCall:
                  targets=(None, None, None)):
         """(dq of the query rows, dk and dv of the key rows); written into the rows of the
         ``targets`` that are given when the rows are consecutive (a slice or all)."""
-        lse = _take_lse(lse[0], self.rows)
+        lse, rows = lse[0], self.rows  # [H, rows], contiguous as the kernels take it
+        if isinstance(rows, torch.Tensor):
+            lse = lse.index_select(1, rows)
+        elif rows is not None:
+            lse = lse[:, rows].contiguous()
         dq, dk, dv = (None if t is None or isinstance(span, torch.Tensor) else _take(t, span)
                       for t, span in zip(targets, (self.rows, self.keys, self.keys)))
         grads = kernel.varlen_backward(
@@ -194,13 +187,6 @@ def _take(t: torch.Tensor, rows) -> torch.Tensor:
     return packed if rows is None else packed[rows]
 
 
-def _take_lse(lse: torch.Tensor, rows) -> torch.Tensor:
-    """The [H, rows] of a [H, T] lse, contiguous as the kernels take it."""
-    if isinstance(rows, torch.Tensor):
-        return lse.index_select(1, rows)
-    return lse if rows is None else lse[:, rows].contiguous()
-
-
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The rows [starts[i], starts[i] + lengths[i]) of every i, concatenated."""
     shift = starts - (torch.cumsum(lengths, 0) - lengths)
@@ -210,9 +196,8 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tuple[int, int],
                 device, window: Window | None = None) -> PackedCall | None:
     """The call of query ``rows`` vs key ``keys`` (host index tensors grouped by sequence,
-    ``row_counts``/``key_counts`` per sequence), leaving out sequences with no query or no
-    key; None when no sequence is left. ``tokens``: rows of the query and key tensors (rows
-    that are all of them, in order, need no index)."""
+    ``row_counts``/``key_counts`` per sequence), without sequences that lack queries or keys
+    (None when none is left). ``tokens``: rows of the query and key tensors."""
     kept = (row_counts > 0) & (key_counts > 0)
     if not bool(kept.any()):
         return None
@@ -238,8 +223,8 @@ def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | slice | No
 
 
 def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> None:
-    """Fold every call's (out, lse) on the blocks q, k, v into ``merged``. ``streams(i)``: the
-    dropout stream of call i (None: no dropout)."""
+    """Fold every call's (out, lse) on the blocks q, k, v into ``merged`` (``streams(i)``:
+    call i's dropout stream)."""
     for i, call in enumerate(calls):
         dropout = streams and streams(i)
         outputs = merged.into(call.rows)
@@ -252,9 +237,8 @@ def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> N
 
 
 def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, None)):
-    """(dK, dV) of ``call`` on ``args`` = (dout, q, k, v, out, lse, scale), the global out and
-    lse, written into ``targets`` where not None; its dQ goes into ``dq_sum`` (straight from
-    the kernel where it may)."""
+    """(dK, dV) of ``call`` on ``args`` = (dout, q, k, v, out, lse, scale), written into
+    ``targets`` where not None; its dQ goes into ``dq_sum``."""
     if dq_sum.in_kernel is not None:
         return call.backward_rows(dq_sum.in_kernel, targets, *args[2:4])
     dq = dq_sum.into(call.rows)
@@ -266,8 +250,7 @@ def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, Non
 
 def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None:
     """Every call's backward on ``args`` (as ``call_grads``): dQ into ``dq_sum``, dK and dV
-    into the ``Sum``s of the key blocks, finished at the end (the first contribution written
-    straight into them; ``streams`` as ``fold_calls``)."""
+    into the ``Sum``s ``sums``, finished at the end."""
     grad_dtype = args[2].dtype  # a kernel's dK/dV take k's dtype
     for i, call in enumerate(calls):
         targets = [s.into(call.keys, grad_dtype) for s in sums]
@@ -317,10 +300,9 @@ def zero_outside(t: torch.Tensor, rows) -> None:
 
 
 def dq_sum_of(kernel, target: torch.Tensor, calls, args, dropout=None) -> "Sum":
-    """The ``Sum`` of the dQ of ``calls`` (every call of a head group's query rows, into
-    ``target``) on ``args`` = (dout, q, k, v, out, lse, scale), whose blocks of keys are all
-    k's size: summed inside the kernel where it can (``Kernel.query_rows``: dense calls
-    without a window, causal ones square; no ``dropout``), else call by call."""
+    """The ``Sum`` into ``target`` of the dQ of ``calls`` on ``args`` = (dout, q, k, v, out,
+    lse, scale): inside the kernel where it can (``Kernel.query_rows``: dense calls without a
+    window, causal ones square; no ``dropout``), else call by call."""
     dout, q, k, _, out, lse, scale = args
     s_q, s_kv = q.shape[2], k.shape[2]
     in_kernel = None
@@ -338,10 +320,9 @@ def _rows_in_kernel(call, s_q: int, s_kv: int) -> bool:
 
 
 class Sum:
-    """Contributions of calls to one gradient (dQ of a head group) summed into ``target``:
-    by the kernel (``in_kernel``, a ``Kernel.query_rows``: ``dq_sum_of``), else straight into
-    it when at most two come (the first written as is, the second added once: no rounding an
-    fp32 sum would not make), else into an fp32 sum cast at the end."""
+    """Contributions of calls to one gradient summed into ``target``: by the kernel
+    (``in_kernel``, a ``Kernel.query_rows``), else straight into it when at most two come (no
+    rounding an fp32 sum would not make), else into an fp32 sum cast at the end."""
 
     def __init__(self, target: torch.Tensor, contributions: int, in_kernel=None):
         self.target, self.in_kernel = target, in_kernel
@@ -351,8 +332,8 @@ class Sum:
         self._empty = True
 
     def into(self, rows, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """Where the next call may write its gradient of ``rows`` (of ``dtype``, if given)
-        itself (the target, for the first contribution), or None: ``add`` it."""
+        """Where the next call may write its gradient of ``rows`` (of ``dtype``) itself (the
+        target, for the first contribution), or None: ``add`` it."""
         direct = self._empty and self.acc is self.target
         if not direct or dtype not in (None, self.target.dtype):
             return None
@@ -384,9 +365,7 @@ class Sum:
 def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:
     """The call of this rank's query rows ``q_span`` = (start, stop) of every sequence's part
     vs the key rows ``k_span`` of rank ``source``'s part of the same sequence (offsets inside
-    a part, ints or per-sequence tensors), both cut to the real tokens, which come first.
-    Causal calls of the partitions here come out square per sequence (keys past the last
-    query are cut), so a kernel aligning the mask bottom-right computes the same mask."""
+    a part, ints or per-sequence tensors), both cut to the real tokens, which come first."""
     split = packing.split
     q0, q1 = _real(q_span, split.counts[packing.rank])
     k0, k1 = _real(k_span, split.counts[source])
