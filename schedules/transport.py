@@ -10,39 +10,29 @@ only "send this, give me the next":
     k_prev, v_prev = pending.wait()   # the previous rank's, in this rank's next slot
 
 ``shift(tensors, hops=h)`` sends to the rank h after this one and receives from the rank h
-before (a ring that skips steps). Slots are used in turn. A ring that receives the next
-block while it still reads the last needs two; one whose every received block is used up
-before the next shift starts needs one. Every rank makes the same shifts in the same order.
+before. Slots are used in turn: a ring that receives the next block while it still reads the
+last needs two. Every rank makes the same shifts in the same order.
 
 Two transports move the bytes:
 
     p2p          torch.distributed batched isend/irecv (NCCL on GPUs, gloo on CPUs) into slots
-                 allocated for the call. NCCL's send/receive kernels run on SMs beside the
-                 attention kernels.
+                 allocated for the call; NCCL's kernels run on SMs beside the attention.
     copy_engine  the slots live in symmetric memory (torch.distributed._symmetric_memory),
-                 which the previous rank maps. On a side stream, behind the work the compute
-                 stream has so far, a barrier of the ring says every rank is ready (what it
-                 sends is written, the slot it receives into has been read); each rank then
-                 copies what it sends straight into the next rank's slot (from any memory:
-                 only the receiving slot is symmetric), and a second barrier says every slot
-                 is filled. Both barriers are stream memory operations on the buffer's signal
-                 pads (``stream_signals``), which need no SM: they pass while an attention
-                 kernel holds every SM, and the compute stream never waits for another rank
-                 except for a block it is about to use. Contiguous tensors go by one
-                 device-to-device copy, which the GPU's copy engines move over NVLink, so
-                 attention keeps every SM. The symmetric buffer is kept for the next call (it
-                 grows, collectively, when a call needs more).
+                 kept for the next call. On a side stream, behind the compute stream's work so
+                 far, a barrier says every rank is ready (what it sends is written, the slot it
+                 receives into has been read); each rank copies what it sends straight into
+                 the next rank's slot, and a second barrier says every slot is filled. The
+                 barriers are stream memory operations (``stream_signals``) and the copies go
+                 by the copy engines over NVLink: neither needs an SM, so both pass while an
+                 attention kernel holds every SM.
 
-An *exchange* is an all-to-all of byte ranges: every rank puts pieces into other ranks'
-buffers (``Put``: a contiguous tensor, the rank ``hops`` after, a byte offset there) and says
-what it takes from whom (``Take``), so both transports can run it: p2p sends and receives the
-pieces, copy_engine copies each straight to its place in the peer's symmetric buffer, between
-the same two barriers as a shift (``ulysses`` moves its heads this way):
+An *exchange* is an all-to-all of byte ranges that both transports run: every rank puts
+pieces into other ranks' buffers (``Put``: a contiguous tensor, the rank ``hops`` after, a
+byte offset there) and says what it takes from whom (``Take``):
 
     mover.reserve(nbytes, device)            # every region of the call (collective, once)
     region = mover.region(base, n, device)   # bytes [base, base + n) of the receive buffer
     pending = mover.exchange(puts, takes, region)
-    ...                                      # compute meanwhile (copy engines need no SM)
     flat = pending.wait()                    # every Take of this rank has landed in it
 
 ``auto`` is copy_engine for CUDA tensors on an NCCL group of one host when symmetric memory is
@@ -77,8 +67,7 @@ def check_transport(transport: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RingData:
-    """What a ring carries: logical tensors of ``shapes`` in ``dtype`` and ``layout``,
-    received into ``slots`` slots."""
+    """What a ring carries: logical tensors of ``shapes``, received into ``slots`` slots."""
 
     shapes: tuple
     dtype: torch.dtype
@@ -137,21 +126,6 @@ class Take:
     nbytes: int
 
 
-def slot_bytes(datas) -> int:
-    """Bytes of the slots of ``datas`` (RingData) together: what ``Mover.rings`` allocates."""
-    return sum(d.slots * d.nbytes for d in datas)
-
-
-class _StreamEvent:
-    """A copy-engine transfer: the current stream waits for ``event`` on ``wait()``."""
-
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-
 class Ring:
     """The slots of one ``RingData`` at ``offset`` in this call's flat byte buffer."""
 
@@ -170,9 +144,8 @@ class Ring:
         return list(self._views[slot])
 
     def shift(self, tensors, hops: int = 1) -> Pending:
-        """Start sending ``tensors`` (logical, of this ring's shapes; any memory) to the rank
-        ``hops`` after this one and receiving those of the rank ``hops`` before into the next
-        slot; ``wait()`` returns them."""
+        """Start sending ``tensors`` to the rank ``hops`` after this one and receiving those
+        of the rank ``hops`` before into the next slot; ``wait()`` returns them."""
         slot = self._shifts % self.data.slots
         self._shifts += 1
         works = self._mover.push(list(tensors), self, slot, hops)
@@ -186,8 +159,7 @@ class Ring:
 
 
 class Mover:
-    """Moves what rings send, and exchanges, between the ranks of ``comm`` (one line of the
-    mesh)."""
+    """Moves what rings send, and exchanges, between the ranks of ``comm``."""
 
     name = ""
 
@@ -201,7 +173,7 @@ class Mover:
 
     def rings(self, datas, device) -> list[Ring]:
         """One ``Ring`` for each ``RingData``, all slots in one flat buffer."""
-        flat = self.buffer(slot_bytes(datas), device)
+        flat = self.buffer(sum(d.slots * d.nbytes for d in datas), device)
         rings, offset = [], 0
         for d in datas:
             rings.append(Ring(d, flat, offset, self))
@@ -214,8 +186,7 @@ class Mover:
 
     def push(self, tensors, ring: Ring, slot: int, hops: int = 1) -> list:
         """Start sending ``tensors`` into slot ``slot`` of ``ring`` on the rank ``hops`` after
-        this one and receiving those of the rank ``hops`` before into this rank's; the works
-        to wait for."""
+        this one and receiving into this rank's; the works to wait for."""
         raise NotImplementedError
 
     def reserve(self, nbytes: int, device) -> None:
@@ -228,9 +199,8 @@ class Mover:
 
     def exchange(self, puts, takes, region: Region) -> Pending:
         """Start an exchange: every ``Put`` into ``region`` of its rank, every ``Take`` into
-        this rank's (offsets from its start); ``wait()`` returns this rank's ``region.flat``.
-        Every rank of the line calls it in the same order; the pieces of one pair of ranks
-        follow one order on both sides."""
+        this rank's; ``wait()`` returns ``region.flat``. Every rank calls it in the same
+        order; the pieces of one pair of ranks follow one order on both sides."""
         size, comm = self.comm.size, self.comm
         puts = [p for p in puts if p.nbytes]
         takes = [t for t in takes if t.nbytes and t.hops % size]
@@ -268,9 +238,8 @@ class P2PMover(Mover):
         return self._start(sends, [(flat[t.at:t.at + t.nbytes], -t.hops) for t in takes])
 
     def _start(self, sends, receives) -> list:
-        """Start sending each (tensor, hops) to the rank ``hops`` after this one and receiving
-        each (tensor, hops) from the rank ``hops`` after (before when < 0); the works, which
-        keep what they send alive until waited for."""
+        """Start sending each (tensor, hops) to, and receiving each (tensor, hops) from, the
+        rank ``hops`` after this one; the works keep what they send alive until waited for."""
         comm = self.comm
         ops = [dist.P2POp(dist.isend, t, comm.peer(h), comm.group) for t, h in sends]
         ops += [dist.P2POp(dist.irecv, t, comm.peer(h), comm.group) for t, h in receives]
@@ -364,7 +333,7 @@ class CopyEngineMover(Mover):
             self._filled.pass_()  # every rank's slot is filled
             event = torch.cuda.Event()
             event.record(stream)
-        return [_StreamEvent(event)]
+        return [event]  # its wait() holds the current stream
 
 
 class InFlight:
@@ -397,15 +366,15 @@ def rows_at(flat: torch.Tensor, at: int, rows: int, item) -> torch.Tensor:
 
 
 class Transported:
-    """A schedule whose transfers go through the mover of its ``transport``, one per device
-    (made on first use); it calls ``use_transport`` in its constructor."""
+    """A schedule whose transfers go through the mover of its ``transport``, one per device;
+    it calls ``use_transport`` in its constructor."""
 
     def use_transport(self, transport: str) -> None:
         self.transport = check_transport(transport)
         self._movers: dict[torch.device, Mover] = {}
 
     def mover(self, device) -> Mover:
-        """The transport's mover of this schedule's transfers on ``device`` (made once)."""
+        """The transport's mover on ``device`` (made once)."""
         device = torch.device(device)
         if device not in self._movers:
             self._movers[device] = mover(self.comm, self.transport, device)
@@ -438,8 +407,7 @@ def mover(comm, transport: str, device: torch.device) -> Mover:
 
 
 def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
-    """(usable, why not). Every rank of ``group`` calls it alike: the last check gathers the
-    ranks' host names over the group."""
+    """(usable, why not). Every rank of ``group`` calls it alike (it gathers host names)."""
     if device.type != "cuda":
         return False, f"it needs CUDA tensors, got {device.type} tensors"
     if dist.get_backend(group) != "nccl":
