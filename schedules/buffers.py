@@ -1,8 +1,7 @@
 """Logical [B, H, S, E] tensors as the memory buffers that collectives move, and back.
 
-A BSHE tensor is a [B, S, H, E] buffer seen as [B, H, S, E]. Collectives send buffers
-(``to_buffer`` is a view, no copy, for a tensor that has the layout), so nothing changes
-layout on the way; what arrives is seen as logical tensors again with ``from_buffer``.
+A BSHE tensor is a [B, S, H, E] buffer seen as [B, H, S, E]. ``to_buffer`` is a view for a
+tensor in the layout, so nothing changes layout on the way; ``from_buffer`` sees it again.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The communicator of sequence schedules: the collectives they use, with byte counters.
 
-Every transfer of a schedule goes through one ``Communicator`` so that what a call moved can
-be compared with what ``describe()`` promises (tests do). Collectives run asynchronously where
-the caller can overlap them with compute: NCCL runs them on its own streams, and ``wait()``
-makes the current stream wait for the result. On CPU ranks (gloo) a transfer that does not
-complete within the group's timeout (the mesh's) raises ``MeshTimeout`` naming the schedule,
-the call, the transfer and the ranks that did not arrive; NCCL transfers are watched from a
-thread (``StallWatch``) that logs the same words before NCCL's watchdog ends the process.
+Every transfer of a schedule goes through one ``Communicator``, so that what a call moved can
+be compared with what ``describe()`` promises. On CPU ranks (gloo) a transfer that does not
+complete within the mesh's timeout raises ``MeshTimeout`` naming the schedule, the call, the
+transfer and the ranks that did not arrive; NCCL transfers are watched from a thread
+(``StallWatch``) that logs the same before NCCL's watchdog ends the process.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ class CommStats:
 
 
 class Pending:
-    """Transfers in flight; ``wait()`` returns ``result`` once they have landed. ``waits`` is
-    a list of (work, what it is, transfer number) made by ``Communicator.pending``."""
+    """Transfers in flight, (work, what, transfer number) ``waits``; ``wait()`` returns
+    ``result`` once they have landed."""
 
     def __init__(self, comm: "Communicator", waits, result=None):
         self._comm, self._waits, self.result = comm, waits, result
@@ -52,8 +50,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Communicator:
-    """Collectives over one line of the mesh (``ranks`` are global ranks in line order);
-    ``timeout`` is the mesh's (the group's own, and the watch's over GPU transfers)."""
+    """Collectives over one line of the mesh (``ranks``: global ranks in line order)."""
 
     def __init__(self, group, ranks: list[int], index: int, *, timeout: datetime.timedelta):
         self.group, self.ranks, self.index = group, ranks, index
@@ -88,8 +85,7 @@ class Communicator:
         return Pending(self, [(w, name, step) for w in works], result)
 
     def wait(self, work, what: str, step: int) -> None:
-        """Wait for ``work`` of transfer ``step``; on CPU ranks a MeshTimeout names the
-        transfer and the ranks that did not arrive when it fails."""
+        """Wait for ``work`` of transfer ``step`` (a MeshTimeout when it fails)."""
         try:
             if self._arrivals is None:
                 work.wait()  # NCCL: the current stream waits, watched behind an event

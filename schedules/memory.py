@@ -1,10 +1,8 @@
 """What a schedule's call allocates on each rank: the memory half of ``describe()``.
 
-``Description.memory`` comes from a dry run of the schedule's own code (``schedules.dry_run``):
-what its forward and backward allocate, kernel workspace counted as the GPU kernels keep it
-(the fp32 dQ of a call's queries that FlashAttention and cuDNN backwards hold, and with GQA
-FlashAttention-4's fp32 dK and dV). Tests check it against what the schedules allocate on CPU
-ranks, and a GPU test against ``max_memory_allocated``.
+``Description.memory`` comes from a dry run of the schedule's own code (``schedules.dry_run``),
+kernel workspace counted as the GPU kernels keep it (the fp32 dQ that FlashAttention and cuDNN
+backwards hold, with GQA FlashAttention-4's fp32 dK and dV too).
 """
 
 from __future__ import annotations
@@ -33,14 +31,12 @@ class Memory:
 
     @property
     def step(self) -> int:
-        """The peak of a forward and backward step, kept buffers included: what the
-        benchmarks call a step's memory."""
+        """The peak of a forward and backward step, kept buffers included."""
         return self.kept + self.outputs + max(self.forward, self.backward)
 
 
 def input_bytes(local: AttentionSpec, backward: bool = True) -> int:
-    """Bytes of a rank's inputs of the local problem ``local``, which the caller holds: q, k
-    and v, and dout when ``backward``."""
+    """Bytes of a rank's inputs q, k, v (and dout when ``backward``) of the local problem."""
     item = local.dtype.itemsize
     q = local.batch * local.heads * local.q_len * local.head_dim * item
     kv = local.batch * local.kv_heads * local.kv_len * local.head_dim * item

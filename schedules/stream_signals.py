@@ -1,22 +1,15 @@
 """Barriers between ranks that CUDA streams pass without an SM.
 
 A barrier kernel needs an SM: on a side stream it waits until the attention kernel that holds
-every SM ends, and on the compute stream it holds the next kernel until the slowest rank has
-arrived, so that every rank goes at the pace of the slower one between any two barriers.
-CUDA's stream memory operations run in the stream's front end instead, beside any kernel:
-``cuStreamWriteValue32`` writes a word once everything the stream did before is visible (it
-fences first), and ``cuStreamWaitValue32`` holds the stream until a word reaches a value.
+every SM ends. CUDA's stream memory operations run in the stream's front end instead, beside
+any kernel: ``cuStreamWriteValue32`` writes a word once everything the stream did before is
+visible, and ``cuStreamWaitValue32`` holds the stream until a word reaches a value.
 
-``StreamBarrier`` is a barrier of the ranks of one symmetric-memory handle on one channel of
-its signal pads. The n-th time a rank passes it, it writes n into its word in every peer's
-pad, then waits until every peer's word in its own pad has reached n. Counts only grow (the
-wait compares cyclically, so wrapping past 2**32 is harmless): nothing is reset, and a peer
-that has gone on to pass n + 1 still counts as arrived at n. A rank can be at most one pass
-ahead of any other, since its own pass n waited for theirs.
-
-A wait has no time limit of its own; the stream behind it is watched from the host
-(``waiting.StallWatch``), which names the missing rank and ends the process past the mesh's
-timeout.
+``StreamBarrier``: the n-th time a rank passes it, it writes n into its word in every peer's
+signal pad, then waits until every peer's word in its own pad has reached n. Counts only grow
+(the wait compares cyclically, so wrapping past 2**32 is harmless), and a peer that has
+passed n + 1 still counts as arrived at n. A wait has no time limit of its own; the host
+watches the stream (``waiting.StallWatch``).
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced after the stream's
 
 @functools.cache
 def _driver():
-    """The CUDA driver's stream memory operations (write, wait); a RuntimeError naming what is
-    missing when the driver has none."""
+    """The CUDA driver's stream memory operations (write, wait), else a RuntimeError."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         write, wait = lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2
@@ -79,8 +71,7 @@ class StreamBarrier:
         self.passes = 0
 
     def pass_(self) -> None:
-        """Enqueue on the current stream: say this rank has arrived, then wait for every peer.
-        The host does not wait."""
+        """Enqueue on the current stream: say this rank has arrived, then wait for every peer."""
         _, write, wait = _driver()
         self.passes += 1
         count = self.passes & 0xFFFFFFFF
