@@ -1,23 +1,13 @@
-"""What a cost model needs to know of a schedule beyond ``describe()``: how the transfers of
-its mesh dim meet the compute of a rank's step (read by ``schedules.predict``).
-
-A schedule class states it as ``overlap = Overlap(...)``:
-
-    class Ring(...):
-        overlap = Overlap(hidden=lambda p: (p - 1) / p, splits_keys=True, own_transport=True)
-
-A schedule that states nothing (a user's, say) gets ``Overlap()``, the cautious reading: no
-transfer hidden, every kernel call over all the keys, transfers at NCCL send/receive speed.
+"""What a cost model (``schedules.predict``) needs to know of a schedule beyond
+``describe()``: how the transfers of its mesh dim meet the compute of a rank's step. A schedule
+class states it as ``overlap = Overlap(...)``; one that states nothing gets ``Overlap()``, the
+cautious reading: no transfer hidden, every call over all the keys, NCCL send/receive speed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
-
-
-def _none(ranks: int) -> float:
-    return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +22,7 @@ class Overlap:
                    by NCCL collectives
     """
 
-    hidden: Callable[[int], float] = _none
+    hidden: Callable[[int], float] = lambda ranks: 0.0
     splits_keys: bool = False
     own_transport: bool = False
 
