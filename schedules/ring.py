@@ -164,8 +164,7 @@ class Ring(Transported, SequenceSchedule):
         return spec.q_len, spec.kv_len
 
     def kernel_calls(self, spec) -> int:
-        """The kernel calls this rank makes on the local ``spec``: those of every ring step
-        whose block its queries see."""
+        """The kernel calls this rank makes on the local ``spec``."""
         steps, _ = self._plan(spec, spec.q_len, spec.kv_len)
         return max(1, sum(len(calls) for _, calls in steps))
 
@@ -225,8 +224,7 @@ class Ring(Transported, SequenceSchedule):
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
-        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
-        with [B, H, S, E] q and k (see the module docstring)."""
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``."""
         steps, travel = self._plan(spec, q.shape[2], k.shape[2])
         calls, remote = dict(steps), [step for step, _ in steps[1:]]
         groups = len(self.groups_of(q, k, spec))
@@ -268,19 +266,18 @@ class Ring(Transported, SequenceSchedule):
                 yield g, step, first + ops
                 first = []
 
-    def _streams(self):
-        """``stream(step, group)``: the dropout stream key of this rank's calls on a block."""
-        me, p = self.index, self.size
-        return lambda step, group: ("ring", me, (me - step) % p, group)
+    def _stream(self, step: int, group: int) -> tuple:
+        """The dropout stream key of this rank's calls on the block of ring step ``step``."""
+        return "ring", self.index, (self.index - step) % self.size, group
 
     def _forward_ops(self, calls, remote, groups: int) -> tuple:
         order, blocks = [0, *remote], sum(len(c) for c in calls.values())
-        ops, stream = [], self._streams()
+        ops = []
         for g, step, kv in self._steps(groups, [order] * groups, remote):
             ops += kv
             if step == 0:
                 ops.append(runner.Open(g, blocks))
-            ops.append(runner.Fold(tuple(calls[step]), stream(step, g)))
+            ops.append(runner.Fold(tuple(calls[step]), self._stream(step, g)))
             if step == order[-1]:
                 ops.append(runner.Finish())
         return tuple(ops)
@@ -293,13 +290,13 @@ class Ring(Transported, SequenceSchedule):
         group's first block is worked on (``early``)."""
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         orders = self._backward_orders(groups, remote, own_first=own_first)
-        ops, early, streams = [], None, self._streams()
+        ops, early = [], None
         for g, step, kv in self._steps(groups, orders, remote):
             order, own = orders[g], tuple(calls[step])
             ops += kv
             if step == order[0]:
                 ops.append(runner.OpenDq(g, tuple(c for s in order for c in calls[s])))
-            stream = streams(step, g)
+            stream = self._stream(step, g)
             if step == 0:
                 ops.append(runner.Grads(own, stream, runner.OWN))
                 if remote and step == order[-1]:  # its sums arrived meanwhile
@@ -351,8 +348,7 @@ class Ring(Transported, SequenceSchedule):
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        """Steps (a group's calls on one block) and bytes counted on this rank's plans for
-        the global ``spec``."""
+        """Steps and bytes counted on this rank's plans for the global ``spec``."""
         forward, backward = runner.plans_of(self, spec)
         block_rows = self.local_tokens(spec) if forward.travel is None else forward.travel[1]
 
