@@ -118,8 +118,7 @@ def packed_placement(split) -> Placement:
 
 
 class Ulysses(Transported, SequenceSchedule):
-    """All-to-all context parallelism; ``transport`` picks how packed tokens travel (see
-    ``schedules.transport``), ``head_groups`` how many K/V head groups run in turn."""
+    """All-to-all context parallelism; packed tokens travel by ``transport``."""
 
     name = "ulysses"
     needs_ordered_tokens = False  # attends the whole sequence in global order
@@ -161,15 +160,8 @@ class Ulysses(Transported, SequenceSchedule):
         return max(heads // self.size, 1)
 
     def _first_head(self, rank: int, heads: int) -> int:
-        """The first of ``heads`` heads that ``rank`` attends (replicas share one when heads < P)."""
+        """The first of ``heads`` heads that ``rank`` attends (replicas share it)."""
         return rank * heads // self.size
-
-    def _placement(self, spec, s_local: int, device) -> Placement:
-        """Where every rank's ``s_local`` tokens go in the whole sequence."""
-        if spec.packing is not None:
-            return self._packed_plan(spec)[0]
-        length = s_local * self.size
-        return Placement(length, s_local, [(None, t) for t in self.positions(length, device)])
 
     def _call(self, spec):
         """The kernel call over the whole sequence of this rank's heads (None: no token)."""
@@ -250,8 +242,7 @@ class Ulysses(Transported, SequenceSchedule):
         return runner.Plan(tuple(ops), groups, transfers=_Exchanges(self, spec, layout, routes))
 
     def describe(self, spec):
-        """What a dry run of this rank's plans does for the global ``spec``
-        (``schedules.dry_run``)."""
+        """What a dry run of this rank's plans does for the global ``spec``."""
         d = dry_run.describe(self, spec)
         groups = self.groups_for(spec)
         h_kv = groups * self._heads_per_rank(spec.kv_heads // groups)
@@ -273,16 +264,13 @@ class _Exchanges:
         self.size, self.index = schedule.size, schedule.index
         self.first_head, self.heads_per_rank = schedule._first_head, schedule._heads_per_rank
 
-    @property
-    def comm(self):
-        return self.schedule.comm
-
-    def mover(self, device):
-        return self.schedule.mover(device)
-
     def placement(self, s_local: int, device) -> Placement:
         """Where every rank's ``s_local`` tokens go in the whole sequence."""
-        return self.schedule._placement(self.spec, s_local, device)
+        if self.spec.packing is not None:
+            return self.schedule._packed_plan(self.spec)[0]
+        length = s_local * self.size
+        positions = self.schedule.positions(length, device)
+        return Placement(length, s_local, [(None, t) for t in positions])
 
     def begin(self, tensors, groups, backward: bool) -> None:
         t = tensors
@@ -304,7 +292,8 @@ class _Exchanges:
         sequence_bytes = self._sequence_region(
             [(target.shape[1] // self.size, target.shape[3], target.dtype)
              for target, r in zip(targets, self.routed) if r])[1]
-        self.mover(first[0].device).reserve(self.heads_bytes + sequence_bytes, first[0].device)
+        device = first[0].device
+        self.schedule.mover(device).reserve(self.heads_bytes + sequence_bytes, device)
 
     def gather(self, g):
         """Start sending this rank's tokens of group ``g``'s heads to their owners;
@@ -330,8 +319,7 @@ class _Exchanges:
         self._blocks_to_sequence(results, targets, self.layout, 0.0)
 
     def start_scatter(self, g, results):
-        """Packed: start sending the results home (those of replicated K/V heads summed back
-        as blocks first)."""
+        """Packed: start sending the results home (replicated K/V heads' summed first)."""
         targets = self.outputs(g)
         summed = [(t, target) for t, target, r in zip(results, targets, self.routed) if not r]
         if summed:
@@ -353,7 +341,7 @@ class _Exchanges:
         send = torch.empty((self.size, numel), dtype=like.dtype, device=like.device)
         for j in range(self.size):
             fill(j, views(send[j], shapes, layout))
-        received = self.comm.all_to_all(send)
+        received = self.schedule.comm.all_to_all(send)
         return [views(part, shapes, layout) for part in received]
 
     def _to_heads(self, tensors, layout: Layout) -> list[torch.Tensor]:
@@ -422,7 +410,7 @@ class _Exchanges:
         routes = self.routes
         n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
         items, offsets, nbytes = self._heads_region(tensors)
-        mover = self.mover(tensors[0].device)
+        mover = self.schedule.mover(tensors[0].device)
         region = mover.region(base, nbytes, tensors[0].device)
         puts, takes = [], []
         for t, (width, e, _), at in zip(tensors, items, offsets):
@@ -453,7 +441,7 @@ class _Exchanges:
             routes.counts
         items = [(t.shape[1], t.shape[3], t.dtype) for t in tensors]
         offsets, nbytes = self._sequence_region(items)
-        mover = self.mover(tensors[0].device)
+        mover = self.schedule.mover(tensors[0].device)
         region = mover.region(base, nbytes, tensors[0].device)
         puts, takes = [], []
         for t, (width, e, _), at in zip(tensors, items, offsets):
