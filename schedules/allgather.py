@@ -171,8 +171,7 @@ def _dense_window_plan(mask, partition, parts, rank, s_q, s_kv):
 
 @whole_documents
 class AllGather(Transported, SequenceSchedule):
-    """K/V all-gathered per head group; ``transport`` picks how packed K/V and dK/dV sums
-    travel (see ``schedules.transport``), ``head_groups`` how many groups run in turn."""
+    """K/V all-gathered per head group; packed K/V and sums travel by ``transport``."""
 
     name = "allgather"
     overlap = Overlap(hidden=lambda p: 1 / p, splits_keys=True)  # the own block hides the gather
@@ -319,8 +318,7 @@ class AllGather(Transported, SequenceSchedule):
         return tuple(ops)
 
     def describe(self, spec):
-        """Bytes counted on this rank's plans for the global ``spec``; steps (kernel calls)
-        and FLOPs from its calls."""
+        """Bytes counted on this rank's plans for the global ``spec``, steps and FLOPs."""
         forward, backward = runner.plans_of(self, spec)
         sums = backward.sums[0]
 
@@ -367,10 +365,6 @@ class _Transfers:
         self.packed = spec.packing is not None
         self.positions = None
 
-    @property
-    def comm(self):
-        return self.schedule.comm  # when a call runs (a plan may be made on a VirtualMesh)
-
     def begin(self, tensors, groups, backward: bool) -> None:
         self.tensors, self.groups = tensors, groups
         if not self.packed:
@@ -390,7 +384,7 @@ class _Transfers:
         layout = layout_of(k)
         if self.positions is None:
             self.positions = self._other_positions(k.shape[2] * self.size, k.device)
-        pending = [self.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
+        pending = [self.schedule.comm.all_gather(to_buffer(g.of_kv(t), layout)) for t in (k, v)]
         return runner.Arriving(lambda: [self._others(p.wait(), layout) for p in pending])
 
     def _other_positions(self, kv_len: int, device):
@@ -407,8 +401,7 @@ class _Transfers:
         return [(j, slot[positions[j]]) for j in range(self.size) if j != self.index]
 
     def _others(self, gathered: torch.Tensor, layout) -> torch.Tensor:
-        """The other ranks' tokens of a gathered [P, *buffer] tensor, placed by
-        ``positions``."""
+        """The other ranks' tokens of a gathered [P, *buffer] tensor, placed by ``positions``."""
         b, h, s_local, e = from_buffer(gathered[0], layout).shape
         others = layout.empty((b, h, s_local * (self.size - 1), e), dtype=gathered.dtype,
                               device=gathered.device)
@@ -429,8 +422,7 @@ class _Transfers:
         return runner.Arriving(in_flight.finish)
 
     def _region_bytes(self, dtype) -> int:
-        """Bytes of a region of a group's packed K and V (or their sums) of every rank in
-        ``dtype``."""
+        """Bytes of a region of a group's packed K and V (or sums) of every rank in ``dtype``."""
         k = self.tensors["k"]
         item = (k.shape[1] // len(self.groups), k.shape[3], dtype)
         return sections([item, item], self.size * k.shape[2])[1]
@@ -472,7 +464,7 @@ class _Transfers:
                 mine.add(rows, grad)
             mine.finish()
             del own, mine
-            summed = from_buffer(self.comm.reduce_scatter(send), layout)
+            summed = from_buffer(self.schedule.comm.reduce_scatter(send), layout)
             del send
             target.copy_(summed)
             del summed
@@ -501,8 +493,7 @@ class _Transfers:
         return InFlight(pending, place)
 
     def land(self, g, in_flight: InFlight, mine) -> None:
-        """Wait for a group's dK/dV sums, add this rank's own parts ``mine`` and write them
-        into its dK and dV."""
+        """Wait for a group's dK/dV sums, add this rank's own parts ``mine``, write them."""
         for acc, parts, target in zip(in_flight.finish(), mine, self._targets(g)):
             # sums in the target's dtype take a last gradient of every row on the way: one pass
             fused = bool(parts) and parts[-1][0] is None and acc.dtype == target.dtype
