@@ -33,8 +33,7 @@ def as_packed(t: torch.Tensor) -> torch.Tensor:
 
 
 def outputs(q: torch.Tensor, out, lse, packed: bool):
-    """(out, lse) buffers of a forward on queries ``q``: the given ones (packed out as a
-    [1, H, T, E] view) or new ones."""
+    """(out, lse) buffers of a forward on queries ``q``: the given ones (as blocks) or new."""
     if out is None:
         out = _empty_like(q)
     elif packed:
@@ -45,8 +44,7 @@ def outputs(q: torch.Tensor, out, lse, packed: bool):
 
 
 def gradients(inputs, grads, packed: bool) -> tuple:
-    """(dq, dk, dv) buffers of a backward on ``inputs`` (q, k, v): the given ones (packed as
-    [1, H, T, E] views) or new ones."""
+    """(dq, dk, dv) buffers of a backward on q, k, v: the given ones (as blocks) or new."""
     return tuple(_empty_like(t) if g is None else (as_block(g) if packed else g)
                  for t, g in zip(inputs, grads))
 
@@ -62,8 +60,7 @@ class DenseCall:
     window: Window | None = None
 
     def forward(self, kernel, q, k, v, scale, dropout=None, outputs=(None, None)):
-        """(out, lse) of the call's query rows, written into ``outputs`` (out, lse of those
-        rows) when given (``dropout``: the call's stream)."""
+        """(out, lse) of the call's query rows, written into ``outputs`` when given."""
         r, c = self.rows, self.keys
         out, lse = outputs
         return kernel.forward(q[:, :, r], k[:, :, c], v[:, :, c], causal=self.causal, scale=scale,
@@ -89,8 +86,7 @@ class DenseCall:
                                window=self.window, dropout=dropout, dq=dq, dk=dk, dv=dv)
 
     def backward_rows(self, query_rows, targets, k, v) -> list:
-        """[dK, dV] of the call (into the targets' key rows, as ``backward_into``); its dQ
-        summed by ``query_rows`` (``Kernel.query_rows``)."""
+        """[dK, dV] of the call (as ``backward_into``); its dQ summed by ``query_rows``."""
         c = self.keys
         grads = [_empty_like(like[:, :, c]) if t is None else t[:, :, c]
                  for t, like in zip(targets, (k, v))]
@@ -118,8 +114,8 @@ class PackedCall:
     window: Window | None = None
 
     def forward(self, kernel, q, k, v, scale, dropout=None, outputs=(None, None)):
-        """(out, lse) of the call's query rows, written into ``outputs`` (out, lse of those
-        rows) when given. Packed: no dropout (spec)."""
+        """(out, lse) of the call's query rows, written into ``outputs`` when given (no
+        dropout on packed sequences)."""
         out_rows, lse_rows = outputs
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
@@ -168,8 +164,7 @@ class PackedCall:
 
 
 def row_index(span, n: int) -> torch.Tensor:
-    """The rows of ``span`` (None: all ``n``, a slice, or an index tensor) as a host index
-    tensor."""
+    """The rows of ``span`` (None: all ``n``, a slice, or an index tensor) on the host."""
     if isinstance(span, torch.Tensor):
         return span.cpu()
     return torch.arange(n)[span if span is not None else slice(None)]
@@ -223,8 +218,7 @@ def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | slice | No
 
 
 def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> None:
-    """Fold every call's (out, lse) on the blocks q, k, v into ``merged`` (``streams(i)``:
-    call i's dropout stream)."""
+    """Fold every call's (out, lse) on the blocks q, k, v into ``merged``."""
     for i, call in enumerate(calls):
         dropout = streams and streams(i)
         outputs = merged.into(call.rows)
@@ -249,8 +243,7 @@ def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, Non
 
 
 def backward_calls(calls, kernel, dq_sum: Sum, args, sums, streams=None) -> None:
-    """Every call's backward on ``args`` (as ``call_grads``): dQ into ``dq_sum``, dK and dV
-    into the ``Sum``s ``sums``, finished at the end."""
+    """Every call's backward (as ``call_grads``), dK and dV into the ``Sum``s ``sums``."""
     grad_dtype = args[2].dtype  # a kernel's dK/dV take k's dtype
     for i, call in enumerate(calls):
         targets = [s.into(call.keys, grad_dtype) for s in sums]
@@ -287,8 +280,7 @@ def put_rows(acc: torch.Tensor, rows, g: torch.Tensor) -> None:
 
 
 def zero_outside(t: torch.Tensor, rows) -> None:
-    """Zero the sequence rows of ``t`` outside ``rows`` (a slice, an index tensor: all
-    zeroed, or None: none)."""
+    """Zero the sequence rows of ``t`` outside ``rows`` (an index tensor: all; None: none)."""
     if isinstance(rows, torch.Tensor):
         t.zero_()
         return

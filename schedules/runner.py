@@ -201,8 +201,7 @@ class Plan:
 
 
 def plans_of(schedule, spec) -> tuple[Plan, Plan]:
-    """``schedule``'s forward and backward plans on this rank for the global ``spec``, made
-    on data-less blocks."""
+    """``schedule``'s forward and backward plans on this rank for the global ``spec``."""
     local, rows = schedule.local_spec(spec), schedule.local_tokens(spec)
     q, k = (torch.empty(spec.batch, h, rows, spec.head_dim, device="meta")
             for h in (spec.heads, spec.kv_heads))
@@ -459,6 +458,5 @@ class Arriving:
 
 
 def blocks(spec, *tensors):
-    """Packed [T, H, E] tensors as the [1, H, T, E] blocks plans are made of (dense ones as
-    they are)."""
+    """Packed [T, H, E] tensors as [1, H, T, E] blocks (dense ones as they are)."""
     return [as_block(t) for t in tensors] if spec.layout.is_varlen else tensors

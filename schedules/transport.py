@@ -185,8 +185,7 @@ class Mover:
         raise NotImplementedError
 
     def push(self, tensors, ring: Ring, slot: int, hops: int = 1) -> list:
-        """Start sending ``tensors`` into slot ``slot`` of ``ring`` on the rank ``hops`` after
-        this one and receiving into this rank's; the works to wait for."""
+        """Start a shift of ``ring`` into its slot ``slot``; the works to wait for."""
         raise NotImplementedError
 
     def reserve(self, nbytes: int, device) -> None:
@@ -259,8 +258,7 @@ class _Keep:
 
 
 class CopyEngineMover(Mover):
-    """Slots in one symmetric-memory buffer kept across calls; each shift copies what a rank
-    sends into the next rank's slot on a side stream, between two barriers of the ring."""
+    """Slots in one symmetric-memory buffer kept across calls, filled by copy engines."""
 
     name = "copy_engine"
 
@@ -319,8 +317,7 @@ class CopyEngineMover(Mover):
              else region.flat[p.at:p.at + p.nbytes], p.bytes()) for p in puts)
 
     def _transfer(self, copies) -> list:
-        """Copy every (target, source) pair on the side stream between the two barriers of
-        the line; the works to wait for."""
+        """Copy every (target, source) pair on the side stream between the two barriers."""
         stream = self._stream
         # the side stream goes on once the compute stream's work so far is done: what this
         # rank sends is written, and the slot it receives into has been read
@@ -337,8 +334,7 @@ class CopyEngineMover(Mover):
 
 
 class InFlight:
-    """An exchange in flight: ``finish()`` waits for it and returns what ``place`` makes of
-    the region that arrived."""
+    """An exchange in flight: ``finish()`` waits and returns ``place`` of what arrived."""
 
     def __init__(self, pending, place):
         self._pending, self._place = pending, place
@@ -366,8 +362,7 @@ def rows_at(flat: torch.Tensor, at: int, rows: int, item) -> torch.Tensor:
 
 
 class Transported:
-    """A schedule whose transfers go through the mover of its ``transport``, one per device;
-    it calls ``use_transport`` in its constructor."""
+    """A schedule whose transfers go through the movers of its ``transport``."""
 
     def use_transport(self, transport: str) -> None:
         self.transport = check_transport(transport)
@@ -382,8 +377,7 @@ class Transported:
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes of buffers kept between calls (the copy-engine transport's symmetric
-        memory, which torch.cuda.memory_allocated does not count)."""
+        """Bytes of buffers kept between calls (symmetric memory, not in memory_allocated)."""
         return sum(m.kept_bytes for m in self._movers.values())
 
     def keeps_buffers(self) -> bool:
