@@ -53,9 +53,8 @@ from .transport import InFlight, Put, Take, Transported, rows_at, sections
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where every rank's tokens go in the whole sequence the heads are attended over:
-    ``parts[j]`` = (rows of rank j's ``local`` rows that travel, None for all; their rows
-    among the ``length`` rows of the whole sequence)."""
+    """Where every rank's tokens go in the whole sequence: ``parts[j]`` = (rows of rank j's
+    ``local`` rows that travel, None for all; their rows among the ``length``)."""
 
     length: int
     local: int
@@ -63,7 +62,7 @@ class Placement:
 
     @property
     def complete(self) -> bool:
-        """Whether the parts fill every row of the whole sequence (else the rest is zeros)."""
+        """Whether the parts fill every row of the whole sequence."""
         return sum(len(slots) for _, slots in self.parts) == self.length
 
 
@@ -192,20 +191,18 @@ class Ulysses(Transported, SequenceSchedule):
                                    lambda: Routes.of(self._packed_plan(spec)[0], self.index))
 
     def groups_fit(self, groups, heads_q, kv_heads):
-        return (heads_q // groups) % self.size == 0 and self._kv_fit(kv_heads // groups)
+        kv, p = kv_heads // groups, self.size
+        return (heads_q // groups) % p == 0 and (kv % p == 0 or p % kv == 0)
 
     def check_groups(self, groups, spec):
-        heads_q, kv = spec.heads // groups, spec.kv_heads // groups
-        if heads_q % self.size or not self._kv_fit(kv):
+        if not self.groups_fit(groups, spec.heads, spec.kv_heads):
+            heads_q, kv = spec.heads // groups, spec.kv_heads // groups
             raise ValueError(
                 f"head_groups={groups} leaves {heads_q} query and {kv} K/V heads per group; "
                 f"schedule 'ulysses' over {self.size} ranks needs query heads per group "
                 f"divisible by {self.size} and K/V heads per group divisible by or dividing "
                 f"{self.size}; use 'auto' or fewer groups"
             )
-
-    def _kv_fit(self, kv_heads: int) -> bool:
-        return kv_heads % self.size == 0 or self.size % kv_heads == 0
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
@@ -217,9 +214,7 @@ class Ulysses(Transported, SequenceSchedule):
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
-        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
-        with [B, H, S, E] q and k: per head group, its heads of every token arrive, are
-        attended by one call and go home (packed by ``Routes``: as a pipeline)."""
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``."""
         layout = Layout.BSHE if spec.packing is not None else spec.layout
         routes, groups = self._routes(spec, layout), len(self.groups_of(q, k, spec))
         call = self._call(spec)
@@ -255,9 +250,7 @@ class Ulysses(Transported, SequenceSchedule):
 
 
 class _Exchanges:
-    """How one call's heads travel (``runner.Plan.transfers``): a group's inputs to the
-    owners of their heads (``gather``), the results home (``scatter``; packed:
-    ``start_scatter`` and ``land``, by the routes of the real tokens)."""
+    """How one call's heads travel (``runner.Plan.transfers``)."""
 
     def __init__(self, schedule: Ulysses, spec, layout: Layout, routes: Routes | None):
         self.schedule, self.spec, self.layout, self.routes = schedule, spec, layout, routes
@@ -404,9 +397,8 @@ class _Exchanges:
 
     # ---- packed: the real tokens by their routes, through the transport ----------------------
     def _start_heads(self, tensors, base: int) -> InFlight:
-        """Start sending this rank's real tokens of packed [1, H, S/P, E] ``tensors`` to the
-        owners of their heads (region at ``base``); ``finish()`` gives this rank's heads
-        [1, H/P, T, E] of every real token in packed order."""
+        """Start sending this rank's real tokens of packed ``tensors`` to the owners of their
+        heads; ``finish()`` gives this rank's heads of every real token in packed order."""
         routes = self.routes
         n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
         items, offsets, nbytes = self._heads_region(tensors)
@@ -433,9 +425,8 @@ class _Exchanges:
         return InFlight(pending, place)
 
     def _start_sequence(self, tensors, targets, fills, base: int) -> InFlight:
-        """Start sending this rank's heads [1, h, T, E] of every real token home (region at
-        ``base``); ``finish()`` writes them into ``targets`` [1, P h, S/P, E], padding rows
-        ``fills``."""
+        """Start sending this rank's heads of every real token home; ``finish()`` writes them
+        into ``targets`` (padding rows ``fills``)."""
         routes = self.routes
         n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
             routes.counts
