@@ -14,38 +14,29 @@ after the first costs half a block:
     block of a rank > r  the local late chunk vs the whole block
 
 Backward: dQ sums locally; the dK/dV sums of a block start on the rank after its owner,
-travel the ring with the block and end on the owner. The owner works on its own block last,
-while its sums make their last hop. Only the first block of a backward keeps the GPU
-waiting: a call of one group on large blocks runs its backward as two groups
-(``_backward_groups``), the first working on its own block while the first block travels.
-When a block's sums come from one rank alone (P = 2, dense, no window), that rank writes
-only its call's keys and the owner adds only those rows.
-
-Head groups (``schedules.heads``): the ring runs over G groups of K/V heads in turn; the
-next group's first block travels during the current group's last step. At the peak a rank
-holds, beside out and lse (and dq, dk, dv): two K/V slots (one when one block travels), in
-backward the received dK/dV sums (one slot at P = 2, two above) and those sent on, and an
-fp32 sum of out or dQ only when a row gets more than two blocks.
+travel the ring with the block and end on the owner, which works on its own block last, while
+its sums make their last hop. A one-group call on large blocks runs its backward as two
+groups (``_backward_groups``), the first working on its own block while the first block
+travels, so that only the very first transfer keeps the GPU waiting. Head groups
+(``schedules.heads``) run in turn, the next group's first block travelling during the
+current group's last step.
 
 dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2 without a window
 (each sum that travels is one kernel result: nothing is rounded that fp32 would not round),
-fp32 otherwise; "input" or "fp32" always. The blocks and sums go through ``transport``
-(``schedules.transport``); the own K/V goes out without a copy.
+fp32 otherwise. Out and dQ are summed in fp32 only when a row gets more than two blocks.
 
 Packed sequences: each step is one varlen call over every sequence, the step's case applied
-to each sequence's part and cut to its real tokens (``packed_call``; made once per packing).
+to each sequence's part and cut to its real tokens (``packed_call``).
 
 Sliding windows and composed masks (``mask=``): each step's calls come from ``bands`` (or
 one ``MaskedCall``, ``schedules.mask_plans``), and the ring takes only the steps at which
 some rank's queries see a key of the block; a shift sends a block (and its sums) straight to
-the rank of its next step, several hops at once. Under a window only the rows of a block
-that other ranks' queries see travel (``bands.ring_plan``): a 4K window over 64K tokens per
-rank moves 1/16 of each block.
+the rank of its next step. Under a window only the rows of a block that other ranks' queries
+see travel (``bands.ring_plan``): a 4K window over 64K tokens per rank moves 1/16 of a block.
 
 Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
-head group and the call's place in its step, the same in forward and backward.
-
-All of the above is a plan (``Ring.plan``: the ops of ``schedules.runner``).
+head group and the call's place in its step. All of the above is a plan (``Ring.plan``: the
+ops of ``schedules.runner``).
 """
 
 from __future__ import annotations
@@ -129,9 +120,7 @@ def packed_call(case: Block, packing, source: int) -> PackedCall | None:
 
 @whole_documents
 class Ring(Transported, SequenceSchedule):
-    """Pass-KV ring attention; ``transport`` picks how blocks travel (see ``transport``),
-    ``head_groups`` how many K/V head groups run in turn (see ``schedules.heads``),
-    ``grad_dtype`` the dtype dK/dV sums travel in."""
+    """Pass-KV ring attention; blocks travel by ``transport``, dK/dV sums in ``grad_dtype``."""
 
     name = "ring"
     overlap = Overlap(hidden=lambda p: (p - 1) / p, splits_keys=True, own_transport=True)
@@ -176,9 +165,7 @@ class Ring(Transported, SequenceSchedule):
         return torch.float32
 
     def _plan(self, spec, s_q: int, s_kv: int):
-        """(steps, travel): (step, kernel calls) of every ring step this rank takes, in order
-        (step i: the block of rank (r - i) mod P), and the rows of each block that travel
-        (``bands.ring_plan``; None: whole blocks)."""
+        """((step, kernel calls) of the ring steps this rank takes, the rows that travel)."""
         if spec.mask is not None:  # a composed mask: its steps and calls, whole blocks
             return mask_plans.ring_plan(spec, self.partition, self.size, self.index), None
         mask = window_band(spec)
@@ -250,10 +237,8 @@ class Ring(Transported, SequenceSchedule):
             self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None)
 
     def _steps(self, groups: int, orders, remote):
-        """(group, step, K/V ops) for every group g and every step of ``orders[g]`` (the
-        block of rank r - step). ``remote``: the steps other than 0, in order. One shift is
-        in flight at a time: a block travels on (or the next group's own block leaves)
-        while the current one is used."""
+        """(group, step, K/V ops) for every group g and every step of ``orders[g]``; one
+        shift in flight at a time, while the current block is used."""
         following = dict(zip(remote, remote[1:]))
         first = [runner.Send(remote[0], group=0)] if remote else []
         for g in range(groups):
