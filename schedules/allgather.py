@@ -14,30 +14,22 @@ load_balanced, P = 2, S = 16 in chunks of 4; rank 0 holds chunks 0 and 3 (tokens
     rows 0-3  (tokens 0-3)    others[:0]: nothing beyond the local block
     rows 4-7  (tokens 12-15)  others[:8]: tokens 4-11 of rank 1
 
-Without causal, all local rows attend to all of ``others`` in one call. Every block is
-folded into the result in place (``Merged``). Backward gathers K/V again (the forward keeps
-nothing), runs the same calls with the global out and lse, sums dQ and the dK/dV of every
-gathered token in fp32, and reduce-scatters dK/dV back to their owners.
+Without causal, all local rows attend to all of ``others`` in one call. Backward gathers
+K/V again (the forward keeps nothing), runs the same calls with the global out and lse, and
+reduce-scatters the fp32 dK/dV sums back to their owners. Head groups (``schedules.heads``)
+run in turn, the next group's gather in flight while the current one is attended.
 
-Head groups (``schedules.heads``): gathers, calls and reduce-scatters run one group of K/V
-heads at a time, the next group's gather in flight while the current one is attended.
+Packed sequences: the same calls, each one varlen call over every sequence, the gathered
+keys in rank order (the calls over them have no mask). They travel through ``transport``:
+each rank puts its K/V of a group into every other rank's region (two regions in turn), and
+its dK/dV sums of the other ranks' tokens into theirs, in the input dtype where the gathered
+calls' key sets are disjoint (each sum one kernel gradient). A group's sums land after the
+next group's own calls are queued, so over copy engines all but the first and last group's
+transfers travel beside the attention kernels. (``auto`` adds no groups for that: on packed
+batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at 0.76, four at 0.75.)
 
-Packed sequences: the same calls, each one varlen call over every sequence. The own call is
-causal over each sequence's local real tokens; call k takes the k-th run of every sequence's
-local tokens against the other ranks' real tokens of that sequence before the run (full
-mask, so the keys may stay in the gathered order: rank, then local slot). They travel
-through ``transport`` (``schedules.transport``): each rank puts its K/V of a group into every
-other rank's region (two regions in turn, for the next group's gather), and its dK/dV sums
-of the other ranks' tokens into theirs. The sums are fp32, or the input dtype where the
-gathered calls' key sets are disjoint (each sum one kernel gradient). A group's sums land
-after the next group's own calls are queued, so over copy engines all but the first and last
-group's transfers travel beside the attention kernels. (``auto`` adds no groups for that: on
-packed batch (a) over 2 H200 one group ran at 0.77 of one GPU, two at 0.76, four at 0.75.)
-
-Composed masks (``mask=``): the own block and the gathered keys (rank order) are one
-``MaskedCall`` each (``schedules.mask_plans``). Sliding windows: the own block and every
-other rank's block (``others`` then in rank order) are split into the calls of
-``schedules.bands``; blocks the window does not reach make no call.
+Composed masks (``mask=``, ``schedules.mask_plans``) and sliding windows (``schedules.bands``):
+the calls of the own block and of every other rank's block, ``others`` then in rank order.
 
 All of the above is a plan (``AllGather.plan``: the ops of ``schedules.runner``; the gathers
 and scatters are its ``_Transfers``).
@@ -206,8 +198,7 @@ class AllGather(Transported, SequenceSchedule):
             )
 
     def _plan(self, spec):
-        """(own calls, calls over the gathered keys, whether ``others`` is in rank order, not
-        global order) of this rank's local ``spec``."""
+        """(own calls, gathered calls, whether ``others`` is in rank order) of this rank."""
         mask, packing = window_band(spec), spec.packing
         rank = self.index if packing is None else packing.rank  # packed: the packing's rank
         if spec.mask is not None:  # a composed mask: the MaskedCalls, others in rank order
@@ -255,9 +246,7 @@ class AllGather(Transported, SequenceSchedule):
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
-        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``
-        with [B, H, S, E] q and k: per head group the own calls while the group's gather
-        travels, then the calls over the gathered keys while the next group's does."""
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``."""
         own, calls, rank_order = self._plan(spec)
         groups = len(self.groups_of(q, k, spec))
         # the most calls a row gets: the own and one gathered (their rows are apart runs);
@@ -285,10 +274,9 @@ class AllGather(Transported, SequenceSchedule):
         return tuple(ops)
 
     def _backward_ops(self, own, calls, groups: int, blocks: int, packed: bool) -> tuple:
-        """Backward: the own calls run while the group's gather travels, their dK/dV kept
-        (PARTS); the gathered calls' sums (SUMS) go home, dense by a reduce-scatter, packed
-        through the transport, landing behind the next group's own calls (the last group
-        runs its own calls after the gathered ones, while its sums travel)."""
+        """Backward: the own calls' dK/dV kept (PARTS), the gathered calls' sums (SUMS) sent
+        home, packed ones landing behind the next group's own calls (the last group runs its
+        own calls after the gathered ones, while its sums travel)."""
         ops = [runner.Gather(0)]
         for g in range(groups):
             own_first = not packed or g < groups - 1
@@ -355,9 +343,7 @@ class AllGather(Transported, SequenceSchedule):
 
 
 class _Transfers:
-    """How one call's K/V is gathered and the gathered keys' dK/dV sums go home
-    (``runner.Plan.transfers``): dense by collectives, packed through the transport into
-    regions of its buffer (two gathers' in turn, then the scatter's)."""
+    """How one call's K/V is gathered and its sums go home (``runner.Plan.transfers``)."""
 
     def __init__(self, schedule: AllGather, spec, rank_order: bool):
         self.schedule, self.spec, self.rank_order = schedule, spec, rank_order
@@ -428,9 +414,8 @@ class _Transfers:
         return sections([item, item], self.size * k.shape[2])[1]
 
     def _to_slots(self, parts, item, tokens: int, base: int, device):
-        """Start putting ``parts[i][j]`` ([``tokens``, h, E] of ``item`` = (h, E, dtype)) into
-        this rank's slot of tensor i in rank j's region at ``base`` (every rank's slot of each
-        tensor, rank order); (pending, byte offsets of the tensors)."""
+        """Start putting ``parts[i][j]`` ([``tokens``, h, E]) into this rank's slot of tensor i
+        in rank j's region at ``base``; (pending, byte offsets of the tensors)."""
         p, me = self.size, self.index
         offsets, nbytes = sections([item] * len(parts), p * tokens)
         row = item[0] * item[1] * item[2].itemsize
@@ -449,9 +434,8 @@ class _Transfers:
         return [g.of_kv(self.tensors["dk"]), g.of_kv(self.tensors["dv"])]
 
     def scatter(self, g, parts, sums) -> None:
-        """Dense: per target (dK, then dV), this rank's own ``parts`` ((key rows, gradient))
-        and every rank's ``sums`` of the gathered keys summed in fp32 by a reduce-scatter,
-        written into it."""
+        """Dense: this rank's own ``parts`` and every rank's ``sums`` of the gathered keys,
+        summed in fp32 by a reduce-scatter, into dK and dV."""
         for target in self._targets(g):
             layout, own = layout_of(target), parts.pop(0)
             send = torch.empty((self.size, *buffer_shape(target.shape, layout)),
