@@ -10,30 +10,20 @@ only "send this, give me the next":
     k_prev, v_prev = pending.wait()   # the previous rank's, in this rank's next slot
 
 ``shift(tensors, hops=h)`` sends to the rank h after this one and receives from the rank h
-before. Slots are used in turn: a ring that receives the next block while it still reads the
-last needs two. Every rank makes the same shifts in the same order.
-
-Two transports move the bytes:
+before; slots are used in turn. Every rank makes the same shifts in the same order. An
+*exchange* (``Mover.exchange``) is an all-to-all of byte ranges: every rank puts pieces into
+regions of other ranks' buffers (``Put``) and says what it takes from whom (``Take``). Two
+transports move the bytes:
 
     p2p          torch.distributed batched isend/irecv (NCCL on GPUs, gloo on CPUs) into slots
                  allocated for the call; NCCL's kernels run on SMs beside the attention.
-    copy_engine  the slots live in symmetric memory (torch.distributed._symmetric_memory),
-                 kept for the next call. On a side stream, behind the compute stream's work so
-                 far, a barrier says every rank is ready (what it sends is written, the slot it
-                 receives into has been read); each rank copies what it sends straight into
-                 the next rank's slot, and a second barrier says every slot is filled. The
-                 barriers are stream memory operations (``stream_signals``) and the copies go
-                 by the copy engines over NVLink: neither needs an SM, so both pass while an
-                 attention kernel holds every SM.
-
-An *exchange* is an all-to-all of byte ranges that both transports run: every rank puts
-pieces into other ranks' buffers (``Put``: a contiguous tensor, the rank ``hops`` after, a
-byte offset there) and says what it takes from whom (``Take``):
-
-    mover.reserve(nbytes, device)            # every region of the call (collective, once)
-    region = mover.region(base, n, device)   # bytes [base, base + n) of the receive buffer
-    pending = mover.exchange(puts, takes, region)
-    flat = pending.wait()                    # every Take of this rank has landed in it
+    copy_engine  the slots live in symmetric memory, kept for the next call. On a side
+                 stream, behind the compute stream's work so far, a barrier says every rank is
+                 ready (what it sends is written, the slot it receives into has been read);
+                 each rank copies what it sends straight into the peer's slot, and a second
+                 barrier says every slot is filled. The barriers are stream memory operations
+                 (``stream_signals``) and the copies go by the copy engines over NVLink:
+                 neither needs an SM, so both pass while an attention kernel holds every SM.
 
 ``auto`` is copy_engine for CUDA tensors on an NCCL group of one host when symmetric memory is
 available, else p2p.
@@ -86,8 +76,8 @@ class RingData:
 
     def empty(self, device) -> list[torch.Tensor]:
         """New tensors of these shapes (one allocation), such as what a rank sends."""
-        numel = sum(torch.Size(s).numel() for s in self.shapes)
-        return views(torch.empty(numel, dtype=self.dtype, device=device), self.shapes, self.layout)
+        flat = torch.empty(self.used // self.dtype.itemsize, dtype=self.dtype, device=device)
+        return views(flat, self.shapes, self.layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +134,7 @@ class Ring:
         return list(self._views[slot])
 
     def shift(self, tensors, hops: int = 1) -> Pending:
-        """Start sending ``tensors`` to the rank ``hops`` after this one and receiving those
-        of the rank ``hops`` before into the next slot; ``wait()`` returns them."""
+        """Start sending ``tensors`` ``hops`` ranks on; ``wait()`` returns those received."""
         slot = self._shifts % self.data.slots
         self._shifts += 1
         works = self._mover.push(list(tensors), self, slot, hops)
@@ -189,17 +178,15 @@ class Mover:
         raise NotImplementedError
 
     def reserve(self, nbytes: int, device) -> None:
-        """Make the kept receive buffer hold ``nbytes`` (every rank alike, before any region
-        of the call is used); p2p keeps none."""
+        """Make the kept receive buffer hold ``nbytes`` (every rank alike, before any region)."""
 
     def region(self, base: int, nbytes: int, device) -> Region:
         """Bytes [base, base + nbytes) of the receive buffer (p2p: a fresh buffer)."""
         return Region(torch.empty(nbytes, dtype=torch.uint8, device=device), base)
 
     def exchange(self, puts, takes, region: Region) -> Pending:
-        """Start an exchange: every ``Put`` into ``region`` of its rank, every ``Take`` into
-        this rank's; ``wait()`` returns ``region.flat``. Every rank calls it in the same
-        order; the pieces of one pair of ranks follow one order on both sides."""
+        """Start an exchange into ``region`` of every rank; ``wait()`` returns ``region.flat``.
+        Every rank calls it in the same order, the pieces of a pair of ranks in one order."""
         size, comm = self.comm.size, self.comm
         puts = [p for p in puts if p.nbytes]
         takes = [t for t in takes if t.nbytes and t.hops % size]
@@ -390,8 +377,7 @@ class Transported:
 
 
 def mover(comm, transport: str, device: torch.device) -> Mover:
-    """The mover of ``transport`` for ring shifts over ``comm`` on ``device`` (``auto``
-    resolved); a ValueError when copy_engine cannot run there."""
+    """The mover of ``transport`` over ``comm`` on ``device`` (``auto`` resolved)."""
     if check_transport(transport) == "p2p":
         return P2PMover(comm)
     usable, why = _copy_engine_usable(device, comm.group)
@@ -413,7 +399,8 @@ def _copy_engine_usable(device: torch.device, group) -> tuple[bool, str]:
     hosts = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:
-        return False, f"its ranks are on {len(set(hosts))} hosts and copy engines reach only this one"
+        return False, (f"its ranks are on {len(set(hosts))} hosts and copy engines reach "
+                       f"only this one")
     return stream_signals.available()
 
 
