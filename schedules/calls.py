@@ -51,8 +51,7 @@ def gradients(inputs, grads, packed: bool) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class DenseCall:
-    """Query rows ``rows`` vs key rows ``keys`` (slices) of dense blocks, masked by ``causal``
-    and ``window`` (top-left in the call's rows and keys)."""
+    """Query rows ``rows`` vs key rows ``keys`` (slices) of dense blocks, masked."""
 
     rows: slice
     keys: slice
@@ -76,8 +75,7 @@ class DenseCall:
                                   dropout)
 
     def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
-        """``backward`` writing each gradient into its call's rows of the given target (shaped,
-        typed and laid out like q, k or v), or into a new tensor where the target is None."""
+        """``backward`` writing each gradient into its rows of the given target (else new)."""
         r, c = self.rows, self.keys
         dq, dk, dv = (None if t is None else t[:, :, span]
                       for t, span in zip(targets, (r, c, c)))
@@ -94,8 +92,7 @@ class DenseCall:
         return grads
 
     def pairs(self, s_q: int, s_kv: int) -> float:
-        """Query-key pairs the call computes on blocks of ``s_q`` queries and ``s_kv`` keys
-        (half of them when causal without a window, as ``AttentionSpec.flops`` counts)."""
+        """Query-key pairs the call computes on blocks of ``s_q`` queries and ``s_kv`` keys."""
         n_q, n_k = (len(range(*part.indices(n))) for part, n in ((self.rows, s_q),
                                                                  (self.keys, s_kv)))
         return call_pairs(n_q, n_k, self.causal, self.window)
@@ -104,8 +101,7 @@ class DenseCall:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedCall:
     """One varlen kernel call: packed query rows ``rows`` vs key rows ``keys`` (index tensors
-    grouped by sequence, slices for consecutive rows, None for every row in order), split
-    into sequences by ``seqlens``, each masked by ``causal`` and ``window``."""
+    grouped by sequence, slices, or None for all), split into sequences by ``seqlens``."""
 
     rows: torch.Tensor | slice | None
     keys: torch.Tensor | slice | None
@@ -114,8 +110,7 @@ class PackedCall:
     window: Window | None = None
 
     def forward(self, kernel, q, k, v, scale, dropout=None, outputs=(None, None)):
-        """(out, lse) of the call's query rows, written into ``outputs`` when given (no
-        dropout on packed sequences)."""
+        """(out, lse) of the call's query rows, written into ``outputs`` when given."""
         out_rows, lse_rows = outputs
         o, lse = kernel.varlen_forward(
             _take(q, self.rows), _take(k, self.keys), _take(v, self.keys), self.seqlens,
@@ -131,8 +126,7 @@ class PackedCall:
 
     def backward(self, kernel, dout, q, k, v, out, lse, scale, dropout=None,
                  targets=(None, None, None)):
-        """(dq of the query rows, dk and dv of the key rows); written into the rows of the
-        ``targets`` that are given when the rows are consecutive (a slice or all)."""
+        """(dq, dk, dv) of the call's rows, written into given ``targets`` of consecutive rows."""
         lse, rows = lse[0], self.rows  # [H, rows], contiguous as the kernels take it
         if isinstance(rows, torch.Tensor):
             lse = lse.index_select(1, rows)
@@ -148,8 +142,7 @@ class PackedCall:
         return tuple(as_block(g) for g in grads)
 
     def backward_into(self, kernel, targets, dout, q, k, v, out, lse, scale, dropout=None):
-        """``backward``, each gradient also written into its rows of a target that is not None
-        (by the kernel where the rows are consecutive)."""
+        """``backward``, each gradient also written into its rows of a given target."""
         grads = self.backward(kernel, dout, q, k, v, out, lse, scale, dropout, targets)
         for t, span, g in zip(targets, (self.rows, self.keys, self.keys), grads):
             if t is not None and isinstance(span, torch.Tensor):
@@ -158,7 +151,7 @@ class PackedCall:
 
     @property
     def pairs(self) -> float:
-        """Query-key pairs the call computes (for ``describe``; as ``DenseCall.pairs``)."""
+        """Query-key pairs the call computes (as ``DenseCall.pairs``)."""
         return sum(call_pairs(n_q, n_k, self.causal, self.window)
                    for n_q, n_k in zip(self.seqlens.lengths_q, self.seqlens.lengths_k))
 
@@ -191,8 +184,7 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tuple[int, int],
                 device, window: Window | None = None) -> PackedCall | None:
     """The call of query ``rows`` vs key ``keys`` (host index tensors grouped by sequence,
-    ``row_counts``/``key_counts`` per sequence), without sequences that lack queries or keys
-    (None when none is left). ``tokens``: rows of the query and key tensors."""
+    counted per sequence) over the sequences that have both (None when none has)."""
     kept = (row_counts > 0) & (key_counts > 0)
     if not bool(kept.any()):
         return None
@@ -231,8 +223,7 @@ def fold_calls(calls, kernel, merged: Merged, q, k, v, scale, streams=None) -> N
 
 
 def call_grads(call, kernel, dq_sum: Sum, args, dropout=None, targets=(None, None)):
-    """(dK, dV) of ``call`` on ``args`` = (dout, q, k, v, out, lse, scale), written into
-    ``targets`` where not None; its dQ goes into ``dq_sum``."""
+    """(dK, dV) of ``call`` on ``args``, written into given ``targets``; dQ into ``dq_sum``."""
     if dq_sum.in_kernel is not None:
         return call.backward_rows(dq_sum.in_kernel, targets, *args[2:4])
     dq = dq_sum.into(call.rows)
@@ -313,8 +304,8 @@ def _rows_in_kernel(call, s_q: int, s_kv: int) -> bool:
 
 class Sum:
     """Contributions of calls to one gradient summed into ``target``: by the kernel
-    (``in_kernel``, a ``Kernel.query_rows``), else straight into it when at most two come (no
-    rounding an fp32 sum would not make), else into an fp32 sum cast at the end."""
+    (``in_kernel``), else straight into it when at most two come (no rounding an fp32 sum
+    would not make), else in fp32."""
 
     def __init__(self, target: torch.Tensor, contributions: int, in_kernel=None):
         self.target, self.in_kernel = target, in_kernel

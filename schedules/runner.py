@@ -174,13 +174,11 @@ class FinishDq:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One rank's ops for a forward or a backward of a local problem over ``groups`` head
-    groups. ``travel`` = (start, rows) of a block that travel (None: all); ``kv_slots``: of
-    the K/V ring (0: none); ``sums`` = (dtype, ring slots) of the dK/dV sums (None: no
-    sums); ``carried``: the rows of this rank's block that received sums carry (None: all);
-    ``transfers``: ``begin(tensors, groups, backward)``, ``gather(group)``,
-    ``scatter(group, parts, results)``, ``start_scatter(group, results)`` and
-    ``land(group, landing, parts)``."""
+    """One rank's ops for a forward or a backward over ``groups`` head groups. ``travel`` =
+    (start, rows) of a block that travel (None: all); ``kv_slots`` of the K/V ring; ``sums``
+    = (dtype, ring slots) of the dK/dV sums; ``carried``: the rows of this rank's block that
+    received sums carry (None: all); ``transfers``: gathers and scatters (``begin``,
+    ``gather``, ``scatter``, ``start_scatter``, ``land``)."""
 
     ops: tuple
     groups: int
@@ -294,8 +292,7 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
 
 
 class _Run:
-    """What the ops of one call share: tensors, head groups, the current and in-flight
-    blocks, what a group's calls leave for its Scatter or Land."""
+    """What the ops of one call share: tensors, head groups, blocks, results and parts."""
 
     def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout):
         self.plan, self.tensors, self.spec, self.kernel = plan, tensors, spec, kernel
@@ -317,8 +314,7 @@ class _Run:
         return t.narrow(2, start, rows)
 
     def rings(self, *dtypes_and_slots):
-        """One ring per (dtype, slots) carrying a group's two [B, H_kv/G, S, E] tensors (S:
-        the rows that travel); None where no slots."""
+        """One ring per (dtype, slots) carrying a group's two travelling tensors (or None)."""
         wanted = [(dtype, slots) for dtype, slots in dtypes_and_slots if slots]
         if not wanted:
             return [None] * len(dtypes_and_slots)
@@ -386,15 +382,14 @@ class _Run:
 
 
 class _Step:
-    """The kernel calls (maybe none) of a backward op on one K/V block, ``args`` = (dout, q,
-    K block, V block, out, lse, scale); their dQ goes into ``dq_sum``."""
+    """The kernel calls of a backward op on one K/V block; their dQ goes into ``dq_sum``."""
 
     def __init__(self, calls, kernel, dq_sum: Sum, args, streams):
         self.calls, self.kernel, self.dq_sum = calls, kernel, dq_sum
         self.args, self.streams = args, streams
 
     def add_into(self, pending):
-        """The sums ``pending`` brings (while the first call runs) plus the calls' dK/dV."""
+        """The sums ``pending`` brings plus the calls' dK/dV."""
         grads = self._grads(0) if self.calls else ()
         summed = pending.wait()
         for acc, grad in zip(summed, grads):

@@ -57,9 +57,8 @@ def _check(result: int, what: str) -> None:
 
 
 class StreamBarrier:
-    """A barrier of the ranks of the symmetric-memory ``handle`` on signal word ``channel``
-    (channel c uses words [c * world, (c + 1) * world) of every pad), passed by the current
-    stream with ``pass_``."""
+    """A barrier of the ranks of the symmetric-memory ``handle`` on signal words ``channel``
+    (words [c * world, (c + 1) * world) of every pad for channel c)."""
 
     def __init__(self, handle, channel: int):
         world, rank = handle.world_size, handle.rank
