@@ -120,17 +120,14 @@ class Ring:
     """The slots of one ``RingData`` at ``offset`` in this call's flat byte buffer."""
 
     def __init__(self, data: RingData, flat: torch.Tensor, offset: int, mover: "Mover"):
-        self.data, self._flat, self._mover = data, flat, mover
+        self.data, self._mover = data, mover
         self._offsets = [offset + i * data.nbytes for i in range(data.slots)]
         self._shifts = 0
-        self._views: dict[int, list[torch.Tensor]] = {}
+        self._views = [views(flat[at:at + data.nbytes].view(data.dtype), data.shapes, data.layout)
+                       for at in self._offsets]
 
     def tensors(self, slot: int) -> list[torch.Tensor]:
-        """The logical tensors slot ``slot`` holds (views into the buffer, made once)."""
-        if slot not in self._views:
-            start = self._offsets[slot]
-            elements = self._flat[start:start + self.data.nbytes].view(self.data.dtype)
-            self._views[slot] = views(elements, self.data.shapes, self.data.layout)
+        """The logical tensors slot ``slot`` holds (views into the buffer)."""
         return list(self._views[slot])
 
     def shift(self, tensors, hops: int = 1) -> Pending:
@@ -224,8 +221,7 @@ class P2PMover(Mover):
         return self._start(sends, [(flat[t.at:t.at + t.nbytes], -t.hops) for t in takes])
 
     def _start(self, sends, receives) -> list:
-        """Start sending each (tensor, hops) to, and receiving each (tensor, hops) from, the
-        rank ``hops`` after this one; the works keep what they send alive until waited for."""
+        """Start sending and receiving each (tensor, hops); the works keep what they send."""
         comm = self.comm
         ops = [dist.P2POp(dist.isend, t, comm.peer(h), comm.group) for t, h in sends]
         ops += [dist.P2POp(dist.irecv, t, comm.peer(h), comm.group) for t, h in receives]
@@ -333,8 +329,7 @@ class InFlight:
 
 
 def sections(items, rows: int) -> tuple[list[int], int]:
-    """(byte offset of each tensor's section, bytes of the region) of a region holding
-    ``rows`` rows of each (heads, head dim, dtype) ``item``, sections aligned."""
+    """(aligned section offsets, bytes) of ``rows`` rows of each (heads, E, dtype) ``item``."""
     offsets, total = [], 0
     for width, e, dtype in items:
         offsets.append(total)
