@@ -87,10 +87,9 @@ def packed_runs(split) -> torch.Tensor:
 
 
 def packed_plan(packing, causal: bool):
-    """(own calls, gathered calls) of this rank on packed sequences; gathered calls take their
-    keys from every rank's part in rank order ([P * T_local] rows). Every local row sees the
-    other ranks' tokens of its sequence before its run (all without causal); rows of one
-    sequence that see the same keys share one call (at P = 2 both runs of a rank do)."""
+    """(own calls, gathered calls) of this rank on packed sequences, the gathered keys in rank
+    order. Every local row sees the other ranks' tokens of its sequence before its run; rows
+    of a sequence that see the same keys share one call (at P = 2 both runs of a rank do)."""
     split, r = packing.split, packing.rank
     own = part_call(packing, r, (0, split.storage), (0, split.storage), causal)
     others = split.real.clone()
@@ -137,8 +136,7 @@ def packed_plan(packing, causal: bool):
 
 
 def window_plan(spec, mask, partition, parts: int, rank: int):
-    """(own calls, gathered calls) of ``rank`` under the band ``mask``: ``bands`` calls of its
-    block and of every other rank's block, in rank order."""
+    """(own calls, gathered calls in rank order) of ``rank`` under the band ``mask``."""
     packing = spec.packing
     if packing is None:
         return _dense_window_plan(mask, partition, parts, rank, spec.q_len, spec.kv_len)
@@ -217,9 +215,8 @@ class AllGather(Transported, SequenceSchedule):
         return own, [DenseCall(rows, slice(0, n), False) for rows, n in calls], False
 
     def _sums_dtype(self, local) -> torch.dtype:
-        """The dtype the gathered keys' dK/dV sums of the local ``spec`` travel in: the
-        input's where every rank's gathered calls have disjoint key sets (packed; each sum
-        one kernel gradient), else fp32. Every rank decides alike."""
+        """The dtype the gathered keys' dK/dV sums travel in: the input's where every rank's
+        gathered calls have disjoint key sets (each sum one kernel gradient), else fp32."""
         packing = local.packing
         if packing is None or local.dtype == torch.float32:
             return torch.float32
@@ -306,7 +303,8 @@ class AllGather(Transported, SequenceSchedule):
         return tuple(ops)
 
     def describe(self, spec):
-        """Bytes counted on this rank's plans for the global ``spec``, steps and FLOPs."""
+        """Bytes counted on this rank's plans for the global ``spec``; steps (kernel calls)
+        and FLOPs (query-key pairs) from its calls."""
         forward, backward = runner.plans_of(self, spec)
         sums = backward.sums[0]
 
@@ -316,7 +314,14 @@ class AllGather(Transported, SequenceSchedule):
         gather = forward.count(runner.Gather) * others(forward, spec.dtype)
         back = backward.count(runner.Gather) * others(backward, spec.dtype) + \
             backward.count(runner.Scatter, runner.StartScatter) * others(backward, sums)
-        steps, pairs = self._work(spec)
+        local = self.local_spec(spec)
+        own, calls, _ = self._plan(local)
+        steps = len(own) + len(calls)
+        if spec.layout.is_varlen or spec.mask is not None:
+            pairs = sum(c.pairs for c in own + calls)
+        else:
+            pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
+                sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
         flops = 4.0 * spec.batch * spec.heads * spec.head_dim * pairs
         return Description(
             self.name, self.size, steps=steps, bytes_sent=gather, bytes_received=gather,
@@ -330,16 +335,6 @@ class AllGather(Transported, SequenceSchedule):
                      else ""),
             memory_of=dry_run.memory_of(self, spec),
         )
-
-    def _work(self, spec) -> tuple[int, float]:
-        """(kernel calls, query-key pairs) of this rank for the global ``spec``."""
-        local = self.local_spec(spec)
-        own, calls, _ = self._plan(local)
-        if spec.layout.is_varlen or spec.mask is not None:
-            return len(own) + len(calls), sum(c.pairs for c in own + calls)
-        pairs = sum(c.pairs(local.q_len, local.kv_len) for c in own) + \
-            sum(c.pairs(local.q_len, spec.kv_len - local.kv_len) for c in calls)
-        return len(own) + len(calls), pairs
 
 
 class _Transfers:
@@ -362,8 +357,7 @@ class _Transfers:
 
     # ---- K/V to every rank -------------------------------------------------------------------
     def gather(self, g):
-        """Start gathering head group ``g``'s K and V; ``wait()`` gives the other ranks'
-        tokens in call order (packed: every rank's in rank order, its own rows unfilled)."""
+        """Start gathering group ``g``'s K and V; ``wait()`` gives them in the calls' order."""
         k, v = self.tensors["k"], self.tensors["v"]
         if self.packed:
             return self._packed_gather(g, k, v)
@@ -454,8 +448,8 @@ class _Transfers:
             del summed
 
     def start_scatter(self, g, sums) -> InFlight:
-        """Packed: start sending every other rank the dK and dV ``sums`` [1, h, P T, E] of its
-        tokens; ``finish()`` gives, per tensor, the sum of what came."""
+        """Packed: start sending every other rank the ``sums`` of its tokens; ``finish()``
+        gives, per tensor, the sum of what came."""
         p, me = self.size, self.index
         tokens = sums[0].shape[2] // p
         item = (sums[0].shape[1], sums[0].shape[3], sums[0].dtype)
