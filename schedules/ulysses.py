@@ -60,11 +60,6 @@ class Placement:
     local: int
     parts: list
 
-    @property
-    def complete(self) -> bool:
-        """Whether the parts fill every row of the whole sequence."""
-        return sum(len(slots) for _, slots in self.parts) == self.length
-
 
 @dataclasses.dataclass(frozen=True)
 class Routes:
@@ -105,8 +100,7 @@ class Routes:
 
 
 def packed_placement(split) -> Placement:
-    """The real tokens of every rank, each at its place among the real tokens of the
-    packed batch (sequence by sequence, in position order)."""
+    """The real tokens of every rank at their places among the packed batch's real tokens."""
     starts = torch.cumsum(split.lengths, 0) - split.lengths
     parts = []
     for j in range(split.parts):
@@ -289,8 +283,7 @@ class _Exchanges:
         self.schedule.mover(device).reserve(self.heads_bytes + sequence_bytes, device)
 
     def gather(self, g):
-        """Start sending this rank's tokens of group ``g``'s heads to their owners;
-        ``wait()`` gives this rank's heads of every token (lse [..., 1] in BHSE)."""
+        """Start sending group ``g``'s heads to their owners; ``wait()`` gives this rank's."""
         inputs = self.inputs(g)
         if self.routes is not None:
             return runner.Arriving(self._start_heads(inputs, 0).finish)
@@ -352,17 +345,16 @@ class _Exchanges:
             place = self.placement(s, tensors[i].device)
             out = layout.empty((b, h, place.length, e), dtype=tensors[i].dtype,
                                device=tensors[i].device)
-            if not place.complete:
-                out.zero_()
+            if sum(len(slots) for _, slots in place.parts) != place.length:
+                out.zero_()  # rows no rank fills
             for blocks, (rows, slots) in zip(received, place.parts):
                 out.index_copy_(2, slots, take(blocks[i], rows))
             outs.append(out)
         return outs
 
     def _blocks_to_sequence(self, tensors, targets, layout: Layout, padding: float) -> None:
-        """This rank's heads [B, h/P, S, E] in global order -> its tokens of all heads in
-        ``targets`` [B, h, S/P, E] (replicated K/V heads summed, rows that did not travel
-        ``padding``)."""
+        """This rank's heads [B, h/P, S, E] -> its tokens of all heads in ``targets``
+        [B, h, S/P, E] (replicated heads summed, rows that did not travel ``padding``)."""
         places = [self.placement(t.shape[2] // self.size, t.device) for t in tensors]
         shapes = [(t.shape[0], t.shape[1], place.local, t.shape[3])
                   for t, place in zip(tensors, places)]
@@ -453,9 +445,8 @@ class _Exchanges:
         return InFlight(pending, place)
 
     def _place_rows(self, received, target, fill: float) -> None:
-        """``target`` [1, P h, S/P, E] from every rank's rows [P, n, h, E] of this rank's real
-        tokens, padding rows ``fill``: one gather per rank straight into its heads (rows of
-        contiguous heads: the GPU's vectorized gather, no temporary)."""
+        """``target`` from every rank's rows [P, n, h, E] of this rank's real tokens: one
+        gather per rank straight into its heads (the GPU's vectorized gather, no temporary)."""
         p, n, width, _ = received.shape
         routes = self.routes
         dest = as_packed(target)
@@ -468,8 +459,7 @@ class _Exchanges:
             dest.index_fill_(0, routes.padding, fill)
 
     def _heads_region(self, tensors):
-        """(items, section offsets, bytes) of the region receiving this rank's heads of
-        ``tensors``: every real token's row of each."""
+        """(items, section offsets, bytes) of the region receiving this rank's heads."""
         items = [(self.heads_per_rank(t.shape[1]), t.shape[3], t.dtype) for t in tensors]
         return (items, *sections(items, self.routes.total))
 
