@@ -1,11 +1,10 @@
 """Kernel calls on parts of K/V blocks: which query rows of this rank meet which key rows of
 a block, and with what mask. The one vocabulary of the sequence schedules' plans.
 
-A ``DenseCall`` takes row ranges (slices of the sequence dim) of [B, H, S, E] tensors. A
-``PackedCall`` takes row indices of packed tokens (None: every row; a slice: consecutive
-rows; neither copies) and the ``Seqlens`` of one varlen kernel call over every sequence.
-Packed [T, H, E] tensors travel through the schedules as [1, H, T, E] views (``as_block``),
-so plans, merges and transports are the same for dense and packed tensors.
+A ``DenseCall`` takes row ranges of [B, H, S, E] tensors, a ``PackedCall`` rows of packed
+tokens and the ``Seqlens`` of one varlen kernel call over every sequence. Packed [T, H, E]
+tensors travel through the schedules as [1, H, T, E] views (``as_block``), so plans, merges
+and transports are the same for dense and packed tensors.
 
 A call's mask is data: ``causal`` and a top-left ``window`` in the call's own coordinates
 (per sequence of a packed call; ``schedules.bands`` makes them for split sequences).
@@ -183,8 +182,7 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def packed_call(rows, row_counts, keys, key_counts, *, causal: bool, tokens: tuple[int, int],
                 device, window: Window | None = None) -> PackedCall | None:
-    """The call of query ``rows`` vs key ``keys`` (host index tensors grouped by sequence,
-    counted per sequence) over the sequences that have both (None when none has)."""
+    """The call of query ``rows`` vs key ``keys`` over the sequences that have both (or None)."""
     kept = (row_counts > 0) & (key_counts > 0)
     if not bool(kept.any()):
         return None
@@ -201,8 +199,7 @@ def _cumulative(counts: torch.Tensor) -> tuple[int, ...]:
 
 
 def _index(rows: torch.Tensor, tokens: int, device) -> torch.Tensor | slice | None:
-    """``rows`` as a call takes them: None for all ``tokens`` in order, a slice for
-    consecutive rows (views, no copy), else an index tensor on ``device``."""
+    """``rows`` as a call takes them: None for all ``tokens``, a slice, or an index tensor."""
     start = int(rows[0])
     if torch.equal(rows, torch.arange(start, start + len(rows))):
         return None if (start, len(rows)) == (0, tokens) else slice(start, start + len(rows))
@@ -283,9 +280,8 @@ def zero_outside(t: torch.Tensor, rows) -> None:
 
 
 def dq_sum_of(kernel, target: torch.Tensor, calls, args, dropout=None) -> "Sum":
-    """The ``Sum`` into ``target`` of the dQ of ``calls`` on ``args`` = (dout, q, k, v, out,
-    lse, scale): inside the kernel where it can (``Kernel.query_rows``: dense calls without a
-    window, causal ones square; no ``dropout``), else call by call."""
+    """The ``Sum`` into ``target`` of the dQ of ``calls``: inside the kernel where it can
+    (``Kernel.query_rows``: dense calls, no window, causal ones square, no dropout)."""
     dout, q, k, _, out, lse, scale = args
     s_q, s_kv = q.shape[2], k.shape[2]
     in_kernel = None
@@ -346,9 +342,8 @@ class Sum:
 
 
 def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:
-    """The call of this rank's query rows ``q_span`` = (start, stop) of every sequence's part
-    vs the key rows ``k_span`` of rank ``source``'s part of the same sequence (offsets inside
-    a part, ints or per-sequence tensors), both cut to the real tokens, which come first."""
+    """The call of this rank's rows ``q_span`` = (start, stop) of every sequence's part vs
+    rows ``k_span`` of rank ``source``'s part of it, both cut to the real tokens."""
     split = packing.split
     q0, q1 = _real(q_span, split.counts[packing.rank])
     k0, k1 = _real(k_span, split.counts[source])

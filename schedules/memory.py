@@ -14,8 +14,7 @@ from sdpa_fusion.spec import AttentionSpec
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Bytes one rank allocates for one call of a schedule (the inputs q, k, v and dout not
-    counted).
+    """Bytes one rank allocates for one call of a schedule, its inputs not counted.
 
     outputs   out and lse, made by the forward and held (saved for backward) until it ends
     forward   the forward's peak beyond its outputs (slots, accumulators, kernel results)

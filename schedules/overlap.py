@@ -14,12 +14,10 @@ from typing import Callable
 class Overlap:
     """How one mesh dim's transfers meet a rank's compute.
 
-    hidden         the share of the step's compute that the dim's transfers can run beside,
-                   given its P ranks: (P - 1) / P for the ring (each step but the last hides
-                   the next shift), 1 / P for allgather (the own block hides the gather)
+    hidden         the share of the step's compute that the transfers of P ranks can run
+                   beside: (P - 1) / P for the ring, 1 / P for allgather
     splits_keys    each kernel call sees one rank's block of keys (S / P), not all S keys
-    own_transport  the transfers go by the schedule's ``transport`` option (ring shifts), not
-                   by NCCL collectives
+    own_transport  the transfers go by the schedule's ``transport``, not NCCL collectives
     """
 
     hidden: Callable[[int], float] = lambda ranks: 0.0

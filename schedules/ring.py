@@ -25,8 +25,7 @@ dK/dV sums travel in ``grad_dtype``: "auto" takes the input dtype at P = 2 witho
 (each sum that travels is one kernel result: nothing is rounded that fp32 would not round),
 fp32 otherwise. Out and dQ are summed in fp32 only when a row gets more than two blocks.
 
-Packed sequences: each step is one varlen call over every sequence, the step's case applied
-to each sequence's part and cut to its real tokens (``packed_call``).
+Packed sequences: each step is one varlen call, the case applied to every sequence's part.
 
 Sliding windows and composed masks (``mask=``): each step's calls come from ``bands`` (or
 one ``MaskedCall``, ``schedules.mask_plans``), and the ring takes only the steps at which
@@ -34,9 +33,8 @@ some rank's queries see a key of the block; a shift sends a block (and its sums)
 the rank of its next step. Under a window only the rows of a block that other ranks' queries
 see travel (``bands.ring_plan``): a 4K window over 64K tokens per rank moves 1/16 of a block.
 
-Dropout: every kernel call draws its own stream, keyed by this rank, the block's owner, the
-head group and the call's place in its step. All of the above is a plan (``Ring.plan``: the
-ops of ``schedules.runner``).
+Dropout: every call draws its own stream, keyed by this rank, the block's owner, the head
+group and the call's place. All of it is a plan (``Ring.plan``: ops of ``schedules.runner``).
 """
 
 from __future__ import annotations
@@ -108,8 +106,7 @@ def dense_call(case: Block, s_q: int, s_kv: int) -> DenseCall | None:
 
 
 def packed_call(case: Block, packing, source: int) -> PackedCall | None:
-    """The varlen call of a block case on the parts of every packed sequence: the dense case
-    applied to each sequence's part, cut to its real tokens (None when nothing is left)."""
+    """The varlen call of a block case on the parts of every packed sequence (or None)."""
     if case is Block.SKIP:
         return None
     storage = packing.split.storage
@@ -269,10 +266,9 @@ class Ring(Transported, SequenceSchedule):
 
     def _backward_ops(self, calls, remote, groups: int, *, own_first: bool,
                       one_hop: bool) -> tuple:
-        """Backward: the own block's dK/dV straight into the gradients; a block's sums start
-        on the rank after its owner (NEW), gather every rank's share (ARRIVING) and end on
-        the owner (AddSums). An own block worked on first has its sums added once the next
-        group's first block is worked on (``early``)."""
+        """Backward: a block's sums start on the rank after its owner (NEW), gather every
+        rank's share (ARRIVING) and end on the owner (AddSums); an own block worked on first
+        has its sums added once the next group's first block is worked on (``early``)."""
         home = dict(zip(remote, [*remote[1:], self.size]))  # where a block's sums go next
         orders = self._backward_orders(groups, remote, own_first=own_first)
         ops, early = [], None
@@ -310,10 +306,9 @@ class Ring(Transported, SequenceSchedule):
 
     def _backward_groups(self, groups: int, spec, remote: int, kv_heads: int, heads_q: int,
                          rows: int) -> int:
-        """Head groups of a backward whose forward ran ``groups``: two where the forward runs
-        one, blocks travel, ``head_groups`` is "auto", the blocks are large (below
-        ``heads.MIN_GROUP_WORK`` the host's work for twice the calls costs more than the wait
-        saves), dense, and no dropout keys the groups; else the forward's."""
+        """Head groups of a backward whose forward ran ``groups``: two for one on large dense
+        blocks that travel (below ``heads.MIN_GROUP_WORK`` the host's work for twice the calls
+        costs more than the wait saves), "auto" groups and no dropout; else the forward's."""
         work = heads_q * self.group_rows(rows, spec)
         if (groups == 1 and remote and self.head_groups == "auto" and not spec.layout.is_varlen
                 and spec.dropout_p == 0 and kv_heads % 2 == 0 and work >= heads.MIN_GROUP_WORK):
@@ -323,10 +318,9 @@ class Ring(Transported, SequenceSchedule):
     @staticmethod
     def _backward_orders(groups: int, remote: list[int], *, own_first: bool) -> list[list[int]]:
         """The backward's steps of each head group: the remote blocks, then the own block
-        (while the last sums make their last hop); with ``own_first`` (a group split in two)
-        the first group takes its own block first (while the first block travels). (Other
-        groups keep the own block last: taken first it would hold a group's sums longer,
-        more memory than a wait of 1/G of a transfer is worth.)"""
+        (while the last sums make their last hop); with ``own_first`` the first group takes
+        its own block first. (Taken first it holds a group's sums longer: more memory than a
+        wait of 1/G of a transfer is worth for the other groups.)"""
         last = [*remote, 0]
         return [[0, *remote] if g == 0 and own_first and remote else last
                 for g in range(groups)]

@@ -1,9 +1,7 @@
 """One runner for the plans of the sequence schedules.
 
 A sequence schedule is a planner: for this rank's local problem it returns a ``Plan``, the
-ordered ops of a forward or a backward as data (which K/V block the calls read, the kernel
-calls with their rows, keys and masks, the transfers, where each gradient goes), and
-``forward`` / ``backward`` here run any plan:
+ordered ops of a forward or a backward as data, and ``forward`` / ``backward`` run any plan:
 
     plan = schedule.plan(spec, *runner.blocks(spec, q, k), backward=False)
     out, lse = runner.forward(plan, q, k, v, spec, kernel, mover)
@@ -445,8 +443,7 @@ class _Step:
 
 
 class Arriving:
-    """A transfer in flight (what ``transfers.gather`` returns): ``wait()`` calls ``finish``
-    (once), or returns it when it is what has already arrived."""
+    """A transfer in flight: ``wait()`` calls ``finish``, or returns what already arrived."""
 
     def __init__(self, finish):
         self.wait = finish if callable(finish) else lambda: finish
