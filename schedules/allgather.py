@@ -408,8 +408,7 @@ class _Transfers:
         return sections([item, item], self.size * k.shape[2])[1]
 
     def _to_slots(self, parts, item, tokens: int, base: int, device):
-        """Start putting ``parts[i][j]`` ([``tokens``, h, E]) into this rank's slot of tensor i
-        in rank j's region at ``base``; (pending, byte offsets of the tensors)."""
+        """Start putting ``parts[i][j]`` into this rank's slot of tensor i in rank j's region."""
         p, me = self.size, self.index
         offsets, nbytes = sections([item] * len(parts), p * tokens)
         row = item[0] * item[1] * item[2].itemsize

@@ -311,8 +311,7 @@ class Sum:
         self._empty = True
 
     def into(self, rows, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """Where the next call may write its gradient of ``rows`` (of ``dtype``) itself (the
-        target, for the first contribution), or None: ``add`` it."""
+        """Where the next call may write its gradient of ``rows`` itself (None: ``add`` it)."""
         direct = self._empty and self.acc is self.target
         if not direct or dtype not in (None, self.target.dtype):
             return None

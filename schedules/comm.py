@@ -32,8 +32,7 @@ class CommStats:
 
 
 class Pending:
-    """Transfers in flight, (work, what, transfer number) ``waits``; ``wait()`` returns
-    ``result`` once they have landed."""
+    """Transfers in flight; ``wait()`` returns ``result`` once they have landed."""
 
     def __init__(self, comm: "Communicator", waits, result=None):
         self._comm, self._waits, self.result = comm, waits, result
@@ -131,8 +130,7 @@ class Communicator:
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """Exchange slices: ``t`` is [size, ...]; slice i goes to rank i; result [size, ...]
-        holds slice ``index`` of every rank, in rank order."""
+        """Exchange slices of [size, ...] ``t``: slice i goes to rank i, and comes from it."""
         t = t.contiguous()
         out = torch.empty_like(t)
         work = self._start(dist.all_to_all_single, out, t)

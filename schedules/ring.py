@@ -84,8 +84,7 @@ def block_case(rank: int, source: int, causal: bool, partition) -> Block:
 
 
 def _ranges(case: Block, s_q, s_kv):
-    """(query span, key span, causal) that a block case computes, for blocks of ``s_q``
-    queries and ``s_kv`` keys (ints, or per-sequence tensors for packed blocks)."""
+    """(query span, key span, causal) of a block case on ``s_q`` queries, ``s_kv`` keys."""
     return {
         Block.FULL: ((0, s_q), (0, s_kv), False),
         Block.CAUSAL: ((0, s_q), (0, s_kv), True),
@@ -143,8 +142,7 @@ class Ring(Transported, SequenceSchedule):
             )
 
     def call_extent(self, spec) -> tuple[int, int]:
-        """A ring step's calls stay inside this rank's block: its rows against a block of as
-        many keys (packed: each sequence's share)."""
+        """A ring step's calls stay inside this rank's block (packed: a sequence's share)."""
         if spec.packing is not None:
             return spec.packing.longest_share, spec.packing.longest_share
         return spec.q_len, spec.kv_len
@@ -186,10 +184,9 @@ class Ring(Transported, SequenceSchedule):
                               lambda: [packed_call(case(j), packing, j) for j in sources])
 
     def group_rows(self, rows: int, spec) -> int:
-        """Under a sliding window of span w a block's calls are bands of about w keys per row
-        and about w of its rows travel: head groups are sized as for min(rows, w) rows (one
-        group at 4K keys where a dense 64K block takes four, whose calls and barriers cost
-        more than they save)."""
+        """Under a window of span w a block's calls are bands of about w keys and about w rows
+        travel: groups are sized for min(rows, w) rows (one at 4K keys where a dense 64K block
+        takes four, whose calls and barriers cost more than they save)."""
         mask = window_band(spec)
         if mask is None or None in mask:
             return rows
@@ -234,8 +231,7 @@ class Ring(Transported, SequenceSchedule):
             self._sums_rows(spec, remote, q.shape[2], k.shape[2]) if one_hop else None)
 
     def _steps(self, groups: int, orders, remote):
-        """(group, step, K/V ops) for every group g and every step of ``orders[g]``; one
-        shift in flight at a time, while the current block is used."""
+        """(group, step, K/V ops) of every step of ``orders[g]``; one shift in flight at a time."""
         following = dict(zip(remote, remote[1:]))
         first = [runner.Send(remote[0], group=0)] if remote else []
         for g in range(groups):

@@ -102,8 +102,7 @@ class Finish:
 
 @dataclasses.dataclass(frozen=True)
 class OpenDq:
-    """Backward: start the dQ sum of head group ``group`` over ``calls`` (in the kernel where
-    it can), or with ``contributions``, an ordinary sum of that many."""
+    """Backward: start ``group``'s dQ sum over ``calls`` (or a sum of ``contributions``)."""
 
     group: int
     calls: tuple = ()
@@ -414,8 +413,7 @@ class _Step:
         return sums
 
     def write(self, targets, zero_rest: bool = True) -> None:
-        """Write the calls' dK/dV into ``targets``, zero outside the calls' keys if
-        ``zero_rest`` (the first call's straight from the kernel in its dtype)."""
+        """Write the calls' dK/dV into ``targets`` (zero outside their keys if ``zero_rest``)."""
         if not self.calls:
             for t in targets:
                 t.zero_()

@@ -82,8 +82,7 @@ class RingData:
 
 @dataclasses.dataclass(frozen=True)
 class Put:
-    """A piece of an exchange: ``tensor`` (contiguous) goes to byte ``at`` of the buffer of the
-    rank ``hops`` after this one (0: this rank's own)."""
+    """A piece of an exchange: contiguous ``tensor`` to byte ``at`` of the rank ``hops`` on."""
 
     tensor: torch.Tensor
     hops: int
@@ -108,8 +107,7 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class Take:
-    """What arrives in an exchange from the rank ``hops`` before this one: ``nbytes`` at byte
-    ``at`` of this rank's buffer (the ``Put`` that rank makes, seen from here)."""
+    """What arrives from the rank ``hops`` before: ``nbytes`` at byte ``at`` (its ``Put``)."""
 
     hops: int
     at: int

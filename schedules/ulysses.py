@@ -321,8 +321,7 @@ class _Exchanges:
 
     # ---- dense: all-to-alls of blocks of every local row ---------------------------------------
     def _all_to_all(self, fill, shapes, layout: Layout, like: torch.Tensor):
-        """One all-to-all of several tensors: ``fill(j, blocks)`` writes what goes to rank j
-        into logical ``blocks`` of ``shapes``; the blocks from each rank."""
+        """One all-to-all of ``shapes``: ``fill(j, blocks)`` writes rank j's; each rank's blocks."""
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
         send = torch.empty((self.size, numel), dtype=like.dtype, device=like.device)
         for j in range(self.size):
@@ -389,8 +388,7 @@ class _Exchanges:
 
     # ---- packed: the real tokens by their routes, through the transport ----------------------
     def _start_heads(self, tensors, base: int) -> InFlight:
-        """Start sending this rank's real tokens of packed ``tensors`` to the owners of their
-        heads; ``finish()`` gives this rank's heads of every real token in packed order."""
+        """Start sending this rank's real tokens to the owners of their heads (by routes)."""
         routes = self.routes
         n, p, me, starts = len(routes.rows), self.size, self.index, routes.starts
         items, offsets, nbytes = self._heads_region(tensors)
@@ -417,8 +415,7 @@ class _Exchanges:
         return InFlight(pending, place)
 
     def _start_sequence(self, tensors, targets, fills, base: int) -> InFlight:
-        """Start sending this rank's heads of every real token home; ``finish()`` writes them
-        into ``targets`` (padding rows ``fills``)."""
+        """Start sending this rank's heads of every real token home, into ``targets``."""
         routes = self.routes
         n, p, me, starts, counts = len(routes.rows), self.size, self.index, routes.starts, \
             routes.counts
@@ -464,7 +461,7 @@ class _Exchanges:
         return (items, *sections(items, self.routes.total))
 
     def _sequence_region(self, items) -> tuple[list[int], int]:
-        """(section offsets, bytes) of the region receiving every rank's heads ``items`` of
-        this rank's real tokens: the most rows of any rank per rank (alike on every rank)."""
+        """(section offsets, bytes) of the region receiving this rank's tokens (alike on all
+        ranks: as many rows per rank as the rank with the most)."""
         return sections(items, self.size * max(self.routes.counts))
 
