@@ -29,6 +29,7 @@ import hashlib
 import torch
 
 from .mask import _UNBOUNDED as INF  # an unbounded side of an interval of k - q
+from .mask import Window
 _EMPTY = (2 * INF, 2 * INF - 1)  # an empty interval, sorted after every real one
 
 
@@ -189,11 +190,7 @@ class _Window(Mask):
     needs_window = True
 
     def __init__(self, left, right):
-        for name, side in (("left", left), ("right", right)):
-            if side is not None and (not isinstance(side, int) or isinstance(side, bool)
-                                     or side < 0):
-                raise ValueError(f"window {name}={side!r} must be a non-negative integer or "
-                                 f"None (unbounded)")
+        Window(left, right)  # checks the sides
         self.left, self.right = left, right
 
     def intervals(self, cls):
@@ -219,6 +216,13 @@ class _Classes(Mask):
     """Query and key see each other when they have one class, and it is not negative."""
 
     classed = True
+    what = ""  # the maker's name, for errors
+
+    def _check(self, batch, length):
+        if len(self._table) not in (1, batch):
+            raise ValueError(f"{self.what} has {len(self._table)} rows but the call has {batch} "
+                             f"batch elements (packed: sequences); give one row, or one per "
+                             f"batch element")
 
     @property
     def batched(self):
@@ -252,18 +256,13 @@ def _per_batch(values, what: str, fix: str) -> torch.Tensor:
 
 
 def _rows(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The rows of ``t`` [B', ...] of the batch elements ``b`` (every b the one row when
-    B' = 1)."""
+    """The rows of ``t`` [B', ...] of the batch elements ``b`` (the one row when B' = 1)."""
     return t[torch.zeros_like(b) if len(t) == 1 else b]
 
 
-def _check_batch(t: torch.Tensor, batch: int, what: str) -> None:
-    if len(t) not in (1, batch):
-        raise ValueError(f"{what} has {len(t)} rows but the call has {batch} batch elements "
-                         f"(packed: sequences); give one row, or one per batch element")
-
-
 class _Documents(_Classes):
+    what = "document_ids"
+
     def __init__(self, ids):
         ids = _per_batch(ids, "document_ids", "an int tensor [S] or [B, S] of document ids")
         self.ids = self._table = ids if ids.dim() == 2 else ids.unsqueeze(0)
@@ -272,7 +271,7 @@ class _Documents(_Classes):
         return self.ids[torch.zeros_like(b) if len(self.ids) == 1 else b, pos]
 
     def _check(self, batch, length):
-        _check_batch(self.ids, batch, "document_ids")
+        super()._check(batch, length)
         if self.ids.shape[1] < length:
             raise ValueError(f"document_ids has {self.ids.shape[1]} positions but sequences "
                              f"have up to {length}; give an id to every position")
@@ -282,6 +281,8 @@ class _Documents(_Classes):
 
 
 class _Spans(_Classes):
+    what = "bidirectional_spans"
+
     def __init__(self, spans):
         rows = spans if any(isinstance(r, (list, tuple)) and (not r or isinstance(
             r[0], (list, tuple))) for r in spans) else [spans]  # one list per b (some empty)
@@ -304,9 +305,6 @@ class _Spans(_Classes):
         inside = (at >= 0) & (pos < stops.gather(-1, at.clamp(min=0).unsqueeze(-1)).squeeze(-1))
         return torch.where(inside, at, -1)
 
-    def _check(self, batch, length):
-        _check_batch(self.starts, batch, "bidirectional_spans")
-
     def __repr__(self):
         return f"bidirectional_spans({_digest(torch.stack([self.starts, self.stops]))})"
 
@@ -322,16 +320,16 @@ def _span(s) -> tuple[int, int]:
 
 
 class _Prefix(_Classes):
+    what = "prefix"
+
     def __init__(self, n):
-        self.n = self._table = _per_batch(n, "prefix", "a length, or one per batch element").flatten()
+        self.n = _per_batch(n, "prefix", "a length, or one per batch element").flatten()
+        self._table = self.n
         if bool((self.n < 0).any()):
             raise ValueError(f"prefix={n!r} must be non-negative")
 
     def classes(self, b, pos):
         return torch.where(pos < _rows(self.n, b), 0, -1)
-
-    def _check(self, batch, length):
-        _check_batch(self.n, batch, "prefix")
 
     def __repr__(self):
         return f"prefix({self.n.tolist()})"
@@ -379,7 +377,8 @@ class _MaskMod(Mask):
                                  f"for every head here: drop h from it")
 
     def __repr__(self):
-        return f"mask_mod({getattr(self.fn, '__module__', '')}.{getattr(self.fn, '__qualname__', self.fn)})"
+        fn = self.fn
+        return f"mask_mod({getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)})"
 
 
 def _digest(t: torch.Tensor) -> str:
