@@ -26,10 +26,10 @@ class Window:
     def __post_init__(self):
         for side in ("left", "right"):
             value = getattr(self, side)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(
-                    f"window {side}={value!r} must be a non-negative integer or None (unbounded)"
-                )
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ValueError(f"window {side}={value!r} must be a non-negative integer or "
+                                 f"None (unbounded)")
 
     @classmethod
     def of(cls, window) -> "Window | None":
@@ -39,10 +39,8 @@ class Window:
         try:
             left, right = window
         except (TypeError, ValueError):
-            raise ValueError(
-                f"window={window!r} must be a (left, right) pair of token counts (None for "
-                f"unbounded), e.g. window=(4096, 0)"
-            ) from None
+            raise ValueError(f"window={window!r} must be a (left, right) pair of token counts "
+                             f"(None for unbounded), e.g. window=(4096, 0)") from None
         return cls(left, right)
 
     def band(self, causal: bool) -> tuple[int | None, int | None]:
