@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 
-from .mask import Window, cut, visible_pairs
+from .mask import Window, band, cut, visible_pairs
 from .masks import INF, Mask
 
 TILE = 128  # rows and keys of a tile of a mask_mod
@@ -67,14 +68,10 @@ class Piece:
     seen: torch.Tensor | None = None
 
     def pairs(self, n_q: int, n_k: int) -> int:
-        rows, keys = len(range(n_q)[self.rows]), len(range(n_k)[self.keys])
         if self.seen is not None:
             return int(self.seen.sum())
-        if self.causal:
-            return visible_pairs(rows, keys, (None, 0))
-        if self.window is not None:
-            return visible_pairs(rows, keys, (self.window.left, self.window.right))
-        return rows * keys
+        return visible_pairs(len(range(n_q)[self.rows]), len(range(n_k)[self.keys]),
+                             band(self.causal, self.window))
 
 
 def pieces(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
@@ -232,14 +229,12 @@ def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
         widths[-1] = n_k - (tiles - 1) * TILE
         kind = torch.where(counts == 0, 0, torch.where(counts == widths * seen.shape[0], 1, 2))
         t = 0
-        while t < tiles:
-            end = t + 1
-            while end < tiles and kind[end] == kind[t]:
-                end += 1
+        for each, run in itertools.groupby(kind.tolist()):
+            end = t + len(list(run))
             keys = slice(t * TILE, min(end * TILE, n_k))
-            if kind[t] == 1:
+            if each == 1:
                 found.append(Piece(rows, keys))
-            elif kind[t] == 2:
+            elif each == 2:
                 found.append(Piece(rows, keys, seen=seen[:, keys].clone()))
             t = end
     return found
