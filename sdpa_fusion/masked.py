@@ -134,8 +134,8 @@ class MaskedCall:
 
 
 class _Sum:
-    """One gradient of a part, dQ along its rows or dK, dV along its keys, filled call by
-    call over its ``ranges`` (``mask_plan.coverage``) as the module says."""
+    """One gradient of a part (dQ along its rows, dK or dV along its keys), filled call by
+    call over its ``ranges`` as the module says."""
 
     def __init__(self, target: torch.Tensor, ranges, n: int):
         self.target, self.ranges, self.n = target, ranges, n
@@ -178,8 +178,8 @@ class _Sum:
 
 
 def _inside(ranges, starts, span: slice, n: int):
-    """(span's first index, the ``ranges`` of range(n), beginning at ``starts``, inside the
-    slice ``span``); the ranges are cut at every call's span, so each is inside or outside."""
+    """(span's first index, the ``ranges`` of range(n), beginning at ``starts``, inside
+    ``span``); ranges are cut at every call's span, so each is inside or outside."""
     start, stop, _ = span.indices(n)
     return start, ranges[bisect.bisect_left(starts, start):bisect.bisect_left(starts, stop)]
 
@@ -207,11 +207,8 @@ def _forward(self: Piece, kernel, q, k, v, scale, into=None):
     r, c = self.rows, self.keys
     args = (q[:, :, r], k[:, :, c], v[:, :, c])
     if self.seen is not None:
-        out, lse = _masking(kernel).masked_forward(*args, self.seen, scale)
-        if into is not None:
-            into[0].copy_(out)
-            into[1].copy_(lse)
-        return out, lse
+        got = _masking(kernel).masked_forward(*args, self.seen, scale)
+        return got if into is None else tuple(t.copy_(g) for t, g in zip(into, got))
     buffers = {} if into is None else dict(out=into[0], lse=into[1])
     return kernel.forward(*args, causal=self.causal, scale=scale, window=self.window, **buffers)
 
