@@ -16,64 +16,23 @@
     loss = batch.total(out.loss)           # the one-process loss
     logits = batch.unshard(out.logits)     # [B, S, V] on every rank
 
-Names: the backend registers as ``"fusion_attention"`` and, for code written before, as
-``"sdpa_fusion"``. transformers takes any name containing "sdpa" for PyTorch's own SDPA and
-refuses, under such a name, the models that do not support SDPA (Gemma 2, GPT-OSS, ...,
-``_supports_sdpa = False``) before the backend runs; ``"fusion_attention"`` builds them all
-(and what the backend then cannot run is its own ValueError).
+The backend registers as ``"fusion_attention"`` and, as an alias, ``"sdpa_fusion"``:
+transformers takes any name containing "sdpa" for PyTorch's own SDPA and refuses, under such
+a name, the models that do not support SDPA (``_supports_sdpa = False``) before the backend
+runs. Its mask function, registered with transformers' mask interface under the same names,
+reads the mask function transformers builds for each layer type (``transformers_masks``: a
+band of position differences, or a composed mask for image blocks and chunks); attention
+runs exactly that mask, checked against the layer (``module.is_causal``, its
+``sliding_window``: transformers' window of w is ``window=(w - 1, 0)``), or raises a
+ValueError naming what it cannot run.
 
-The backend serves any model that calls attention through transformers' attention interface
-(Llama, Mistral, Qwen2, Gemma 2 and 3, ...). Its mask function, registered with transformers'
-mask interface under the same names, reads the mask function transformers builds for each
-layer type (``transformers_masks``: a band of position differences), and the attention runs
-exactly that mask, checked against the layer, or raises a ValueError naming what it cannot
-run. Without ``shard_batch`` it runs on one device and honours:
-
-- causal or bidirectional attention (the mask's; it must agree with ``module.is_causal``);
-- sliding windows through ``window=``, each layer its own ``sliding_window`` (the kwarg, else
-  the module's attribute, as transformers passes it; it must agree with the layer's mask):
-  transformers' window of w keeps the w most recent keys, the query's own included
-  (``q - kv <= w - 1``), i.e. ``window=(w - 1, 0)``; Mistral, Qwen2's windowed layers,
-  Gemma 2/3's mixed sliding and global layers; a window longer than the call is dropped;
-- a 2-D padding mask (each row's real tokens one sequence; with a window, one run);
-- packed documents: ``position_ids`` restarting, or ``cu_seq_lens_q/k`` (with
-  ``max_length_q/k``) of ``DataCollatorWithFlattening``, read as documents as
-  flash_attention_2 does (transformers' own masks separate them only without a cache);
-- a prepared 4-D mask (bool or additive) that is causal or bidirectional attention with key
-  padding and a window;
-- a KV cache, dynamic or static, sliding caches included, without padding: a static cache's
-  empty slots are trimmed as transformers' SDPA trims them, a chunk after cached tokens
-  attends bottom-right; cross-attention without padding;
-- image blocks that see each other (Gemma 3's images, PaliGemma's prompt: transformers'
-  ``blockwise_overlay`` of ``token_type_ids``) and chunked attention (Llama 4's
-  ``attention_chunk_size``): the whole mask as a composed one (``masks.bidirectional_spans``,
-  ``masks.prefix``, ``masks.chunked`` with its causality and window; ``transformers_masks.
-  exact``) passed as ``mask=``, on one device and under ``shard_batch`` (the image blocks of
-  every rank's call gathered: each maximal run of image tokens one block); where they change
-  nothing on the call (text-only batches, chunks longer than the sequence) the band path.
-
-A ValueError names what it cannot run: image blocks or chunks that matter with a KV cache,
-image blocks inside packed documents' remapped positions (Gemma 3's sliding layers on
-packed rows), mask functions transformers does not define (a model's
-prefix-LM or bidirectional overlays such as Gemma 3's ``use_bidirectional_attention``, a
-user's ``or_mask_function``/``and_mask_function``), a 4-D mask that is not causal or
-bidirectional with padding and a window (block-diagonal documents, prefix-LM, per-head
-masks, additive biases), a mask that disagrees with its layer (window or causality),
-softcapping, attention sinks, position biases, padding with a KV cache or over
-cross-attention's keys, a window over a padding mask with holes inside a row.
-
-``shard_batch`` splits a batch by the schedule (``schedules.batch``): the model sees this
-rank's tokens and their global positions (RoPE), attention runs over the mesh (padded and
-packed batches as packed sequences, sliding windows per sequence), and the loss is
-normalised across ranks: each rank's ``out.loss`` is the sum of its real tokens' losses
-divided by the global count of labelled tokens (labels other than -100, padding excluded),
-so the ranks' losses add up to the one-process mean, and ``sum_gradients`` adds the
-replicated weights' gradients over the ranks that split the tokens. ``head_parallel`` keeps
-every token on every rank: each rank attends its heads of the replicated q, k, v, the
-weights' gradients come out whole. It takes what the one-device backend takes: a padding
-mask, packed ``position_ids``, or ``DataCollatorWithFlattening``'s keys (``cu_seq_lens_q/k``
-decide the documents, ``position_ids`` the positions, ``max_length_q/k`` and ``seq_idx`` are
-checked against them).
+Without ``shard_batch`` the backend runs on one device: padding masks, packed documents
+(``position_ids`` restarting, or ``DataCollatorWithFlattening``'s ``cu_seq_lens_q/k``),
+prepared 4-D masks and KV caches. ``shard_batch`` splits a batch by the schedule
+(``schedules.batch``): the model sees this rank's tokens at their global positions, and each
+rank's ``out.loss`` is its real tokens' losses over the global count of labelled tokens, so
+the ranks' losses add up to the one-process mean. docs/api.md ("transformers") lists what
+the backend honours and what it refuses.
 """
 
 from __future__ import annotations
@@ -86,23 +45,22 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
                                        prepare_padding_mask)
 
 import schedules.batch
+import sdpa_fusion
 from schedules.batch import TokenBatch
 
 from .transformers_masks import (Band, BandMask, Call, Sequences, Unsupported, exact, read,
                                  read_dense)
 
 NAME = "fusion_attention"
-ALIASES = ("sdpa_fusion",)  # earlier name; transformers takes it for SDPA (module docstring)
+ALIASES = ("sdpa_fusion",)  # transformers takes it for SDPA (module docstring)
 BATCH = "sdpa_fusion_batch"  # the model-call keyword that carries a sharded batch
 IGNORE = -100  # transformers' label of tokens without a loss
 
 
 def register(name: str = NAME, *, kernel="auto") -> str:
     """Register the backend (attention and mask) with transformers as ``name`` (the default
-    also as the aliases ``ALIASES``); returns ``name``, for ``attn_implementation=name``.
-    ``kernel`` chooses the local kernel ("auto": the fastest on the device). A name that
-    contains "sdpa" is taken by transformers for PyTorch's SDPA (models without SDPA
-    support are refused under it)."""
+    also as ``ALIASES``) and return it, for ``attn_implementation=name``. ``kernel`` chooses
+    the local kernel ("auto": the fastest on the device)."""
     for each in (name, *ALIASES) if name == NAME else (name,):
         AttentionInterface.register(each, _Backend(kernel, each))
         AttentionMaskInterface.register(each, band_mask)
@@ -134,19 +92,15 @@ def _cannot(e: Unsupported) -> ValueError:
                       f"'sdpa' or 'eager' for this model or these inputs")
 
 
-_UNSUPPORTED = {
-    "softcap": "softcapping of the scores",
-    "s_aux": "attention sinks",
-    "position_bias": "a position bias",
-}
+_UNSUPPORTED = {"softcap": "softcapping of the scores", "s_aux": "attention sinks",
+                "position_bias": "a position bias"}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Mask:
-    """A layer's mask in the backend's terms: the band of position differences q - kv, the
-    first query's position minus the first key's (``shift``), the keys' padding ([B, kv_len]
-    bool, None without padding), whether documents must be separated, and the ``BandMask``
-    whose overlays (image blocks, chunks) change pairs of the call (``overlaid``)."""
+    """A layer's mask: the band of q - kv, the first query's position minus the first key's
+    (``shift``), the keys' padding ([B, kv_len] bool or None), whether documents are
+    separated, and the ``BandMask`` whose overlays change pairs of the call (``overlaid``)."""
 
     band: Band
     shift: int
@@ -196,10 +150,9 @@ class _Backend:
         """The layer's mask from what transformers passed, checked against the layer."""
         if isinstance(mask, BandMask):
             if (mask.q_len, mask.shape[-1]) != (q_len, k_len):
-                raise ValueError(
-                    f"the mask was built for {mask.q_len} queries and {mask.shape[-1]} keys, "
-                    f"attention got {q_len} and {k_len}; build the mask for this call"
-                )
+                raise ValueError(f"the mask was built for {mask.q_len} queries and "
+                                 f"{mask.shape[-1]} keys, attention got {q_len} and {k_len}; "
+                                 f"build the mask for this call")
             self._agree(mask.band, layer, q_len, k_len, mask.shift)
             return _Mask(mask.band, mask.shift, mask.keys if mask.padded else None,
                          mask.band.documents, mask if mask.matter else None)
@@ -224,12 +177,11 @@ class _Backend:
             return _Mask(layer, 0, padding)
         if q_len == 1 and padding is None:  # decoding after a dynamic cache
             return _Mask(layer, k_len - 1, None)
-        raise ValueError(
-            f"attention backend {self.name!r} got {q_len} queries and {k_len} keys without its "
-            f"own mask ({'padding' if padding is not None else 'none'}): where the queries "
-            f"sit among the keys is unknown; let transformers build the mask (pass the 2-D "
-            f"attention_mask to the model) or use attn_implementation='sdpa'"
-        )
+        raise ValueError(f"attention backend {self.name!r} got {q_len} queries and {k_len} keys "
+                         f"without its own mask ({'padding' if padding is not None else 'none'})"
+                         f": where the queries sit among the keys is unknown; let transformers "
+                         f"build the mask (pass the 2-D attention_mask to the model) or use "
+                         f"attn_implementation='sdpa'")
 
     def _agree(self, band: Band, layer: Band, q_len=None, k_len=None, shift=0) -> None:
         """Raise unless the mask's band is the layer's: on this call's q_len queries and k_len
@@ -238,46 +190,42 @@ class _Backend:
         if q_len is not None:
             got, want = (_effective(b, q_len, k_len, shift) for b in (band, layer))
         if (got.lo, got.hi) != (want.lo, want.hi):
-            raise ValueError(
-                f"the mask transformers built keeps {_describe(band)}, but the layer asks for "
-                f"{_describe(layer)} (module.is_causal, sliding_window); attention backend "
-                f"{self.name!r} runs a mask only with its layer's settings: use "
-                f"attn_implementation='eager' for this model"
-            )
+            raise ValueError(f"the mask transformers built keeps {_describe(band)}, but the layer "
+                             f"asks for {_describe(layer)} (module.is_causal, sliding_window); "
+                             f"attention backend {self.name!r} runs a mask only with its "
+                             f"layer's settings: use attn_implementation='eager' for this model")
 
     # ---- one device ------------------------------------------------------------------------
     def _one_device(self, q, k, v, mask, layer, kwargs, options):
         """Attention of the whole [B, H, S, E] batch on this device."""
         m = self._mask(mask, layer, q.shape[0], q.shape[2], k.shape[2])
-        if m.overlaid is not None and (m.shift != 0 or q.shape[2] != k.shape[2]):
-            raise ValueError(
-                f"attention backend {self.name!r} runs image blocks and chunked attention "
-                f"without a KV cache ({q.shape[2]} queries after {k.shape[2] - q.shape[2]} "
-                f"cached keys): call the model with use_cache=False, or generate with "
-                f"attn_implementation='sdpa'")
         if m.shift != 0 or q.shape[2] != k.shape[2]:  # a KV cache
+            if m.overlaid is not None:
+                raise ValueError(
+                    f"attention backend {self.name!r} runs image blocks and chunked attention "
+                    f"without a KV cache ({q.shape[2]} queries after {k.shape[2] - q.shape[2]} "
+                    f"cached keys): call the model with use_cache=False, or generate with "
+                    f"attn_implementation='sdpa'")
             k, v, m = _trim(k, v, m, q.shape[2], self.name)
         band = _effective(m.band, q.shape[2], k.shape[2], m.shift)
         causal, window = _top_left(band, m.shift)
         options = dict(options, causal=causal, window=window)
         if m.shift != 0 or q.shape[2] != k.shape[2]:
-            return _sdpa(q, k, v, schedule=None, **options)
+            return sdpa_fusion.attention(q, k, v, schedule=None, **options)
         documents = kwargs.get("cu_seq_lens_q", kwargs.get("position_ids"))
         if m.documents and documents is None:
             raise ValueError("the mask separates packed documents but the attention got no "
                              "position_ids or cu_seq_lens_q to find them; pass position_ids")
         batch, contiguous = self._batch(mask, documents, m.padding, kwargs, q)
         if window is not None and not contiguous:
-            raise ValueError(
-                f"attention backend {self.name!r} runs a sliding window over rows of real "
-                f"tokens; the padding mask has padding between real tokens of a row: pad at "
-                f"the ends only"
-            )
+            raise ValueError(f"attention backend {self.name!r} runs a sliding window over rows "
+                             f"of real tokens; the padding mask has padding between real tokens "
+                             f"of a row: pad at the ends only")
         if m.overlaid is not None:
             options = dict(options, causal=False, window=None,
                            mask=_exact(m.overlaid, batch, (q.shape[0], q.shape[2])))
         if batch is None:
-            return _sdpa(q, k, v, schedule=None, **options)
+            return sdpa_fusion.attention(q, k, v, schedule=None, **options)
         local = [batch.shard(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v)]
         return batch.unshard(batch.attention(*local, **options).transpose(1, 2)).transpose(1, 2)
 
@@ -289,8 +237,14 @@ class _Backend:
             if mask is last_mask and documents is last_documents:
                 return tuple(made)
         batch, contiguous = None, True
-        positions = _positions(kwargs, q)
-        if padding is not None or (positions is not None and _restarts(positions)):
+        positions = kwargs.get("position_ids")  # or from cu_seq_lens_q (one packed row):
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+            positions = _document_positions(
+                kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+                kwargs.get("max_length_q"), kwargs.get("max_length_k"),
+                (q.shape[0], q.shape[2]), q.device)
+        restarts = positions is not None and bool((positions[:, 1:] != positions[:, :-1] + 1).any())
+        if padding is not None or restarts:
             batch = schedules.batch.split(None, (q.shape[0], q.shape[2]),
                                           attention_mask=padding, position_ids=positions,
                                           device=q.device)
@@ -301,10 +255,8 @@ class _Backend:
     # ---- a sharded batch -------------------------------------------------------------------
     def _sharded(self, batch: TokenBatch, q, k, v, mask, layer, options):
         if not (mask is None or (isinstance(mask, BandMask) and not mask.padded)):
-            raise ValueError(
-                "a sharded batch holds its padding: call the model with batch.inputs "
-                "only, without attention_mask"
-            )
+            raise ValueError("a sharded batch holds its padding: call the model with "
+                             "batch.inputs only, without attention_mask")
         if mask is not None:
             self._agree(mask.band, layer)  # exactly: local lengths say nothing of the windows
         causal, window = _top_left(layer, 0)
@@ -384,11 +336,9 @@ def _trim(k, v, m: _Mask, q_len: int, name: str):
     first = 0 if band.hi is None else max(0, shift - band.hi)
     last = k_len - 1 if band.lo is None else min(k_len - 1, q_len - 1 + shift - band.lo)
     if m.padding is not None and not bool(m.padding[:, first:last + 1].all()):
-        raise ValueError(
-            f"attention backend {name!r} does not take a padding mask with a KV cache or "
-            f"over other tokens' keys (cross-attention; {q_len} queries, {k_len} keys); "
-            f"generate unpadded or use attn_implementation='sdpa'"
-        )
+        raise ValueError(f"attention backend {name!r} does not take a padding mask with a KV "
+                         f"cache or over other tokens' keys (cross-attention; {q_len} queries, "
+                         f"{k_len} keys); generate unpadded or use attn_implementation='sdpa'")
     k, v = k[:, :, first:last + 1], v[:, :, first:last + 1]
     return k, v, _Mask(band, shift - first, None)
 
@@ -409,25 +359,6 @@ def _describe(band: Band) -> str:
     bounds = [f"{band.lo} <="] if band.lo is not None else []
     bounds += ["q - kv"] + ([f"<= {band.hi}"] if band.hi is not None else [])
     return "pairs with " + " ".join(bounds)
-
-
-def _sdpa(q, k, v, **kwargs):
-    import sdpa_fusion
-
-    return sdpa_fusion.attention(q, k, v, **kwargs)
-
-
-def _restarts(positions: torch.Tensor) -> bool:
-    return bool((positions[:, 1:] != positions[:, :-1] + 1).any())
-
-
-def _positions(kwargs, q) -> torch.Tensor | None:
-    """The tokens' positions: from ``cu_seq_lens_q`` (one packed row) or ``position_ids``."""
-    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None:
-        return kwargs.get("position_ids")
-    return _document_positions(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
-                               kwargs.get("max_length_q"), kwargs.get("max_length_k"),
-                               (q.shape[0], q.shape[2]), q.device)
 
 
 def _document_positions(cu_q, cu_k, max_q, max_k, shape, device) -> torch.Tensor:
@@ -514,8 +445,10 @@ def shard_batch(schedule, input_ids: torch.Tensor, *, labels=None, attention_mas
     if labels is not None:
         shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], 1)
         local = batch.shard(shifted, fill=IGNORE)
-        inputs.update(labels=local, shift_labels=local,
-                      num_items_in_batch=_labelled(batch, shifted))
+        labelled = shifted != IGNORE  # the loss's divisor: the global count of real ones
+        if batch.packed:
+            labelled = labelled.flatten()[batch.rows]
+        inputs.update(labels=local, shift_labels=local, num_items_in_batch=labelled.sum())
     return ShardedBatch(batch, inputs)
 
 
@@ -537,10 +470,3 @@ def _check_seq_idx(seq_idx, positions, shape, attention_mask) -> None:
                          "position_ids) give: 0 for the first document of a row, 1 for the "
                          "next, ...")
 
-
-def _labelled(batch: TokenBatch, shifted: torch.Tensor) -> torch.Tensor:
-    """The global count of labelled real tokens (what the loss is divided by)."""
-    labelled = shifted != IGNORE
-    if batch.packed:
-        labelled = labelled.flatten()[batch.rows]
-    return labelled.sum()
