@@ -28,22 +28,19 @@ sequences (rows, or their real tokens, or packed documents; positions from 0 in 
                                                  counted from each sequence's first token
     and_masks / or_masks                         & / |
 
-What stays a ValueError names itself: any function transformers does not define (a model's
-own prefix-LM or bidirectional overlay, a user's ``or_mask_function``), image blocks inside
-packed documents' remapped positions, a block id spread over several runs, chunks over rows
-with padding between real tokens.
-
-``BandMask`` carries a band to the attention function: a [B, 1, 1, kv_len] bool tensor of
-the keys' padding (True: a real key) with the band, the query's offset in the keys and
-whether documents are separated. Being 4-D it passes through transformers unchanged where
-transformers takes a prepared mask (``generate`` with a static cache builds the masks
-ahead and hands them back to the model).
+Anything else (a function transformers does not define, image blocks inside packed
+documents' remapped positions, ...) is an ``Unsupported`` ValueError that names it.
+``BandMask`` carries the reading to the attention function as the keys' padding: being 4-D,
+it passes through transformers unchanged where transformers takes a prepared mask
+(``generate`` with a static cache builds the masks ahead and hands them back to the model).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import operator
 
 import torch
 
@@ -94,14 +91,12 @@ class Call:
 
 
 _NOTHING = None  # a part that adds no pair on this call (an inert or_mask_function)
-OVERLAYS = ("blockwise_overlay", "chunked_overlay")  # run through ``exact``, not as a band
 
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
-    """What a transformers mask function keeps on a call: the ``band`` of the layer (its
-    overlays left out), whether it has overlays (``overlaid``: image blocks, chunks) and
-    whether they change a pair of this call (``matter``)."""
+    """What a transformers mask function keeps on a call: the layer's ``band`` (overlays left
+    out), whether it has overlays (image blocks, chunks) and whether they ``matter`` here."""
 
     band: Band
     overlaid: bool = False
@@ -141,19 +136,11 @@ def _read(fn, call: Call, found: dict) -> Band | None:
         parts = [_read(f, call, found) for f in free["mask_functions"]]
         if any(p is _NOTHING for p in parts):
             return _NOTHING
-        band = Band()
-        for p in parts:
-            band = band & p
-        return band
+        return functools.reduce(operator.and_, parts, Band())
     if name == "or_masks":
         parts = [_read(f, call, found) for f in free["mask_functions"]]
         parts = [p for p in parts if p is not _NOTHING]
-        if not parts:
-            return _NOTHING
-        band = parts[0]
-        for p in parts[1:]:
-            band = band | p
-        return band
+        return functools.reduce(operator.or_, parts) if parts else _NOTHING
     if name == "remap_positions_for_packed_sequence":
         inner = _read(free["mask_function"], call, found)
         return inner if inner is _NOTHING else dataclasses.replace(inner, remapped=True)
@@ -170,7 +157,8 @@ def _read(fn, call: Call, found: dict) -> Band | None:
 
 
 def _custom(fn) -> str:
-    return (f"a custom mask function ({_qualified(fn)}), e.g. a model's prefix-LM or "
+    named = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    return (f"a custom mask function ({named}), e.g. a model's prefix-LM or "
             f"bidirectional overlay, or an or_mask_function/and_mask_function")
 
 
@@ -184,10 +172,6 @@ def _identify(fn) -> tuple[str | None, dict]:
         maker = qualname.split(".<locals>.")[0]
         return maker, inspect.getclosurevars(fn).nonlocals
     return qualname, {}
-
-
-def _qualified(fn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _blocks_matter(ids: torch.Tensor, call: Call) -> bool:
@@ -221,12 +205,10 @@ def _chunks_matter(chunk: int, left_padding: torch.Tensor, call: Call) -> bool:
 # ---- the exact mask: overlays over the call's sequences -------------------------------------
 @dataclasses.dataclass(frozen=True, eq=False)
 class Sequences:
-    """The sequences attention runs (dense rows, a row's real tokens, packed documents):
-    each one's ``row`` of the batch, ``columns`` (its tokens' columns in the row, in order)
-    and ``positions`` (their position_ids). ``blocks`` maps a mask's block_sequence_ids to
-    the [B, S] ids of the whole batch. ``sharded``: the function was built for a rank's
-    tokens of a sharded batch, whose sequences and positions are the batch's own (its
-    remapping and documents are ignored, chunks count from each sequence's start)."""
+    """The sequences attention runs (dense rows, a row's real tokens, packed documents): each
+    one's ``row``, ``columns`` (its tokens' columns in the row) and ``positions``. ``blocks``
+    maps block_sequence_ids to the whole batch's; ``sharded``: the function was built for a
+    rank's tokens, so the batch's own sequences count (its remapping and documents ignored)."""
 
     row: list
     columns: list
@@ -311,10 +293,7 @@ def _exact(fn, seqs: Sequences, remapped: bool):
         parts = [p for p in parts if p is not None and p is not _EVERY]
         if not parts:
             return _EVERY if name == "and_masks" else None
-        got = parts[0]
-        for p in parts[1:]:
-            got = got & p if name == "and_masks" else got | p
-        return got
+        return functools.reduce(operator.and_ if name == "and_masks" else operator.or_, parts)
     if name == "remap_positions_for_packed_sequence":
         return _exact(free["mask_function"], seqs, not seqs.sharded)
     if name == "blockwise_overlay":
@@ -352,9 +331,8 @@ class BandMask(torch.Tensor):
     @staticmethod
     def of(keys: torch.Tensor, reading: Reading, call: Call, function=None) -> "BandMask":
         mask = torch.Tensor._make_subclass(BandMask, keys[:, None, None, :].contiguous())
-        mask.band, mask.shift, mask.q_len = reading.band, int(call.q_offset - call.kv_offset), \
-            call.q_len
-        mask.padded = not bool(keys.all())
+        mask.band, mask.q_len = reading.band, call.q_len
+        mask.shift, mask.padded = int(call.q_offset - call.kv_offset), not bool(keys.all())
         mask.function = function if reading.overlaid else None
         mask.matter, mask.exact = reading.matter, None
         return mask
