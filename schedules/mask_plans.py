@@ -44,10 +44,11 @@ _KEPT = 64
 
 
 def _cached(spec, key, build, *dense_key):
-    """``build()``, made once per packing, or per mask and ``dense_key`` for dense blocks."""
+    """``build()``, made once per packing, or per mask, lengths and ``dense_key`` for dense
+    blocks."""
     if spec.packing is not None:
         return spec.packing.cached((key, spec.mask), build)
-    key = (key, spec.mask, *dense_key)
+    key = (key, spec.mask, *dense_key, spec.q_len, spec.kv_len, spec.batch)
     if key not in _DENSE:
         _DENSE[key] = build()
         while len(_DENSE) > _KEPT:
@@ -69,8 +70,7 @@ def ring_plan(spec, partition, parts: int, rank: int) -> list:
         mine = [calls[rank, (rank - s) % parts] for s in needed]
         return [(s, [] if c is None else [c]) for s, c in zip(needed, mine)]
 
-    return _cached(spec, "ring", build, partition, parts, rank, spec.q_len, spec.kv_len,
-                   _batch(spec))
+    return _cached(spec, "ring", build, partition, parts, rank)
 
 
 def allgather_plan(spec, partition, parts: int, rank: int) -> tuple[list, list]:
@@ -79,19 +79,17 @@ def allgather_plan(spec, partition, parts: int, rank: int) -> tuple[list, list]:
     def build():
         mine = rank_tokens(spec, partition, parts, rank)
         ks = [rank_tokens(spec, partition, parts, j, keys=True) for j in range(parts)]
+        own_keys = ks[rank]
         if spec.packing is not None:
-            own_rows = ks[rank]
-            ks[rank] = Tokens(torch.full_like(own_rows.seq, -1), own_rows.pos, own_rows.stride)
+            ks[rank] = Tokens(torch.full_like(own_keys.seq, -1), own_keys.pos, own_keys.stride)
             others = _joined(ks)
         else:
-            others = _joined([t for j, t in enumerate(ks) if j != rank]) if parts > 1 else None
-        own = block_call(spec.mask, mine, ks[rank] if spec.packing is None else own_rows,
-                         _batch(spec))
+            others = _joined(ks[:rank] + ks[rank + 1:]) if parts > 1 else None
+        own = block_call(spec.mask, mine, own_keys, _batch(spec))
         gathered = None if others is None else block_call(spec.mask, mine, others, _batch(spec))
         return [c for c in (own,) if c is not None], [c for c in (gathered,) if c is not None]
 
-    return _cached(spec, "allgather", build, partition, parts, rank, spec.q_len, spec.kv_len,
-                   _batch(spec))
+    return _cached(spec, "allgather", build, partition, parts, rank)
 
 
 def whole_call(spec, parts: int, lengths=None):
@@ -107,4 +105,4 @@ def whole_call(spec, parts: int, lengths=None):
         return block_call(spec.mask, Tokens.dense(torch.arange(spec.q_len * parts)),
                           Tokens.dense(torch.arange(spec.kv_len * parts)), spec.batch)
 
-    return _cached(spec, "whole", build, parts, spec.q_len, spec.kv_len, spec.batch)
+    return _cached(spec, "whole", build, parts)
