@@ -168,10 +168,6 @@ def _complement(lo, hi):
     return _normal(starts, stops)
 
 
-def _all(shape=()):
-    return torch.full((*shape, 1), -INF), torch.full((*shape, 1), INF)
-
-
 class _Causal(Mask):
     def intervals(self, cls):
         return torch.tensor([-INF]), torch.tensor([0])
@@ -230,10 +226,8 @@ class _Classes(Mask):
 
     def intervals(self, cls):
         c_q, c_k = cls[id(self)]
-        same = (c_q == c_k) & (c_q >= 0)
-        lo, hi = _all(same.shape)
-        return (lo.masked_fill(~same.unsqueeze(-1), _EMPTY[0]),
-                hi.masked_fill(~same.unsqueeze(-1), _EMPTY[1]))
+        same = ((c_q == c_k) & (c_q >= 0)).unsqueeze(-1)
+        return torch.where(same, -INF, _EMPTY[0]), torch.where(same, INF, _EMPTY[1])
 
     def visible(self, b, q, k):
         c_q, c_k = self._at(b, q), self._at(b, k)
