@@ -25,6 +25,7 @@ the reference's fp32 math, exact).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -150,13 +151,8 @@ def _pairs(mask: Mask, batch: int, q_len: int, kv_len: int, sequences) -> int:
 
 
 # ---- structured masks: segments and bands ----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Segments:
-    row: torch.Tensor
-    count: torch.Tensor
-    first: torch.Tensor
-    seq: torch.Tensor
-    classes: list
+# per segment: its first row, row count, first position, sequence, and each leaf's class
+_Segments = collections.namedtuple("_Segments", "row count first seq classes")
 
 
 def _segments(leaves, t: Tokens) -> _Segments:
