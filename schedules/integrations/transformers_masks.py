@@ -1,10 +1,9 @@
 """Which (query, key) pairs a transformers mask keeps, read from how transformers built it.
 
-transformers (5.x, ``transformers.masking_utils``) builds every mask of a model from small
-functions of ``(batch_idx, head_idx, q_idx, kv_idx)`` combined with ``and_masks`` and
-``or_masks``, wrapped by ``remap_positions_for_packed_sequence`` for packed documents, and
-hands the function to the attention backend's mask function. ``read`` walks that tree and
-returns the ``Band`` it keeps, a range of position differences ``lo <= q - kv <= hi``:
+transformers (5.x, ``transformers.masking_utils``) builds every mask from small functions
+of ``(batch_idx, head_idx, q_idx, kv_idx)`` combined by ``and_masks`` and ``or_masks`` and
+wrapped by ``remap_positions_for_packed_sequence`` for packed documents. ``read`` walks that
+tree and returns the ``Band`` it keeps, a range of position differences ``lo <= q - kv <= hi``:
 
     causal_mask_function                         0 <= q - kv
     sliding_window_overlay(w)                    q - kv <= w - 1    (the w most recent keys,
@@ -13,26 +12,23 @@ returns the ``Band`` it keeps, a range of position differences ``lo <= q - kv <=
     bidirectional_mask_function                  every pair
     packed_sequence_mask_function (+ remap)      within each document (``documents``)
 
-The overlays that are not bands are read as absent from the band (the layer's causality,
-window and documents) and, where they change a pair of the call, run exactly: ``exact``
-turns the whole function into a composed mask (``sdpa_fusion.masks``) over the call's
-sequences (rows, or their real tokens, or packed documents; positions from 0 in each):
+Overlays that are not bands are left out of the band and, where they change a pair of the
+call, run exactly: ``exact`` turns the whole function into a composed mask
+(``sdpa_fusion.masks``) over the call's sequences (positions from 0 in each):
 
     causal_mask_function                         masks.causal()
     sliding_window_overlay(w)                    masks.window(w - 1, None)
-    blockwise_overlay(block_sequence_ids)        masks.bidirectional_spans (each run of one
-                                                 id), masks.prefix where the run starts the
-                                                 sequence (PaliGemma's prompt); Gemma 3's
-                                                 images
+    blockwise_overlay(block_sequence_ids)        masks.bidirectional_spans (a span per run
+                                                 of one id; masks.prefix where it starts the
+                                                 sequence): Gemma 3's images, PaliGemma
     chunked_overlay(size, left_padding)          masks.chunked(size) (Llama 4), chunks
                                                  counted from each sequence's first token
     and_masks / or_masks                         & / |
 
-Anything else (a function transformers does not define, image blocks inside packed
-documents' remapped positions, ...) is an ``Unsupported`` ValueError that names it.
-``BandMask`` carries the reading to the attention function as the keys' padding: being 4-D,
-it passes through transformers unchanged where transformers takes a prepared mask
-(``generate`` with a static cache builds the masks ahead and hands them back to the model).
+Anything else is an ``Unsupported`` ValueError that names it. ``BandMask`` carries the
+reading to the attention function as the keys' padding: being 4-D, it passes through
+transformers unchanged where transformers takes a prepared mask (``generate`` with a static
+cache builds the masks ahead and hands them back to the model).
 """
 
 from __future__ import annotations
@@ -149,9 +145,10 @@ def _read(fn, call: Call, found: dict) -> Band | None:
     if name == "blockwise_overlay":
         found[name] = found.get(name, False) or _blocks_matter(free["block_sequence_ids"], call)
         return _NOTHING
-    if name == "chunked_overlay":
-        found[name] = found.get(name, False) or _chunks_matter(
-            int(free["chunk_size"]), free["left_padding"], call)
+    if name == "chunked_overlay":  # matters where a real token lies past its row's first chunk
+        last = max(call.q_offset + call.q_len, call.kv_offset + call.kv_len) - 1
+        beyond = bool(((last - free["left_padding"]) >= int(free["chunk_size"])).any())
+        found[name] = found.get(name, False) or beyond
         return Band(None, None)
     raise Unsupported(_custom(fn))
 
@@ -194,12 +191,6 @@ def _blocks_matter(ids: torch.Tensor, call: Call) -> bool:
     last_kv = torch.full_like(first_q, -1)
     last_kv.scatter_reduce_(1, block_of(kv_pos), kv_pos.expand(ids.shape[0], -1), "amax")
     return bool((first_q[:, :groups] < last_kv[:, :groups]).any())
-
-
-def _chunks_matter(chunk: int, left_padding: torch.Tensor, call: Call) -> bool:
-    """Whether a real token of the call lies beyond the first chunk of its row."""
-    last = max(call.q_offset + call.q_len, call.kv_offset + call.kv_len) - 1
-    return bool(((last - left_padding) >= chunk).any())
 
 
 # ---- the exact mask: overlays over the call's sequences -------------------------------------
@@ -310,13 +301,10 @@ def _exact(fn, seqs: Sequences, remapped: bool):
 
 
 class BandMask(torch.Tensor):
-    """A mask transformers built, as the attention backend reads it: the keys' padding
-    ([B, 1, 1, kv_len] bool, True for a real key), the ``band`` of position differences,
-    ``shift`` (the first query's position minus the first key's: 0 without a cache) and
-    ``q_len`` and whether any key is padding (``padded``); with overlays (image blocks,
-    chunks), the transformers ``function`` and whether they change a pair of this call
-    (``matter``), and the ``exact`` mask once made. Torch functions on it return plain
-    tensors."""
+    """A mask transformers built, as the backend reads it: the keys' padding ([B, 1, 1, kv_len]
+    bool, True: a real key) with the ``band``, ``shift`` (first query's position minus first
+    key's), the overlays' ``function`` (None without), whether they ``matter`` on this call
+    and their ``exact`` mask once made. Torch functions on it return plain tensors."""
 
     band: Band
     shift: int
