@@ -70,8 +70,7 @@ def register(name: str = NAME, *, kernel="auto") -> str:
 def band_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
               mask_function=causal_mask_function, attention_mask=None, **kwargs) -> BandMask:
     """What transformers hands the backend as ``attention_mask``: the keys' padding and the
-    band that ``mask_function`` keeps (``transformers_masks``); a ValueError names a mask the
-    backend cannot run."""
+    band that ``mask_function`` keeps; a ValueError names a mask the backend cannot run."""
     call = Call(int(q_length), int(kv_length), int(q_offset), int(kv_offset))
     try:
         reading = read(mask_function, call)
@@ -279,19 +278,18 @@ def _exact(mask: BandMask, batch: TokenBatch | None, shape, sharded: bool = Fals
 
 def _sequences(batch: TokenBatch | None, shape, sharded: bool) -> Sequences:
     """The sequences attention runs: the rows of a dense batch, else the packed ones of
-    ``batch``; a sharded batch gathers the image blocks of its local calls (each maximal run
-    of image tokens one block, as Gemma 3 and PaliGemma number them)."""
+    ``batch``; a sharded batch gathers the image blocks of its local calls."""
     b, s = shape
+    blocks = _gathered(batch) if sharded else None
     if batch is None or not batch.packed:
         columns = torch.arange(s)
-        positions = (batch.positions.cpu() if batch is not None else columns.expand(b, s))
-        return Sequences(list(range(b)), [columns] * b, list(positions),
-                         _gathered(batch) if sharded else None, sharded)
+        positions = batch.positions.cpu() if batch is not None else columns.expand(b, s)
+        return Sequences(list(range(b)), [columns] * b, list(positions), blocks, sharded)
     cu = batch.packing.split.cu_seqlens
     rows, flat = batch.rows.cpu(), batch.positions.cpu().flatten()
     pieces = [rows[a:z] for a, z in zip(cu[:-1], cu[1:])]
     return Sequences([int(p[0]) // s for p in pieces], [p % s for p in pieces],
-                     [flat[p] for p in pieces], _gathered(batch) if sharded else None, sharded)
+                     [flat[p] for p in pieces], blocks, sharded)
 
 
 def _gathered(batch: TokenBatch):
@@ -407,14 +405,11 @@ class ShardedBatch:
 def shard_batch(schedule, input_ids: torch.Tensor, *, labels=None, attention_mask=None,
                 position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None,
                 max_length_k=None, seq_idx=None) -> ShardedBatch:
-    """This rank's part of a causal-LM batch under ``schedule``: ``input_ids`` [B, S], the
-    optional ``labels`` [B, S] (shifted here, as transformers does, then sharded),
-    ``attention_mask`` (padding) and ``position_ids`` (packed documents, or custom
-    positions), the same full tensors on every rank. ``DataCollatorWithFlattening``'s batch
-    is taken as it comes (``shard_batch(sched, **collated)``): one row [1, T] whose documents
-    are ``cu_seq_lens_q`` (equal to ``cu_seq_lens_k``; ``max_length_q/k`` and ``seq_idx``
-    checked against them), its positions ``position_ids`` (0, 1, ... in the row without
-    them, as the model numbers them)."""
+    """This rank's part of a causal-LM batch under ``schedule``, from the same full tensors on
+    every rank: ``input_ids`` [B, S], ``labels`` (shifted here, as transformers does),
+    ``attention_mask`` (padding) or ``position_ids`` (packed documents); or
+    ``DataCollatorWithFlattening``'s batch as it comes (``shard_batch(sched, **collated)``):
+    its ``cu_seq_lens_q`` the documents, its ``position_ids`` the positions."""
     shape, device = tuple(input_ids.shape), input_ids.device
     if cu_seq_lens_q is None and cu_seq_lens_k is None:
         for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
@@ -453,9 +448,8 @@ def shard_batch(schedule, input_ids: torch.Tensor, *, labels=None, attention_mas
 
 
 def _check_seq_idx(seq_idx, positions, shape, attention_mask) -> None:
-    """``seq_idx`` [B, S] must number the documents of each row 0, 1, ... (as the collator
-    does: they start where ``positions`` do not follow on); attention reads the documents
-    from the batch, so it is not passed on."""
+    """``seq_idx`` [B, S] must number each row's documents 0, 1, ... as the collator does
+    (they start where ``positions`` do not follow on); attention does not read it."""
     b, s = shape
     if attention_mask is not None:
         raise ValueError("seq_idx numbers packed documents; a padded batch (attention_mask) "
