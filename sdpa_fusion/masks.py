@@ -28,8 +28,7 @@ import hashlib
 
 import torch
 
-from .mask import _UNBOUNDED as INF  # an unbounded side of an interval of k - q
-from .mask import Window
+from .mask import _UNBOUNDED as INF, Window  # INF: an unbounded side of an interval of k - q
 _EMPTY = (2 * INF, 2 * INF - 1)  # an empty interval, sorted after every real one
 
 
@@ -128,17 +127,14 @@ class _Node(Mask):
         sides = [w for _, w in bands if w is not None]
         if not sides:
             return causal, None
-        return causal, (_tightest([w[0] for w in sides]), _tightest([w[1] for w in sides]))
+        left = min((w[0] for w in sides if w[0] is not None), default=None)
+        right = min((w[1] for w in sides if w[1] is not None), default=None)
+        return causal, (left, right)
 
     def __repr__(self):
         if self.op == "not":
             return f"~{self.parts[0]!r}"
         return f"({self.parts[0]!r} {'&' if self.op == 'and' else '|'} {self.parts[1]!r})"
-
-
-def _tightest(sides):
-    bounded = [s for s in sides if s is not None]
-    return min(bounded) if bounded else None
 
 
 def _normal(lo: torch.Tensor, hi: torch.Tensor):
