@@ -1,13 +1,12 @@
 """A composed mask on a block of queries and a block of keys, compiled to kernel calls
 (pure decisions, no kernel and no data; ``sdpa_fusion.masked`` runs them).
 
-The rows of a block are ``Tokens``: each row's sequence (the batch element, or the packed
-sequence; -1 for padding, which sees nothing) and position. A structured mask
-(``sdpa_fusion.masks``) is evaluated per pair of *segments*, runs of rows whose positions
-step by the partition's stride and whose classes (document, span, chunk, prefix) do not
-change: there it keeps a few disjoint intervals of k - q, each a band that ``mask.cut``
-turns into a call in the segments' own rows (nothing: no call; every pair: no mask; causal
-or a window otherwise):
+The rows of a block are ``Tokens``: each row's sequence (-1: padding, which sees nothing)
+and position. A structured mask (``sdpa_fusion.masks``) is evaluated per pair of
+*segments*, runs of rows whose positions step by the partition's stride and whose classes
+(document, span, chunk, prefix) do not change: there it keeps a few disjoint intervals of
+k - q, each a band that ``mask.cut`` turns into one call (none when empty, unmasked when
+full, causal or a window otherwise):
 
     causal | bidirectional_spans([(4, 8)]) over 12 tokens: segments 0-3 | 4-7 | 8-11
     rows 0-3   keys 0-3 causal
@@ -15,12 +14,10 @@ or a window otherwise):
     rows 8-11  keys 0-7 full, keys 8-11 causal
     calls: rows 0-3 x keys 0-3 causal, rows 4-11 x keys 0-7 full, rows 8-11 x 8-11 causal
 
-A band without a left edge and a right edge r > 0 runs as keys [0, r) without a mask and
-the rest causal, so kernels without windows run every mask without ``masks.window`` or
-``~``. A ``mask_mod`` is evaluated per tile of ``TILE`` x ``TILE`` rows: empty tiles make no
-call, full ones run without a mask (neighbours joined), partial ones with the explicit mask
-through a kernel that ``supports_mask`` (the reference; others' partial tiles go through
-the reference's fp32 math, exact).
+A band without a left edge and a right edge r > 0 runs as keys [0, r) unmasked and the
+rest causal, so kernels without windows run every mask without ``masks.window`` or ``~``.
+A ``mask_mod`` is evaluated per ``TILE`` x ``TILE`` tile: empty tiles make no call, full
+ones run unmasked (neighbours joined), partial ones with the explicit mask.
 """
 
 from __future__ import annotations
@@ -111,7 +108,7 @@ def problem_tokens(batch: int, q_len: int, kv_len: int, sequences) -> tuple[Toke
 
 def batch_pieces(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> tuple:
     """((batch slice, pieces), ...) of queries ``q`` vs keys ``k`` on ``batch`` elements (one
-    part for all when the mask is the same for all), parts without pieces left out."""
+    part for all when the mask is the same for all), none without pieces."""
     if mask.batched and batch > 1:
         parts = [(slice(b, b + 1), pieces(mask, q.of(b), k.of(b))) for b in range(batch)]
     else:
