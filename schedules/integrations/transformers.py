@@ -4,17 +4,11 @@
 
     name = sdpa_transformers.register()                # "fusion_attention"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
-
     batch = sdpa_transformers.shard_batch(sched, input_ids, labels=labels,
                                           attention_mask=mask)   # or position_ids= (packed)
-    batch = sdpa_transformers.shard_batch(sched, **DataCollatorWithFlattening(
-        return_flash_attn_kwargs=True)(examples))                 # or the collator's batch
     out = model(**batch.inputs)            # this rank's tokens; out.loss: this rank's share
     out.loss.backward()
     batch.sum_gradients(model.parameters())  # the one-process gradient on every rank
-    optimizer.step()
-    loss = batch.total(out.loss)           # the one-process loss
-    logits = batch.unshard(out.logits)     # [B, S, V] on every rank
 
 The backend registers as ``"fusion_attention"`` and, as an alias, ``"sdpa_fusion"``:
 transformers takes any name containing "sdpa" for PyTorch's own SDPA and refuses, under such
@@ -31,8 +25,8 @@ Without ``shard_batch`` the backend runs on one device: padding masks, packed do
 prepared 4-D masks and KV caches. ``shard_batch`` splits a batch by the schedule
 (``schedules.batch``): the model sees this rank's tokens at their global positions, and each
 rank's ``out.loss`` is its real tokens' losses over the global count of labelled tokens, so
-the ranks' losses add up to the one-process mean. docs/api.md ("transformers") lists what
-the backend honours and what it refuses.
+the ranks' losses add up to the one-process mean. docs/api.md ("transformers") has the
+whole example and lists what the backend honours and what it refuses.
 """
 
 from __future__ import annotations
