@@ -211,11 +211,9 @@ class Sequences:
         """The image blocks of ``ids`` as each sequence's spans (a prefix where one block
         starts every sequence that has one); None without blocks."""
         ids = ids if self.blocks is None else self.blocks(ids)
-        per = []
-        for b, cols in zip(self.row, self.columns):
-            inside = cols < ids.shape[1]
-            mine = torch.where(inside, ids[b, cols.clamp(max=ids.shape[1] - 1)], -1).cpu()
-            per.append(_runs(mine))
+        width = ids.shape[1]
+        per = [_runs(torch.where(cols < width, ids[b, cols.clamp(max=width - 1)], -1).cpu())
+               for b, cols in zip(self.row, self.columns)]
         if not any(per):
             return None
         if all(not s or (len(s) == 1 and s[0][0] == 0) for s in per):
@@ -244,8 +242,7 @@ def _runs(ids: torch.Tensor) -> list:
     starts[1:] = ids[1:] != ids[:-1]
     first = starts.nonzero()[:, 0].tolist()
     runs = [(a, z, int(ids[a])) for a, z in zip(first, first[1:] + [len(ids)]) if ids[a] >= 0]
-    seen = [g for _, _, g in runs]
-    if len(set(seen)) < len(seen):
+    if len({g for _, _, g in runs}) < len(runs):
         raise Unsupported("an image block (block_sequence_ids) whose tokens are not one run of "
                           "the sequence")
     return [(a, z) for a, z, _ in runs]
