@@ -101,8 +101,11 @@ class _Node(Mask):
 
     def intervals(self, cls):
         got = [p.intervals(cls) for p in self.parts]
-        if self.op == "not":
-            return _complement(*got[0])
+        if self.op == "not":  # the gaps between the sorted intervals, and past the ends
+            lo, hi = _normal(*got[0])
+            starts = torch.cat([torch.full_like(lo[..., :1], -INF), hi + 1], -1)
+            stops = torch.cat([lo - 1, torch.full_like(hi[..., :1], INF)], -1).clamp(max=INF)
+            return _normal(starts, stops)
         (lo_a, hi_a), (lo_b, hi_b) = got
         if self.op == "or":
             return _normal(torch.cat(torch.broadcast_tensors(lo_a, lo_b), -1),
@@ -155,13 +158,6 @@ def _normal(lo: torch.Tensor, hi: torch.Tensor):
     if not bool(kept.any()):
         return new_lo[..., :1], new_hi[..., :1]
     return new_lo[..., kept], new_hi[..., kept]
-
-
-def _complement(lo, hi):
-    lo, hi = _normal(lo, hi)
-    starts = torch.cat([torch.full_like(lo[..., :1], -INF), hi + 1], -1)
-    stops = torch.cat([lo - 1, torch.full_like(hi[..., :1], INF)], -1).clamp(max=INF)
-    return _normal(starts, stops)
 
 
 class _Causal(Mask):
