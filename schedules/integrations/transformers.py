@@ -241,7 +241,9 @@ class _Backend:
             batch = schedules.batch.split(None, (q.shape[0], q.shape[2]),
                                           attention_mask=padding, position_ids=positions,
                                           device=q.device)
-            contiguous = padding is None or _contiguous(padding)
+            if padding is not None:  # whether the real tokens of every row are one run
+                starts = padding.int().diff(dim=1, prepend=padding.new_zeros(len(padding), 1).int())
+                contiguous = bool(((starts == 1).sum(1) <= 1).all())
         self._batches = [(mask, documents, batch, contiguous), *self._batches[:3]]
         return batch, contiguous
 
@@ -308,9 +310,8 @@ def _effective(band: Band, q_len: int, k_len: int, shift: int) -> Band:
 
 
 def _top_left(band: Band, shift: int) -> tuple[bool, tuple | None]:
-    """(causal, window) of ``sdpa_fusion.attention`` (top-left: query i sees key j when
-    i - left <= j <= i + right) for ``band`` of q_pos - kv_pos when query i sits at key
-    position i + shift."""
+    """(causal, window) of ``sdpa_fusion.attention`` (top-left: query i sees key j when i - left
+    <= j <= i + right) for ``band`` of q_pos - kv_pos when query i sits at key i + shift."""
     left = None if band.hi is None else band.hi - shift
     right = None if band.lo is None else shift - band.lo
     if right == 0:
@@ -333,12 +334,6 @@ def _trim(k, v, m: _Mask, q_len: int, name: str):
                          f"{k_len} keys); generate unpadded or use attn_implementation='sdpa'")
     k, v = k[:, :, first:last + 1], v[:, :, first:last + 1]
     return k, v, _Mask(band, shift - first, None)
-
-
-def _contiguous(padding: torch.Tensor) -> bool:
-    """Whether the real tokens of every row are one run."""
-    starts = padding.int().diff(dim=1, prepend=padding.new_zeros(padding.shape[0], 1).int())
-    return bool(((starts == 1).sum(1) <= 1).all())
 
 
 def _describe(band: Band) -> str:
