@@ -81,9 +81,8 @@ def visible_pairs(n_q: int, n_k: int, band_: tuple[int | None, int | None]) -> i
 
 
 def call_pairs(n_q: int, n_k: int, causal: bool, window: "Window | None") -> float:
-    """Query-key pairs a kernel call over ``n_q`` queries and ``n_k`` keys computes, as
-    FLOPs count them: half of them when causal without a window, else those the band lets
-    through."""
+    """Query-key pairs a call over ``n_q`` queries and ``n_k`` keys computes, as FLOPs count
+    them: half of them when causal without a window, else those the band lets through."""
     if window is None:
         return n_q * n_k * (0.5 if causal else 1.0)
     return visible_pairs(n_q, n_k, band(causal, window))
@@ -92,9 +91,8 @@ def call_pairs(n_q: int, n_k: int, causal: bool, window: "Window | None") -> flo
 @dataclasses.dataclass(frozen=True)
 class Cut:
     """What a band leaves of runs of queries and keys (tensors, elementwise): the first
-    ``row_cut`` rows and ``key_cut`` keys go, ``rows`` and ``keys`` stay (0: nothing, no call),
-    seen through the window (``left``, ``right``) in their own rows, or without a mask where
-    ``full``."""
+    ``row_cut`` rows and ``key_cut`` keys go, ``rows`` and ``keys`` stay (0: no call), seen
+    through the window (``left``, ``right``) in their own rows, or unmasked where ``full``."""
 
     row_cut: torch.Tensor
     rows: torch.Tensor
