@@ -1,12 +1,8 @@
 """Composed masks (``sdpa_fusion.masks``) over a split sequence: each rank's block calls
-(pure decisions, no communication).
-
-Rank j's rows are ``Tokens``: their positions ``partition.indices`` (dense) or the packing's
-positions and sequences (padding: -1), stepping by the partition's stride. The call of a
-rank's queries against a block of keys is ``sdpa_fusion.masked.block_call`` (None where no
-query sees a key): the ring takes only the steps at which some rank's queries see some key
-of the block that arrives (a skipped step moves no bytes), allgather makes no call for
-gathered keys that no local query sees, ulysses attends the whole sequence of its heads.
+(pure decisions, no communication), ``masked.block_call`` of its ``Tokens`` (None where no
+query sees a key). The ring takes only the steps at which some rank's queries see a key of
+the block that arrives (a skipped step moves no bytes), allgather makes no call for gathered
+keys that no local query sees, ulysses attends the whole sequence of its heads.
 """
 
 from __future__ import annotations

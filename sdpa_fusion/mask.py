@@ -1,9 +1,8 @@
 """Bands: the sliding window, and what a band leaves of runs of queries and keys (``cut``).
 
 Masks are aligned top-left (per sequence when packed): query i sees key j when j <= i
-(causal) and ``i - left <= j <= i + right`` (window). Kernels take the band that a causal
-flag and a window make together, ``band(causal, window)``. Composed masks are
-``sdpa_fusion.masks``.
+(causal) and ``i - left <= j <= i + right`` (window); kernels take the band that both make,
+``band(causal, window)``. Composed masks are ``sdpa_fusion.masks``.
 """
 
 from __future__ import annotations

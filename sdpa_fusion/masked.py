@@ -8,8 +8,7 @@ The plan knows how many calls reach each range of rows and of keys (``MaskedCall
     0      0, -inf                       0
     1      the call's                    the call's
     2      merged by log-sum-exp         the second call's added to the first's in the
-                                         gradient's dtype (fp32 math rounded once: an fp32
-                                         sum cast once)
+                                         gradient's dtype (an fp32 sum, rounded once)
     3+     (``Merged``, fp32 past two)   summed in an fp32 buffer of the range's size
 
 A call whose span holds only ranges it may write is handed views of the results (a kernel
