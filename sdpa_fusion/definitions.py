@@ -6,11 +6,11 @@
     print(fd)                               # a script that rebuilds this fusion
 
 ``definition()`` declares tensors and ops; ``multidevice_schedule`` only annotates them (mesh,
-outer split of the head axis, ``mesh_x``), the split nvFuser's multidevice tests keep. Batch
-and sequence lengths are symbolic, so ``cached`` gives one compiled fusion per head count, head
-dim, dtype, layout and mask. The softmax scale (and the dropout probability) are scalar inputs
-that ``execute`` appends, so the printed script keeps them exact. Grouped-query attention
-repeats each K/V head inside the fusion and sums the K/V gradients over each group in fp32.
+outer split of the head axis, ``mesh_x``). Batch and sequence lengths are symbolic, so
+``cached`` gives one compiled fusion per head count, head dim, dtype, layout and mask. The
+softmax scale (and dropout probability) are scalar inputs that ``execute`` appends, so the
+printed script keeps them exact. GQA repeats each K/V head inside the fusion and sums the K/V
+gradients over each group in fp32.
 """
 
 from __future__ import annotations
@@ -42,27 +42,9 @@ _SCHEDULE_SCRIPT = """def multidevice_schedule(fd : FusionDefinition) -> None :
 """
 
 
-def _split_heads(fusion, mesh, parts: int) -> None:
-    """What ``_SCHEDULE_SCRIPT`` prints: every tensor input on ``mesh``, its head axis split
-    over it. Outputs and intermediates follow by nvFuser's sharding propagation."""
-    for tv in fusion.inputs():
-        if tv.is_tensor():
-            tv.set_device_mesh(mesh)
-        if tv.is_tensor() and tv.ndim >= 3:
-            tv.outer_split(1, parts)
-            tv.axis(1).parallelize(ParallelType.mesh_x)
-
-
-def _device_ids(mesh) -> list[int]:
-    return [int(d) for d in re.findall(r"-?\d+", str(mesh))]
-
-
 class Definition(FusionDefinition):
-    """A FusionDefinition built by ``definition()`` at construction.
-
-    Subclasses name their tensor inputs and outputs (``input_names``, ``output_names``) and
-    list which axes a head split divides (``split_extents``).
-    """
+    """A FusionDefinition built by ``definition()`` at construction; subclasses name their
+    tensor inputs and outputs and the extents a head split divides (``split_extents``)."""
 
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
@@ -115,8 +97,13 @@ class Definition(FusionDefinition):
                     f"choose parts among the divisors of {extent}"
                 )
         guard = FusionGuard(self._fusion)
-        try:
-            _split_heads(self._fusion, mesh, parts)
+        try:  # what _SCHEDULE_SCRIPT prints; outputs follow by sharding propagation
+            for tv in self._fusion.inputs():
+                if tv.is_tensor():
+                    tv.set_device_mesh(mesh)
+                if tv.is_tensor() and tv.ndim >= 3:
+                    tv.outer_split(1, parts)
+                    tv.axis(1).parallelize(ParallelType.mesh_x)
         finally:
             del guard
         self.mesh, self.parts = mesh, parts
@@ -148,7 +135,8 @@ class Definition(FusionDefinition):
         parts = [_SCRIPT_HEADER, translate_fusion(self.fusion)]
         body = "with FusionDefinition() as fd:\n    nvfuser_fusion(fd)\n"
         if self.mesh is not None:
-            parts.append(_SCHEDULE_SCRIPT.format(devices=_device_ids(self.mesh), parts=self.parts))
+            devices = [int(d) for d in re.findall(r"-?\d+", str(self.mesh))]
+            parts.append(_SCHEDULE_SCRIPT.format(devices=devices, parts=self.parts))
             body += "    multidevice_schedule(fd)\n"
         parts.append(body)
         if inputs is not None:
@@ -183,10 +171,8 @@ def _check_attention_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 class _Attention(Definition):
-    """Shared parts of the attention definitions; ``spec`` holds global head counts.
-
-    A causal mask follows ATen flash: aligned bottom-right when q_len != kv_len.
-    """
+    """Shared parts of the attention definitions; ``spec`` holds global head counts. A causal
+    mask follows ATen flash: aligned bottom-right when q_len != kv_len."""
 
     def __init__(self, spec: AttentionSpec):
         self.spec = _check_attention_spec(spec)
@@ -229,17 +215,6 @@ class _Attention(Definition):
             dtype=torch_dtype_to_nvfuser_dtype(self.spec.dtype),
             stride_order=self.spec.layout.stride_order,
         )
-
-    def _lse(self):
-        return self.define_tensor(
-            shape=[-1, self.spec.heads, -1], contiguity=True, dtype=DataType.Float
-        )
-
-    def _rng_state(self):
-        """Philox seed (uint64 [2]) and offset (uint64 []) of a dropout forward."""
-        seed = self.define_tensor(shape=[2], contiguity=True, dtype=DataType.UInt64)
-        offset = self.define_tensor(shape=[], dtype=DataType.UInt64)
-        return seed, offset
 
     def _scalars(self):
         """(dropout_p, is_causal, scale): dropout_p and scale are inputs when symbolic."""
@@ -294,9 +269,8 @@ class SdpaBackward(_Attention):
     """dout, q, k, v, out, lse, seed, offset -> dq, dk, dv, each in its input's layout.
 
     ``out`` and ``lse`` are those of the whole row (global), so a ring can apply it per block.
-    ``seed`` and ``offset`` are the philox state of a dropout forward; without dropout ATen
-    ignores them (pass any uint64 [2] and [] tensors), as nvFuser's own SDPA tests do.
-    """
+    ``seed`` and ``offset`` are a dropout forward's philox state; without dropout ATen ignores
+    them (pass any uint64 [2] and [] tensors)."""
 
     input_names = ("dout", "q", "k", "v", "out", "lse", "seed", "offset")
     output_names = ("dq", "dk", "dv")
@@ -304,8 +278,11 @@ class SdpaBackward(_Attention):
     def definition(self) -> None:
         dout, q = self._tensor(self.spec.heads), self._tensor(self.spec.heads)
         k, v = (self._tensor(self.spec.kv_heads) for _ in range(2))
-        out, lse = self._tensor(self.spec.heads), self._lse()
-        seed, offset = self._rng_state()
+        out = self._tensor(self.spec.heads)
+        lse = self.define_tensor(shape=[-1, self.spec.heads, -1], contiguity=True,
+                                 dtype=DataType.Float)
+        seed = self.define_tensor(shape=[2], contiguity=True, dtype=DataType.UInt64)  # philox
+        offset = self.define_tensor(shape=[], dtype=DataType.UInt64)
         dropout_p, is_causal, scale = self._scalars()
         dq, dk, dv = self.ops.sdpfa_bwd(
             dout, q, self._expand_kv(k), self._expand_kv(v), out, lse,
@@ -336,11 +313,9 @@ class SdpaForwardBackward(_Attention):
         dq, dk, dv = self.ops.sdpfa_bwd(
             dout, q, k_x, v_x, out, lse, dropout_p, is_causal, seed, offset, scale
         )
-        for t in (out, lse, dq, self._reduce_kv(dk), self._reduce_kv(dv)):
+        for t in (out, lse, dq, self._reduce_kv(dk), self._reduce_kv(dv)) + (
+                (seed, offset) if self.has_dropout else ()):
             self.add_output(t)
-        if self.has_dropout:
-            self.add_output(seed)
-            self.add_output(offset)
 
 
 def _merge_weights(ops, lse_a, lse_b):
@@ -371,14 +346,12 @@ def _weighted_sum(ops, out_a, w_a, out_b, w_b):
 
 
 class _Blocks(Definition):
-    """Shared parts of the definitions that combine two [B, H, S, E] results: their layout,
-    dtypes and contiguity, and per-row inputs (lse or weights) declared [B, H, S, 1].
+    """Shared parts of the definitions that combine two [B, H, S, E] results; per-row inputs
+    (lse or weights) are declared [B, H, S, 1] and ``execute`` takes and returns them [B, H, S].
 
     A per-row input meets the blocks by a broadcast dim of its own, so the fusion has no
     broadcast op: nvFuser moves an in-place write that a broadcast op feeds into a copy
-    kernel of its own (its pass against a read-write race across the broadcast), a second
-    pass over the output. ``execute`` takes and returns the per-row tensors as [B, H, S].
-    """
+    kernel of its own (against a read-write race across the broadcast), a second pass."""
 
     row_inputs, row_outputs = (1, 3), ()  # positions of the per-row tensors
 
@@ -433,10 +406,8 @@ class LseMerge(_Blocks):
         out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / exp(lse - m)
 
     Rows with both lse -inf give out 0 and lse -inf, never NaN. With ``dense=False`` the
-    inputs may be views into a sub-range of the sequence (only the innermost dim dense);
-    ``dense=True`` declares them dense in ``layout``, which lets nvFuser vectorize and
-    index them as flat buffers. (A fold in place into out_a takes ``MergeWeights``, then
-    ``WeightedSum``: the weights once per row, not once per element.)
+    inputs may be views of some rows (only the innermost dim dense); ``dense=True`` lets
+    nvFuser vectorize and index them as flat buffers.
     """
 
     input_names = ("out_a", "lse_a", "out_b", "lse_b")
@@ -453,10 +424,8 @@ class LseMerge(_Blocks):
 
 
 class WeightedSum(_Blocks):
-    """out_a <- w_a out_a + w_b out_b in place: fp32 math rounded once into out_a's
-    ``acc_dtype``; out_a and out_b [B,H,S,E] in ``layout`` (dense when ``dense``), weights
-    fp32 [B,H,S] (from ``MergeWeights``). One kernel reads both blocks and writes out_a (an
-    output aliased to that input); nothing is returned."""
+    """out_a <- w_a out_a + w_b out_b in place (an aliased output), in fp32 rounded once into
+    ``acc_dtype``; weights fp32 [B,H,S] from ``MergeWeights``. Returns nothing."""
 
     input_names = ("out_a", "w_a", "out_b", "w_b")
     output_names = ()
