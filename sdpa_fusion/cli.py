@@ -3,12 +3,10 @@
     python -m sdpa_fusion demo            # definitions + a checked fwd/bwd run
     python -m sdpa_fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
 
-``demo`` on a machine without a GPU prints the nvFuser fusion definitions it would run and
-checks the reference kernel against torch SDPA (forward and backward); with a GPU it runs
-forward and backward through the ``nvfuser`` and ``auto`` kernels, checks them against torch
-SDPA and reports TFLOP/s. ``explain`` prints the plan ``attention`` would run. The
-``sdpa-fusion`` command (``schedules.cli``) builds on these and adds meshes. A user's mistake
-is one line on stderr and exit status 2.
+``demo`` prints the nvFuser fusion definitions and checks forward and backward against torch
+SDPA: the reference kernel without a GPU; with one, the ``nvfuser`` and ``auto`` kernels, with
+TFLOP/s. ``explain`` prints the plan ``attention`` would run. The ``sdpa-fusion`` command
+(``schedules.cli``) adds meshes. A user's mistake is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -155,26 +153,18 @@ def spec_text(spec: AttentionSpec) -> str:
 
 # ---- demo ------------------------------------------------------------------------------------
 def print_definitions(spec: AttentionSpec) -> None:
-    """Print the nvFuser fusion definitions of ``spec`` (when the package provides them)."""
-    import sdpa_fusion
-
-    shown = False
+    """Print the nvFuser fusion definitions of ``spec``."""
+    try:
+        from . import definitions
+    except ImportError as e:  # the definitions need nvfuser_direct
+        print(f"--- nvFuser fusion definitions: cannot import them here ({e})")
+        return
     for name in ("SdpaForward", "SdpaBackward"):
-        try:
-            cls = getattr(sdpa_fusion, name, None)
-        except ImportError as e:  # the definitions need nvfuser_direct
-            print(f"--- nvFuser fusion definitions: cannot import them here ({e})")
-            return
-        if cls is None:
-            continue
         print(f"--- {name}({spec_text(spec)})")
         try:
-            print(cls(spec))
+            print(getattr(definitions, name)(spec))
         except (ImportError, RuntimeError, ValueError) as e:
             print(f"    (cannot build it here: {type(e).__name__}: {e})")
-        shown = True
-    if not shown:
-        print("--- nvFuser fusion definitions: not available in this version of sdpa_fusion")
 
 
 def torch_oracle(spec: AttentionSpec, q, k, v, dout, dtype):
@@ -192,14 +182,16 @@ def torch_oracle(spec: AttentionSpec, q, k, v, dout, dtype):
     return [out.detach()] + [t.grad for t in leaves]
 
 
+def _options(spec: AttentionSpec, kernel: str) -> dict:
+    return dict(causal=spec.causal, scale=spec.scale, layout=spec.layout, kernel=kernel)
+
+
 def run_attention(spec: AttentionSpec, kernel: str, q, k, v, dout):
     """out, dq, dk, dv of ``sdpa_fusion.attention`` with ``kernel``."""
     import sdpa_fusion
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = sdpa_fusion.attention(
-        *leaves, causal=spec.causal, scale=spec.scale, layout=spec.layout, kernel=kernel
-    )
+    out = sdpa_fusion.attention(*leaves, **_options(spec, kernel))
     out.backward(dout)
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -253,8 +245,7 @@ def demo(args: argparse.Namespace) -> int:
     for kernel in kernels:
         print(f"--- kernel={kernel!r} against torch SDPA in {str(oracle_dtype).replace('torch.', '')}")
         try:
-            plan = sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale,
-                                       layout=spec.layout, kernel=kernel)
+            plan = sdpa_fusion.explain(q, k, v, **_options(spec, kernel))
             if kernel == "auto":
                 print(f"    auto chose {plan.kernel.name!r}")
             results = run_attention(spec, kernel, q, k, v, dout)
@@ -275,13 +266,10 @@ def _report_speed(spec, kernel, q, k, v, dout, iters) -> None:
 
     def forward():
         with torch.no_grad():
-            sdpa_fusion.attention(*leaves, causal=spec.causal, scale=spec.scale,
-                                  layout=spec.layout, kernel=kernel)
+            sdpa_fusion.attention(*leaves, **_options(spec, kernel))
 
     def forward_backward():
-        out = sdpa_fusion.attention(*leaves, causal=spec.causal, scale=spec.scale,
-                                    layout=spec.layout, kernel=kernel)
-        out.backward(dout)
+        sdpa_fusion.attention(*leaves, **_options(spec, kernel)).backward(dout)
 
     for name, fn, flops in (("forward", forward, spec.flops()),
                             ("forward+backward", forward_backward, spec.flops(backward=True))):
@@ -297,8 +285,7 @@ def explain(args: argparse.Namespace) -> int:
     device = device_of(args.device)
     spec = spec_from_args(args, device)
     q, k, v, _ = make_inputs(spec, device, empty=True)
-    print(sdpa_fusion.explain(q, k, v, causal=spec.causal, scale=spec.scale, layout=spec.layout,
-                              window=spec.window, kernel=args.kernel))
+    print(sdpa_fusion.explain(q, k, v, window=spec.window, **_options(spec, args.kernel)))
     print(f"FLOPs: forward {spec.flops():.3e}, forward+backward {spec.flops(backward=True):.3e}")
     return 0
 
