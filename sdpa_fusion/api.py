@@ -69,8 +69,13 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
     if schedule is not None:
         schedule.validate(spec)
         schedule.check_shards(q, k, v)
-    if mask is not None:
-        _check_mask(schedule.global_spec(spec) if schedule is not None else spec, schedule)
+    if mask is not None:  # a ValueError when the mask cannot describe the global problem
+        full = schedule.global_spec(spec) if schedule is not None else spec
+        if full.layout.is_varlen:
+            sequences = full.sequences()
+            full.mask.check(len(sequences), max((n for _, n in sequences), default=0))
+        else:
+            full.mask.check(full.batch, max(full.q_len, full.kv_len))
     extent = schedule.call_extent(spec) if schedule is not None else None
     calls = schedule.kernel_calls(spec) if schedule is not None else 1
     chosen = kernels.select(kernel, spec, q.device, extent=extent, calls=calls)
@@ -125,16 +130,6 @@ def _composed(causal: bool, window, mask):
     return False, None, mask
 
 
-def _check_mask(spec: AttentionSpec, schedule) -> None:
-    """A ValueError when the mask cannot describe the global problem of ``spec``, or the
-    schedule cannot run it."""
-    if spec.layout.is_varlen:
-        sequences = spec.sequences()
-        spec.mask.check(len(sequences), max((n for _, n in sequences), default=0))
-    else:
-        spec.mask.check(spec.batch, max(spec.q_len, spec.kv_len))
-
-
 def _check_device(device: torch.device, mesh) -> None:
     if device.type == "meta":
         raise ValueError("q, k, v are on the meta device (no data); attention needs real tensors")
@@ -165,11 +160,9 @@ PLANS_KEPT = 8  # plans kept: a model's layers repeat a few calls, each step's p
 
 
 def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
-    """``plan`` of a call, and the agreement fields made for it so far (by whether a backward
-    follows and whether the inputs were DTensors): made once per call key (``_call_key``)
-    among the last ``PLANS_KEPT`` calls without a schedule, or of the schedule (in its
-    ``kept_plans``, where it has them); a call that fails is planned, and raises, every
-    time."""
+    """``plan`` of a call and its agreement fields made so far (by (needs_grad, dtensor)),
+    kept per call key among the last ``PLANS_KEPT`` calls (of the schedule's ``kept_plans``
+    where it has them); a call that fails is planned, and raises, every time."""
     schedule = options["schedule"]
     kept = _PLANS if schedule is None else getattr(schedule, "kept_plans", None)
     key = _call_key(q, k, v, options)
@@ -186,10 +179,8 @@ def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
 
 def _call_key(q, k, v, options: dict):
     """What a call's plan depends on: the tensors' shapes, strides, dtypes and devices, and
-    the options; None, so that the call is planned anew, when an option may change without
-    its identity changing (a tensor of offsets, a list) or cannot be a key, with a mask (it
-    holds tensors, and a batch brings its own), or when q, k, v are not tensors (``plan``
-    says so)."""
+    the options; None (plan anew) when an option may change in place (a tensor, a list) or
+    cannot be a key, with a mask (it holds tensors), or when q, k, v are not tensors."""
     if any(isinstance(value, (torch.Tensor, list)) for value in options.values()) or \
             options["mask"] is not None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
@@ -211,9 +202,7 @@ def _typed(value):
 
 def _text(value) -> str:
     """``repr(value)``; that of a long tuple (a pack's offsets) made once."""
-    if isinstance(value, tuple) and len(value) > 64:
-        return _long_text(value)
-    return repr(value)
+    return _long_text(value) if isinstance(value, tuple) and len(value) > 64 else repr(value)
 
 
 @functools.lru_cache(maxsize=16)
@@ -255,17 +244,14 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
 
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
-    mesh on this rank's shards, after every rank of it agreed on the call (a bad argument on
-    any rank raises the same ValueError on every rank). ``kernel`` names the local kernel
-    ("auto", "cudnn", "fa4", "flash", "nvfuser", "reference"). ``window=(left, right)`` keeps
-    key j for query i when ``i - left <= j <= i + right`` (top-left aligned, per sequence when
-    packed; None on a side is unbounded). ``layout="auto"`` reads each tensor's memory order
-    (k and v are copied to q's when they differ); an explicit layout that a tensor contradicts
-    is a ValueError. ``mask`` is a composed mask (``sdpa_fusion.masks``, e.g.
-    ``masks.causal() | masks.bidirectional_spans(spans)``), and-ed with ``causal`` and
-    ``window``. Differentiable in q, k, v.
-    DTensors whose placements describe the schedule's shards are accepted and a DTensor is
-    returned.
+    mesh on this rank's shards once every rank agreed on the call (a bad argument on any rank
+    raises the same ValueError on every rank). ``kernel``: "auto", "cudnn", "fa4", "flash",
+    "nvfuser" or "reference". ``window=(left, right)`` keeps key j for query i when
+    ``i - left <= j <= i + right`` (top-left aligned, per sequence when packed; None on a side
+    is unbounded). ``layout="auto"`` reads each tensor's memory order (k and v are copied to
+    q's when they differ). ``mask`` is a composed mask (``sdpa_fusion.masks``), and-ed with
+    ``causal`` and ``window``. Differentiable in q, k, v; DTensors whose placements describe
+    the schedule's shards are accepted and a DTensor is returned.
     """
     from .dtensor import unwrap_dtensors
 
