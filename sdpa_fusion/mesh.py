@@ -38,7 +38,7 @@ class LaunchEnv:
 
 
 def launch_env(environ=os.environ) -> LaunchEnv | None:
-    """Read the launcher's variables: Open MPI, torchrun, then SLURM; None when absent."""
+    """Read the launcher's variables: torchrun, then MPI, then SLURM; None when absent."""
     for launcher, rank, size, local in (
         ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
         ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
@@ -137,8 +137,8 @@ class Mesh:
 
 class VirtualMesh(Mesh):
     """A mesh of ``shape`` seen from ``rank``, with no process group: schedules built on it
-    validate, shard and ``describe`` (pure), so a plan needs no launcher. It cannot
-    communicate: running attention on it raises a ValueError.
+    validate, shard and ``describe``, so a plan needs no launcher; running attention on it
+    raises a ValueError.
 
         mesh = VirtualMesh((4,), ("seq",), rank=2)
         schedules.get("ring", mesh).describe(spec)      # what rank 2 of 4 would do
@@ -230,19 +230,17 @@ def init_mesh(
 ) -> Mesh:
     """Join (or start) torch.distributed from the launcher's environment and build a mesh.
 
-    ``shape`` may hold one -1 (the rest of the world). The backend is NCCL when CUDA is
-    available, else gloo. With no launcher, a one-rank mesh runs in this process. ``timeout``
-    (a timedelta or seconds; default $SDPA_FUSION_TIMEOUT_S, else 300 s) bounds every wait of
-    the mesh's collectives; a rank that does not arrive in time raises ``MeshTimeout``.
+    ``shape`` may hold one -1 (the rest of the world). The backend is NCCL with CUDA, else
+    gloo; with no launcher, a one-rank mesh runs in this process. ``timeout`` (a timedelta or
+    seconds; default $SDPA_FUSION_TIMEOUT_S, else 300 s) bounds every wait of the mesh's
+    collectives; a rank that does not arrive in time raises ``MeshTimeout``.
     """
     timeout = _timeout(timeout)
     shape, names = _check_dims(shape, names)
     env = launch_env()
     world = env.world_size if env else (dist.get_world_size() if dist.is_initialized() else 1)
     shape = _resolve_shape(shape, world)
-    size = 1
-    for s in shape:
-        size *= s
+    size = math.prod(shape)
     if size != world:
         how = f"{env.launcher} started {world}" if env else "no launcher (mpirun, torchrun, srun) started"
         raise ValueError(
@@ -324,9 +322,7 @@ def _resolve_shape(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
     if shape.count(-1) > 1:
         raise ValueError(f"mesh shape {shape} may hold at most one -1")
     if -1 in shape:
-        known = 1
-        for s in shape:
-            known *= s if s != -1 else 1
+        known = math.prod(s for s in shape if s != -1)
         if world % known:
             raise ValueError(f"mesh shape {shape}: {world} ranks do not divide by {known}")
         shape = tuple(world // known if s == -1 else s for s in shape)
