@@ -57,7 +57,7 @@ class Layout(enum.Enum):
     @property
     def logical_order(self) -> list[int]:
         """The permutation that views a buffer in memory order as the logical tensor."""
-        return _inverse(self.memory_order)
+        return [self.memory_order.index(d) for d in range(self.ndim)]
 
     @property
     def seq_dim(self) -> int:
@@ -94,21 +94,20 @@ class Layout(enum.Enum):
         return out
 
 
-def _inverse(order: tuple[int, ...]) -> list[int]:
-    inv = [0] * len(order)
-    for i, d in enumerate(order):
-        inv[d] = i
-    return inv
+def _dense_strides(shape, memory_order) -> list[int]:
+    """The strides of a dense tensor of ``shape`` whose dims nest in ``memory_order``."""
+    strides, expected = [0] * len(shape), 1
+    for d in reversed(memory_order):
+        strides[d] = expected
+        expected *= shape[d]
+    return strides
 
 
 def exact_strides(t: torch.Tensor, memory_order) -> torch.Tensor:
     """Dense ``t`` (dims nested in ``memory_order``, outermost first) as a view whose size-1
     dims have the strides of that order too: torch leaves them free, nvFuser checks them
     against a fusion's contiguity (a one-token sequence of a packed batch, a batch of one)."""
-    strides, expected = [0] * t.dim(), 1
-    for d in reversed(memory_order):
-        strides[d] = expected
-        expected *= t.shape[d]
+    strides = _dense_strides(t.shape, memory_order)
     if list(t.stride()) == strides:
         return t
     return t.as_strided(t.shape, strides, t.storage_offset())
@@ -116,23 +115,20 @@ def exact_strides(t: torch.Tensor, memory_order) -> torch.Tensor:
 
 def has_layout(t: torch.Tensor, layout: Layout) -> bool:
     """Whether ``t`` is dense with its dims nested in ``layout``'s memory order."""
-    if t.dim() != layout.ndim:
-        return False
-    expected = 1
-    for d in reversed(layout.memory_order):
-        if t.shape[d] != 1 and t.stride(d) != expected:
-            return False
-        expected *= t.shape[d]
-    return True
+    return t.dim() == layout.ndim and all(
+        n == 1 or stride == dense for n, stride, dense
+        in zip(t.shape, t.stride(), _dense_strides(t.shape, layout.memory_order)))
 
 
-AUTO = "auto"
+def _is_auto(layout) -> bool:
+    return isinstance(layout, str) and layout.lower() == "auto"
 
 
 def layout_of(t: torch.Tensor) -> Layout:
     """The layout ``t``'s memory order gives a logical [B, H, S, E] tensor: BSHE when its heads
     are inner to its tokens in memory, else BHSE."""
-    return Layout.BSHE if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else Layout.BHSE
+    bshe = t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2)
+    return Layout.BSHE if bshe else Layout.BHSE
 
 
 def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
@@ -141,7 +137,7 @@ def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
     read from t: THD for a 3-D tensor, else BHSE or BSHE by memory order (``layout_of``)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(layout, str) and layout.lower() == AUTO:
+    if _is_auto(layout):
         if t.dim() not in (3, 4):
             raise ValueError(
                 f"{name} has {t.dim()} dims (shape {list(t.shape)}); attention tensors are "
@@ -157,9 +153,8 @@ def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
 def shard_layout(t: torch.Tensor, layout: "Layout | str") -> Layout:
     """The layout in which ``schedule.shard``/``unshard`` read ``t``: ``tensor_layout`` for
     dense layouts and "auto"; 'thd' takes packed [T, ...] tensors of any trailing dims."""
-    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
-        if Layout.of(layout) is Layout.THD:
-            return Layout.THD
+    if not _is_auto(layout) and Layout.of(layout) is Layout.THD:
+        return Layout.THD
     return tensor_layout("t", t, layout)
 
 
@@ -167,7 +162,7 @@ def unshard_layout(t, layout: "Layout | str") -> Layout:
     """The layout in which ``schedule.unshard`` returns the full tensor: ``layout``, or for
     "auto" the local part's (BHSE for what is no attention tensor: the agreed gather that
     follows reports it on every rank)."""
-    if isinstance(layout, Layout) or str(layout).lower() != AUTO:
+    if not _is_auto(layout):
         return Layout.of(layout)
     if isinstance(t, torch.Tensor) and t.dim() in (3, 4):
         return Layout.THD if t.dim() == 3 else layout_of(t)
@@ -198,11 +193,8 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
 
 def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
                      exact: bool = True) -> list[int]:
-    """Validate cumulative sequence lengths of a packed tensor; return them as a list.
-
-    ``exact``: the last entry must equal ``total_tokens`` (else it may be smaller, as the
-    real ``cu_seqlens`` of sequences padded by ``cu_seqlens_padded`` are). See
-    ``cu_seqlens_values`` for what ``cu_seqlens`` may be."""
+    """Validate cumulative sequence lengths of a packed tensor (``check_offsets``); return them
+    as a list."""
     values = cu_seqlens_values(name, cu_seqlens, device)
     check_offsets(name, values, total_tokens, exact=exact)
     return values
@@ -249,8 +241,8 @@ def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
 
 def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: bool = True) -> None:
     """Raise a ValueError naming ``name`` unless ``values`` are cumulative sequence lengths
-    [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``).
-    Offsets that passed are remembered (a call checks its pack's offsets again and again)."""
+    [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``, as
+    with padding). Offsets that passed are remembered (a call checks its pack's again)."""
     _checked_offsets(name, tuple(values), total_tokens, exact)
 
 
@@ -279,9 +271,8 @@ def _checked_offsets(name: str, offsets: tuple[int, ...], total_tokens: int, exa
 
 
 def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:
-    """Raise a ValueError unless the padded slots ``cu_seqlens_padded`` hold one slot per
-    sequence of ``cu_seqlens``, each at least as long as its sequence (remembered when they
-    do, as ``check_offsets``)."""
+    """Raise a ValueError unless ``cu_seqlens_padded`` holds one slot per sequence of
+    ``cu_seqlens``, each at least as long as its sequence (remembered, as ``check_offsets``)."""
     _checked_padding(tuple(cu_seqlens), tuple(cu_seqlens_padded))
 
 
