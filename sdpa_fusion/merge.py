@@ -9,23 +9,17 @@ A query row attended over key blocks K_1, K_2, ... separately has, per block, an
 A schedule folds one block at a time into the rows it covers, in place:
 
     merged = Merged(out, lse, blocks=P)       # out, lse: the results (or head slices of them)
-    for each step:                            # (merged.into(rows): where a kernel may write
-                                              #  the first block of all rows itself)
+    for each step:
         block_out, block_lse = kernel.forward(q, k_blk, v_blk, ...)
         merged.add(block_out, block_lse)                       # all queries
         merged.add(o2, l2, rows=slice(s // 2, None))          # the late half only
     merged.finish()                                          # out, lse hold the result
 
-The first block of a row is its result so far, as is; every later one is merged into it. With
-at most two blocks per row the merge writes straight into ``out`` (rounding once, as an fp32
-accumulator followed by a cast would); with more, into an fp32 accumulator cast at the end.
-
-On CUDA tensors the merge runs nvFuser fusions when nvFuser is installed: in place into a
-dense BHSE accumulator or into BSHE memory (views of some rows or heads too), the weights of
-each row first (``MergeWeights``, a small kernel) and then one kernel that reads both blocks
-and writes the accumulator (``WeightedSum``, an aliased output); else ``LseMerge`` out of
-place, as many heads at a time as ``FOLD_PART_BYTES`` allows, copied into the accumulator.
-Without nvFuser the same fp32 math in torch, in place.
+The first block of a row is taken as is. With at most two blocks per row the merge writes
+straight into ``out`` (rounding once); with more, into an fp32 accumulator cast at the end.
+On CUDA with nvFuser a fold in place runs ``MergeWeights`` (once per row), then ``WeightedSum``
+(one kernel, an aliased output); where it cannot, ``LseMerge`` out of place, at most
+``FOLD_PART_BYTES`` at a time. Without nvFuser the same fp32 math in torch, in place.
 """
 
 from __future__ import annotations
@@ -54,9 +48,8 @@ def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
 
 
 class Merged:
-    """The merged result of the query rows of ``out`` [B,H,S,E] and ``lse`` fp32 [B,H,S]
-    (views allowed), folded from the key blocks ``add``ed; ``blocks`` bounds how many blocks
-    any row gets. ``out`` and ``lse`` hold it after ``finish``."""
+    """The merged result of the key blocks ``add``ed, into ``out`` [B,H,S,E] and ``lse`` fp32
+    [B,H,S] (views allowed) at ``finish``; ``blocks`` bounds how many blocks any row gets."""
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor, blocks: int):
         self.out, self.lse = out, lse
@@ -66,9 +59,8 @@ class Merged:
         self._empty = True
 
     def into(self, rows=None):
-        """Where a kernel may write the next block's (out, lse) of ``rows`` itself: (out, lse)
-        when it is the first block, covers every row and goes straight into ``out``; else
-        None (``add`` it)."""
+        """(out, lse) where a kernel may write the next block itself (the first block, of
+        every row, going straight into ``out``); else None (``add`` it)."""
         if not (self._empty and self.acc is self.out and _all(rows)):
             return None
         self._empty = False
@@ -111,9 +103,8 @@ def put(out_acc, lse_acc, block_out, block_lse, rows=None) -> None:
 
 def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
          block_lse: torch.Tensor, rows: slice | torch.Tensor | None = None):
-    """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice of the
-    sequence dim, or an index tensor of its rows, e.g. the tokens of packed sequences; all
-    rows when None), in place; returns the accumulators."""
+    """Fold a block's (out, lse) into the accumulators over the query ``rows`` (a slice or an
+    index tensor of the sequence dim; all rows when None), in place; returns them."""
     if isinstance(rows, torch.Tensor):
         new_out, new_lse = merge_partial(take_rows(out_acc, rows), lse_acc.index_select(2, rows),
                                          block_out, block_lse)
@@ -135,10 +126,8 @@ def fold(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor,
 
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                   block_lse: torch.Tensor):
-    """(out, lse) of two partial results together: out fp32 in ``out``'s layout, lse fp32.
-
-    Rows that no key of either part reaches (both lse -inf) come out as 0 and -inf, not NaN.
-    """
+    """(out, lse) of two partial results together: out fp32 in ``out``'s layout, lse fp32;
+    rows no key reaches (both lse -inf) come out as 0 and -inf, not NaN."""
     _check_shapes(out, lse, block_out, block_lse)
     if out.is_meta:  # what the fused merge allocates, no more
         return layout_of(out).empty(out.shape, dtype=torch.float32, device=out.device), \
@@ -224,10 +213,9 @@ def _folds_in_place(out, lse, block_lse) -> bool:
 
 
 def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
-    """``merge`` (the ``LseMerge`` fusion) out of place, then copied into ``out`` and ``lse``,
-    as many heads at a time as keep its temporary (the merge's fp32 output) within
-    FOLD_PART_BYTES (at least one head): one merge for a small fold, whose kernels are too
-    short to fill the GPU in parts."""
+    """``merge`` (the ``LseMerge`` fusion) out of place, copied into ``out`` and ``lse``, as
+    many heads at a time (at least one) as keep its fp32 output within FOLD_PART_BYTES: a
+    small fold in one merge, whose kernels would be too short to fill the GPU in parts."""
     merge = merge or _merge_fused
     heads = out.shape[1]
     head_bytes = out[:, :1].numel() * 4  # of the fp32 temporary, whatever out's dtype
@@ -249,8 +237,7 @@ def _merge_fused(out, lse, block_out, block_lse):
 
 def _fold_fused(out, lse, block_out, block_lse) -> bool:
     """The weights of each row (``MergeWeights``), then ``WeightedSum`` in place into ``out``
-    (its aliased output), and the new lse into ``lse``; False when that fusion cannot run
-    here (the caller then merges out of place)."""
+    and the new lse into ``lse``; False when that fusion cannot run here."""
     from .definitions import MergeWeights, WeightedSum
 
     key = (out.dtype, block_out.dtype, layout_of(out))
@@ -274,8 +261,8 @@ def _fold_fused(out, lse, block_out, block_lse) -> bool:
 
 
 def _fusion(cls, out, rows_a, block_out, rows_b):
-    """(the cached ``cls`` (LseMerge or WeightedSum) for these blocks, its inputs); rows_a,
-    rows_b: the per-row tensors (lse or weights)."""
+    """The cached ``cls`` (LseMerge or WeightedSum) for these blocks, and its inputs (rows_a,
+    rows_b: lse or weights)."""
     layout = layout_of(out)
     block_out = layout.to(block_out)
     dense = _is_dense(out, rows_a, rows_b, layout)
