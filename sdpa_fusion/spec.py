@@ -20,15 +20,13 @@ FORWARD_AND_BACKWARD = 3.5  # matmul FLOPs of a forward and its backward over th
 class AttentionSpec:
     """Shape, dtype and options of scaled-dot-product attention.
 
-    Shapes are logical [B, H, S, E]. ``kv_heads < heads`` is grouped-query attention (GQA).
-    ``causal`` masks key j for query i when j > i (top-left aligned); ``window`` (a
-    ``Window`` or (left, right) pair, None for unbounded) keeps ``i - left <= j <= i + right``.
-    ``scale`` defaults to 1/sqrt(head_dim). For the packed ``thd`` layout, ``batch`` is 1,
-    ``q_len``/``kv_len`` are the packed token counts and ``cu_seqlens`` (and
-    ``cu_seqlens_padded``) delimit sequences; under a schedule that splits tokens they are
-    this rank's, and ``packing`` is the rank's part of the global packing
-    (``schedules.packing.LocalPacking``). ``mask`` is a composed mask (``sdpa_fusion.masks``)
-    over positions of each sequence; ``attention`` folds causal and window into it.
+    Shapes are logical [B, H, S, E]; ``kv_heads < heads`` is GQA. ``causal`` masks key j for
+    query i when j > i (top-left aligned); ``window`` (left, right) keeps
+    ``i - left <= j <= i + right``. ``scale`` defaults to 1/sqrt(head_dim). For ``thd``,
+    ``batch`` is 1, ``q_len``/``kv_len`` are packed token counts and ``cu_seqlens`` (and
+    ``cu_seqlens_padded``) delimit sequences: this rank's under a schedule that splits tokens,
+    ``packing`` being its part of the global packing (``schedules.packing.LocalPacking``).
+    ``mask`` is a composed mask (``sdpa_fusion.masks``) with causal and window folded in.
     """
 
     batch: int
@@ -46,7 +44,7 @@ class AttentionSpec:
     cu_seqlens_padded: tuple[int, ...] | None = None
     window: Window | None = None
     packing: object = None
-    mask: object = None  # an ``sdpa_fusion.masks.Mask`` (with causal and window in it)
+    mask: object = None  # an ``sdpa_fusion.masks.Mask``
 
     def __post_init__(self):
         object.__setattr__(self, "layout", Layout.of(self.layout))
@@ -161,30 +159,25 @@ class AttentionSpec:
         return f * FORWARD_AND_BACKWARD if backward else f
 
     @classmethod
-    def from_tensors(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        layout: Layout | str = "auto",
-        causal: bool = False,
-        scale: float | None = None,
-        dropout_p: float = 0.0,
-        cu_seqlens: torch.Tensor | None = None,
-        cu_seqlens_padded: torch.Tensor | None = None,
-        window=None,
-        mask=None,
-    ) -> "AttentionSpec":
+    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     layout: Layout | str = "auto", causal: bool = False,
+                     scale: float | None = None, dropout_p: float = 0.0,
+                     cu_seqlens: torch.Tensor | None = None,
+                     cu_seqlens_padded: torch.Tensor | None = None, window=None,
+                     mask=None) -> "AttentionSpec":
         """Build and validate the spec of q, k, v, checking that each has ``layout``; with
         ``"auto"`` each tensor's own layout is read and the spec takes the query's (the caller
         brings k and v to it: ``spec.layout.to(t)``)."""
-        layout = _common_layout(
-            [tensor_layout(name, t, layout) for name, t in (("q", q), ("k", k), ("v", v))])
-        if k.shape != v.shape:
+        layouts = [tensor_layout(name, t, layout) for name, t in (("q", q), ("k", k), ("v", v))]
+        if len({t.is_varlen for t in layouts}) > 1:
+            shown = ", ".join(f"{n} {t.value}" for n, t in zip("qkv", layouts))
             raise ValueError(
-                f"k {list(k.shape)} and v {list(v.shape)} must have the same shape"
+                f"q, k, v must be all packed [T, H, E] (layout 'thd') or all logical "
+                f"[B, H, S, E], got {shown}"
             )
+        layout = layouts[0]
+        if k.shape != v.shape:
+            raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
         if q.dtype != k.dtype or q.dtype != v.dtype:
             raise ValueError(
                 f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
@@ -194,8 +187,7 @@ class AttentionSpec:
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         if layout.is_varlen:
             (t_q, h, e), (t_k, h_kv, e_k) = q.shape, k.shape
-            b = 1
-            padded = None
+            b, padded = 1, None
             if cu_seqlens_padded is not None:
                 padded = tuple(check_cu_seqlens("cu_seqlens_padded", cu_seqlens_padded, t_q,
                                                 device=q.device))
@@ -222,14 +214,3 @@ class AttentionSpec:
 def _is_number(value) -> bool:
     """Whether ``value`` is a Python int or float (not a bool, a tensor or a string)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _common_layout(layouts: list[Layout]) -> Layout:
-    """The query's layout, once q, k and v are all packed or all dense."""
-    if len({layout.is_varlen for layout in layouts}) > 1:
-        shown = ", ".join(f"{n} {layout.value}" for n, layout in zip("qkv", layouts))
-        raise ValueError(
-            f"q, k, v must be all packed [T, H, E] (layout 'thd') or all logical [B, H, S, E], "
-            f"got {shown}"
-        )
-    return layouts[0]
