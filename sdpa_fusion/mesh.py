@@ -58,6 +58,8 @@ class Mesh:
     def __init__(self, torch_mesh, names: tuple[str, ...], device: torch.device,
                  controls: dict[str | None, ControlGroup], timeout: datetime.timedelta):
         self.torch_mesh = torch_mesh
+        self.layout = torch_mesh.mesh  # the global ranks, laid out as the mesh
+        self._where = list(torch_mesh.get_coordinate())  # this rank's index along each dim
         self.names = names
         self.shape = tuple(torch_mesh.mesh.shape)
         self.device = device
@@ -91,7 +93,7 @@ class Mesh:
 
     def coordinate(self, name: str) -> int:
         """This rank's index along dim ``name``."""
-        return self.torch_mesh.get_coordinate()[self._dim(name)]
+        return self._where[self._dim(name)]
 
     def group(self, name: str):
         """The torch.distributed process group of this rank's line along dim ``name``."""
@@ -101,9 +103,9 @@ class Mesh:
 
     def ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's line along dim ``name``, in mesh order."""
-        index = list(self.torch_mesh.get_coordinate())
+        index: list = list(self._where)
         index[self._dim(name)] = slice(None)
-        return [int(r) for r in self.torch_mesh.mesh[tuple(index)].tolist()]
+        return [int(r) for r in self.layout[tuple(index)].tolist()]
 
     def control_group(self, name: str | None = None) -> ControlGroup:
         """The gloo control group of this rank's line along dim ``name`` (the whole mesh when
@@ -127,8 +129,7 @@ class Mesh:
 
     def configuration(self) -> dict:
         """What is the same on every rank of the mesh (its dims, ranks and device type)."""
-        return {"names": self.names, "ranks": self.torch_mesh.mesh.tolist(),
-                "device": self.device.type}
+        return {"names": self.names, "ranks": self.layout.tolist(), "device": self.device.type}
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
@@ -163,14 +164,6 @@ class VirtualMesh(Mesh):
 
     closed = False  # it never opened torch.distributed
 
-    def coordinate(self, name: str) -> int:
-        return self._where[self._dim(name)]
-
-    def ranks(self, name: str) -> list[int]:
-        index: list = list(self._where)
-        index[self._dim(name)] = slice(None)
-        return self.layout[tuple(index)].tolist()
-
     def group(self, name: str):
         self._dim(name)
         raise self._cannot_communicate()
@@ -189,9 +182,6 @@ class VirtualMesh(Mesh):
         if name is not None:
             self._dim(name)
         return None
-
-    def configuration(self) -> dict:
-        return {"names": self.names, "ranks": self.layout.tolist(), "device": self.device.type}
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))

@@ -9,8 +9,6 @@ tests/distributed/test_hybrid.py checks that the hybrid asks its kernel for this
 Run: python -m pytest -q tests/test_hybrid_fusion.py
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -27,7 +25,7 @@ def rank_of_mesh(shape, names, coordinate) -> Mesh:
     row-major order, as init_mesh numbers them): its dims and lines, no process groups."""
     mesh = Mesh.__new__(Mesh)
     ranks = torch.arange(torch.Size(shape).numel()).view(shape)
-    mesh.torch_mesh = SimpleNamespace(mesh=ranks, get_coordinate=lambda: list(coordinate))
+    mesh.layout, mesh._where = ranks, list(coordinate)
     mesh.names, mesh.shape, mesh._nvfuser_meshes = tuple(names), tuple(shape), {}
     return mesh
 
