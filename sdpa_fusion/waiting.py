@@ -48,8 +48,7 @@ class Arrivals:
             self._note(step, arrived=False)
 
     def missing(self, step: int, waited_s: float | None = None) -> str:
-        """Who did not arrive at ``step`` within ``waited_s`` (default: the timeout), in words
-        (after a failed ``wait``)."""
+        """Who did not arrive at ``step`` within ``waited_s`` (default: the timeout), in words."""
         seconds = self.timeout.total_seconds() if waited_s is None else waited_s
         try:
             store = self._store(step)
@@ -92,15 +91,12 @@ class _Watched:
 
 class StallWatch:
     """Steps whose completion the host does not wait for (NCCL and copy-engine transfers),
-    watched from a daemon thread: after ``stall_s`` without completing, this rank notes its
-    arrival in ``arrivals``; past ``REPORT_AT`` of ``timeout`` ``report`` (default: log an
-    error) gets a message naming the step and the ranks that never arrived. That is early
-    enough to come before NCCL's watchdog, which ends the process at the timeout counted from
-    when the transfer was queued. A transfer still not complete ``END_GRACE_S`` after the
-    timeout (NCCL's watchdog can stall in its own debug dump; a copy-engine transfer's stream
-    waits without a limit) ends the process through ``end`` (default: exit status 1), so that
-    a job never hangs. Holds no tensors,
-    only the ``done`` markers."""
+    watched from a daemon thread: after ``stall_s`` this rank notes its arrival; past
+    ``REPORT_AT`` of the timeout (before NCCL's watchdog ends the process) ``report`` (default:
+    log an error) names the step and the ranks that never arrived. A transfer still pending
+    ``END_GRACE_S`` after the timeout (NCCL's watchdog can stall in its own debug dump; a
+    copy-engine stream waits without a limit) ends the process through ``end`` (default: exit
+    status 1), so that a job never hangs. Holds no tensors, only the ``done`` markers."""
 
     POLL_S = 0.5
     REPORT_AT = 0.9
@@ -125,8 +121,7 @@ class StallWatch:
                 self._thread.start()
 
     def check(self, now: float | None = None) -> None:
-        """One poll: forget completed steps, note arrivals after a stall, report timeouts, end
-        the process past the grace."""
+        """One poll: forget completed steps, note stalls, report timeouts, end past the grace."""
         now = time.monotonic() if now is None else now
         with self._lock:
             watched = list(self._watched)
