@@ -12,9 +12,8 @@ _DEFINITIONS = ("LseMerge", "SdpaBackward", "SdpaForward", "SdpaForwardBackward"
 
 __all__ = [
     "AttentionSpec", "KernelUnavailable", "Layout", "LseMerge", "Mesh", "MeshTimeout", "Plan",
-    "SdpaBackward",
-    "SdpaForward", "SdpaForwardBackward", "VirtualMesh", "attention", "close_mesh", "explain",
-    "init_mesh", "masks", "plan",
+    "SdpaBackward", "SdpaForward", "SdpaForwardBackward", "VirtualMesh", "attention",
+    "close_mesh", "explain", "init_mesh", "masks", "plan",
 ]
 
 

@@ -184,11 +184,7 @@ def _differing(names: list[str], fields: list[dict], ranks: list[int]) -> str:
         for rank, f in zip(ranks, fields):
             values.setdefault(f.get(name, "(absent)"), []).append(rank)
         if len(values) > 1:
-            shown = " / ".join(f"{_short(v)} on {ranks_text(rs, ranks)}"
-                               for v, rs in values.items())
+            shown = " / ".join(f"{v if len(v) <= 200 else v[:197] + '...'} on "
+                               f"{ranks_text(rs, ranks)}" for v, rs in values.items())
             differing.append(f"{name} ({shown})")
     return ", ".join(differing)
-
-
-def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -39,8 +39,6 @@ def unwrap_dtensors(tensors, schedule):
     device_mesh, placements = tensors[0].device_mesh, tensors[0].placements
 
     def rewrap(t):
-        from torch.distributed.tensor import DTensor
-
         return DTensor.from_local(t, device_mesh, placements, run_check=False)
 
     return tuple(t.to_local() for t in tensors), rewrap
