@@ -78,24 +78,20 @@ class Definition(FusionDefinition):
         return {}
 
     def multidevice_schedule(self, mesh, parts: int) -> None:
-        """Split the head axis (logical dim 1) of every tensor input into ``parts`` on the 1-D
-        nvFuser ``mesh``, as nvFuser's ``test_sdpa_loop_split`` does; each rank then executes
-        with its own head shards and gets its own shards of the outputs."""
+        """Split the head axis (dim 1) of every tensor input into ``parts`` on the 1-D nvFuser
+        ``mesh``; each rank then executes on its head shards and gets its output shards."""
         if hasattr(self, "fec"):
-            raise ValueError(
-                f"{type(self).__name__}.multidevice_schedule must come before the first "
-                f"execute; build a new definition (or use .cached(..., mesh=, parts=))"
-            )
+            raise ValueError(f"{type(self).__name__}.multidevice_schedule must come before the "
+                             f"first execute; build a new definition (or use .cached(..., mesh=, "
+                             f"parts=))")
         if self.mesh is not None:
             raise ValueError(f"{type(self).__name__} is already scheduled on {self.mesh}")
         if parts != mesh.size:
             raise ValueError(f"parts={parts} must equal the size {mesh.size} of mesh {mesh}")
         for name, extent in self.split_extents().items():
             if extent % parts:
-                raise ValueError(
-                    f"{name}={extent} must be divisible by parts={parts} for a head split; "
-                    f"choose parts among the divisors of {extent}"
-                )
+                raise ValueError(f"{name}={extent} must be divisible by parts={parts} for a head "
+                                 f"split; choose parts among the divisors of {extent}")
         guard = FusionGuard(self._fusion)
         try:  # what _SCHEDULE_SCRIPT prints; outputs follow by sharding propagation
             for tv in self._fusion.inputs():
@@ -116,10 +112,8 @@ class Definition(FusionDefinition):
 
     def check_inputs(self, inputs: list) -> None:
         if len(inputs) != len(self.input_names):
-            raise ValueError(
-                f"{type(self).__name__} takes {len(self.input_names)} tensors "
-                f"({', '.join(self.input_names)}), got {len(inputs)}"
-            )
+            raise ValueError(f"{type(self).__name__} takes {len(self.input_names)} tensors "
+                             f"({', '.join(self.input_names)}), got {len(inputs)}")
 
     def execute(self, inputs, *, device=None, **scalars) -> list[torch.Tensor]:
         """The outputs (``output_names``) for CUDA ``inputs`` (local shards once scheduled)."""
@@ -150,24 +144,8 @@ def _source_of(x) -> str:
     if not isinstance(x, torch.Tensor):
         return repr(x)
     make = "torch.randn" if x.dtype.is_floating_point else "torch.zeros"
-    return (
-        f"{make}({x.numel()}, dtype={x.dtype}, device='{x.device}')"
-        f".as_strided({tuple(x.shape)}, {x.stride()})"
-    )
-
-
-def _check_attention_spec(spec: AttentionSpec) -> AttentionSpec:
-    spec.validate()
-    if spec.layout.is_varlen:
-        raise ValueError(
-            "layout='thd' has no fusion definition; run packed sequences one by one as "
-            "'bshe' views (sdpa_fusion.local does)"
-        )
-    if spec.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype={spec.dtype}: nvFuser's sdpfa takes torch.float16 or torch.bfloat16")
-    if spec.head_dim > 256:
-        raise ValueError(f"head_dim={spec.head_dim}: flash attention supports head_dim <= 256")
-    return spec
+    return (f"{make}({x.numel()}, dtype={x.dtype}, device='{x.device}')"
+            f".as_strided({tuple(x.shape)}, {x.stride()})")
 
 
 class _Attention(Definition):
@@ -175,7 +153,16 @@ class _Attention(Definition):
     mask follows ATen flash: aligned bottom-right when q_len != kv_len."""
 
     def __init__(self, spec: AttentionSpec):
-        self.spec = _check_attention_spec(spec)
+        spec.validate()
+        if spec.layout.is_varlen:
+            raise ValueError("layout='thd' has no fusion definition; run packed sequences one by "
+                             "one as 'bshe' views (sdpa_fusion.local does)")
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype={spec.dtype}: nvFuser's sdpfa takes torch.float16 or "
+                             f"torch.bfloat16")
+        if spec.head_dim > 256:
+            raise ValueError(f"head_dim={spec.head_dim}: flash attention supports head_dim <= 256")
+        self.spec = spec
         super().__init__()
 
     @classmethod
@@ -194,10 +181,8 @@ class _Attention(Definition):
         scale = self.spec.softmax_scale if scale is None else scale
         if not self.has_dropout:
             if dropout_p:
-                raise ValueError(
-                    f"dropout_p={dropout_p} given to a definition built without dropout; "
-                    f"build it from a spec with dropout_p > 0"
-                )
+                raise ValueError(f"dropout_p={dropout_p} given to a definition built without "
+                                 f"dropout; build it from a spec with dropout_p > 0")
             return [float(scale)]
         return [float(self.spec.dropout_p if dropout_p is None else dropout_p), float(scale)]
 
@@ -210,11 +195,9 @@ class _Attention(Definition):
     # ---- pieces of the definitions -------------------------------------------------------
     def _tensor(self, heads: int):
         """A [B, heads, S, E] input in the spec's dtype and layout."""
-        return self.define_tensor(
-            shape=[-1, heads, -1, self.spec.head_dim], contiguity=True,
-            dtype=torch_dtype_to_nvfuser_dtype(self.spec.dtype),
-            stride_order=self.spec.layout.stride_order,
-        )
+        return self.define_tensor(shape=[-1, heads, -1, self.spec.head_dim], contiguity=True,
+                                  dtype=torch_dtype_to_nvfuser_dtype(self.spec.dtype),
+                                  stride_order=self.spec.layout.stride_order)
 
     def _scalars(self):
         """(dropout_p, is_causal, scale): dropout_p and scale are inputs when symbolic."""
@@ -375,8 +358,7 @@ class _Blocks(Definition):
         return self.define_tensor(
             shape=[-1, self.heads, -1, self.head_dim],
             contiguity=_contiguity(self.layout.memory_order, self.heads, self.dense),
-            dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order,
-        )
+            dtype=torch_dtype_to_nvfuser_dtype(dtype), stride_order=self.layout.stride_order)
 
     def _rows(self):
         """A per-row fp32 input, [B, H, S, 1]: the last dim a broadcast of the head dim."""
