@@ -112,19 +112,17 @@ class ControlGroup:
 
     def _check_usable(self, what: str) -> None:
         if self._broken is not None:
-            raise MeshTimeout(
-                f"{what}: the control group of {self.name} broke earlier ({self._broken}); its "
-                f"ranks can no longer agree. Build a new mesh with init_mesh(...) or restart"
-            )
+            raise MeshTimeout(f"{what}: the control group of {self.name} broke earlier "
+                              f"({self._broken}); its ranks can no longer agree. Build a new mesh "
+                              "with init_mesh(...) or restart")
 
     def _timed_out(self, what: str, error: BaseException) -> MeshTimeout:
         who = self._arrivals.missing(self.calls)
         self._broken = f"{what}: {who}"
-        return MeshTimeout(
-            f"{what} on {self.name}: {who}. Check that every rank makes the same calls in the "
-            f"same order; raise the mesh's timeout with init_mesh(timeout=...) if a rank is only "
-            f"slow. ({type(error).__name__}: {error})"
-        )
+        return MeshTimeout(f"{what} on {self.name}: {who}. Check that every rank makes the same "
+                           "calls in the same order; raise the mesh's timeout with "
+                           "init_mesh(timeout=...) if a rank is only slow. "
+                           f"({type(error).__name__}: {error})")
 
 
 # ---- the rule --------------------------------------------------------------------------------

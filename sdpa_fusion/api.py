@@ -91,24 +91,18 @@ def explain(q, k, v, **kwargs) -> Plan:
 
 def _check_arguments(schedule, causal, kernel, layout, cu_seqlens, cu_seqlens_padded) -> None:
     if schedule is not None and not hasattr(schedule, "control"):
-        raise ValueError(
-            f"schedule={schedule!r} must be a schedule object, e.g. schedules.get('ring', mesh), "
-            f"or None (one device)"
-        )
+        raise ValueError(f"schedule={schedule!r} must be a schedule object, e.g. "
+                         "schedules.get('ring', mesh), or None (one device)")
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be True or False, not a {type(causal).__name__}")
     if not isinstance(kernel, (str, Kernel)):
-        raise ValueError(
-            f"kernel={kernel!r} must be a kernel's name, one of {kernels.names()}, or a Kernel "
-            f"object, not a {type(kernel).__name__}"
-        )
+        raise ValueError(f"kernel={kernel!r} must be a kernel's name, one of {kernels.names()}, "
+                         f"or a Kernel object, not a {type(kernel).__name__}")
     varlen = layout.is_varlen
     for name, value in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
         if value is not None and not varlen:
-            raise ValueError(
-                f"{name}= is given but layout={str(layout)!r} is dense; pass layout='thd' for "
-                f"packed sequences, or leave {name} out"
-            )
+            raise ValueError(f"{name}= is given but layout={str(layout)!r} is dense; pass "
+                             f"layout='thd' for packed sequences, or leave {name} out")
 
 
 def _composed(causal: bool, window, mask):
@@ -136,10 +130,8 @@ def _check_device(device: torch.device, mesh) -> None:
     if mesh is None:
         return
     if device.type != mesh.device.type or (device.type == "cuda" and device != mesh.device):
-        raise ValueError(
-            f"q, k, v are on {device} but this rank of the mesh runs on {mesh.device}; move "
-            f"them there (tensor.to({str(mesh.device)!r}))"
-        )
+        raise ValueError(f"q, k, v are on {device} but this rank of the mesh runs on "
+                         f"{mesh.device}; move them there (tensor.to({str(mesh.device)!r}))")
 
 
 def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) -> dict[str, str]:

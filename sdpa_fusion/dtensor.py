@@ -24,17 +24,14 @@ def unwrap_dtensors(tensors, schedule):
     if schedule is None or schedule.mesh is None:
         raise ValueError("DTensor inputs need schedule= (a schedule over their mesh)")
     if not schedule.takes_dtensors:
-        raise ValueError(
-            f"schedule {schedule.name!r} does not take DTensors; pass this rank's local tensors "
-            f"(schedule.shard(...)) instead"
-        )
+        raise ValueError(f"schedule {schedule.name!r} does not take DTensors; pass this rank's "
+                         "local tensors (schedule.shard(...)) instead")
     mesh = schedule.mesh
     for name, t in zip("qkv", tensors):
         if t.device_mesh.mesh.tolist() != mesh.torch_mesh.mesh.tolist():
-            raise ValueError(
-                f"{name} lives on DeviceMesh {t.device_mesh.mesh.tolist()} but schedule "
-                f"{schedule.name!r} runs on {mesh.torch_mesh.mesh.tolist()}; use the schedule's mesh"
-            )
+            raise ValueError(f"{name} lives on DeviceMesh {t.device_mesh.mesh.tolist()} but "
+                             f"schedule {schedule.name!r} runs on "
+                             f"{mesh.torch_mesh.mesh.tolist()}; use the schedule's mesh")
         _check_placements(name, t, schedule)
     device_mesh, placements = tensors[0].device_mesh, tensors[0].placements
 
@@ -48,13 +45,11 @@ def _check_placements(name: str, t, schedule) -> None:
     dim = schedule.sharded_dim
     if dim is not None and t.dim() > dim and t.shape[dim] % schedule.size:
         what = {1: "heads", 2: "sequence length"}.get(dim, f"dim {dim}")
-        raise ValueError(
-            f"{name} is a DTensor with {what} {t.shape[dim]}, which its {schedule.size} ranks "
-            f"cannot hold in equal shards; pad it to a multiple of {schedule.size}"
-        )
+        raise ValueError(f"{name} is a DTensor with {what} {t.shape[dim]}, which its "
+                         f"{schedule.size} ranks cannot hold in equal shards; pad it to a "
+                         f"multiple of {schedule.size}")
     expected = schedule.placements(t.shape)
     if list(t.placements) != expected:
-        raise ValueError(
-            f"{name} has placements {list(t.placements)} but schedule {schedule.name!r} needs "
-            f"{expected}; redistribute it first ({name}.redistribute(placements={expected}))"
-        )
+        raise ValueError(f"{name} has placements {list(t.placements)} but schedule "
+                         f"{schedule.name!r} needs {expected}; redistribute it first "
+                         f"({name}.redistribute(placements={expected}))")

@@ -47,7 +47,7 @@ class Layout(enum.Enum):
     @property
     def stride_order(self) -> list[int]:
         """nvFuser stride order of the logical tensor (the highest number is the outermost dim)."""
-        return {Layout.BHSE: [3, 2, 1, 0], Layout.BSHE: [3, 1, 2, 0], Layout.THD: [2, 1, 0]}[self]
+        return [self.ndim - 1 - position for position in self.logical_order]
 
     @property
     def memory_order(self) -> tuple[int, ...]:
@@ -75,23 +75,19 @@ class Layout(enum.Enum):
 
     def empty(self, shape, *, dtype, device) -> torch.Tensor:
         """An uninitialized tensor of logical ``shape`` laid out in this layout."""
-        order = self.memory_order
-        buffer = torch.empty([shape[d] for d in order], dtype=dtype, device=device)
+        buffer = torch.empty([shape[d] for d in self.memory_order], dtype=dtype, device=device)
         return buffer.permute(self.logical_order)
 
     def to(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of logical tensor ``t`` in this layout (``t`` itself when it already is)."""
         if t.dim() != self.ndim:
-            raise ValueError(
-                f"a tensor of {t.dim()} dims (shape {list(t.shape)}) has no layout "
-                f"{self.value!r}, which takes {'[T, H, E]' if self is Layout.THD else '[B, H, S, E]'}"
-                f" tensors; a model's [B, S, ...] batch tensors go through schedules.batch"
-            )
+            raise ValueError(f"a tensor of {t.dim()} dims (shape {list(t.shape)}) has no layout "
+                             f"{self.value!r}, which takes "
+                             f"{'[T, H, E]' if self is Layout.THD else '[B, H, S, E]'} tensors; a "
+                             "model's [B, S, ...] batch tensors go through schedules.batch")
         if has_layout(t, self):
             return t
-        out = self.empty(t.shape, dtype=t.dtype, device=t.device)
-        out.copy_(t)
-        return out
+        return self.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _dense_strides(shape, memory_order) -> list[int]:
@@ -139,11 +135,10 @@ def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if _is_auto(layout):
         if t.dim() not in (3, 4):
-            raise ValueError(
-                f"{name} has {t.dim()} dims (shape {list(t.shape)}); attention tensors are "
-                f"logical [B, H, S, E] (layout 'bhse' or 'bshe') or packed [T, H, E] (layout "
-                f"'thd'). Shard a model's [B, S, ...] batch tensors with schedules.batch"
-            )
+            raise ValueError(f"{name} has {t.dim()} dims (shape {list(t.shape)}); attention "
+                             "tensors are logical [B, H, S, E] (layout 'bhse' or 'bshe') or "
+                             "packed [T, H, E] (layout 'thd'). Shard a model's [B, S, ...] batch "
+                             "tensors with schedules.batch")
         return Layout.THD if t.dim() == 3 else layout_of(t)
     layout = Layout.of(layout)
     check_layout(name, t, layout)
@@ -173,10 +168,8 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
     """Raise a ValueError naming ``name`` unless ``t`` really has ``layout``."""
     if t.dim() != layout.ndim:
         want = "[T, H, E]" if layout.is_varlen else "[B, H, S, E]"
-        raise ValueError(
-            f"{name} has {t.dim()} dims (shape {list(t.shape)}) but layout={layout.value!r} "
-            f"needs the logical shape {want}"
-        )
+        raise ValueError(f"{name} has {t.dim()} dims (shape {list(t.shape)}) but "
+                         f"layout={layout.value!r} needs the logical shape {want}")
     if not has_layout(t, layout):
         hint = {
             Layout.BHSE: "pass t.contiguous(), or layout='bshe' if it is a [B,S,H,E] buffer "
@@ -185,10 +178,8 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
             "[B,H,S,E] view); pass layout='bhse' for a contiguous [B,H,S,E] tensor, or 'auto'",
             Layout.THD: "pass t.contiguous()",
         }[layout]
-        raise ValueError(
-            f"{name} (shape {list(t.shape)}, strides {list(t.stride())}) does not have the "
-            f"layout {layout.value!r} it claims; {hint}"
-        )
+        raise ValueError(f"{name} (shape {list(t.shape)}, strides {list(t.stride())}) does not "
+                         f"have the layout {layout.value!r} it claims; {hint}")
 
 
 def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
@@ -215,27 +206,21 @@ def cu_seqlens_values(name: str, cu_seqlens, device=None) -> list[int]:
         return list(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
         return _tensor_values(name, cu_seqlens, device)
-    raise ValueError(
-        f"{name} must be an int32/int64 tensor or a list of ints, got {type(cu_seqlens).__name__}"
-    )
+    raise ValueError(f"{name} must be an int32/int64 tensor or a list of ints, got "
+                     f"{type(cu_seqlens).__name__}")
 
 
 def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
     if t.dim() != 1 or t.numel() < 2:
-        raise ValueError(
-            f"{name} must be a 1-D integer tensor [0, l0, l0+l1, ...] of at least 2 entries, "
-            f"got shape {list(t.shape)}"
-        )
+        raise ValueError(f"{name} must be a 1-D integer tensor [0, l0, l0+l1, ...] of at least 2 "
+                         f"entries, got shape {list(t.shape)}")
     if t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{name} must hold int32 or int64 offsets, got dtype {t.dtype}; pass "
-            f"torch.tensor([0, l0, l0+l1, ...], dtype=torch.int32)"
-        )
+        raise ValueError(f"{name} must hold int32 or int64 offsets, got dtype {t.dtype}; pass "
+                         f"torch.tensor([0, l0, l0+l1, ...], dtype=torch.int32)")
     if device is not None and t.device.type != "cpu" and t.device != torch.device(device):
-        raise ValueError(
-            f"{name} is on {t.device} but q, k, v are on {device}; pass {name}.to(q.device) "
-            f"(or a Python list of ints or a CPU tensor, which need no device sync)"
-        )
+        raise ValueError(f"{name} is on {t.device} but q, k, v are on {device}; pass "
+                         f"{name}.to(q.device) (or a Python list of ints or a CPU tensor, which "
+                         "need no device sync)")
     return [int(x) for x in t.tolist()]
 
 
@@ -252,17 +237,13 @@ def _checked_offsets(name: str, offsets: tuple[int, ...], total_tokens: int, exa
     if len(values) < 2:
         raise ValueError(f"{name}={values} needs at least 2 entries [0, l0, l0+l1, ...]")
     if values[0] != 0:
-        raise ValueError(
-            f"{name}={_show(values)} must start at 0 (the first sequence starts at token 0); "
-            f"prepend 0"
-        )
+        raise ValueError(f"{name}={_show(values)} must start at 0 (the first sequence starts at "
+                         "token 0); prepend 0")
     for i, (a, b) in enumerate(zip(values, values[1:]), start=1):
         if b < a:
-            raise ValueError(
-                f"{name}={_show(values)} must never decrease, but entry {i} ({b}) is below "
-                f"entry {i - 1} ({a}); give the running sum of the sequence lengths with a "
-                f"leading 0"
-            )
+            raise ValueError(f"{name}={_show(values)} must never decrease, but entry {i} ({b}) is "
+                             f"below entry {i - 1} ({a}); give the running sum of the sequence "
+                             "lengths with a leading 0")
     if values[-1] != total_tokens and (exact or values[-1] > total_tokens):
         raise ValueError(
             f"{name} ends at {values[-1]} but the packed tensor has {total_tokens} tokens; "
@@ -279,19 +260,16 @@ def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:
 @functools.lru_cache(maxsize=64)
 def _checked_padding(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ...]) -> None:
     if len(cu_seqlens_padded) != len(cu_seqlens):
-        raise ValueError(
-            f"cu_seqlens_padded has {len(cu_seqlens_padded)} entries but "
-            f"cu_seqlens has {len(cu_seqlens)}; give one entry per sequence plus one"
-        )
+        raise ValueError(f"cu_seqlens_padded has {len(cu_seqlens_padded)} entries but "
+                         f"cu_seqlens has {len(cu_seqlens)}; give one entry per sequence plus one")
     real, room = seqlens_of(cu_seqlens), seqlens_of(cu_seqlens_padded)
     short = [i for i, (r, p) in enumerate(zip(real, room)) if r > p]
     if short:
         i = short[0]
-        raise ValueError(
-            f"cu_seqlens_padded leaves sequence {i} room for {room[i]} tokens but cu_seqlens "
-            f"gives it {real[i]}; each padded length (cu_seqlens_padded[i+1] - "
-            f"cu_seqlens_padded[i]) must be >= the sequence's length"
-        )
+        raise ValueError(f"cu_seqlens_padded leaves sequence {i} room for {room[i]} tokens but "
+                         f"cu_seqlens gives it {real[i]}; each padded length "
+                         "(cu_seqlens_padded[i+1] - cu_seqlens_padded[i]) must be >= the "
+                         "sequence's length")
 
 
 def _show(values: list, most: int = 12) -> str:

@@ -157,10 +157,9 @@ def _all(rows) -> bool:
 
 def _check_shapes(out, lse, block_out, block_lse) -> None:
     if out.shape != block_out.shape:
-        raise ValueError(
-            f"block_out {list(block_out.shape)} must have the shape of out {list(out.shape)}; "
-            f"pass rows= to merge a block into part of the sequence"
-        )
+        raise ValueError(f"block_out {list(block_out.shape)} must have the shape of out "
+                         f"{list(out.shape)}; pass rows= to merge a block into part of the "
+                         "sequence")
     for name, t in (("lse", lse), ("block_lse", block_lse)):
         if t.shape != out.shape[:3]:
             raise ValueError(f"{name} {list(t.shape)} must be out's [B, H, S] = {list(out.shape[:3])}")

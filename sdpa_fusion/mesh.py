@@ -77,10 +77,9 @@ class Mesh:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ValueError(
-                f"{self!r} was closed by sdpa_fusion.close_mesh() (torch.distributed ended); "
-                f"build a new mesh with sdpa_fusion.init_mesh(...) and new schedules on it"
-            )
+            raise ValueError(f"{self!r} was closed by sdpa_fusion.close_mesh() (torch.distributed "
+                             "ended); build a new mesh with sdpa_fusion.init_mesh(...) and new "
+                             "schedules on it")
 
     def _dim(self, name: str) -> int:
         if name not in self.names:
@@ -172,10 +171,9 @@ class VirtualMesh(Mesh):
         raise self._cannot_communicate()
 
     def _cannot_communicate(self) -> ValueError:
-        return ValueError(
-            f"{self!r} plans, it does not communicate; build the mesh with "
-            f"sdpa_fusion.init_mesh under a launcher (mpirun, torchrun, srun) to run attention"
-        )
+        return ValueError(f"{self!r} plans, it does not communicate; build the mesh with "
+                          "sdpa_fusion.init_mesh under a launcher (mpirun, torchrun, srun) to "
+                          "run attention")
 
     def control_group(self, name: str | None = None) -> None:
         """None: no rank to agree with (a plan is made by one process)."""
@@ -205,10 +203,8 @@ def _rendezvous_address(env: LaunchEnv) -> tuple[str, str]:
         chosen = (socket.gethostname(), str(_free_port())) if env.rank == 0 else None
         host, port = MPI.COMM_WORLD.bcast(chosen, root=0)
         return (addr or ("127.0.0.1" if host == socket.gethostname() else host)), port
-    raise ValueError(
-        f"{env.launcher} started {env.world_size} ranks but MASTER_ADDR/MASTER_PORT are not set; "
-        f"export them (the address and a free port of rank 0)"
-    )
+    raise ValueError(f"{env.launcher} started {env.world_size} ranks but MASTER_ADDR/MASTER_PORT "
+                     "are not set; export them (the address and a free port of rank 0)")
 
 
 def init_mesh(
@@ -233,10 +229,8 @@ def init_mesh(
     size = math.prod(shape)
     if size != world:
         how = f"{env.launcher} started {world}" if env else "no launcher (mpirun, torchrun, srun) started"
-        raise ValueError(
-            f"mesh shape {shape} needs {size} ranks but {how} rank(s); launch {size} ranks "
-            f"or choose a mesh whose sizes multiply to {world}"
-        )
+        raise ValueError(f"mesh shape {shape} needs {size} ranks but {how} rank(s); launch {size} "
+                         f"ranks or choose a mesh whose sizes multiply to {world}")
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     backend = backend or ("nccl" if use_cuda else "gloo")
     device = torch.device("cpu")

@@ -69,32 +69,24 @@ class AttentionSpec:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.head_dim % 8:
-            raise ValueError(
-                f"head_dim={self.head_dim} must be a multiple of 8 (attention kernels load "
-                f"16-byte vectors); pad the head dim to {8 * math.ceil(self.head_dim / 8)}"
-            )
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of 8 (attention "
+                             "kernels load 16-byte vectors); pad the head dim to "
+                             f"{8 * math.ceil(self.head_dim / 8)}")
         if self.heads % self.kv_heads:
-            raise ValueError(
-                f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads} for "
-                f"grouped-query attention; choose kv_heads among the divisors of {self.heads}"
-            )
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads} "
+                             "for grouped-query attention; choose kv_heads among the divisors of "
+                             f"{self.heads}")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"dtype={self.dtype} is not supported; use torch.bfloat16 or torch.float16 "
-                f"(torch.float32 for the reference kernel)"
-            )
+            raise ValueError(f"dtype={self.dtype} is not supported; use torch.bfloat16 or "
+                             "torch.float16 (torch.float32 for the reference kernel)")
         if not (_is_number(self.dropout_p) and 0.0 <= self.dropout_p < 1.0):
-            raise ValueError(
-                f"dropout_p={self.dropout_p!r} must be in [0, 1): a Python number, the "
-                f"probability of dropping an attention weight (0.0: no dropout)"
-            )
+            raise ValueError(f"dropout_p={self.dropout_p!r} must be in [0, 1): a Python number, "
+                             "the probability of dropping an attention weight (0.0: no dropout)")
         if self.scale is not None and not (
             _is_number(self.scale) and math.isfinite(self.scale) and self.scale > 0
         ):
-            raise ValueError(
-                f"scale={self.scale!r} must be a positive number or None: finite and > 0 "
-                f"(None means 1/sqrt(head_dim))"
-            )
+            raise ValueError(f"scale={self.scale!r} must be a positive number or None: finite and "
+                             "> 0 (None means 1/sqrt(head_dim))")
         if self.layout.is_varlen:
             self._validate_varlen()
         if self.mask is not None:
@@ -120,15 +112,12 @@ class AttentionSpec:
         if self.cu_seqlens is None:
             raise ValueError("layout='thd' needs cu_seqlens= (cumulative sequence lengths)")
         if self.dropout_p > 0:
-            raise ValueError(
-                f"dropout_p={self.dropout_p} is not supported with layout='thd'; use "
-                f"dropout_p=0, or pad the sequences to one length and use layout='bshe'"
-            )
+            raise ValueError(f"dropout_p={self.dropout_p} is not supported with layout='thd'; use "
+                             "dropout_p=0, or pad the sequences to one length and use "
+                             "layout='bshe'")
         if self.q_len != self.kv_len:
-            raise ValueError(
-                f"layout='thd' needs q and k/v packed alike; got {self.q_len} query tokens "
-                f"and {self.kv_len} key tokens"
-            )
+            raise ValueError(f"layout='thd' needs q and k/v packed alike; got {self.q_len} query "
+                             f"tokens and {self.kv_len} key tokens")
         padded = self.cu_seqlens_padded is not None
         check_offsets("cu_seqlens", list(self.cu_seqlens), self.q_len, exact=not padded)
         if padded:
@@ -168,21 +157,17 @@ class AttentionSpec:
         """Build and validate the spec of q, k, v, checking that each has ``layout``; with
         ``"auto"`` each tensor's own layout is read and the spec takes the query's (the caller
         brings k and v to it: ``spec.layout.to(t)``)."""
-        layouts = [tensor_layout(name, t, layout) for name, t in (("q", q), ("k", k), ("v", v))]
+        layouts = [tensor_layout(name, t, layout) for name, t in zip("qkv", (q, k, v))]
         if len({t.is_varlen for t in layouts}) > 1:
             shown = ", ".join(f"{n} {t.value}" for n, t in zip("qkv", layouts))
-            raise ValueError(
-                f"q, k, v must be all packed [T, H, E] (layout 'thd') or all logical "
-                f"[B, H, S, E], got {shown}"
-            )
+            raise ValueError(f"q, k, v must be all packed [T, H, E] (layout 'thd') or all logical "
+                             f"[B, H, S, E], got {shown}")
         layout = layouts[0]
         if k.shape != v.shape:
             raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
         if q.dtype != k.dtype or q.dtype != v.dtype:
-            raise ValueError(
-                f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
-                f"to the same dtype"
-            )
+            raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+                             "cast them to the same dtype")
         if len({q.device, k.device, v.device}) != 1:
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         if layout.is_varlen:
@@ -200,9 +185,8 @@ class AttentionSpec:
                 raise ValueError(f"q has batch {b} but k and v have batch {b_k}; they must match")
             cu = padded = None
         if e_k != e:
-            raise ValueError(
-                f"q has head dim {e} but k and v have {e_k}; q, k and v must share the head dim"
-            )
+            raise ValueError(f"q has head dim {e} but k and v have {e_k}; q, k and v must share "
+                             "the head dim")
         return cls(
             batch=b, heads=h, kv_heads=h_kv, q_len=t_q, kv_len=t_k, head_dim=e,
             dtype=q.dtype, causal=bool(causal), scale=scale,
