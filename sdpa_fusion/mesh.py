@@ -5,10 +5,8 @@
 
 Communication goes through torch.distributed (NCCL with GPUs, gloo without); the nvFuser
 ``DeviceMesh`` of each named dim annotates fusions. Small gloo *control groups* (one per line
-of each dim, one for the whole mesh) carry the agreement of ``sdpa_fusion.agreement``, so that
-every rank checks every other rank's call before any data moves. The mesh's ``timeout`` bounds
-every wait: its process groups, control groups and the copy-engine transfers of the ring
-(watched from the host, ``waiting.StallWatch``).
+of each dim, one for the whole mesh) carry the agreement of ``sdpa_fusion.agreement`` before
+any data moves. The mesh's ``timeout`` bounds every wait (``waiting``).
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ def launch_env(environ=os.environ) -> LaunchEnv | None:
         ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
     ):
         if rank in environ and size in environ:
-            return LaunchEnv(
-                int(environ[rank]), int(environ[size]), int(environ.get(local, environ[rank])), launcher
-            )
+            return LaunchEnv(int(environ[rank]), int(environ[size]),
+                             int(environ.get(local, environ[rank])), launcher)
     return None
 
 
@@ -107,8 +104,7 @@ class Mesh:
         return [int(r) for r in self.layout[tuple(index)].tolist()]
 
     def control_group(self, name: str | None = None) -> ControlGroup:
-        """The gloo control group of this rank's line along dim ``name`` (the whole mesh when
-        None), over which its ranks agree on each call."""
+        """The gloo control group of this rank's line along dim ``name`` (None: the mesh)."""
         if name is not None:
             self._dim(name)
         self._check_open()
@@ -119,7 +115,8 @@ class Mesh:
         if name not in self._nvfuser_meshes:
             import nvfuser_direct as nvfuser
 
-            self._nvfuser_meshes[name] = nvfuser.multidevice.DeviceMesh(torch.tensor(self.ranks(name)))
+            ranks = torch.tensor(self.ranks(name))
+            self._nvfuser_meshes[name] = nvfuser.multidevice.DeviceMesh(ranks)
         return self._nvfuser_meshes[name]
 
     def agree(self, value):
@@ -127,7 +124,7 @@ class Mesh:
         return self.control_group().gather(value, "Mesh.agree")
 
     def configuration(self) -> dict:
-        """What is the same on every rank of the mesh (its dims, ranks and device type)."""
+        """What is the same on every rank of the mesh."""
         return {"names": self.names, "ranks": self.layout.tolist(), "device": self.device.type}
 
     def __repr__(self) -> str:
@@ -207,13 +204,9 @@ def _rendezvous_address(env: LaunchEnv) -> tuple[str, str]:
                      "are not set; export them (the address and a free port of rank 0)")
 
 
-def init_mesh(
-    shape: tuple[int, ...] = (-1,),
-    names: tuple[str, ...] = ("seq",),
-    *,
-    backend: str | None = None,
-    timeout: datetime.timedelta | float | None = None,
-) -> Mesh:
+def init_mesh(shape: tuple[int, ...] = (-1,), names: tuple[str, ...] = ("seq",), *,
+              backend: str | None = None,
+              timeout: datetime.timedelta | float | None = None) -> Mesh:
     """Join (or start) torch.distributed from the launcher's environment and build a mesh.
 
     ``shape`` may hold one -1 (the rest of the world). The backend is NCCL with CUDA, else
@@ -329,8 +322,8 @@ def _init_process_group(env: LaunchEnv | None, backend, device, timeout) -> None
 
 
 def close_mesh() -> None:
-    """Leave torch.distributed (call before exit: gloo threads can abort at teardown). Every
-    mesh is closed then: using one raises a ValueError (``init_mesh`` builds a new one)."""
+    """Leave torch.distributed (call before exit: gloo threads can abort at teardown); using a
+    mesh afterwards raises a ValueError."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
