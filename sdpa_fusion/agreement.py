@@ -2,20 +2,16 @@
 of them raises the same ValueError.
 
 A call describes itself as *fields*, names mapped to canonical text (the global problem, the
-schedule's configuration, the kernel, whether a backward will follow, the device type ...).
-On every call each rank adds, over a gloo control group of the call's ranks, one all-reduce
-(MAX) of three int64:
+schedule's configuration, the kernel ...). On every call each rank adds, over a gloo control
+group of the call's ranks, one all-reduce (MAX) of three int64:
 
     [h, -h, failed]     h: 62-bit hash of the fields; failed: 1 when this rank's checks raised
 
-Every rank gets the same maxima, so every rank takes the same branch: max h == -max(-h) (all
-hashes equal) and no failure -> the call goes on (the cheap path: no GPU synchronisation, no
-pickling). Otherwise the ranks gather their fields and error messages and each raises the same
-ValueError, built from the gathered values alone, naming the ranks and what differs.
-
-A rank that does not arrive: when the mesh's timeout runs out, ``MeshTimeout`` names the
-ranks that never arrived (``sdpa_fusion.waiting``). After a timeout the control group is
-unusable and says so on every later call.
+Every rank takes the same branch: max h == -max(-h) (all hashes equal) and no failure -> the
+call goes on (no GPU synchronisation, no pickling). Otherwise the ranks gather their fields and
+errors and each raises the same ValueError, built from the gathered values alone. A rank that
+does not arrive within the mesh's timeout is named by ``MeshTimeout`` (``waiting``); the
+control group is then unusable and says so on every later call.
 """
 
 from __future__ import annotations
@@ -33,11 +29,9 @@ from .waiting import Arrivals, MeshTimeout, ranks_text
 
 # ---- what a call looks like ------------------------------------------------------------------
 def canonical(value) -> str:
-    """Text that is equal on every rank exactly when ``value`` is (no ids or addresses).
-
-    Objects with a ``configuration()`` method (schedules, meshes) are described by it, other
-    objects by their class and public attributes; tensors by dtype, shape and a hash of their
-    contents."""
+    """Text that is equal on every rank exactly when ``value`` is (no ids or addresses):
+    objects by their ``configuration()`` or else their class and public attributes, tensors
+    by dtype, shape and a hash of their contents."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return repr(value)
     if isinstance(value, enum.Enum):
@@ -129,10 +123,9 @@ class ControlGroup:
 def agree(control: ControlGroup | None, fields: dict[str, str] | None,
           error: BaseException | None, *, what: str, fix: str) -> int:
     """Go on when every rank of ``control`` has the same ``fields`` and no ``error``; else raise
-    the same ValueError on every rank (``what`` names the call, ``fix`` says what to do when the
-    ranks differ; both the same on every rank). Without a control group of several ranks,
-    ``error`` is raised as it is. Returns the number of this call among the calls ``what``
-    agreed on the control group (0 without one)."""
+    the same ValueError on every rank (``fix``: what to do when the ranks differ). Without a
+    group of several ranks ``error`` is raised as it is. Returns this call's number among the
+    ``what`` calls of the group (0 without one)."""
     if control is None or control.size == 1:
         if error is not None:
             raise error
