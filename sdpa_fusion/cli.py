@@ -53,8 +53,7 @@ def _window(text: str) -> tuple[int, int | None]:
     if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not LEFT or LEFT,RIGHT (non-negative token counts), e.g. 4096 or 256,256")
-    left, right = (int(p) for p in parts) if len(parts) == 2 else (int(parts[0]), None)
-    return left, right
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (int(parts[0]), None)
 
 
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
@@ -78,10 +77,8 @@ def build_parser(prog: str = "python -m sdpa_fusion",
                  extend_explain=None) -> argparse.ArgumentParser:
     """The parser of ``demo`` and ``explain``; ``extend_explain(parser)`` adds options to
     ``explain`` (the mesh options of ``schedules.cli``)."""
-    parser = _Parser(
-        prog=prog,
-        description="Scaled-dot-product attention as nvFuser fusions, over device meshes.",
-    )
+    parser = _Parser(prog=prog, description="Scaled-dot-product attention as nvFuser fusions, "
+                                            "over device meshes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")
     demo = sub.add_parser("demo", help="print the fusion definitions and run a checked fwd+bwd")
     _add_problem_args(demo)
@@ -109,8 +106,7 @@ def device_of(name: str) -> torch.device:
 def spec_from_args(args: argparse.Namespace, device: torch.device,
                    defaults: dict | None = None) -> AttentionSpec:
     """The AttentionSpec the flags describe, the others from ``defaults`` (by default those
-    for ``device``); a ValueError naming the flag's problem when they describe no valid
-    problem."""
+    for ``device``); a ValueError naming the flag's problem when it is not valid."""
     d = defaults or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
 
     def given(value, default):
@@ -170,14 +166,12 @@ def print_definitions(spec: AttentionSpec) -> None:
 def torch_oracle(spec: AttentionSpec, q, k, v, dout, dtype):
     """out, dq, dk, dv of torch SDPA on ``dtype`` copies (explicit top-left causal mask)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    qo, ko, vo = leaves
-    groups = spec.heads // spec.kv_heads
-    ke, ve = (t.repeat_interleave(groups, dim=1) for t in (ko, vo))
+    ke, ve = (t.repeat_interleave(spec.groups, dim=1) for t in leaves[1:])
     mask = None
     if spec.causal:
         i = torch.arange(spec.q_len, device=q.device).unsqueeze(1)
         mask = torch.arange(spec.kv_len, device=q.device).unsqueeze(0) <= i
-    out = F.scaled_dot_product_attention(qo, ke, ve, attn_mask=mask, scale=spec.scale)
+    out = F.scaled_dot_product_attention(leaves[0], ke, ve, attn_mask=mask, scale=spec.scale)
     out.backward(dout.to(dtype))
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -291,7 +285,7 @@ def explain(args: argparse.Namespace) -> int:
 
 
 def run(parser: argparse.ArgumentParser, commands: dict, argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: the process's) with ``parser`` and run its command, one of
+    """Parse ``argv`` (default: the process's) with ``parser`` and run its command from
     ``commands`` (name -> function of the parsed arguments)."""
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()
