@@ -139,11 +139,9 @@ def call_fields(p: Plan, needs_grad: bool, dtensor: bool, device: torch.device) 
     full = p.schedule.global_spec(p.spec).replace(scale=p.spec.softmax_scale)
     fields = {f.name: _text(getattr(full, f.name)) for f in dataclasses.fields(full)}
     fields.update(p.schedule.configuration_fields())
-    fields.update(
-        kernel=p.kernel.name, device=device.type,
-        backward="follows" if needs_grad else "none (no_grad, or no input requires grad)",
-        inputs="DTensor" if dtensor else "torch.Tensor",
-    )
+    fields.update(kernel=p.kernel.name, device=device.type,
+                  backward="follows" if needs_grad else "none (no_grad, or no input requires grad)",
+                  inputs="DTensor" if dtensor else "torch.Tensor")
     return fields
 
 

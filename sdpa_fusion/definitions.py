@@ -240,10 +240,9 @@ class SdpaForward(_Attention):
         q = self._tensor(self.spec.heads)
         k, v = (self._tensor(self.spec.kv_heads) for _ in range(2))
         dropout_p, is_causal, scale = self._scalars()
-        out, lse, seed, offset = self.ops.sdpfa_fwd(
-            q, self._expand_kv(k), self._expand_kv(v),
-            dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        )
+        out, lse, seed, offset = self.ops.sdpfa_fwd(q, self._expand_kv(k), self._expand_kv(v),
+                                                    dropout_p=dropout_p, is_causal=is_causal,
+                                                    scale=scale)
         for t in (out, lse) + ((seed, offset) if self.has_dropout else ()):
             self.add_output(t)
 
@@ -267,10 +266,8 @@ class SdpaBackward(_Attention):
         seed = self.define_tensor(shape=[2], contiguity=True, dtype=DataType.UInt64)  # philox
         offset = self.define_tensor(shape=[], dtype=DataType.UInt64)
         dropout_p, is_causal, scale = self._scalars()
-        dq, dk, dv = self.ops.sdpfa_bwd(
-            dout, q, self._expand_kv(k), self._expand_kv(v), out, lse,
-            dropout_p, is_causal, seed, offset, scale,
-        )
+        dq, dk, dv = self.ops.sdpfa_bwd(dout, q, self._expand_kv(k), self._expand_kv(v), out, lse,
+                                        dropout_p, is_causal, seed, offset, scale)
         for t in (dq, self._reduce_kv(dk), self._reduce_kv(dv)):
             self.add_output(t)
 
@@ -290,12 +287,10 @@ class SdpaForwardBackward(_Attention):
         dout = self._tensor(self.spec.heads)
         dropout_p, is_causal, scale = self._scalars()
         k_x, v_x = self._expand_kv(k), self._expand_kv(v)
-        out, lse, seed, offset = self.ops.sdpfa_fwd(
-            q, k_x, v_x, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-        dq, dk, dv = self.ops.sdpfa_bwd(
-            dout, q, k_x, v_x, out, lse, dropout_p, is_causal, seed, offset, scale
-        )
+        out, lse, seed, offset = self.ops.sdpfa_fwd(q, k_x, v_x, dropout_p=dropout_p,
+                                                    is_causal=is_causal, scale=scale)
+        dq, dk, dv = self.ops.sdpfa_bwd(dout, q, k_x, v_x, out, lse, dropout_p, is_causal, seed,
+                                        offset, scale)
         for t in (out, lse, dq, self._reduce_kv(dk), self._reduce_kv(dv)) + (
                 (seed, offset) if self.has_dropout else ()):
             self.add_output(t)

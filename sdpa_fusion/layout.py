@@ -245,10 +245,9 @@ def _checked_offsets(name: str, offsets: tuple[int, ...], total_tokens: int, exa
                              f"below entry {i - 1} ({a}); give the running sum of the sequence "
                              "lengths with a leading 0")
     if values[-1] != total_tokens and (exact or values[-1] > total_tokens):
-        raise ValueError(
-            f"{name} ends at {values[-1]} but the packed tensor has {total_tokens} tokens; "
-            f"the last entry must equal T" + ("" if exact else " or, with padding, not exceed it")
-        )
+        raise ValueError(f"{name} ends at {values[-1]} but the packed tensor has {total_tokens} "
+                         "tokens; the last entry must equal T"
+                         + ("" if exact else " or, with padding, not exceed it"))
 
 
 def check_padding(cu_seqlens: list[int], cu_seqlens_padded: list[int]) -> None:

@@ -316,9 +316,8 @@ def _init_process_group(env: LaunchEnv | None, backend, device, timeout) -> None
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         return
     addr, port = _rendezvous_address(env)
-    dist.init_process_group(
-        init_method=f"tcp://{addr}:{port}", rank=env.rank, world_size=env.world_size, **kwargs
-    )
+    dist.init_process_group(init_method=f"tcp://{addr}:{port}", rank=env.rank,
+                            world_size=env.world_size, **kwargs)
 
 
 def close_mesh() -> None:
