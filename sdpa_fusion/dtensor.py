@@ -1,12 +1,10 @@
 """DTensor in, DTensor out: unwrap q, k, v whose placements describe the schedule's shards.
 
-A DTensor's placement says which part of the full tensor each rank holds; it is accepted only
-when it is exactly what ``schedule.shard`` gives this rank: ``Shard(1)`` (contiguous heads)
-for ``head_parallel``, ``Shard(2)`` for the sequence schedules built with
+A placement is accepted only when it is exactly what ``schedule.shard`` gives this rank:
+``Shard(1)`` (contiguous heads) for ``head_parallel``, ``Shard(2)`` for sequence schedules with
 ``partition='contiguous'``, ``Replicate()`` for ``replicated``. Nothing is redistributed: a
-``Shard(2)`` DTensor is contiguous chunks of the sequence, not the load-balanced partition,
-so a schedule holding another partition refuses it (a ValueError that says how to fix it)
-rather than misread it. Checks are local; ``attention`` agrees on them across ranks.
+schedule holding another partition refuses ``Shard(2)`` (contiguous chunks) rather than
+misread it. Checks are local; ``attention`` agrees on them across ranks.
 """
 
 from __future__ import annotations

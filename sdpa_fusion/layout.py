@@ -1,15 +1,11 @@
-"""Memory layouts of attention tensors.
-
-Every tensor handed to sdpa-fusion is seen through the logical shape [B, H, S, E]; the layout
-says how that shape is laid out in memory:
+"""Memory layouts of attention tensors, all seen through the logical shape [B, H, S, E]:
 
 - ``bhse``: a contiguous [B, H, S, E] buffer.
 - ``bshe``: a contiguous [B, S, H, E] buffer viewed as [B, H, S, E] (``t.transpose(1, 2)``).
 - ``thd``: a packed [T, H, E] buffer of several sequences, delimited by ``cu_seqlens``.
 
-``"auto"`` (``tensor_layout``) reads each tensor's own layout from its dims and strides; an
-explicit layout that a tensor's shape or strides contradict is a ValueError. A natural
-[B, S, H, E] tensor is passed as its logical view ``t.transpose(1, 2)`` (BSHE).
+``"auto"`` (``tensor_layout``) reads each tensor's layout from its dims and strides; an
+explicit layout that a tensor's shape or strides contradict is a ValueError.
 """
 
 from __future__ import annotations
@@ -128,9 +124,8 @@ def layout_of(t: torch.Tensor) -> Layout:
 
 
 def tensor_layout(name: str, t: torch.Tensor, layout: "Layout | str") -> Layout:
-    """The layout of tensor ``t`` (called ``name`` in errors): ``layout`` itself, checked
-    against t's shape and strides (a ValueError when they contradict it), or for ``"auto"``
-    read from t: THD for a 3-D tensor, else BHSE or BSHE by memory order (``layout_of``)."""
+    """The layout of tensor ``t`` (``name`` in errors): ``layout``, checked against t, or for
+    ``"auto"`` read from t: THD for a 3-D tensor, else by memory order (``layout_of``)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if _is_auto(layout):
@@ -155,8 +150,7 @@ def shard_layout(t: torch.Tensor, layout: "Layout | str") -> Layout:
 
 def unshard_layout(t, layout: "Layout | str") -> Layout:
     """The layout in which ``schedule.unshard`` returns the full tensor: ``layout``, or for
-    "auto" the local part's (BHSE for what is no attention tensor: the agreed gather that
-    follows reports it on every rank)."""
+    "auto" the local part's (BHSE for no attention tensor: the agreed gather reports it)."""
     if not _is_auto(layout):
         return Layout.of(layout)
     if isinstance(t, torch.Tensor) and t.dim() in (3, 4):
@@ -192,10 +186,9 @@ def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
 
 
 def cu_seqlens_values(name: str, cu_seqlens, device=None) -> list[int]:
-    """The values of ``cu_seqlens``, read on every call (never remembered: a buffer refilled
-    in place must not serve its old packing): a Python list/tuple of ints, or an int32/int64
-    tensor on the CPU (no device sync) or on ``device`` (the tensors' device; reading a GPU
-    tensor costs one device sync per call)."""
+    """The values of ``cu_seqlens`` (a list/tuple of ints, or an int32/int64 tensor on the CPU
+    or on ``device``, read with one device sync), read on every call: a buffer refilled in
+    place must not serve its old packing."""
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
     if isinstance(cu_seqlens, (list, tuple)):

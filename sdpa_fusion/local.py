@@ -16,11 +16,10 @@ from .spec import AttentionSpec
 @functools.lru_cache(maxsize=256)
 def packed_seqlens(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ...] | None = None
                    ) -> Seqlens:
-    """The ``Seqlens`` of a self-attention pack: sequence i is ``cu_seqlens[i]:cu_seqlens[i+1]``
-    for queries and keys alike. With ``cu_seqlens_padded`` sequence i starts at
-    ``cu_seqlens_padded[i]`` and the padding after it becomes two sequences of its own, one of
-    padding queries without keys and one of padding keys without queries, so padding tokens
-    get output 0 and gradient 0 and no real query attends them."""
+    """The ``Seqlens`` of a self-attention pack (queries and keys alike). With
+    ``cu_seqlens_padded`` the padding after each sequence becomes two sequences of its own,
+    padding queries without keys and padding keys without queries, so padding tokens get
+    output 0 and gradient 0 and no real query attends them."""
     if cu_seqlens_padded is None:
         return Seqlens(tuple(cu_seqlens), tuple(cu_seqlens))
     cu_q, cu_k = [0], [0]

@@ -1,5 +1,4 @@
-"""Merging partial attention results by their log-sum-exp: the one merge of every sequence
-schedule.
+"""Merging partial attention results by their log-sum-exp, for every sequence schedule.
 
 A query row attended over key blocks K_1, K_2, ... separately has, per block, an output O_i
 (softmax over that block only) and a log-sum-exp L_i. Over all blocks together:

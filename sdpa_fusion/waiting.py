@@ -1,12 +1,10 @@
 """Waiting for the other ranks of a group, and naming the ones that did not come.
 
 A rank that waits at a step (an agreement, a transfer) longer than a short stall notes its
-arrival in the store of the process group (rank 0's); when the wait fails, the ranks without
-a note are the ones that never arrived. Nothing is written while ranks keep pace, so the
-cheap path costs no store traffic. gloo (CPU) work is waited for with a time limit. NCCL
-work is not (the host would block): the stream waits, and a ``StallWatch`` thread polls an
-event recorded behind it; past the timeout it reports the step and the ranks that never
-arrived, before NCCL's watchdog (which has the same timeout) ends the process.
+arrival in the store of rank 0; when the wait fails, the ranks without a note never arrived.
+Nothing is written while ranks keep pace. gloo (CPU) work is waited for with a time limit;
+NCCL work is not (the host would block): a ``StallWatch`` thread polls an event recorded
+behind it and reports the step and the missing ranks before NCCL's watchdog ends the process.
 """
 
 from __future__ import annotations
