@@ -82,9 +82,8 @@ class AttentionSpec:
         if not (_is_number(self.dropout_p) and 0.0 <= self.dropout_p < 1.0):
             raise ValueError(f"dropout_p={self.dropout_p!r} must be in [0, 1): a Python number, "
                              "the probability of dropping an attention weight (0.0: no dropout)")
-        if self.scale is not None and not (
-            _is_number(self.scale) and math.isfinite(self.scale) and self.scale > 0
-        ):
+        if self.scale is not None and not (_is_number(self.scale) and math.isfinite(self.scale)
+                                           and self.scale > 0):
             raise ValueError(f"scale={self.scale!r} must be a positive number or None: finite and "
                              "> 0 (None means 1/sqrt(head_dim))")
         if self.layout.is_varlen:
@@ -132,18 +131,15 @@ class AttentionSpec:
     def flops(self, *, backward: bool = False) -> float:
         """Matmul FLOPs: 4*b*h*s_q*s_kv*e (halved when causal; the pairs the band lets
         through with a window), 3.5x for forward+backward."""
-        if self.layout.is_varlen:
-            lengths = [(n, n) for _, n in self.sequences()]
-        else:
-            lengths = [(self.q_len, self.kv_len)] * self.batch
         if self.mask is not None:
             from .mask_plan import spec_pairs
 
             pairs = spec_pairs(self)
         else:
-            counts = collections.Counter(lengths)
+            lengths = [(n, n) for _, n in self.sequences()] if self.layout.is_varlen \
+                else [(self.q_len, self.kv_len)] * self.batch
             pairs = sum(c * call_pairs(n_q, n_k, self.causal, self.window)
-                        for (n_q, n_k), c in counts.items())
+                        for (n_q, n_k), c in collections.Counter(lengths).items())
         f = 4.0 * self.heads * pairs * self.head_dim
         return f * FORWARD_AND_BACKWARD if backward else f
 

@@ -145,9 +145,8 @@ class StallWatch:
                             f"mesh's timeout is {self.timeout_s:g} s): ending this process "
                             f"with exit status 1 so that the job does not hang")
                 self.end()
-        gone = {id(w) for w in finished}
-        with self._lock:
-            self._watched = [w for w in self._watched if id(w) not in gone]
+        with self._lock:  # _Watched compares by identity
+            self._watched = [w for w in self._watched if w not in finished]
 
     def _run(self) -> None:
         while True:
