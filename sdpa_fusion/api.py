@@ -83,9 +83,8 @@ def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", sch
 
 
 def explain(q, k, v, **kwargs) -> Plan:
-    """The plan ``attention(q, k, v, **kwargs)`` would run: kernel chosen (and why), schedule
-    and per-rank cost. Accepts the same keywords as ``attention``; never communicates, so one
-    rank may call it alone."""
+    """The plan ``attention(q, k, v, **kwargs)`` would run (kernel and why, schedule, per-rank
+    cost); never communicates, so one rank may call it alone."""
     return plan(q, k, v, **kwargs)
 
 

@@ -47,8 +47,7 @@ def _positive(text: str) -> int:
 
 
 def _window(text: str) -> tuple[int, int | None]:
-    """``LEFT`` or ``LEFT,RIGHT`` (token counts) as a (left, right) window; RIGHT defaults to
-    unbounded (causal cuts it at the query)."""
+    """``LEFT`` or ``LEFT,RIGHT`` (token counts) as a (left, right) window; RIGHT: unbounded."""
     parts = text.split(",")
     if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
         raise argparse.ArgumentTypeError(
@@ -75,8 +74,7 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "python -m sdpa_fusion",
                  extend_explain=None) -> argparse.ArgumentParser:
-    """The parser of ``demo`` and ``explain``; ``extend_explain(parser)`` adds options to
-    ``explain`` (the mesh options of ``schedules.cli``)."""
+    """The parser of ``demo`` and ``explain``; ``extend_explain(parser)`` adds to ``explain``."""
     parser = _Parser(prog=prog, description="Scaled-dot-product attention as nvFuser fusions, "
                                             "over device meshes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")
@@ -105,8 +103,7 @@ def device_of(name: str) -> torch.device:
 
 def spec_from_args(args: argparse.Namespace, device: torch.device,
                    defaults: dict | None = None) -> AttentionSpec:
-    """The AttentionSpec the flags describe, the others from ``defaults`` (by default those
-    for ``device``); a ValueError naming the flag's problem when it is not valid."""
+    """The AttentionSpec the flags describe, the others from ``defaults`` (those of ``device``)."""
     d = defaults or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
 
     def given(value, default):
@@ -285,8 +282,7 @@ def explain(args: argparse.Namespace) -> int:
 
 
 def run(parser: argparse.ArgumentParser, commands: dict, argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: the process's) with ``parser`` and run its command from
-    ``commands`` (name -> function of the parsed arguments)."""
+    """Parse ``argv`` with ``parser`` and run its command from ``commands`` (name -> function)."""
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     start = time.perf_counter()
     try:

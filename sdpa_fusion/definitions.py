@@ -309,9 +309,8 @@ def _merge_weights(ops, lse_a, lse_b):
 
 
 def _contiguity(memory_order, heads: int, dense: bool) -> list:
-    """Contiguity of each dim (logical dims in ``memory_order``, as nvFuser takes it): the
-    innermost dense, the others when ``dense``; None for the heads dim (1) of a single head,
-    which nvFuser takes as a broadcast."""
+    """Contiguity of each dim in ``memory_order``: the innermost dense, the others when
+    ``dense``; None for the heads dim of a single head (nvFuser takes it as a broadcast)."""
     inner = memory_order[-1]
     return [None if d == 1 and heads == 1 else (True if d == inner else dense)
             for d in memory_order]

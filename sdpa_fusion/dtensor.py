@@ -11,8 +11,7 @@ from __future__ import annotations
 
 
 def unwrap_dtensors(tensors, schedule):
-    """(local tensors, rewrap) where rewrap turns a local result back into a DTensor; rewrap
-    is None for plain tensors."""
+    """(local tensors, rewrap): rewrap makes a local result a DTensor (None for plain tensors)."""
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(t, DTensor) for t in tensors):

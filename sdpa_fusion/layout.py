@@ -117,8 +117,7 @@ def _is_auto(layout) -> bool:
 
 
 def layout_of(t: torch.Tensor) -> Layout:
-    """The layout ``t``'s memory order gives a logical [B, H, S, E] tensor: BSHE when its heads
-    are inner to its tokens in memory, else BHSE."""
+    """BSHE when the heads of logical [B, H, S, E] ``t`` are inner to its tokens, else BHSE."""
     bshe = t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2)
     return Layout.BSHE if bshe else Layout.BHSE
 
@@ -178,8 +177,7 @@ def check_layout(name: str, t: torch.Tensor, layout: Layout) -> None:
 
 def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
                      exact: bool = True) -> list[int]:
-    """Validate cumulative sequence lengths of a packed tensor (``check_offsets``); return them
-    as a list."""
+    """``cu_seqlens_values`` of a packed tensor, checked by ``check_offsets``."""
     values = cu_seqlens_values(name, cu_seqlens, device)
     check_offsets(name, values, total_tokens, exact=exact)
     return values
@@ -218,9 +216,8 @@ def _tensor_values(name: str, t: torch.Tensor, device) -> list[int]:
 
 
 def check_offsets(name: str, values: list[int], total_tokens: int, *, exact: bool = True) -> None:
-    """Raise a ValueError naming ``name`` unless ``values`` are cumulative sequence lengths
-    [0, ..., T] of ``total_tokens`` = T tokens (ending at most at T when not ``exact``, as
-    with padding). Offsets that passed are remembered (a call checks its pack's again)."""
+    """Raise a ValueError naming ``name`` unless ``values`` are offsets [0, ..., T] of T =
+    ``total_tokens`` (at most T when not ``exact``); offsets that passed are remembered."""
     _checked_offsets(name, tuple(values), total_tokens, exact)
 
 

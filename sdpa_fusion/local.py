@@ -57,8 +57,7 @@ def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout
 
 def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
                    dropout: Dropout | None = None, *, dq=None, dk=None, dv=None):
-    """(dq, dk, dv) of the whole local problem, given its out and lse; written into ``dq``,
-    ``dk``, ``dv`` when given."""
+    """(dq, dk, dv) of the whole local problem, written into ``dq``, ``dk``, ``dv`` if given."""
     scale = spec.softmax_scale
     if spec.mask is not None:
         return written(_masked(spec, kernel, "backward", (dout, q, k, v, out), scale, lse),

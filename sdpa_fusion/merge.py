@@ -66,8 +66,7 @@ class Merged:
         return self.out, self.lse
 
     def add(self, block_out, block_lse, rows=None) -> None:
-        """Fold a block's (out, lse) of the query ``rows`` (a slice, an index tensor, or None
-        for all) into the result."""
+        """Fold a block's (out, lse) of the query ``rows`` (slice, index tensor, None: all) in."""
         if self._empty:
             put(self.acc, self.lse, block_out, block_lse, rows)
             self._empty = False
@@ -137,8 +136,7 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 
 def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The sequence rows ``rows`` (an index tensor) of a logical [B, H, S, E] tensor, gathered
-    in the memory order of ``t`` (BHSE or BSHE)."""
+    """The rows ``rows`` (an index tensor) of logical [B, H, S, E] ``t``, in t's memory order."""
     layout = layout_of(t)
     order = layout.memory_order
     picked = t.permute(order).index_select(order.index(2), rows)
@@ -259,8 +257,7 @@ def _fold_fused(out, lse, block_out, block_lse) -> bool:
 
 
 def _fusion(cls, out, rows_a, block_out, rows_b):
-    """The cached ``cls`` (LseMerge or WeightedSum) for these blocks, and its inputs (rows_a,
-    rows_b: lse or weights)."""
+    """The cached ``cls`` for these blocks and its inputs (rows_a, rows_b: lse or weights)."""
     layout = layout_of(out)
     block_out = layout.to(block_out)
     dense = _is_dense(out, rows_a, rows_b, layout)

@@ -150,9 +150,8 @@ class AttentionSpec:
                      cu_seqlens: torch.Tensor | None = None,
                      cu_seqlens_padded: torch.Tensor | None = None, window=None,
                      mask=None) -> "AttentionSpec":
-        """Build and validate the spec of q, k, v, checking that each has ``layout``; with
-        ``"auto"`` each tensor's own layout is read and the spec takes the query's (the caller
-        brings k and v to it: ``spec.layout.to(t)``)."""
+        """Build and validate the spec of q, k, v, each checked against ``layout``; with "auto"
+        the spec takes q's layout (the caller brings k and v to it: ``spec.layout.to(t)``)."""
         layouts = [tensor_layout(name, t, layout) for name, t in zip("qkv", (q, k, v))]
         if len({t.is_varlen for t in layouts}) > 1:
             shown = ", ".join(f"{n} {t.value}" for n, t in zip("qkv", layouts))
