@@ -1,9 +1,8 @@
 """``attention(q, k, v, ...)``: the differentiable entry point, on one device or a mesh.
 
-On a mesh every call is agreed on first (``sdpa_fusion.agreement``): the ranks of the
-schedule's control group compare the global problem, the schedule's configuration, the kernel,
-whether a backward will follow, the device type and whether the inputs were DTensors, or all
-raise the same ValueError. ``explain``/``plan`` check one rank's call and never communicate.
+On a mesh the ranks of the schedule's control group first agree on every call (``agreement``,
+on ``call_fields``) or all raise the same ValueError. ``explain``/``plan`` check one rank's
+call and never communicate.
 """
 
 from __future__ import annotations
@@ -233,14 +232,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     """Scaled-dot-product attention of q [B,H,S,E] over k, v [B,H_kv,S_kv,E] (or packed THD).
 
     ``schedule=None`` runs on one device; a schedule from ``schedules.get`` runs over its
-    mesh on this rank's shards once every rank agreed on the call (a bad argument on any rank
-    raises the same ValueError on every rank). ``kernel``: "auto", "cudnn", "fa4", "flash",
-    "nvfuser" or "reference". ``window=(left, right)`` keeps key j for query i when
-    ``i - left <= j <= i + right`` (top-left aligned, per sequence when packed; None on a side
-    is unbounded). ``layout="auto"`` reads each tensor's memory order (k and v are copied to
-    q's when they differ). ``mask`` is a composed mask (``sdpa_fusion.masks``), and-ed with
-    ``causal`` and ``window``. Differentiable in q, k, v; DTensors whose placements describe
-    the schedule's shards are accepted and a DTensor is returned.
+    mesh on this rank's shards once every rank agreed on the call. ``kernel``: "auto", "cudnn",
+    "fa4", "flash", "nvfuser" or "reference". ``window=(left, right)`` keeps key j for query i
+    when ``i - left <= j <= i + right`` (per sequence when packed; None: unbounded).
+    ``layout="auto"`` reads each tensor's memory order. ``mask`` (``sdpa_fusion.masks``) is
+    and-ed with ``causal`` and ``window``. Differentiable in q, k, v; DTensors whose
+    placements describe the schedule's shards give a DTensor.
     """
     from .dtensor import unwrap_dtensors
 

@@ -372,19 +372,16 @@ class _Blocks(Definition):
 
 
 class LseMerge(_Blocks):
-    """Two partial attention results combined by their log-sum-exp, in fp32.
-
-    out_a, lse_a (usually fp32 accumulators) and out_b, lse_b (a block's result) ->
-    out fp32 [B,H,S,E] in ``layout``, lse fp32 [B,H,S]:
+    """Two partial attention results combined by their log-sum-exp, in fp32: out_a, lse_a
+    (usually fp32 accumulators) and out_b, lse_b (a block's) -> out fp32 [B,H,S,E] in
+    ``layout``, lse fp32 [B,H,S]:
 
         m   = max(lse_a, lse_b), or 0 where both are -inf (rows no key reaches yet)
         lse = m + log(exp(lse_a - m) + exp(lse_b - m))
         out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / exp(lse - m)
 
-    Rows with both lse -inf give out 0 and lse -inf, never NaN. With ``dense=False`` the
-    inputs may be views of some rows (only the innermost dim dense); ``dense=True`` lets
-    nvFuser vectorize and index them as flat buffers.
-    """
+    ``dense=True`` declares the inputs dense (vectorized, flat indexing); else they may be
+    views of some rows."""
 
     input_names = ("out_a", "lse_a", "out_b", "lse_b")
     output_names = ("out", "lse")
