@@ -27,7 +27,6 @@ import torch.distributed as dist
 from .waiting import Arrivals, MeshTimeout, ranks_text
 
 
-# ---- what a call looks like ------------------------------------------------------------------
 def canonical(value) -> str:
     """Text that is equal on every rank exactly when ``value`` is (no ids or addresses):
     objects by their ``configuration()`` or else their class and public attributes, tensors
@@ -63,7 +62,6 @@ def fingerprint(fields: dict[str, str]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
-# ---- the ranks that agree --------------------------------------------------------------------
 class ControlGroup:
     """A gloo group of ``ranks`` (global ranks, mesh order) that agree on calls: ``name`` says
     which (e.g. "mesh dim 'seq'"); its collectives wait at most ``timeout``."""
@@ -119,7 +117,6 @@ class ControlGroup:
                            f"({type(error).__name__}: {error})")
 
 
-# ---- the rule --------------------------------------------------------------------------------
 def agree(control: ControlGroup | None, fields: dict[str, str] | None,
           error: BaseException | None, *, what: str, fix: str) -> int:
     """Go on when every rank of ``control`` has the same ``fields`` and no ``error``; else raise

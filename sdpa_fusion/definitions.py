@@ -5,12 +5,10 @@
     out, lse = fd.execute([q, k, v])        # CUDA tensors laid out as spec.layout says
     print(fd)                               # a script that rebuilds this fusion
 
-``definition()`` declares tensors and ops; ``multidevice_schedule`` only annotates them (mesh,
-outer split of the head axis, ``mesh_x``). Batch and sequence lengths are symbolic, so
-``cached`` gives one compiled fusion per head count, head dim, dtype, layout and mask. The
-softmax scale (and dropout probability) are scalar inputs that ``execute`` appends, so the
-printed script keeps them exact. GQA repeats each K/V head inside the fusion and sums the K/V
-gradients over each group in fp32.
+``definition()`` declares tensors and ops; ``multidevice_schedule`` only annotates them.
+Batch and sequence lengths are symbolic, so ``cached`` gives one fusion per head count, head
+dim, dtype, layout and mask; the softmax scale (and dropout probability) are scalar inputs, so
+the printed script keeps them exact. GQA repeats each K/V head inside the fusion.
 """
 
 from __future__ import annotations
@@ -192,7 +190,6 @@ class _Attention(Definition):
             if t.dim() == 4:
                 check_layout(name, t, self.spec.layout)
 
-    # ---- pieces of the definitions -------------------------------------------------------
     def _tensor(self, heads: int):
         """A [B, heads, S, E] input in the spec's dtype and layout."""
         return self.define_tensor(shape=[-1, heads, -1, self.spec.head_dim], contiguity=True,
@@ -248,11 +245,9 @@ class SdpaForward(_Attention):
 
 
 class SdpaBackward(_Attention):
-    """dout, q, k, v, out, lse, seed, offset -> dq, dk, dv, each in its input's layout.
-
-    ``out`` and ``lse`` are those of the whole row (global), so a ring can apply it per block.
-    ``seed`` and ``offset`` are a dropout forward's philox state; without dropout ATen ignores
-    them (pass any uint64 [2] and [] tensors)."""
+    """dout, q, k, v, out, lse, seed, offset -> dq, dk, dv, each in its input's layout; out and
+    lse of the whole row (so a ring can apply it per block); seed and offset: a dropout
+    forward's philox state (without dropout ATen ignores them: any uint64 [2] and [])."""
 
     input_names = ("dout", "q", "k", "v", "out", "lse", "seed", "offset")
     output_names = ("dq", "dk", "dv")

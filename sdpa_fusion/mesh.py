@@ -133,9 +133,8 @@ class Mesh:
 
 
 class VirtualMesh(Mesh):
-    """A mesh of ``shape`` seen from ``rank``, with no process group: schedules built on it
-    validate, shard and ``describe``, so a plan needs no launcher; running attention on it
-    raises a ValueError.
+    """A mesh of ``shape`` seen from ``rank``, with no process group, for plans without a
+    launcher (running attention on it raises a ValueError):
 
         mesh = VirtualMesh((4,), ("seq",), rank=2)
         schedules.get("ring", mesh).describe(spec)      # what rank 2 of 4 would do
@@ -209,11 +208,9 @@ def init_mesh(shape: tuple[int, ...] = (-1,), names: tuple[str, ...] = ("seq",),
               timeout: datetime.timedelta | float | None = None) -> Mesh:
     """Join (or start) torch.distributed from the launcher's environment and build a mesh.
 
-    ``shape`` may hold one -1 (the rest of the world). The backend is NCCL with CUDA, else
-    gloo; with no launcher, a one-rank mesh runs in this process. ``timeout`` (a timedelta or
-    seconds; default $SDPA_FUSION_TIMEOUT_S, else 300 s) bounds every wait of the mesh's
-    collectives; a rank that does not arrive in time raises ``MeshTimeout``.
-    """
+    ``shape`` may hold one -1 (the rest of the world); NCCL with CUDA, else gloo; no launcher:
+    one rank. ``timeout`` (timedelta or seconds; default $SDPA_FUSION_TIMEOUT_S, else 300 s)
+    bounds every wait; a rank that does not arrive in time raises ``MeshTimeout``."""
     timeout = _timeout(timeout)
     shape, names = _check_dims(shape, names)
     env = launch_env()

@@ -18,15 +18,12 @@ FORWARD_AND_BACKWARD = 3.5  # matmul FLOPs of a forward and its backward over th
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Shape, dtype and options of scaled-dot-product attention.
+    """Shape, dtype and options of scaled-dot-product attention on logical [B, H, S, E].
 
-    Shapes are logical [B, H, S, E]; ``kv_heads < heads`` is GQA. ``causal`` masks key j for
-    query i when j > i (top-left aligned); ``window`` (left, right) keeps
-    ``i - left <= j <= i + right``. ``scale`` defaults to 1/sqrt(head_dim). For ``thd``,
-    ``batch`` is 1, ``q_len``/``kv_len`` are packed token counts and ``cu_seqlens`` (and
-    ``cu_seqlens_padded``) delimit sequences: this rank's under a schedule that splits tokens,
-    ``packing`` being its part of the global packing (``schedules.packing.LocalPacking``).
-    ``mask`` is a composed mask (``sdpa_fusion.masks``) with causal and window folded in.
+    ``causal`` and ``window`` are top-left aligned. For ``thd``, ``batch`` is 1, ``q_len`` and
+    ``kv_len`` are packed token counts and ``cu_seqlens`` (and ``cu_seqlens_padded``) delimit
+    sequences: this rank's under a schedule that splits tokens, ``packing`` being its part of
+    the global packing. ``mask`` (``sdpa_fusion.masks``) has causal and window folded in.
     """
 
     batch: int
