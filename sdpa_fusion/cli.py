@@ -3,10 +3,9 @@
     python -m sdpa_fusion demo            # definitions + a checked fwd/bwd run
     python -m sdpa_fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
 
-``demo`` prints the nvFuser fusion definitions and checks forward and backward against torch
-SDPA: the reference kernel without a GPU; with one, the ``nvfuser`` and ``auto`` kernels, with
-TFLOP/s. ``explain`` prints the plan ``attention`` would run. The ``sdpa-fusion`` command
-(``schedules.cli``) adds meshes. A user's mistake is one line on stderr and exit status 2.
+``demo`` checks forward and backward against torch SDPA (the reference kernel on a CPU; on a
+GPU ``nvfuser`` and ``auto``, with TFLOP/s). ``schedules.cli`` adds meshes. A user's mistake
+is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations

@@ -318,12 +318,10 @@ def _weighted_sum(ops, out_a, w_a, out_b, w_b):
 
 
 class _Blocks(Definition):
-    """Shared parts of the definitions that combine two [B, H, S, E] results; per-row inputs
-    (lse or weights) are declared [B, H, S, 1] and ``execute`` takes and returns them [B, H, S].
-
-    A per-row input meets the blocks by a broadcast dim of its own, so the fusion has no
-    broadcast op: nvFuser moves an in-place write that a broadcast op feeds into a copy
-    kernel of its own (against a read-write race across the broadcast), a second pass."""
+    """Shared parts of the definitions that combine two [B, H, S, E] results. Per-row inputs
+    are declared [B, H, S, 1] (``execute`` takes them [B, H, S]) so that the fusion has no
+    broadcast op: nvFuser moves an in-place write that a broadcast feeds into a copy kernel of
+    its own (against a read-write race across the broadcast), a second pass."""
 
     row_inputs, row_outputs = (1, 3), ()  # positions of the per-row tensors
 

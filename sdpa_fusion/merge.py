@@ -1,10 +1,7 @@
 """Merging partial attention results by their log-sum-exp, for every sequence schedule.
 
-A query row attended over key blocks K_1, K_2, ... separately has, per block, an output O_i
-(softmax over that block only) and a log-sum-exp L_i. Over all blocks together:
-
-    L = log(sum_i exp(L_i)),    O = sum_i exp(L_i - L) O_i
-
+A query row attended over key blocks K_1, K_2, ... has per block an output O_i and a
+log-sum-exp L_i; over all blocks, L = log(sum_i exp(L_i)) and O = sum_i exp(L_i - L) O_i.
 A schedule folds one block at a time into the rows it covers, in place:
 
     merged = Merged(out, lse, blocks=P)       # out, lse: the results (or head slices of them)
@@ -14,11 +11,9 @@ A schedule folds one block at a time into the rows it covers, in place:
         merged.add(o2, l2, rows=slice(s // 2, None))          # the late half only
     merged.finish()                                          # out, lse hold the result
 
-The first block of a row is taken as is. With at most two blocks per row the merge writes
-straight into ``out`` (rounding once); with more, into an fp32 accumulator cast at the end.
-On CUDA with nvFuser a fold in place runs ``MergeWeights`` (once per row), then ``WeightedSum``
-(one kernel, an aliased output); where it cannot, ``LseMerge`` out of place, at most
-``FOLD_PART_BYTES`` at a time. Without nvFuser the same fp32 math in torch, in place.
+With at most two blocks per row the merge writes straight into ``out`` (rounding once); with
+more, into an fp32 accumulator. On CUDA a fold runs ``MergeWeights`` then ``WeightedSum`` in
+place, else ``LseMerge`` out of place (``FOLD_PART_BYTES`` at a time); without nvFuser, torch.
 """
 
 from __future__ import annotations
@@ -85,16 +80,14 @@ class Merged:
 
 def put(out_acc, lse_acc, block_out, block_lse, rows=None) -> None:
     """Set the accumulators to a block's (out, lse) over ``rows``: 0 and -inf elsewhere."""
-    if _all(rows):
-        out_acc.copy_(block_out)
-        lse_acc.copy_(block_lse)
-        return
-    out_acc.zero_()
-    lse_acc.fill_(float("-inf"))
+    if not _all(rows):
+        out_acc.zero_()
+        lse_acc.fill_(float("-inf"))
     if isinstance(rows, torch.Tensor):
         out_acc.index_copy_(2, rows, block_out.to(out_acc.dtype))
         lse_acc.index_copy_(2, rows, block_lse)
     else:
+        rows = slice(None) if rows is None else rows
         out_acc[:, :, rows].copy_(block_out)
         lse_acc[:, :, rows].copy_(block_lse)
 

@@ -88,13 +88,10 @@ class _Watched:
 
 
 class StallWatch:
-    """Steps whose completion the host does not wait for (NCCL and copy-engine transfers),
-    watched from a daemon thread: after ``stall_s`` this rank notes its arrival; past
-    ``REPORT_AT`` of the timeout (before NCCL's watchdog ends the process) ``report`` (default:
-    log an error) names the step and the ranks that never arrived. A transfer still pending
-    ``END_GRACE_S`` after the timeout (NCCL's watchdog can stall in its own debug dump; a
-    copy-engine stream waits without a limit) ends the process through ``end`` (default: exit
-    status 1), so that a job never hangs. Holds no tensors, only the ``done`` markers."""
+    """Transfers the host does not wait for (NCCL, copy engine), watched from a thread: after
+    ``stall_s`` this rank notes its arrival; at ``REPORT_AT`` of the timeout (before NCCL's
+    watchdog) ``report`` names the step and the missing ranks; ``END_GRACE_S`` past it (NCCL's
+    watchdog can stall in its debug dump) ``end`` ends the process, so a job never hangs."""
 
     POLL_S = 0.5
     REPORT_AT = 0.9
