@@ -1,9 +1,8 @@
 """The one agreement rule: the ranks that run a call together run the same call, or every one
 of them raises the same ValueError.
 
-A call describes itself as *fields*, names mapped to canonical text (the global problem, the
-schedule's configuration, the kernel ...). On every call each rank adds, over a gloo control
-group of the call's ranks, one all-reduce (MAX) of three int64:
+A call describes itself as *fields*, names mapped to canonical text. On every call each rank
+adds, over a gloo control group of the call's ranks, one all-reduce (MAX) of three int64:
 
     [h, -h, failed]     h: 62-bit hash of the fields; failed: 1 when this rank's checks raised
 

@@ -148,9 +148,8 @@ PLANS_KEPT = 8  # plans kept: a model's layers repeat a few calls, each step's p
 
 
 def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
-    """``plan`` of a call and its agreement fields made so far (by (needs_grad, dtensor)),
-    kept per call key among the last ``PLANS_KEPT`` calls (of the schedule's ``kept_plans``
-    where it has them); a call that fails is planned, and raises, every time."""
+    """``plan`` of a call and its agreement fields so far (by (needs_grad, dtensor)), kept per
+    ``_call_key`` for the last ``PLANS_KEPT`` calls (or the schedule's ``kept_plans``)."""
     schedule = options["schedule"]
     kept = _PLANS if schedule is None else getattr(schedule, "kept_plans", None)
     key = _call_key(q, k, v, options)
@@ -166,9 +165,8 @@ def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
 
 
 def _call_key(q, k, v, options: dict):
-    """What a call's plan depends on: the tensors' shapes, strides, dtypes and devices, and
-    the options; None (plan anew) when an option may change in place (a tensor, a list) or
-    cannot be a key, with a mask (it holds tensors), or when q, k, v are not tensors."""
+    """What a call's plan depends on (the tensors' metadata and the options); None (plan anew)
+    when an option may change in place (a tensor, a list, a mask) or q, k, v are no tensors."""
     if any(isinstance(value, (torch.Tensor, list)) for value in options.values()) or \
             options["mask"] is not None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None

@@ -34,11 +34,6 @@ def packed_seqlens(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ..
     return Seqlens(tuple(cu_q), tuple(cu_k))
 
 
-def spec_seqlens(spec: AttentionSpec) -> Seqlens:
-    """The ``Seqlens`` of packed ``spec``."""
-    return packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded)
-
-
 def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None,
                   *, out=None, lse=None):
     """(out, lse) of the whole local problem; lse is fp32 [B, H, S] ([1, H, T] for THD).
@@ -49,8 +44,9 @@ def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout
     if not spec.layout.is_varlen:
         return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout,
                               window=spec.window, out=out, lse=lse)
-    out, packed_lse = kernel.varlen_forward(q, k, v, spec_seqlens(spec), causal=spec.causal,
-                                            scale=scale, window=spec.window, out=out,
+    seqlens = packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded)
+    out, packed_lse = kernel.varlen_forward(q, k, v, seqlens, causal=spec.causal, scale=scale,
+                                            window=spec.window, out=out,
                                             lse=None if lse is None else lse[0])
     return out, (packed_lse.unsqueeze(0) if lse is None else lse)
 
@@ -65,7 +61,8 @@ def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
     if not spec.layout.is_varlen:
         return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
                                dropout=dropout, window=spec.window, dq=dq, dk=dk, dv=dv)
-    return kernel.varlen_backward(dout, q, k, v, out, lse[0], spec_seqlens(spec),
+    return kernel.varlen_backward(dout, q, k, v, out, lse[0],
+                                  packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded),
                                   causal=spec.causal, scale=scale, window=spec.window, dq=dq,
                                   dk=dk, dv=dv)
 

@@ -3,10 +3,9 @@
     mesh = init_mesh((4,), ("seq",))             # under mpirun, torchrun or srun
     mesh = init_mesh((2, 2), ("heads", "seq"))   # 2-D: heads across rows, sequence across columns
 
-Communication goes through torch.distributed (NCCL with GPUs, gloo without); the nvFuser
-``DeviceMesh`` of each named dim annotates fusions. Small gloo *control groups* (one per line
-of each dim, one for the whole mesh) carry the agreement of ``sdpa_fusion.agreement`` before
-any data moves. The mesh's ``timeout`` bounds every wait (``waiting``).
+Data goes through torch.distributed (NCCL with GPUs, gloo without); small gloo *control
+groups* (one per line of each dim, one for the whole mesh) carry the agreement
+(``sdpa_fusion.agreement``) before any data moves. The mesh's ``timeout`` bounds every wait.
 """
 
 from __future__ import annotations
