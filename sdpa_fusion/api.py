@@ -117,17 +117,14 @@ def _composed(causal: bool, window, mask):
         window = Window.of(window)
         mask = masks.window(window.left, window.right) & mask
     plain = mask.band()
-    if plain is not None:
-        return plain[0], plain[1], None
-    return False, None, mask
+    return (plain[0], plain[1], None) if plain is not None else (False, None, mask)
 
 
 def _check_device(device: torch.device, mesh) -> None:
     if device.type == "meta":
         raise ValueError("q, k, v are on the meta device (no data); attention needs real tensors")
-    if mesh is None:
-        return
-    if device.type != mesh.device.type or (device.type == "cuda" and device != mesh.device):
+    if mesh is not None and (device.type != mesh.device.type
+                             or (device.type == "cuda" and device != mesh.device)):
         raise ValueError(f"q, k, v are on {device} but this rank of the mesh runs on "
                          f"{mesh.device}; move them there (tensor.to({str(mesh.device)!r}))")
 

@@ -252,9 +252,8 @@ def _checked_padding(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, 
         raise ValueError(f"cu_seqlens_padded has {len(cu_seqlens_padded)} entries but "
                          f"cu_seqlens has {len(cu_seqlens)}; give one entry per sequence plus one")
     real, room = seqlens_of(cu_seqlens), seqlens_of(cu_seqlens_padded)
-    short = [i for i, (r, p) in enumerate(zip(real, room)) if r > p]
-    if short:
-        i = short[0]
+    i = next((i for i, (r, p) in enumerate(zip(real, room)) if r > p), None)
+    if i is not None:
         raise ValueError(f"cu_seqlens_padded leaves sequence {i} room for {room[i]} tokens but "
                          f"cu_seqlens gives it {real[i]}; each padded length "
                          "(cu_seqlens_padded[i+1] - cu_seqlens_padded[i]) must be >= the "

@@ -58,10 +58,8 @@ class Mesh:
         self._where = list(torch_mesh.get_coordinate())  # this rank's index along each dim
         self.names = names
         self.shape = tuple(torch_mesh.mesh.shape)
-        self.device = device
-        self.timeout = timeout
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.device, self.timeout = device, timeout
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._controls = controls
         self._nvfuser_meshes = {}
         self._world = dist.group.WORLD  # the torch.distributed this mesh lives in
