@@ -27,7 +27,6 @@ CPU_SHAPE = dict(batch=2, heads=8, kv_heads=2, seq=256, head_dim=64)
 GPU_SHAPE = dict(batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128)
 
 
-# ---- arguments -------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (and exit status 2)."""
 
@@ -143,7 +142,6 @@ def spec_text(spec: AttentionSpec) -> str:
     return s
 
 
-# ---- demo ------------------------------------------------------------------------------------
 def print_definitions(spec: AttentionSpec) -> None:
     """Print the nvFuser fusion definitions of ``spec``."""
     try:
@@ -267,7 +265,6 @@ def _report_speed(spec, kernel, q, k, v, dout, iters) -> None:
         print(f"    {name}: {seconds * 1e3:.3f} ms, {flops / seconds / 1e12:.1f} TFLOP/s")
 
 
-# ---- explain ---------------------------------------------------------------------------------
 def explain(args: argparse.Namespace) -> int:
     """Print what ``attention`` would run on one device for the problem of ``args``."""
     import sdpa_fusion

@@ -23,30 +23,23 @@ def unwrap_dtensors(tensors, schedule):
     if not schedule.takes_dtensors:
         raise ValueError(f"schedule {schedule.name!r} does not take DTensors; pass this rank's "
                          "local tensors (schedule.shard(...)) instead")
-    mesh = schedule.mesh
+    ranks, dim, size = schedule.mesh.torch_mesh.mesh.tolist(), schedule.sharded_dim, schedule.size
     for name, t in zip("qkv", tensors):
-        if t.device_mesh.mesh.tolist() != mesh.torch_mesh.mesh.tolist():
+        if t.device_mesh.mesh.tolist() != ranks:
             raise ValueError(f"{name} lives on DeviceMesh {t.device_mesh.mesh.tolist()} but "
-                             f"schedule {schedule.name!r} runs on "
-                             f"{mesh.torch_mesh.mesh.tolist()}; use the schedule's mesh")
-        _check_placements(name, t, schedule)
+                             f"schedule {schedule.name!r} runs on {ranks}; use the schedule's mesh")
+        if dim is not None and t.dim() > dim and t.shape[dim] % size:
+            what = {1: "heads", 2: "sequence length"}.get(dim, f"dim {dim}")
+            raise ValueError(f"{name} is a DTensor with {what} {t.shape[dim]}, which its {size} "
+                             f"ranks cannot hold in equal shards; pad it to a multiple of {size}")
+        expected = schedule.placements(t.shape)
+        if list(t.placements) != expected:
+            raise ValueError(f"{name} has placements {list(t.placements)} but schedule "
+                             f"{schedule.name!r} needs {expected}; redistribute it first "
+                             f"({name}.redistribute(placements={expected}))")
     device_mesh, placements = tensors[0].device_mesh, tensors[0].placements
 
     def rewrap(t):
         return DTensor.from_local(t, device_mesh, placements, run_check=False)
 
     return tuple(t.to_local() for t in tensors), rewrap
-
-
-def _check_placements(name: str, t, schedule) -> None:
-    dim = schedule.sharded_dim
-    if dim is not None and t.dim() > dim and t.shape[dim] % schedule.size:
-        what = {1: "heads", 2: "sequence length"}.get(dim, f"dim {dim}")
-        raise ValueError(f"{name} is a DTensor with {what} {t.shape[dim]}, which its "
-                         f"{schedule.size} ranks cannot hold in equal shards; pad it to a "
-                         f"multiple of {schedule.size}")
-    expected = schedule.placements(t.shape)
-    if list(t.placements) != expected:
-        raise ValueError(f"{name} has placements {list(t.placements)} but schedule "
-                         f"{schedule.name!r} needs {expected}; redistribute it first "
-                         f"({name}.redistribute(placements={expected}))")
