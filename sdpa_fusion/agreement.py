@@ -27,9 +27,8 @@ from .waiting import Arrivals, MeshTimeout, ranks_text
 
 
 def canonical(value) -> str:
-    """Text that is equal on every rank exactly when ``value`` is (no ids or addresses):
-    objects by their ``configuration()`` or else their class and public attributes, tensors
-    by dtype, shape and a hash of their contents."""
+    """Text equal on every rank exactly when ``value`` is: objects by ``configuration()`` or
+    their class and public attributes, tensors by dtype, shape and a hash of their contents."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return repr(value)
     if isinstance(value, enum.Enum):

@@ -184,9 +184,8 @@ def check_cu_seqlens(name: str, cu_seqlens, total_tokens: int, *, device=None,
 
 
 def cu_seqlens_values(name: str, cu_seqlens, device=None) -> list[int]:
-    """The values of ``cu_seqlens`` (a list/tuple of ints, or an int32/int64 tensor on the CPU
-    or on ``device``, read with one device sync), read on every call: a buffer refilled in
-    place must not serve its old packing."""
+    """The values of ``cu_seqlens`` (ints, or an int32/int64 tensor on the CPU or ``device``),
+    read on every call: a buffer refilled in place must not serve its old packing."""
     if cu_seqlens is None:
         raise ValueError(f"layout='thd' needs {name}= (cumulative sequence lengths, int32 [N+1])")
     if isinstance(cu_seqlens, (list, tuple)):

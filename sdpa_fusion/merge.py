@@ -202,9 +202,8 @@ def _folds_in_place(out, lse, block_lse) -> bool:
 
 
 def _fold_by_heads(out, lse, block_out, block_lse, merge=None) -> None:
-    """``merge`` (the ``LseMerge`` fusion) out of place, copied into ``out`` and ``lse``, as
-    many heads at a time (at least one) as keep its fp32 output within FOLD_PART_BYTES: a
-    small fold in one merge, whose kernels would be too short to fill the GPU in parts."""
+    """``merge`` (``LseMerge``) out of place, copied into ``out`` and ``lse``, as many heads at
+    a time as keep its fp32 output within FOLD_PART_BYTES (a small fold in one merge)."""
     merge = merge or _merge_fused
     heads = out.shape[1]
     head_bytes = out[:, :1].numel() * 4  # of the fp32 temporary, whatever out's dtype

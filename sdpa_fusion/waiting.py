@@ -2,9 +2,8 @@
 
 A rank that waits at a step (an agreement, a transfer) longer than a short stall notes its
 arrival in the store of rank 0; when the wait fails, the ranks without a note never arrived.
-Nothing is written while ranks keep pace. gloo (CPU) work is waited for with a time limit;
-NCCL work is not (the host would block): a ``StallWatch`` thread polls an event recorded
-behind it and reports the step and the missing ranks before NCCL's watchdog ends the process.
+Nothing is written while ranks keep pace. gloo work is waited for with a time limit; NCCL
+work, which would block the host, is watched by a ``StallWatch`` thread.
 """
 
 from __future__ import annotations
