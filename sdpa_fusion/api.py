@@ -51,8 +51,8 @@ class Plan:
 
 def plan(q, k, v, *, causal=False, scale=None, layout="auto", kernel="auto", schedule=None,
          dropout_p=0.0, cu_seqlens=None, cu_seqlens_padded=None, window=None, mask=None) -> Plan:
-    """Check this rank's call and choose the kernel, without communicating: the ValueError
-    of a bad argument is raised here on this rank (``attention`` raises it on every rank)."""
+    """Check this rank's call and choose the kernel, without communicating (a bad argument
+    raises here on this rank; ``attention`` raises it on every rank)."""
     q_layout = tensor_layout("q", q, layout)  # "auto": read from q
     _check_arguments(schedule, causal, kernel, q_layout, cu_seqlens, cu_seqlens_padded)
     causal, window, mask = _composed(causal, window, mask)
@@ -183,14 +183,12 @@ def _typed(value):
     return type(value), value
 
 
+_long_text = functools.lru_cache(maxsize=16)(repr)
+
+
 def _text(value) -> str:
     """``repr(value)``; that of a long tuple (a pack's offsets) made once."""
     return _long_text(value) if isinstance(value, tuple) and len(value) > 64 else repr(value)
-
-
-@functools.lru_cache(maxsize=16)
-def _long_text(value: tuple) -> str:
-    return repr(value)
 
 
 class _Attention(torch.autograd.Function):

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from .spec import AttentionSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Largest |error| / max |oracle| accepted by ``demo``: the kernel's output dtype against an
-# fp32 (GPU) or fp64 (CPU) oracle computed from the same inputs.
+# Largest |error| / max |oracle| accepted by ``demo`` (an fp32 oracle on GPUs, fp64 on CPUs)
 RELATIVE_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 CPU_SHAPE = dict(batch=2, heads=8, kv_heads=2, seq=256, head_dim=64)
 GPU_SHAPE = dict(batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128)

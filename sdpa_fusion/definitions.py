@@ -390,8 +390,8 @@ class LseMerge(_Blocks):
 
 
 class WeightedSum(_Blocks):
-    """out_a <- w_a out_a + w_b out_b in place (an aliased output), in fp32 rounded once into
-    ``acc_dtype``; weights fp32 [B,H,S] from ``MergeWeights``. Returns nothing."""
+    """out_a <- w_a out_a + w_b out_b in place (an aliased output, rounded once), weights fp32
+    [B,H,S] from ``MergeWeights``."""
 
     input_names = ("out_a", "w_a", "out_b", "w_b")
     output_names = ()
@@ -404,8 +404,7 @@ class WeightedSum(_Blocks):
 
 
 class MergeWeights(Definition):
-    """The weights of two partial results and their merged log-sum-exp: dense fp32 lse_a,
-    lse_b [B,H,S] -> w_a, w_b, lse [B,H,S] (``LseMerge``'s math, once per row)."""
+    """Dense fp32 lse_a, lse_b [B,H,S] -> w_a, w_b, lse [B,H,S]: ``LseMerge``'s weights."""
 
     input_names = ("lse_a", "lse_b")
     output_names = ("w_a", "w_b", "lse")

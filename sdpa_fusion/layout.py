@@ -96,9 +96,8 @@ def _dense_strides(shape, memory_order) -> list[int]:
 
 
 def exact_strides(t: torch.Tensor, memory_order) -> torch.Tensor:
-    """Dense ``t`` (dims nested in ``memory_order``, outermost first) as a view whose size-1
-    dims have the strides of that order too: torch leaves them free, nvFuser checks them
-    against a fusion's contiguity (a one-token sequence of a packed batch, a batch of one)."""
+    """Dense ``t`` (dims nested in ``memory_order``) as a view whose size-1 dims have the strides
+    of that order too: torch leaves them free, nvFuser checks them against a fusion's contiguity."""
     strides = _dense_strides(t.shape, memory_order)
     if list(t.stride()) == strides:
         return t
