@@ -61,8 +61,7 @@ def fingerprint(fields: dict[str, str]) -> int:
 
 
 class ControlGroup:
-    """A gloo group of ``ranks`` (global ranks, mesh order) that agree on calls: ``name`` says
-    which (e.g. "mesh dim 'seq'"); its collectives wait at most ``timeout``."""
+    """A gloo group of ``ranks`` (mesh order), called ``name``, that agree on calls."""
 
     def __init__(self, group, ranks: list[int], timeout: datetime.timedelta, name: str):
         self.group, self.ranks, self.timeout, self.name = group, ranks, timeout, name

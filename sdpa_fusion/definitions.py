@@ -292,8 +292,7 @@ class SdpaForwardBackward(_Attention):
 
 
 def _merge_weights(ops, lse_a, lse_b):
-    """(w_a, w_b, lse) of two partial results by their log-sum-exp (``LseMerge``'s math):
-    w_a + w_b = 1 where a key was seen, both 0 and lse -inf where none was."""
+    """(w_a, w_b, lse) of two partial results (``LseMerge``'s math); 0, 0, -inf where no key."""
     m = ops.maximum(lse_a, lse_b)
     m = ops.where(ops.isneginf(m), 0.0, m)
     w_a, w_b = ops.exp(ops.sub(lse_a, m)), ops.exp(ops.sub(lse_b, m))

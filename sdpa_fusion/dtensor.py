@@ -2,9 +2,8 @@
 
 A placement is accepted only when it is exactly what ``schedule.shard`` gives this rank:
 ``Shard(1)`` (contiguous heads) for ``head_parallel``, ``Shard(2)`` for sequence schedules with
-``partition='contiguous'``, ``Replicate()`` for ``replicated``. Nothing is redistributed: a
-schedule holding another partition refuses ``Shard(2)`` (contiguous chunks) rather than
-misread it. Checks are local; ``attention`` agrees on them across ranks.
+``partition='contiguous'``, ``Replicate()`` for ``replicated``. Nothing is redistributed:
+another partition refuses ``Shard(2)`` rather than misread it. Checks are local.
 """
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ def packed_seqlens(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ..
 
 def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None,
                   *, out=None, lse=None):
-    """(out, lse) of the whole local problem; lse is fp32 [B, H, S] ([1, H, T] for THD).
-    Written into ``out`` and ``lse`` when given."""
+    """(out, lse fp32 [B,H,S] or [1,H,T]) of the local problem, into ``out``, ``lse`` if given."""
     scale = spec.softmax_scale
     if spec.mask is not None:
         return written(_masked(spec, kernel, "forward", (q, k, v), scale), (out, lse))

@@ -32,8 +32,7 @@ FOLD_PART_BYTES = 64 << 20  # a fold that cannot run in place merges at most thi
 
 
 def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
-    """(out_acc, lse_acc) for the queries ``q`` [B,H,S,E]: fp32 zeros in ``layout`` (q's own by
-    default) and fp32 -inf [B,H,S] (no key seen yet)."""
+    """(out_acc, lse_acc) for queries ``q``: fp32 zeros in ``layout`` (q's by default), -inf."""
     layout = layout_of(q) if layout is None else Layout.of(layout)
     b, h, s, _ = q.shape
     out = layout.empty(q.shape, dtype=torch.float32, device=q.device).zero_()
@@ -42,8 +41,8 @@ def accumulators(q: torch.Tensor, layout: Layout | str | None = None):
 
 
 class Merged:
-    """The merged result of the key blocks ``add``ed, into ``out`` [B,H,S,E] and ``lse`` fp32
-    [B,H,S] (views allowed) at ``finish``; ``blocks`` bounds how many blocks any row gets."""
+    """The merge of the blocks ``add``ed, into ``out`` and ``lse`` (views allowed) at ``finish``;
+    ``blocks`` bounds how many blocks any row gets."""
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor, blocks: int):
         self.out, self.lse = out, lse
@@ -53,8 +52,7 @@ class Merged:
         self._empty = True
 
     def into(self, rows=None):
-        """(out, lse) where a kernel may write the next block itself (the first block, of
-        every row, going straight into ``out``); else None (``add`` it)."""
+        """(out, lse) for a kernel to write a first block of every row into; else None (add it)."""
         if not (self._empty and self.acc is self.out and _all(rows)):
             return None
         self._empty = False
@@ -183,8 +181,7 @@ def _fold_torch(out, lse, block_out, block_lse) -> None:
 
 
 def _fold_meta(out, lse, block_lse) -> None:
-    """A fold of data-less tensors (a dry run, ``schedules.dry_run``) allocating what the
-    fused fold does on GPUs: the weights of each row and the new lse."""
+    """A fold of data-less tensors (a dry run) allocating what the fused fold does on GPUs."""
     weights = [torch.empty_like(lse, dtype=torch.float32) for _ in range(3)]
     lse.copy_(weights[2])
 
@@ -224,8 +221,7 @@ def _merge_fused(out, lse, block_out, block_lse):
 
 
 def _fold_fused(out, lse, block_out, block_lse) -> bool:
-    """The weights of each row (``MergeWeights``), then ``WeightedSum`` in place into ``out``
-    and the new lse into ``lse``; False when that fusion cannot run here."""
+    """``MergeWeights``, then ``WeightedSum`` in place; False when that cannot run here."""
     from .definitions import MergeWeights, WeightedSum
 
     key = (out.dtype, block_out.dtype, layout_of(out))

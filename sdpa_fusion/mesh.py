@@ -60,8 +60,7 @@ class Mesh:
         self.shape = tuple(torch_mesh.mesh.shape)
         self.device, self.timeout = device, timeout
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._controls = controls
-        self._nvfuser_meshes = {}
+        self._controls, self._nvfuser_meshes = controls, {}
         self._world = dist.group.WORLD  # the torch.distributed this mesh lives in
 
     @property
@@ -269,8 +268,8 @@ def _group_options(backend: str, timeout: datetime.timedelta):
 
 
 def _control_groups(torch_mesh, names, timeout) -> dict[str | None, ControlGroup]:
-    """A gloo control group for this rank's line of every dim, and one for the whole mesh
-    (every rank creates every group, in the same order)."""
+    """A gloo control group per dim (this rank's line) and one for the mesh; every rank
+    creates every group, in the same order."""
     ranks = torch_mesh.mesh
     controls = {}
     for d, name in enumerate(names):
@@ -315,8 +314,7 @@ def _init_process_group(env: LaunchEnv | None, backend, device, timeout) -> None
 
 
 def close_mesh() -> None:
-    """Leave torch.distributed (call before exit: gloo threads can abort at teardown); using a
-    mesh afterwards raises a ValueError."""
+    """Leave torch.distributed (before exit: gloo threads can abort at teardown); meshes close."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -126,8 +126,7 @@ class AttentionSpec:
         return [(s, n) for s, n in zip(starts, seqlens_of(list(self.cu_seqlens)))]
 
     def flops(self, *, backward: bool = False) -> float:
-        """Matmul FLOPs: 4*b*h*s_q*s_kv*e (halved when causal; the pairs the band lets
-        through with a window), 3.5x for forward+backward."""
+        """Matmul FLOPs, 4*h*e per (query, key) pair kept; 3.5x for forward+backward."""
         if self.mask is not None:
             from .mask_plan import spec_pairs
 

@@ -2,8 +2,7 @@
 
 A rank that waits at a step (an agreement, a transfer) longer than a short stall notes its
 arrival in the store of rank 0; when the wait fails, the ranks without a note never arrived.
-Nothing is written while ranks keep pace. gloo work is waited for with a time limit; NCCL
-work, which would block the host, is watched by a ``StallWatch`` thread.
+Nothing is written while ranks keep pace. NCCL work is watched by a ``StallWatch`` thread.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ log = logging.getLogger("sdpa_fusion")
 
 
 class MeshTimeout(RuntimeError):
-    """Ranks of a mesh did not meet within the mesh's timeout; the message names the call, the
-    step and the ranks that did not arrive. The group is unusable afterwards."""
+    """Ranks of a mesh did not meet within its timeout; the message names the step and ranks."""
 
 
 class Arrivals:
@@ -32,8 +30,7 @@ class Arrivals:
         self.group_name, self.ranks, self.timeout = group_name, ranks, timeout
 
     def wait(self, work, step: int) -> None:
-        """Wait for gloo ``work`` of ``step``, noting this rank's arrival after a short stall;
-        the backend's RuntimeError when it fails (see ``missing``)."""
+        """Wait for gloo ``work`` of ``step``, noting the arrival after a short stall."""
         try:
             work.wait(min(datetime.timedelta(seconds=1), self.timeout / 4))
             return
