@@ -5,11 +5,10 @@ attention).
     mesh = sdpa_fusion.init_mesh((2, 4), ("heads", "seq"))
     sched = schedules.get("hybrid", mesh, inner="ulysses", outer="ring")   # the defaults
 
-The *outer* dim (``outer_dim``, by default the mesh's second) splits the sequence with the
-outer schedule (``ring`` or ``allgather``, its ``partition`` and other options); the *inner*
-dim (``inner_dim``, by default the mesh's first) splits the heads with the inner schedule.
-Seen from the inner schedule, the outer schedule over this rank's line of the outer dim is
-the local kernel, so the hybrid is the two 1-D schedules composed:
+The *outer* dim (``outer_dim``, default the mesh's second) splits the sequence with the outer
+schedule (``ring`` or ``allgather`` and its options); the *inner* dim (``inner_dim``, default
+the first) splits the heads with the inner schedule, whose local kernel is the outer schedule
+over this rank's outer line:
 
     inner="ulysses"        rank (i, o) holds S/(Pi Po) tokens of all H heads
         [B, H, S/(Pi Po), E]  --all-to-all over the inner line-->  [B, H/Pi, S/Po, E]
@@ -19,9 +18,9 @@ the local kernel, so the hybrid is the two 1-D schedules composed:
         its heads, no inner communication; with kernel="nvfuser" the fusions carry the head
         split as an nvFuser DID annotation on the inner dim (``Kernel.split_heads``)
 
-Either way the outer ring moves K/V blocks of H_kv/Pi heads: its bytes per step shrink by
-the inner size. Tokens: outer rank o holds ``partition.indices(S, Po, o)``; with ulysses,
-inner rank i holds the i-th contiguous 1/Pi of them. S = 16, 2 x 2, load_balanced:
+The outer ring moves K/V blocks of H_kv/Pi heads. Outer rank o holds the tokens
+``partition.indices(S, Po, o)``; with ulysses, inner rank i the i-th contiguous 1/Pi of them.
+S = 16, 2 x 2, load_balanced:
 
     outer rank 0: tokens 0-3, 12-15    ulysses: (i=0, o=0) 0-3    (i=1, o=0) 12-15
     outer rank 1: tokens 4-7, 8-11              (i=0, o=1) 4-7    (i=1, o=1) 8-11
@@ -30,12 +29,11 @@ K/V with fewer heads than inner ranks (GQA): ulysses replicates them inside its 
 head_parallel gives every inner rank a copy of the K/V head its query heads use, whose
 gradient is that rank's share (``unshard(..., heads=, copies="sum")`` adds the shares).
 
-Packed sequences (THD): the outer schedule splits every sequence (``schedules.packing``) and
-takes its part [T_o, H/Pi, E] as it does on a 1-D mesh. With inner head_parallel each rank
-holds that part of its heads. With inner ulysses the part is split again, every sequence's
-slot there contiguously over the inner ranks (``NestedPacking``: the outer padding becomes
-padding of the slots); the all-to-all puts each rank's real tokens back in their rows of the
-outer part, whose padding rows are zeros, and the outer schedule runs on them:
+Packed sequences (THD): the outer schedule splits every sequence (``schedules.packing``) as
+on a 1-D mesh; inner head_parallel holds that part of its heads. Inner ulysses splits the part
+again, each sequence's slot contiguously over the inner ranks (``NestedPacking``); the
+all-to-all puts each rank's real tokens back in their rows of the outer part (padding rows
+zero), and the outer schedule runs on them:
 
     outer part (rank o)   a0 a1 .  .  | b0 b1 b6 b7
     (i=0, o)              a0 a1 | b0 b1        (i=1, o)   .  .  | b6 b7
@@ -66,9 +64,8 @@ from .ulysses import Placement, Ulysses
 
 
 class _LineUlysses(Ulysses):
-    """``ulysses`` over the inner dim of a hybrid. Packed, its tokens are a ``NestedPacking``:
-    the heads are attended in the rows of the outer part (padding rows zero), and the one
-    call hands that whole part to the outer schedule, the kernel here."""
+    """``ulysses`` over the inner dim of a hybrid. Packed (a ``NestedPacking``), its one call
+    hands the whole outer part (padding rows zero) to the outer schedule, its kernel."""
 
     routes_packed = False  # the whole part's rows travel as blocks
 
@@ -88,8 +85,8 @@ class _LineUlysses(Ulysses):
 
 
 def _unmasked(spec):
-    """``spec`` as the inner schedule sees it: a composed mask is the outer schedule's (it
-    knows the positions of the tokens of its blocks); the inner one only moves heads."""
+    """``spec`` for the inner schedule: a composed mask is the outer one's (it knows its
+    blocks' token positions)."""
     return spec if spec.mask is None else spec.replace(mask=None)
 
 
@@ -98,9 +95,8 @@ OUTER = {"ring": Ring, "allgather": AllGather}
 
 
 class _OuterKernel(Kernel):
-    """The outer schedule over this rank's outer line, as the local kernel of the inner one.
-    ``spec`` is the outer schedule's local spec; each call's shapes come from its tensors.
-    Packed calls take the outer part's [T_o, h, E] tensors (``spec.packing``) whole."""
+    """The outer schedule over this rank's outer line as the inner one's local kernel, on
+    the outer schedule's local ``spec`` (shapes from each call's tensors)."""
 
     name = "outer"
     native_varlen = True  # a packed call runs the outer schedule once
@@ -139,9 +135,8 @@ class _OuterKernel(Kernel):
 
 class Hybrid(Schedule):
     """``inner`` ("ulysses" | "head_parallel") over ``inner_dim`` composed with ``outer``
-    ("ring" | "allgather", with ``partition`` and the other ``outer_options``) over
-    ``outer_dim``. A mesh or option that cannot work is reported by ``validate`` (and by
-    ``shard``, ``unshard``, ``describe``), so ``attention`` raises it on every rank."""
+    ("ring" | "allgather", with ``partition`` and ``outer_options``) over ``outer_dim``. A bad
+    mesh or option raises in ``validate`` (and ``shard``, ``unshard``, ``describe``)."""
 
     name = "hybrid"
     supports_thd = True
@@ -162,13 +157,13 @@ class Hybrid(Schedule):
     # ---- the two schedules -----------------------------------------------------------------
     @property
     def inner(self) -> Schedule:
-        """The schedule over the inner dim (a ValueError when the configuration is bad)."""
+        """The schedule over the inner dim (a ValueError for a bad configuration)."""
         self._check_configuration()
         return self._inner
 
     @property
     def outer(self) -> Schedule:
-        """The schedule over the outer dim (a ValueError when the configuration is bad)."""
+        """The schedule over the outer dim (a ValueError for a bad configuration)."""
         self._check_configuration()
         return self._outer
 
@@ -191,7 +186,7 @@ class Hybrid(Schedule):
 
     @property
     def partition(self):
-        """The outer schedule's token partition (the sequence split across the outer dim)."""
+        """The outer schedule's token partition."""
         return self.outer.partition
 
     @property
@@ -241,52 +236,40 @@ class Hybrid(Schedule):
         return self._line_spec(spec).replace(heads=spec.heads // p,
                                              kv_heads=max(spec.kv_heads // p, 1))
 
+    def _kernel(self, kernel, spec) -> _OuterKernel:
+        return _OuterKernel(self.outer, kernel, self._outer_spec(spec))
+
     def forward(self, q, k, v, spec, kernel, dropout=None):
-        return self.inner.forward(q, k, v, _unmasked(spec),
-                                  _OuterKernel(self.outer, kernel, self._outer_spec(spec)), dropout)
+        return self.inner.forward(q, k, v, _unmasked(spec), self._kernel(kernel, spec), dropout)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
         return self.inner.backward(dout, q, k, v, out, lse, _unmasked(spec),
-                                   _OuterKernel(self.outer, kernel, self._outer_spec(spec)),
-                                   dropout)
+                                   self._kernel(kernel, spec), dropout)
 
     # ---- packed sequences ------------------------------------------------------------------
     def pack(self, cu_seqlens, cu_seqlens_padded=None, *, device=None) -> LocalPacking:
-        """This rank's part of the GLOBAL packing ``cu_seqlens`` (and ``cu_seqlens_padded``),
-        the same on every rank: the outer schedule's part, split again over the inner dim with
-        inner ulysses (a ``NestedPacking``). ``position_ids`` index a RoPE table. ``device``
-        as for the outer schedule's ``pack``."""
+        """This rank's part of the GLOBAL packing ``cu_seqlens`` (and ``cu_seqlens_padded``):
+        the outer schedule's part, split again over the inner dim with inner ulysses (a
+        ``NestedPacking``)."""
         outer = self.outer.pack(cu_seqlens, cu_seqlens_padded, device=device)
         if self.splits_heads:
             return outer
-        return outer.cached(("nested", self.inner.size, self.inner.index),
-                            lambda: self._nest(outer))
 
-    def _nest(self, outer: LocalPacking) -> NestedPacking:
-        split = self.inner.split(*outer.split.part_packing(outer.rank), outer.device)
-        return NestedPacking(split, self.inner.index, outer)
+        def nest():
+            split = self.inner.split(*outer.split.part_packing(outer.rank), outer.device)
+            return NestedPacking(split, self.inner.index, outer)
+
+        return outer.cached(("nested", self.inner.size, self.inner.index), nest)
 
     @property
     def packing_owner(self) -> tuple:
-        """The ``owner`` of the packings this rank uses (see ``LocalPacking.owner``)."""
+        """The ``LocalPacking.owner`` of the packings this rank uses."""
         owner = self.outer.packing_owner
         return owner if self.splits_heads else owner + self.inner.packing_owner
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
-        """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
-        global ``cu_seqlens`` or this rank's ``pack(...)``; checks q's token count."""
+        """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``."""
         return checked_packing(self, q, cu_seqlens, cu_seqlens_padded)
-
-    def _line_packings(self, layout: Layout, cu_seqlens, cu_seqlens_padded):
-        """(inner, outer) ``cu_seqlens=`` keywords of unshard: none for dense tensors; packed,
-        the inner schedule's packing of this rank and the outer one's of the outer part."""
-        if not layout.is_varlen:
-            return {}, {}
-        packing = packing_of(self, cu_seqlens, cu_seqlens_padded)
-        if self.splits_heads:
-            return {}, {"cu_seqlens": packing}
-        return ({"cu_seqlens": packing.split.part(packing.rank)},
-                {"cu_seqlens": packing.outer})
 
     # ---- full tensors ----------------------------------------------------------------------
     def indices(self, seq_len: int) -> torch.Tensor:
@@ -298,8 +281,7 @@ class Hybrid(Schedule):
         return tokens[self.inner.indices(len(tokens))]
 
     def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
-        """Global positions of this rank's tokens of a ``seq_len``-token sequence (int64, on
-        ``device``): index a RoPE table with them. Packed sequences: ``pack(...).position_ids``."""
+        """Global positions (int64, on ``device``) of this rank's tokens of a sequence."""
         return self.indices(seq_len).to(device or "cpu")
 
     def _check_sequence(self, seq_len: int) -> None:
@@ -317,16 +299,17 @@ class Hybrid(Schedule):
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
-        """This rank's tokens (and, with inner head_parallel, heads) of a full tensor; packed
-        tensors take the global ``cu_seqlens`` (or this rank's ``pack(...)``). A tensor with
-        fewer heads than inner ranks (K/V of GQA) gives each rank a copy of the head its
-        query heads use."""
+        """This rank's tokens (and, with inner head_parallel, heads: a copy of one K/V head
+        when there are fewer than inner ranks) of a full tensor; packed tensors take the
+        global ``cu_seqlens`` (or this rank's ``pack(...)``)."""
         layout = shard_layout(t, layout)
         if layout.is_varlen:
             local = packing_of(self, cu_seqlens, cu_seqlens_padded).shard(t)
-            return self._heads_of(local, layout) if self.splits_heads else local
-        local = t.index_select(2, self.indices(t.shape[2]).to(t.device))
-        return self._heads_of(local, layout) if self.splits_heads else layout.to(local)
+        else:
+            local = t.index_select(2, self.indices(t.shape[2]).to(t.device))
+        if self.splits_heads:
+            return self.inner.local_heads(local, layout, f"inner dim {self.inner.dim!r}")
+        return local if layout.is_varlen else layout.to(local)
 
     def placements(self, shape) -> list:
         """DTensor placements of this rank's shards of a [B, H, S, E] tensor of global ``shape``:
@@ -371,15 +354,6 @@ class Hybrid(Schedule):
             )
         return placements
 
-    def _heads_of(self, t: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """This inner rank's heads of ``t`` in ``layout`` (a copy of one head, which says so,
-        when ``t`` has fewer heads than the inner ranks: ``HeadParallel.local_heads``)."""
-        return self.inner.local_heads(t, layout, self._inner_where)
-
-    @property
-    def _inner_where(self) -> str:
-        return f"inner dim {self.inner.dim!r}"
-
     @property
     def token_splits(self) -> tuple:
         return self.outer.token_splits if self.splits_heads else (self.inner, self.outer)
@@ -392,16 +366,17 @@ class Hybrid(Schedule):
                 cu_seqlens_padded=None, heads: int | None = None,
                 copies: str | None = None) -> torch.Tensor:
         """The full tensor (same on every rank) from every rank's part; differentiable.
-        Packed tensors take ``cu_seqlens`` as ``shard`` does.
-
-        ``heads`` < inner ranks (K/V of GQA under inner head_parallel): ``t`` is a copy of
-        one of ``heads`` heads; ``copies="sum"`` adds the copies (gradients: each is its
-        ranks' share), ``copies="first"`` takes one (values: the copies are equal). Without
-        them, as ``HeadParallel.unshard`` over the inner dim: shard's copies and attention's
-        output fold back by themselves, other tensors of one head per inner rank raise a
-        ValueError once copies were handed out."""
+        Packed tensors take ``cu_seqlens`` as ``shard`` does; ``heads`` and ``copies`` fold
+        K/V copies under inner head_parallel as ``HeadParallel.unshard`` does."""
         layout = unshard_layout(t, layout)
-        inner, outer = self._line_packings(layout, cu_seqlens, cu_seqlens_padded)
+        inner, outer = {}, {}  # the cu_seqlens= of each dim's unshard
+        if layout.is_varlen:
+            packing = packing_of(self, cu_seqlens, cu_seqlens_padded)
+            if self.splits_heads:
+                outer["cu_seqlens"] = packing
+            else:
+                inner["cu_seqlens"] = packing.split.part(packing.rank)
+                outer["cu_seqlens"] = packing.outer
         if self.splits_heads:
             inner.update(heads=heads, copies=copies)
         elif heads is not None and isinstance(t, torch.Tensor) and heads != t.shape[1]:
@@ -414,14 +389,12 @@ class Hybrid(Schedule):
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
         """Steps, bytes and FLOPs per rank for the global ``spec``, with one ``DimCost`` per
-        dim: the inner schedule for one inner line's problem (all heads, the S/Po tokens of
-        an outer rank), the outer one for the heads of one inner rank (all tokens)."""
+        dim (``schedules.dim_costs.describe_dims``)."""
         return describe_dims(self.inner, self.outer, spec, self._global_line(spec),
                              dry_run.memory_of(self, spec))
 
     def _global_line(self, spec):
-        """The global problem of this rank's inner line: all heads of its outer rank's tokens
-        (packed: of its part of every sequence, padding as sequences' slots)."""
+        """The global problem of this rank's inner line: all heads of its outer rank's tokens."""
         outer = self.outer
         if not spec.layout.is_varlen:
             return spec.replace(q_len=spec.q_len // outer.size, kv_len=spec.kv_len // outer.size)
@@ -440,8 +413,7 @@ class Hybrid(Schedule):
 
 
 def _compose(mesh, inner: str, outer: str, inner_dim, outer_dim, outer_options):
-    """(inner schedule, outer schedule) of a hybrid; a ValueError naming the fix when the mesh
-    or an option cannot work."""
+    """(inner schedule, outer schedule) of a hybrid; a ValueError naming the fix."""
     for role, name, known in (("inner", inner, INNER), ("outer", outer, OUTER)):
         if name not in known:
             raise ValueError(f"{role}={name!r} is not known for schedule 'hybrid'; choose one "
