@@ -1,19 +1,16 @@
 """A packed batch split by whole documents (partition ``documents``): each rank's tokens.
 
-``schedules.assign`` gives some documents whole to one rank and cuts the others. The cut
-documents form a packing of their own (the "cut packing", their tokens in batch order),
-split by the load-balanced partition (``schedules.packing.Split``): the same number of
-tokens on every rank, as ring blocks need. Rank r stores its whole documents first, in batch
-order, then its part of the cut packing:
+``schedules.assign`` gives some documents whole to one rank and cuts the others, which form
+the "cut packing" (their tokens in batch order), split load-balanced (``packing.Split``): one
+number of tokens on every rank, as ring blocks need. Rank r stores its whole documents first,
+in batch order, then its part of the cut packing:
 
     documents a (2 tokens), b (8), c (3), d (1), P = 2; b is cut, chunks of 2
     rank 0   c0 c1 c2 | b0 b1 b6 b7          cu_seqlens        [0, 3, 7]
     rank 1   a0 a1 d0 | b2 b3 b4 b5          cu_seqlens        [0, 2, 3, 7]
 
-Ranks hold different numbers of tokens (balanced, not equal): whole documents never travel;
-only the cut part does (K/V, dK/dV), one size on every rank. ``position_ids`` are positions
-inside each document (RoPE); ``unshard`` pads every rank's part to the longest before it
-gathers them, then restores the batch order.
+Ranks hold different numbers of tokens (balanced, not equal); only the cut part travels.
+``unshard`` pads every rank's part to the longest before it gathers them.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ from .partition import LoadBalanced, Partition
 @dataclasses.dataclass(frozen=True, eq=False)
 class DocumentSplit:
     """Every rank's part of one global packing under partition ``documents`` (host tensors):
-    the ``assignment``, and ``cut``, the load-balanced ``Split`` of the cut packing (None when
-    no document is cut)."""
+    the ``assignment``, and ``cut``, the ``Split`` of the cut packing (None: none cut)."""
 
     partition: Partition
     parts: int
@@ -88,8 +84,7 @@ class DocumentSplit:
         return max([*whole, self.cut.longest_share if self.cut is not None else 0], default=0)
 
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part: its whole documents, then its
-        real tokens of each cut document in slots of the cut split's storage."""
+        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part: whole documents, then cut ones."""
         whole = torch.cumsum(self.lengths[self.whole(rank)], 0).tolist()
         base = whole[-1] if whole else 0
         if self.cut is None:
@@ -127,8 +122,8 @@ class DocumentSplit:
 
     @functools.cached_property
     def _unshard_index(self):
-        """(rows of the real tokens in all ranks' parts, each padded to ``most_tokens`` and
-        concatenated, their global rows), on the device."""
+        """(rows of the real tokens in all ranks' parts padded to ``most_tokens``, their global
+        rows), on the device."""
         rows = [self.rows(r) for r in range(self.parts)]
         flat = torch.cat([(r >= 0).nonzero().flatten() + j * self.most_tokens
                           for j, r in enumerate(rows)])
@@ -139,8 +134,7 @@ class DocumentSplit:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DocumentPacking(LocalPacking):
     """One rank's part of a global packing under partition ``documents``: its whole documents
-    (``whole_tokens`` rows, one sequence each), then its part of the cut packing (``cut``, a
-    ``LocalPacking`` of the load-balanced split of the cut documents, or None). ``tokens``
+    (``whole_tokens`` rows), then its part of the cut packing (``cut``, or None). ``tokens``
     differs from rank to rank; the rest reads as ``LocalPacking``."""
 
     @functools.cached_property
@@ -205,24 +199,10 @@ class DocumentPacking(LocalPacking):
     def token_index(self) -> torch.Tensor:
         return self._on_device(self.split.rows(self.rank))
 
-    @functools.cached_property
-    def _real_rows(self):
-        rows = (self.split.rows(self.rank) >= 0).nonzero().flatten()
-        return self._on_device(rows), self.token_index[self._on_device(rows)]
-
-    def unshard(self, t: torch.Tensor) -> torch.Tensor:
-        """The global [T, ...] tensor, the same on every rank, from every rank's part (padded
-        to the longest part to be gathered); differentiable as ``LocalPacking.unshard``."""
-        self._check_rows("t", t, self.tokens, "this rank's part")
-        most = self.split.most_tokens
-        if self.parts == 1:
-            full = t
-        else:
-            pad = t.new_zeros((most - t.shape[0], *t.shape[1:]))
-            full = self.split.gather(torch.cat([t, pad]))
-        flat, tokens = self.split._unshard_index
-        whole = t.new_zeros((self.split.total_tokens, *t.shape[1:]))
-        return whole.index_copy(0, tokens, full.index_select(0, flat))
+    def _to_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` padded to the longest part (``unshard`` gathers parts of one size)."""
+        pad = t.new_zeros((self.split.most_tokens - t.shape[0], *t.shape[1:]))
+        return torch.cat([t, pad])
 
     def __repr__(self) -> str:
         cut = len(self.assignment.cut)

@@ -1,11 +1,10 @@
 """Packed sequences (THD) split over the ranks of a sequence schedule.
 
-The caller holds the global packing of the full [T, H, E] tensors: ``cu_seqlens`` (and
+The caller holds the global packing of the full [T, H, E] tensors (``cu_seqlens``, and
 ``cu_seqlens_padded`` when sequences sit in larger slots), the same on every rank. The
-schedule's partition splits every sequence on its own: the sequence's slot (padded length,
-or length) is rounded up to the partition's multiple, the padding tokens added for the
-caller, and rank r keeps the tokens ``partition.position(slot, L, P, r)``. Each rank stores
-its part of every sequence in sequence order, real tokens first, padding last:
+partition splits every sequence on its own: its slot is rounded up to the partition's
+multiple, and rank r keeps the tokens ``partition.position(slot, L, P, r)``, storing its part
+of every sequence in sequence order, real tokens first, padding last:
 
     load_balanced, P = 2, sequences a (5 tokens) and b (8); chunks of 2, '.' is padding
     sequence a, padded to 8     [a0 a1] [a2 a3] [a4 . ] [.  . ]
@@ -14,14 +13,11 @@ its part of every sequence in sequence order, real tokens first, padding last:
                                                               cu_seqlens_padded [0, 4, 8]
 
 Every rank stores the same number of tokens, so ring blocks keep one size. Padding tokens
-are zeros in ``shard``, never reach a kernel, get zero output and zero gradient, and
-``unshard`` drops them. ``position_ids`` is the position of every local token inside its
-sequence (what RoPE needs); padding tokens get position 0 (a valid index of any table; they
-reach no real token).
+are zeros in ``shard``, never reach a kernel, get zero output and gradient, and ``unshard``
+drops them; their ``position_ids`` (positions inside the sequence, for RoPE) are 0.
 
-A rank's part can be split again (``NestedPacking``: the ``hybrid`` schedule with inner
-ulysses splits each outer rank's part over its inner ranks); ``LocalPacking.owner`` names
-the splits that made a part, so a schedule takes only the parts it would make.
+A rank's part can be split again (``NestedPacking``, for ``hybrid`` with inner ulysses);
+``LocalPacking.owner`` names the splits that made a part.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ from .partition import Partition
 
 def global_packing(cu_seqlens, cu_seqlens_padded=None, *, device=None
                    ) -> tuple[tuple, tuple | None]:
-    """The checked global packing as tuples: (cu_seqlens, cu_seqlens_padded or None), read
-    on every call (``cu_seqlens_values``: lists, CPU tensors, or tensors on ``device``)."""
+    """The checked global packing as tuples: (cu_seqlens, cu_seqlens_padded or None)."""
     padded = None
     if cu_seqlens_padded is not None:
         padded = cu_seqlens_values("cu_seqlens_padded", cu_seqlens_padded, device)
@@ -109,8 +104,7 @@ class Split:
         return int(self.counts.max()) if self.counts.numel() else 0
 
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples: its real tokens of
-        every sequence, in slots of ``storage`` tokens (what splitting the part again takes)."""
+        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples."""
         return self.part(rank).offsets
 
     def rows(self, rank: int) -> torch.Tensor:
@@ -133,15 +127,9 @@ class Split:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LocalPacking:
-    """One rank's part of a global packing; made by ``schedule.pack(cu_seqlens, ...)``.
-
-    ``shard(t)`` / ``unshard(t)`` move [T, ...] tensors between the global packing and this
-    rank's [T_local, ...] part (differentiable); ``cu_seqlens`` / ``cu_seqlens_padded``
-    delimit the local part the way ``attention(layout='thd')`` reads them; ``seqlens`` are
-    the real tokens per sequence here; ``position_ids`` the position of each local token in
-    its sequence (0 for padding); ``token_index`` its row in the global tensor (-1 for
-    padding). Pass it as ``attention(..., cu_seqlens=local)`` on the rank it belongs to.
-    """
+    """One rank's part of a global packing, made by ``schedule.pack(cu_seqlens, ...)``: pass
+    it as ``attention(..., cu_seqlens=local)`` on its rank. ``shard(t)`` / ``unshard(t)`` move
+    [T, ...] tensors between the global packing and this [T_local, ...] part."""
 
     split: Split
     rank: int
@@ -195,8 +183,7 @@ class LocalPacking:
 
     @functools.cached_property
     def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(cu_seqlens, cu_seqlens_padded) of the local part as host tuples: what a call on
-        this packing reads, with no device sync (made once)."""
+        """(cu_seqlens, cu_seqlens_padded) of the local part as host tuples (no device sync)."""
         real = torch.cumsum(self.counts[self.rank], 0)
         return (0, *real.tolist()), tuple(self.split.offsets.tolist())
 
@@ -218,56 +205,56 @@ class LocalPacking:
 
     @property
     def coordinates(self) -> torch.Tensor:
-        """Grid coordinates [T_local, 3] of the local tokens (partitions with a grid, such as
-        ``VideoTiles``; padding tokens get those of position 0)."""
+        """Grid coordinates [T_local, 3] of the local tokens (``VideoTiles``; padding: 0's)."""
         return _coordinates(self.partition, self.position_ids)
 
     @property
     def owner(self) -> tuple:
-        """(partition, parts, rank) of every split that made this part, outermost first: a
-        schedule uses a LocalPacking only when it would make one with this owner."""
+        """(partition, parts, rank) of every split that made this part, outermost first."""
         return ((self.partition, self.parts, self.rank),)
 
     @functools.cached_property
     def _real_rows(self):
         """(local rows of the real tokens, their global rows) on the device."""
-        rows = self.split.real[self.rank].nonzero().flatten()
+        rows = (self.split.rows(self.rank) >= 0).nonzero().flatten()
         return self._on_device(rows), self.token_index[self._on_device(rows)]
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's tokens [T_local, ...] of a global packed tensor [T, ...]: padding
         inserted as zeros; differentiable."""
-        self._check_rows("t", t, self.total_tokens, "the global packed tensor")
+        self._check_rows(t, self.total_tokens, "the global packed tensor")
         rows, tokens = self._real_rows
         local = t.new_zeros((self.tokens, *t.shape[1:]))
         return local.index_copy(0, rows, t.index_select(0, tokens))
 
     def unshard(self, t: torch.Tensor) -> torch.Tensor:
         """The global [T, ...] tensor, the same on every rank, from every rank's [T_local, ...]
-        part (padding dropped; the global padding slots are zeros); differentiable, this
-        rank's part receiving the gradient of its tokens."""
-        self._check_rows("t", t, self.tokens, "this rank's part")
-        full = t if self.parts == 1 else self.split.gather(t)
+        part (padding dropped, global padding slots zeros); differentiable."""
+        self._check_rows(t, self.tokens, "this rank's part")
+        full = t if self.parts == 1 else self.split.gather(self._to_gather(t))
         flat, tokens = self.split._unshard_index
         whole = t.new_zeros((self.split.total_tokens, *t.shape[1:]))
         return whole.index_copy(0, tokens, full.index_select(0, flat))
 
-    def _check_rows(self, name: str, t: torch.Tensor, want: int, what: str) -> None:
+    def _to_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """What this rank gathers of its part ``t`` (its own size on every rank)."""
+        return t
+
+    def _check_rows(self, t: torch.Tensor, want: int, what: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != want:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
-                f"{name} ({shape}) must have {want} tokens along dim 0, the size of {what} "
+                f"t ({shape}) must have {want} tokens along dim 0, the size of {what} "
                 f"({split_by(self.owner)})"
             )
         if t.device != self.device and not t.is_meta:  # meta: data-less, any indices do
             raise ValueError(
-                f"{name} is on {t.device} but cu_seqlens was on {self.device}; pack cu_seqlens "
+                f"t is on {t.device} but cu_seqlens was on {self.device}; pack cu_seqlens "
                 f"on the tensors' device"
             )
 
     def cached(self, key, build):
-        """``build()``, made once per key for this packing (schedules keep their kernel
-        calls here)."""
+        """``build()``, made once per key for this packing (schedules keep their calls here)."""
         memo = self.__dict__.setdefault("_memo", {})
         if key not in memo:
             memo[key] = build()
@@ -289,16 +276,15 @@ class LocalPacking:
 @dataclasses.dataclass(frozen=True, eq=False)
 class NestedPacking(LocalPacking):
     """One rank's part of a global packing split twice: ``outer`` is its part under the first
-    split, and ``split``/``rank`` split that part again, its real tokens being the sequences
-    and each sequence's slot there (padding included) the room they are split in:
+    split, which ``split``/``rank`` split again, each sequence's slot (padding included) the
+    room it is split in:
 
         outer part (rank o)     a0 a1 .  .  | b0 b1 b6 b7        slots of 4 and 4
         split again over 2      rank 0: a0 a1 | b0 b1    rank 1: .  .  | b6 b7
 
-    ``cu_seqlens``, ``tokens``, ``counts`` and ``cached`` are those of the second split (what
-    this rank holds; ``counts`` per rank of that split); ``position_ids``, ``token_index``, ``shard`` and ``unshard`` reach the global
-    packing through ``outer``. Made by ``schedules.get("hybrid", ...).pack(cu_seqlens)``.
-    """
+    ``cu_seqlens``, ``tokens``, ``counts`` and ``cached`` are the second split's;
+    ``position_ids``, ``token_index``, ``shard`` and ``unshard`` reach the global packing
+    through ``outer``."""
 
     outer: LocalPacking
 
