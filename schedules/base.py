@@ -1,14 +1,14 @@
 """The Schedule contract: how one attention problem is spread over a mesh dim.
 
-A schedule sees the *local* tensors of its rank. ``validate`` checks the local spec (pure:
-no communication); ``forward`` and ``backward`` run the local kernel and the communication;
-``shard``/``unshard`` move between full and local tensors; ``describe`` reports what one call
-costs each rank. ``describe``, ``validate``, ``shard`` and ``repr`` never communicate.
+A schedule sees the *local* tensors of its rank. ``validate`` checks the local spec;
+``forward`` and ``backward`` run the local kernel and the communication; ``shard``/``unshard``
+move between full and local tensors; ``describe`` reports what one call costs each rank.
+``describe``, ``validate``, ``shard`` and ``repr`` never communicate.
 
 The ranks of the schedule's ``control`` group (its line of the mesh) agree on every call
-(``sdpa_fusion.agreement``): the global problem, and the schedule's ``configuration()``: its
-name, mesh, dim and options, which are its public attributes, fixed when it is built. Keep
-caches and per-rank state in ``_private`` attributes.
+(``sdpa_fusion.agreement``) on the global problem and on ``configuration()``: name, mesh, dim
+and options, its public attributes, fixed when it is built. Keep caches and per-rank state in
+``_private`` attributes.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class Description:
 
     @functools.cached_property
     def memory(self) -> Memory | None:
-        """Bytes the call allocates on each rank (a dry run of the schedule, made when first
-        read: ``schedules.dry_run``); None for a schedule that does not say."""
+        """Bytes the call allocates on each rank (``schedules.dry_run``, made when first read);
+        None for a schedule that does not say."""
         return None if self.memory_of is None else self.memory_of()
 
 
@@ -83,8 +83,7 @@ class Schedule(abc.ABC):
             self.dim = dim
 
     def copy_without_caches(self) -> "Schedule":
-        """A shallow copy of this schedule without what is made per object (its configuration
-        fields, its kept plans): a copy that is changed or run otherwise makes its own."""
+        """A shallow copy without what is made per object (configuration fields, kept plans)."""
         other = copy.copy(self)
         for name in ("_configuration_fields", "_kept_plans"):
             other.__dict__.pop(name, None)
@@ -92,8 +91,7 @@ class Schedule(abc.ABC):
 
     @property
     def kept_plans(self) -> collections.OrderedDict:
-        """The plans of recent ``attention`` calls on this schedule (``sdpa_fusion.api`` keeps
-        them here, so that they go with the schedule; a cache, not configuration)."""
+        """The plans of recent ``attention`` calls on this schedule (``sdpa_fusion.api``'s cache)."""
         return self.__dict__.setdefault("_kept_plans", collections.OrderedDict())
 
     # ---- mesh helpers --------------------------------------------------------------------
@@ -127,8 +125,8 @@ class Schedule(abc.ABC):
         return {"schedule": self.name, "mesh": self.mesh, **options}
 
     def configuration_fields(self) -> dict[str, str]:
-        """``configuration()`` as canonical text per entry ("schedule", "schedule.mesh",
-        "schedule.<option>"), made once: a schedule's options are fixed when it is built."""
+        """``configuration()`` as canonical text per entry ("schedule", "schedule.<option>"),
+        made once: a schedule's options are fixed when it is built."""
         return self._configuration_fields
 
     @functools.cached_property
@@ -175,13 +173,12 @@ class Schedule(abc.ABC):
 
     def call_extent(self, spec: AttentionSpec) -> tuple[int, int]:
         """(rows, keys) per head of the largest kernel call this rank makes for the local
-        ``spec`` (what a kernel's limits are checked against): here those of the whole
-        problem, the most any schedule's call can hold."""
+        ``spec`` (checked against a kernel's limits): here the whole problem's."""
         return spec_extent(self.global_spec(spec))
 
     def kernel_calls(self, spec: AttentionSpec) -> int:
-        """Kernel calls this rank makes on the sequences of the local ``spec`` in a forward
-        (a ring step each): ``kernel="auto"`` weighs each way's host time that often."""
+        """Kernel calls this rank makes for the local ``spec`` in a forward (``kernel="auto"``
+        weighs each way's host time that often)."""
         return 1
 
     def validate(self, spec: AttentionSpec) -> None:
@@ -206,12 +203,11 @@ class Schedule(abc.ABC):
         """Steps, bytes and FLOPs per rank for the *global* ``spec``."""
 
     def check_shards(self, q, k, v) -> None:
-        """Raise ValueError (argument and fix) when local q, k, v cannot be this rank's shards
-        of the problem (pure; nothing to check here)."""
+        """Raise ValueError (argument and fix) when local q, k, v cannot be this rank's shards."""
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None):
         """The ``LocalPacking`` of packed tensors under a schedule that splits tokens; None
-        here: the local tensors keep every token and ``cu_seqlens`` is taken as given."""
+        here: every rank keeps every token."""
         if isinstance(cu_seqlens, LocalPacking):
             raise ValueError(
                 f"cu_seqlens is a LocalPacking, but schedule {self.name!r} does not split tokens; "
@@ -231,8 +227,7 @@ class Schedule(abc.ABC):
 
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None) -> torch.Tensor:
-        """The full tensor (same on every rank) from every rank's local part; differentiable,
-        the gradient of the full tensor flowing back to this rank's part."""
+        """The full tensor (same on every rank) from every rank's local part; differentiable."""
         layout = unshard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
@@ -241,9 +236,8 @@ class Schedule(abc.ABC):
     def gather(self, t: torch.Tensor, dim: int, *, error: Exception | None = None,
                alike: dict[str, str] | None = None) -> torch.Tensor:
         """Every rank's part ``t`` concatenated along ``dim`` in mesh order, once the ranks
-        agree on its shape, dtype and device type and on ``alike`` (what else the call must
-        have alike), and no rank had an ``error`` (a ValueError on every rank when not);
-        differentiable, as ``gather_cat``."""
+        agree on its shape, dtype, device type and ``alike``, and none had an ``error`` (else a
+        ValueError on every rank); differentiable (``_GatherCat``)."""
         fields = None
         if not isinstance(t, torch.Tensor):
             error = error or ValueError(f"unshard takes a torch.Tensor, got {type(t).__name__}")
@@ -253,20 +247,18 @@ class Schedule(abc.ABC):
         agree(self.control, fields, error, what="unshard",
               fix="unshard on every rank this rank's part of one tensor (e.g. the output of "
                   "attention with this schedule)")
-        return gather_cat(t, dim, self.group, self.size, self.index)
+        return _GatherCat.apply(t, dim, self.group, self.size, self.index)
 
     # ---- a model's batch (schedules.batch) ------------------------------------------------
     @property
     def token_splits(self) -> tuple:
-        """The sequence schedules that split a batch's tokens over this schedule's ranks, inner
-        first; none here: every rank holds every token."""
+        """The sequence schedules that split a batch's tokens over the ranks, inner first."""
         return ()
 
     @property
     def head_split(self):
         """The ``head_parallel`` schedule that splits the heads of a model's activations over
-        this schedule's ranks (``shard(t, replicated=True)``), or None: local tensors keep
-        every head."""
+        the ranks (``shard(t, replicated=True)``), or None."""
         return None
 
     def __repr__(self) -> str:
@@ -303,8 +295,3 @@ class _GatherCat(torch.autograd.Function):
     def backward(ctx, grad):
         return grad.chunk(ctx.size, dim=ctx.dim)[ctx.index], None, None, None, None
 
-
-def gather_cat(t: torch.Tensor, dim: int, group, size: int, index: int) -> torch.Tensor:
-    """Every rank's ``t`` (same shape on all ranks) concatenated along ``dim`` in group
-    order; differentiable (see ``_GatherCat``)."""
-    return _GatherCat.apply(t, dim, group, size, index)

@@ -5,14 +5,12 @@
 
 The schedule runs its forward and backward on data-less (meta) tensors of this rank's part
 of ``spec``. Its transfers go through a communicator that moves nothing but allocates what
-the real one does (collectives' results, p2p's slots and the copies it sends, held until
-waited for; the copy-engine transport's symmetric buffer, kept between calls and counted as
-``kept``). Its kernel calls go through ``WorkspaceKernel``, which allocates what the GPU
-kernels do and computes nothing (counting its calls and their FLOPs). ``Allocations`` counts
-every storage that ops create and when it dies, so the peak is that of the code that runs
-(``schedules.runner`` on the schedule's plan); nothing models it a second time. The built-in
-schedules take their memory from here; a schedule of your own may take its whole
-``describe()`` (``describe``).
+the real one does (collectives' results, p2p's slots and sends until waited for; the
+copy-engine transport's symmetric buffer, kept between calls as ``kept``); its kernel calls
+through ``WorkspaceKernel``, which allocates what the GPU kernels do and counts calls and
+FLOPs. ``Allocations`` counts every storage ops create and when it dies, so the peak is that
+of the code that runs; nothing models it a second time. A schedule of your own may take its
+whole ``describe()`` from here.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ BACKWARD = FORWARD_AND_BACKWARD - 1  # a backward's matmul FLOPs over its forwar
 
 class Allocations(TorchDispatchMode):
     """Peak bytes of the storages ops allocate while active (views, in-place ops and ``out=``
-    reuse their inputs' storage), and the bytes alive now (a storage finalizer, on any
-    thread, says when each dies)."""
+    reuse their inputs'), and the bytes alive now (a finalizer says when each dies)."""
 
     def __init__(self):
         super().__init__()
@@ -83,9 +80,8 @@ def _key(t) -> int:
 
 class WorkspaceKernel(Kernel):
     """Allocates what FlashAttention and cuDNN allocate per call (results; in backward an fp32
-    dQ workspace, with GQA fp32 dK and dV as FlashAttention-4 keeps) and computes nothing:
-    its results are zeros (lse 0), on real tensors too. ``calls`` and ``flops`` count its
-    calls and their matmul FLOPs, as ``AttentionSpec.flops`` counts them."""
+    dQ workspace, with GQA fp32 dK and dV as FlashAttention-4 keeps) and computes nothing
+    (zeros). ``calls`` and ``flops`` count its calls and their matmul FLOPs."""
 
     name = "workspace"
     gpu_only = False
@@ -149,8 +145,8 @@ class _Done:
 
 
 class DryComm(Communicator):
-    """The communicator of rank ``index`` of ``size``: every collective allocates its result
-    and counts its bytes; nothing moves and nothing waits."""
+    """The communicator of rank ``index`` of ``size``: collectives allocate their results
+    and count their bytes; nothing moves or waits."""
 
     def __init__(self, index: int, size: int):
         self.group, self.ranks, self.index, self.size = None, list(range(size)), index, size
@@ -165,8 +161,7 @@ class DryComm(Communicator):
 
 
 class DryP2PMover(P2PMover):
-    """p2p's slots and the copies it sends, held until waited for; nothing moves. Named as
-    the transport it stands for, which schedules read (``keeps_buffers``)."""
+    """p2p's slots and the copies it sends, held until waited for; nothing moves."""
 
     def _start(self, sends, receives) -> list:
         return [_Done([t for t, _ in sends])] if sends or receives else []
@@ -174,8 +169,7 @@ class DryP2PMover(P2PMover):
 
 class DryCopyEngineMover(Mover):
     """The copy-engine transport's one receive buffer, kept between calls outside torch's
-    allocator: allocated uncounted, its largest size is ``kept_bytes``. What a rank sends
-    goes straight into the peer's buffer (no copy of its own); nothing moves."""
+    allocator: uncounted, its largest size is ``kept_bytes``. Nothing moves."""
 
     name = "copy_engine"
 
@@ -220,13 +214,12 @@ def memory_of(schedule: Schedule, spec: AttentionSpec) -> Callable[[], Memory]:
 
 def memory(schedule: Schedule, spec: AttentionSpec) -> Memory:
     """What ``schedule`` allocates on this rank for a forward and a backward on the global
-    ``spec``, from a dry run of the schedule (see the module docstring)."""
+    ``spec``, from a dry run."""
     return run(schedule, spec)[2]
 
 
 def describe(schedule: Schedule, spec: AttentionSpec) -> Description:
-    """``schedule``'s ``Description`` for the global ``spec`` from a dry run of its code: its
-    kernel calls (steps) and their FLOPs, the bytes its transfers count and its memory."""
+    """``schedule``'s ``Description`` for the global ``spec`` from a dry run of its code."""
     forward, backward, used = run(schedule, spec)
     return Description(
         schedule.name, schedule.size, steps=forward.calls, bytes_sent=forward.sent,
@@ -238,8 +231,7 @@ def describe(schedule: Schedule, spec: AttentionSpec) -> Description:
 
 @dataclasses.dataclass(frozen=True)
 class Counts:
-    """What a forward or a backward of a dry run did: kernel ``calls``, their ``flops``, and
-    the bytes its transfers ``sent`` and ``received``."""
+    """Kernel calls, FLOPs and bytes sent and received by a forward or backward."""
 
     calls: int
     flops: float
@@ -298,9 +290,8 @@ def _dry(schedule, done: dict):
 
 
 def _local(schedule, spec: AttentionSpec):
-    """This rank's meta q, k, v and dout of the global ``spec`` and its local spec, made as
-    ``attention`` makes them from the shards (a packing's indices on the host: meta tensors
-    take them)."""
+    """(local spec, this rank's meta q, k, v and dout) of the global ``spec``, as ``attention``
+    makes them from the shards (a packing's indices on the host: meta tensors take them)."""
     layout, e = spec.layout, spec.head_dim
     packing = schedule.pack(spec.cu_seqlens, spec.cu_seqlens_padded, device="cpu") \
         if layout.is_varlen else None

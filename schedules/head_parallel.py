@@ -1,27 +1,23 @@
 """``head_parallel``: q, k, v and their gradients split over heads on one mesh dim.
 
-Rank r of P holds heads [r*H/P, (r+1)*H/P) of q and [r*H_kv/P, (r+1)*H_kv/P) of k and v, so
-every rank attends its own heads over the full sequence with no communication. The query
-heads H must be a multiple of P. With fewer K/V heads than ranks (P % H_kv == 0) each rank
-holds a copy of the K/V head its query heads use, as ``ulysses`` does; the copy's gradient is
-that rank's share, and the gradient of the full K/V tensor is the sum of the shares::
+Rank r of P holds heads [r*H/P, (r+1)*H/P) of q and [r*H_kv/P, (r+1)*H_kv/P) of k and v and
+attends them over the full sequence with no communication; H must be a multiple of P. With
+fewer K/V heads than ranks (P % H_kv == 0) each rank holds a copy of the K/V head its query
+heads use; the copy's gradient is that rank's share, and the full K/V's gradient their sum::
 
     k_l = sched.shard(k)                      # a copy of one of H_kv heads (it says so)
     sched.unshard(k_l)                        # k: shard's copies fold back by themselves
     sched.unshard(k_l.grad, heads=H_kv, copies="sum")      # dK of the full k
     sched.unshard(out)                        # attention's output: its H heads
 
-Once this schedule has handed out copies, ``unshard`` of any other tensor of one head per
-rank (a copy's gradient, or a tensor computed from a copy, which cannot tell what it is)
-needs ``heads=`` and ``copies=``: a ValueError on every rank says so. With the ``nvfuser``
-kernel the fusions carry the split as nvFuser DID annotations (a loop split of the head
-axis, parallelized on ``mesh_x``), as nvFuser's own multidevice SDPA tests do.
+Once copies were handed out, ``unshard`` of any other tensor of one head per rank (a copy's
+gradient, or a tensor computed from a copy) needs ``heads=`` and ``copies=``. With the
+``nvfuser`` kernel the fusions carry the split as nvFuser DID annotations (a loop split of the
+head axis on ``mesh_x``), as nvFuser's own multidevice SDPA tests do.
 
-Inside a model whose other layers are replicated (every rank computes the same q, k, v from
-the same weights), ``shard(t, replicated=True)`` splits the heads of such a tensor: identity
-forward, all-reduce of its gradient backward (Megatron's "f"), so the replicated weights
-before it get the whole gradient on every rank; ``unshard`` gathers the heads back (its
-backward keeps this rank's heads: Megatron's "g")::
+Inside a model whose other layers are replicated, ``shard(t, replicated=True)`` splits the
+heads of a tensor every rank computed alike: identity forward, all-reduce of its gradient
+backward (Megatron's "f"); ``unshard`` gathers the heads back (Megatron's "g")::
 
     q_l = sched.shard(q, replicated=True)          # q, k, v: [B, H, S, E] on every rank
     out = sched.unshard(attention(q_l, k_l, v_l, schedule=sched))
@@ -77,8 +73,8 @@ _FULL_HEADS = "_sdpa_fusion_full_heads"  # attribute of a local part: its full t
 
 
 def full_heads(t) -> int | None:
-    """The heads of the full tensor of which ``t`` is this rank's part, where ``shard`` (a
-    copy of a K/V head) or ``attention`` (its output) recorded them; None elsewhere."""
+    """The heads of the full tensor of which ``t`` is this rank's part, where ``shard`` or
+    ``attention`` recorded them; None elsewhere."""
     return getattr(t, _FULL_HEADS, None)
 
 
@@ -164,11 +160,9 @@ class HeadParallel(Schedule):
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None, replicated: bool = False) -> torch.Tensor:
-        """This rank's heads of a full tensor (logical [B, H, S, E], or [T, H, E] with
-        ``layout='thd'``), in ``layout``; differentiable. A tensor with fewer heads than ranks
-        (K/V of GQA) gives each rank a copy of the head its query heads use (``local_heads``).
-        ``replicated=True``: ``t`` is computed alike on every rank (a replicated model's
-        activation), so its gradient is summed over the ranks in backward."""
+        """This rank's heads of a full tensor, in ``layout``; differentiable (``local_heads``).
+        ``replicated=True``: ``t`` is computed alike on every rank, so its gradient is summed
+        over the ranks in backward."""
         layout = shard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
@@ -177,11 +171,9 @@ class HeadParallel(Schedule):
         return self.local_heads(t, layout)
 
     def local_heads(self, t: torch.Tensor, layout: Layout, where: str | None = None):
-        """This rank's heads of ``t`` in ``layout``: its 1/P share, or, when ``t`` has fewer
-        heads than ranks (K/V of GQA), a copy of the head its query heads use, which records
-        the full tensor's head count (``unshard`` folds it back, ``attention`` refuses it as
-        q) and makes ``unshard`` ask what other one-head tensors are. ``where`` names the
-        ranks in errors."""
+        """This rank's heads of ``t`` in ``layout``: its 1/P share, or, with fewer heads than
+        ranks (K/V of GQA), a copy of the head its query heads use, recording the full head
+        count. ``where`` names the ranks in errors."""
         heads = t.shape[1]
         local = layout.to(heads_of(t, self.size, self.index, where or self._where))
         if heads < self.size:
@@ -192,16 +184,11 @@ class HeadParallel(Schedule):
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None, heads: int | None = None,
                 copies: str | None = None) -> torch.Tensor:
-        """The full tensor (same on every rank) from every rank's heads; differentiable, this
-        rank's heads receiving their gradient. ``heads`` < ranks (K/V of GQA): ``t`` is a copy
-        of one of ``heads`` heads, folded by ``copies`` ("sum" for gradients: each copy holds
-        its ranks' share; "first" for values: the copies are equal).
-
-        Without ``heads``: a copy made by ``shard`` folds back by itself ("first"), and so
-        does attention's output (its query heads); any other tensor is gathered as it is,
-        except that once this schedule has handed out copies, a tensor of one head per rank
-        (a copy's gradient, or a tensor of P heads) raises a ValueError on every rank asking
-        for ``heads=`` and ``copies=``."""
+        """The full tensor (same on every rank) from every rank's heads; differentiable.
+        ``heads`` < ranks (K/V of GQA): ``t`` is a copy of one of ``heads`` heads, folded by
+        ``copies`` ("sum" for gradients, "first" for values). Without ``heads``, shard's copies
+        and attention's output fold back by themselves; once copies were handed out, other
+        tensors of one head per rank raise a ValueError asking for ``heads=`` and ``copies=``."""
         layout = unshard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
@@ -214,8 +201,7 @@ class HeadParallel(Schedule):
         return layout.to(full if fold is None else fold_copies(full, *fold, self._where))
 
     def _fold(self, t, heads, copies) -> tuple[int, str] | None:
-        """(heads, copies) that unshard folds the gathered heads of ``t`` into, or None: they
-        are the full tensor's; a ValueError when a tensor of one head per rank may be either."""
+        """(heads, copies) that unshard folds the gathered heads of ``t`` into, or None."""
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             return None  # the gather reports it
         gathered = t.shape[1] * self.size

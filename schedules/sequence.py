@@ -1,16 +1,13 @@
 """Base of the context-parallel schedules: q, k, v split along the sequence by a partitioner.
 
-Rank r of the mesh dim holds the tokens ``partition.indices(S, P, r)`` of q, k and v (and
-of out and the gradients). ``shard`` picks them out of a full tensor; ``unshard`` gathers
-every rank's tokens and restores the original order on every rank. ``position_ids`` says
-which global positions a rank's tokens have (what RoPE needs).
-
+Rank r of the mesh dim holds the tokens ``partition.indices(S, P, r)`` of q, k, v, out and
+the gradients. ``shard`` picks them out of a full tensor; ``unshard`` gathers every rank's
+tokens in the original order; ``position_ids`` are their global positions (for RoPE).
 ``head_groups`` runs the schedule over a few K/V heads at a time (``schedules.heads``).
 
-Packed sequences (``layout="thd"``): every sequence is split on its own, padded for the
-caller where the partition needs it (``schedules.packing``); ``pack(cu_seqlens)`` gives this
-rank's ``LocalPacking`` (local tokens, lengths and positions), and ``attention`` takes either
-the global ``cu_seqlens`` or that ``LocalPacking``.
+Packed sequences (``layout="thd"``): every sequence is split on its own (``schedules.packing``);
+``pack(cu_seqlens)`` gives this rank's ``LocalPacking``, and ``attention`` takes either the
+global ``cu_seqlens`` or that ``LocalPacking``.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ class SequenceSchedule(Schedule):
 
     # ---- head groups (schedules.heads) ----------------------------------------------------
     def check_groups(self, groups: int, spec) -> None:
-        """A ValueError when this schedule cannot run ``groups`` head groups of the local
-        ``spec`` (any count that divides the K/V heads works here)."""
+        """A ValueError when this schedule cannot run ``groups`` head groups of local ``spec``."""
 
     def group_count(self, heads_q: int, kv_heads: int, rows: int, least: int = 1) -> int:
         """Head groups of a local problem of ``rows`` query rows per rank (``auto``: at least
@@ -86,9 +82,8 @@ class SequenceSchedule(Schedule):
                             fits=lambda g: self.groups_fit(g, heads_q, kv_heads), least=least)
 
     def least_groups(self, spec) -> int:
-        """The groups ``auto`` takes at least for a call on ``spec`` (one: groups only save
-        memory; a schedule that overlaps one group's transfers with another's kernels asks
-        for more)."""
+        """The groups ``auto`` takes at least for a call on ``spec`` (more where one group's
+        transfers overlap another's kernels)."""
         return 1
 
     def groups_fit(self, groups: int, heads_q: int, kv_heads: int) -> bool:
@@ -96,8 +91,7 @@ class SequenceSchedule(Schedule):
         return True
 
     def group_rows(self, rows: int, spec) -> int:
-        """The rows that size the head groups of blocks of ``rows`` query rows: all of them
-        (a schedule whose blocks shrink under a sliding window counts fewer)."""
+        """The rows that size the head groups of blocks of ``rows`` query rows."""
         return rows
 
     def groups_for(self, spec) -> int:
@@ -110,8 +104,7 @@ class SequenceSchedule(Schedule):
                                 self.least_groups(spec))
 
     def groups_of(self, q, k, spec) -> list[heads.HeadGroup]:
-        """The head groups of local [B, H, S, E] q and k of the local ``spec`` (packed: sized
-        by the longest share of one sequence, as ``groups_for``)."""
+        """The head groups of local q and k of the local ``spec``."""
         rows = q.shape[2] if spec.packing is None else spec.packing.longest_share
         count = self.group_count(q.shape[1], k.shape[1], self.group_rows(rows, spec),
                                  self.least_groups(spec))
@@ -122,25 +115,22 @@ class SequenceSchedule(Schedule):
         return self.partition.indices(seq_len, self.size, self.index if rank is None else rank)
 
     def positions(self, seq_len: int, device) -> list[torch.Tensor]:
-        """Every rank's ``indices`` on ``device``, made once per length and device, so that
-        forward and backward do not copy index tensors to the device on every call."""
+        """Every rank's ``indices`` on ``device``, made once per length and device."""
         key = (seq_len, torch.device(device))
         if key not in self._positions:
             self._positions[key] = [self.indices(seq_len, r).to(device) for r in range(self.size)]
         return self._positions[key]
 
     def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
-        """Global positions of this rank's tokens of a ``seq_len``-token sequence (int64, on
-        ``device``): index a RoPE table with them. Packed sequences: ``pack(...).position_ids``."""
+        """Global positions (int64, on ``device``) of this rank's tokens of a sequence."""
         return self.positions(seq_len, device or "cpu")[self.index]
 
     # ---- packed sequences ----------------------------------------------------------------
     def pack(self, cu_seqlens, cu_seqlens_padded=None, *, rank: int | None = None,
              device=None) -> LocalPacking:
         """This rank's (or ``rank``'s) part of the GLOBAL packing ``cu_seqlens`` (and
-        ``cu_seqlens_padded``; tensors or lists of ints) of full [T, H, E] tensors, the same on
-        every rank. Its tensors (``cu_seqlens``, ``position_ids`` ...) are on ``device``: the
-        tensors' device; by default ``cu_seqlens``' own when it is a tensor, else the mesh's."""
+        ``cu_seqlens_padded``; tensors or lists of ints), its tensors on ``device`` (default
+        ``cu_seqlens``' own when it is a tensor, else the mesh's)."""
         device = packing_device(self, cu_seqlens, device)
         cu, padded = global_packing(cu_seqlens, cu_seqlens_padded, device=device)
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.size):
@@ -159,25 +149,23 @@ class SequenceSchedule(Schedule):
         return self._splits[key]
 
     def _make_split(self, cu: tuple, padded: tuple | None, device: torch.device):
-        """A new ``Split`` of the packing ``cu``/``padded`` by this schedule's partition."""
         return Split(self.partition, self.size, cu, padded, device, gather=self._gather_tokens)
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
         return self.gather(t, 0)
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
-        """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``: from the
-        global ``cu_seqlens`` or a ``LocalPacking`` of this rank; checks q's token count."""
+        """This rank's packing for ``attention(q, ..., layout='thd', cu_seqlens=...)``."""
         return checked_packing(self, q, cu_seqlens, cu_seqlens_padded)
 
     @property
     def packing_owner(self) -> tuple:
-        """The ``owner`` of the packings this rank uses (see ``LocalPacking.owner``)."""
+        """The ``LocalPacking.owner`` of the packings this rank uses."""
         return ((self.partition, self.size, self.index),)
 
     def local_spec(self, spec):
         """This rank's part of the global ``spec`` (inverse of ``global_spec``; packed: with
-        its packing, made on the host; what ``describe`` plans with)."""
+        its packing, on the host)."""
         if spec.layout.is_varlen:
             split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
             return spec.replace(packing=split.part(self.index))
@@ -210,16 +198,14 @@ class SequenceSchedule(Schedule):
         return (self,)
 
     def gather_tokens(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's tokens along ``dim`` of ``t``, gathered in the original order (the
-        same on every rank); differentiable, this rank's tokens receiving their gradient."""
+        """Every rank's tokens along ``dim`` of ``t`` in the original order; differentiable."""
         full = self.gather(t, dim)
         inverse = self.partition.inverse(full.shape[dim], self.size).to(t.device)
         return full.index_select(dim, inverse)
 
 
 def packing_device(schedule, cu_seqlens, device=None) -> torch.device:
-    """The device of a packing's tensors: ``device``, else ``cu_seqlens``' own when it is a
-    tensor, else that of the schedule's mesh (a list of ints has none)."""
+    """``device``, else ``cu_seqlens``' own when it is a tensor, else the schedule's mesh's."""
     if device is not None:
         return torch.device(device)
     if isinstance(cu_seqlens, torch.Tensor):
@@ -229,10 +215,9 @@ def packing_device(schedule, cu_seqlens, device=None) -> torch.device:
 
 
 def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None, device=None) -> LocalPacking:
-    """The packing of ``schedule``'s rank: ``schedule.pack`` of the global ``cu_seqlens`` (and
-    ``cu_seqlens_padded``) with its tensors on ``device`` (the tensors' device), or
-    ``cu_seqlens`` itself, a LocalPacking, when it is that rank's
-    (``schedule.packing_owner``); else a ValueError saying whose it is."""
+    """The packing of ``schedule``'s rank: ``schedule.pack`` of the global ``cu_seqlens`` on
+    ``device``, or ``cu_seqlens`` itself when it is that rank's LocalPacking (else a
+    ValueError saying whose it is)."""
     if not isinstance(cu_seqlens, LocalPacking):
         return schedule.pack(cu_seqlens, cu_seqlens_padded, device=device)
     if cu_seqlens_padded is not None:
@@ -250,8 +235,7 @@ def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None, device=None) -> Loc
 
 
 def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPacking:
-    """``packing_of`` for ``attention(q, ..., layout='thd')``, checking q's device and its
-    token count against the packing."""
+    """``packing_of``, checking q's device and token count against the packing."""
     packing = packing_of(schedule, cu_seqlens, cu_seqlens_padded, _device(q))
     if isinstance(q, torch.Tensor) and q.dim() == 3:
         if q.device != packing.device:
