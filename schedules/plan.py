@@ -4,8 +4,8 @@
         print(r.rank, r.local, r.description, r.memory)
 
 Each rank's schedule is built on a ``VirtualMesh`` (no process group) and sees data-less
-(meta) shards of the full q, k, v, so its local problem, its ``validate`` and its
-``describe`` are exactly those of a run on real ranks. Nothing communicates or allocates.
+(meta) shards of the full q, k, v, so its local problem, ``validate`` and ``describe`` are
+those of a run on real ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -25,10 +26,8 @@ from .memory import Memory, input_bytes
 
 @dataclasses.dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds for a step: its inputs q, k, v (and in backward dout), which the
-    caller holds, and what the schedule's call allocates (``Description.memory``: outputs,
-    buffers, accumulators, kernel workspace, kept buffers; None when the schedule does not
-    say, and then so do the peaks)."""
+    """Bytes one rank holds for a step: its inputs q, k, v (and in backward dout) and what the
+    schedule's call allocates (``Description.memory``; None when the schedule does not say)."""
 
     inputs: int
     dout: int
@@ -49,9 +48,8 @@ class RankMemory:
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    """One rank's part: its coordinates on the mesh, its local problem, what the schedule
-    says it costs (``describe`` of the global problem) and the memory it holds (a dry run
-    of the schedule, made when first read)."""
+    """One rank's coordinates on the mesh, local problem, ``describe`` of the global problem
+    and memory (made when first read)."""
 
     rank: int
     coordinates: dict[str, int]
@@ -88,10 +86,14 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
     names = names or mesh_names(name, len(shape))
     plans = []
     with _one_thread():
-        for rank in range(_size(shape)):
+        for rank in range(math.prod(int(s) for s in shape)):
             mesh = VirtualMesh(shape, names, rank=rank)
             schedule = get(name, mesh, **options)
-            local = _local_packed(schedule, spec) if packed else _local_spec(schedule, spec)
+            if packed:
+                local = schedule.local_spec(spec)
+                local = local.replace(q_len=local.packing.tokens, kv_len=local.packing.tokens)
+            else:
+                local = _local_spec(schedule, spec)
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
@@ -111,13 +113,6 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _size(shape) -> int:
-    size = 1
-    for s in shape:
-        size *= int(s)
-    return size
-
-
 def _local_spec(schedule, spec: AttentionSpec) -> AttentionSpec:
     """The spec of this rank's shards of data-less full tensors of ``spec``."""
     def full(heads, length):
@@ -128,10 +123,3 @@ def _local_spec(schedule, spec: AttentionSpec) -> AttentionSpec:
     k = v = full(spec.kv_heads, spec.kv_len)
     return AttentionSpec.from_tensors(q, k, v, layout=spec.layout, causal=spec.causal,
                                       scale=spec.scale, window=spec.window)
-
-
-def _local_packed(schedule, spec: AttentionSpec) -> AttentionSpec:
-    """The spec of this rank's part of the packed batch ``spec``: its packing and tokens."""
-    local = schedule.local_spec(spec)
-    tokens = local.packing.tokens
-    return local.replace(q_len=tokens, kv_len=tokens)
