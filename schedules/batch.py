@@ -2,8 +2,7 @@
 attention on them.
 
 A training step splits the batch once, runs the model on this rank's tokens and calls
-attention through the batch (``schedules.integrations.transformers`` does it for
-transformers models):
+attention through the batch (``schedules.integrations.transformers`` does it for you):
 
     batch = schedules.batch.split(sched, input_ids.shape)               # [B, S], no padding
     batch = schedules.batch.split(sched, attention_mask=mask)           # padded rows
@@ -13,25 +12,22 @@ transformers models):
     out = batch.attention(q, k, v, causal=True)  # q, k, v: logical [B_l, H, S_l, E] of them
     logits = batch.unshard(logits_l)             # [B, S, ...] again, on every rank
 
-Dense batches (every row one whole sequence, its length one the partition splits): every row
-is split by the schedule's partition; local tensors are [B, S_local, ...]. Otherwise the
-batch becomes packed sequences (THD) of its real tokens: one sequence per row
-(``attention_mask``: 1 for real tokens, any padding, as transformers reads a padding mask),
-or per document (``position_ids`` that restart inside a row, without a mask); the schedule
-splits every sequence by its partition and pads its part; local tensors are
-[1, T_local, ...], whose padding slots (``real`` False) hold zeros.
+Dense batches (every row one whole sequence of a length the partition splits): every row is
+split by the partition; local tensors are [B, S_local, ...]. Otherwise the batch becomes
+packed sequences (THD) of its real tokens, one per row (``attention_mask``: 1 for real
+tokens) or per document (``position_ids`` that restart inside a row, without a mask); local
+tensors are [1, T_local, ...], whose padding slots (``real`` False) hold zeros.
 
 Schedules that keep every token (``head_parallel``, ``replicated``) give every rank the whole
 batch; under ``head_parallel`` (or ``hybrid`` with inner head_parallel) ``attention`` splits
-the heads of the model's replicated q, k, v (``shard(replicated=True)``: the gradients of the
-replicated weights before it come out whole on every rank) and gathers the output's heads.
+the heads of the model's replicated q, k, v (``shard(replicated=True)``) and gathers the
+output's heads.
 
 Loss and gradients: let each rank's loss be the sum over its real tokens divided by the
-global count of such tokens (the count the one-process loss divides by); the sum of the
-ranks' losses is then the one-process loss. Backward on each rank gives the replicated
-weights this rank's share of their gradient; ``sum_gradients`` adds the shares over the ranks
-that split the tokens (none under ``head_parallel``), after which every rank holds the
-one-process gradient. ``total`` gives the one-process value of a per-rank sum (the loss).
+global count of such tokens; the ranks' losses then add up to the one-process loss (``total``
+gives it). Backward gives the replicated weights this rank's share of their gradient;
+``sum_gradients`` adds the shares over the ranks that split the tokens, after which every
+rank holds the one-process gradient.
 """
 
 from __future__ import annotations
@@ -52,10 +48,9 @@ def split(schedule, shape=None, *, attention_mask=None, position_ids=None, devic
     """This rank's part of a [B, S] batch under ``schedule`` (None: one device).
 
     ``shape`` (B, S) is read from ``attention_mask`` or ``position_ids`` when given.
-    ``attention_mask`` [B, S] marks real tokens (1) and padding (0); every row is then one
-    sequence of its real tokens. ``position_ids`` [B, S] (or [1, S]) are the tokens'
-    positions (default 0..S-1 in every row); without a mask, a position that does not follow
-    the one before starts a new document, as in transformers' packed batches."""
+    ``attention_mask`` [B, S] marks real tokens (1) and padding (0). ``position_ids`` [B, S]
+    (or [1, S]) default to 0..S-1 in every row; without a mask, a position that does not
+    follow the one before starts a new document, as in transformers' packed batches."""
     schedule = schedule if schedule is not None else _one_device()
     mask, positions, (b, s), device = _inputs(shape, attention_mask, position_ids, device)
     if mask is None:  # documents start where the positions do not follow on
@@ -132,8 +127,8 @@ def _splits(schedule, seq_len: int) -> bool:
 
 
 def _packing(schedule, cu: torch.Tensor) -> LocalPacking:
-    """This rank's part of the packing ``cu`` of the real tokens: split by the schedule, or
-    all of it where the schedule keeps every token."""
+    """This rank's part of the packing ``cu`` of the real tokens (all of it where the
+    schedule keeps every token)."""
     if schedule.token_splits:
         return schedule.pack(cu)
     packing, _ = global_packing(cu)
@@ -142,11 +137,9 @@ def _packing(schedule, cu: torch.Tensor) -> LocalPacking:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenBatch:
-    """This rank's tokens of a [B, S] batch under ``schedule``; made by ``split``.
-
-    Dense (``packing`` None): rows split by the partition, local [B, S_local, ...]. Packed:
+    """This rank's tokens of a [B, S] batch under ``schedule``; made by ``split``. Packed:
     ``rows`` are the real tokens' indices in the flattened [B*S] batch, in sequence order,
-    ``packing`` this rank's ``LocalPacking`` of them; local [1, T_local, ...]."""
+    ``packing`` this rank's ``LocalPacking`` of them (None: dense)."""
 
     schedule: object
     shape: tuple[int, int]
@@ -186,8 +179,7 @@ class TokenBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        """The position ids of the local tokens (what the one-process model gives them; 0 for
-        padding), int64 [B_l, S_l]: feed them to the rotary embedding."""
+        """The position ids of the local tokens (0 for padding), int64 [B_l, S_l], for RoPE."""
         return self.shard(self.positions)
 
     def shard(self, t: torch.Tensor, fill=0) -> torch.Tensor:
@@ -204,7 +196,7 @@ class TokenBatch:
 
     def unshard(self, t: torch.Tensor) -> torch.Tensor:
         """The full [B, S, ...] tensor on every rank from every rank's local tokens (padding
-        positions 0); differentiable, this rank's tokens receiving their gradient."""
+        positions 0); differentiable."""
         self._check("t", t, tuple(self.tokens.shape), "this rank's tokens")
         if not self.packed:
             for s in self.schedule.token_splits:  # inner first
@@ -222,12 +214,10 @@ class TokenBatch:
     def attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
                   dropout_p: float = 0.0, kernel="auto", window=None, mask=None) -> torch.Tensor:
         """``sdpa_fusion.attention`` of the local tokens' q [B_l, H, S_l, E] over k, v
-        [B_l, H_kv, S_l, E] (logical; any memory order), causal within each sequence, and
-        within ``window=(left, right)`` of it when given, and-ed with the composed ``mask``
-        (``sdpa_fusion.masks``, over the batch's sequences: dense rows, or the packed ones
-        in order, positions from 0 in each); the output like q. Under a
-        head-splitting schedule q, k, v are the model's replicated tensors (all heads);
-        their heads are split here and the output's gathered."""
+        [B_l, H_kv, S_l, E] (logical), within each sequence (``window`` and the composed
+        ``mask`` over the batch's sequences); the output like q. Under a head-splitting
+        schedule q, k, v hold all heads: they are split here and the output's gathered."""
+        packing = {}
         if self.packed:
             if any(t.dim() != 4 or t.shape[0] != 1 for t in (q, k, v)):
                 raise ValueError(
@@ -236,29 +226,22 @@ class TokenBatch:
                     f"model batch.shard(...) of its inputs"
                 )
             q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [T_l, H, E]
+            packing["cu_seqlens"] = (self.packing if self.schedule.token_splits
+                                     else self.packing.cu_seqlens)
         heads = self.schedule.head_split
         if heads is not None:
             q, k, v = (heads.shard(t, replicated=True) for t in (q, k, v))
         out = sdpa_fusion.attention(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p,
                                     kernel=kernel, schedule=self.schedule, window=window,
-                                    mask=mask, **self._packing_kwargs)
+                                    mask=mask, **packing)
         if heads is not None:
             out = heads.unshard(out)
         return out.transpose(0, 1)[None] if self.packed else out
 
-    @property
-    def _packing_kwargs(self) -> dict:
-        if not self.packed:
-            return {}
-        if self.schedule.token_splits:
-            return {"cu_seqlens": self.packing}
-        return {"cu_seqlens": self.packing.cu_seqlens}
-
     # ---- over the ranks that split the tokens ---------------------------------------------
     def total(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``t`` over the ranks that split the tokens (``t`` itself
-        where every rank holds every token), detached: the one-process loss from the ranks'
-        shares."""
+        """The sum of every rank's ``t`` over the ranks that split the tokens, detached: the
+        one-process loss from the ranks' shares."""
         t = t.detach().clone()
         for s in self.schedule.token_splits:
             dist.all_reduce(t, group=s.group)
