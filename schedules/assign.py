@@ -1,13 +1,10 @@
 """Which documents of a packed batch go whole to one rank, and which are cut over all ranks.
 
-A pure function of (document lengths, ranks, tolerance), the same on every rank. Each rank
-pays per token for the rest of the model and per document about L^2 for causal attention,
-so a rank's load is its tokens and its work: per document its L^2 / 2 causal query-key
-pairs, plus ``TOKEN_PAIRS`` per token for what attention costs per row apart from its pairs
-(loading the rows, the tiles' epilogues, the backward's pre- and postprocessing). A whole
-document needs no communication; a cut document is split over every rank by the
-load-balanced partition, so each rank gets about L / P of its tokens and of its work, and
-its K/V travel.
+A pure function of (document lengths, ranks, tolerance), the same on every rank. A rank's
+load is its tokens (the rest of the model) and its work: per document its L^2 / 2 causal
+query-key pairs, plus ``TOKEN_PAIRS`` per token for what attention costs per row apart from
+its pairs. A whole document needs no communication; a cut document is split load-balanced
+over every rank (about L / P of its tokens and work each), and its K/V travel.
 
     (token_pairs=0 in this picture)
     lengths 9 7 3 3 2 2 1 1, P = 2: a rank's share is 14 tokens and 39.5 of work
@@ -26,12 +23,10 @@ placed again. Bound: every rank's tokens and work are within (1 + tolerance) of 
 (counting each cut document as L / P tokens and work(L) / P work per rank), or every
 document is cut (the load-balanced split of every document).
 
-Why the per-token term: with pairs alone, a batch of a few long documents among many short
-ones (batch (c) of ``benchmarks.virtual_ranks``: six of 11K-20K tokens, 1,500 of 16-600)
-counts its longest document as more than a quarter of the batch's work, so four ranks cut
-all six; in time (the short documents' rows are a third of the batch's attention time)
-each is less than a rank's share, and only the two that the balance of tokens and work
-cannot place whole are cut.
+Why the per-token term: with pairs alone, batch (c) of ``benchmarks.virtual_ranks`` (six
+documents of 11K-20K tokens, 1,500 of 16-600) counts each long one as more than a quarter of
+the work, so four ranks cut all six; in time each is less than a rank's share, and only two
+need cutting.
 """
 
 from __future__ import annotations
@@ -85,9 +80,8 @@ def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
 
 def assign(lengths, parts: int, *, tolerance: float = 0.05,
            token_pairs: float = TOKEN_PAIRS) -> Assignment:
-    """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure);
-    ``token_pairs``: see ``work``. Kept for the last few batches: the partition's choice and
-    its split ask for the same one."""
+    """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure; kept
+    for the last few batches: the partition's choice and its split ask for the same one)."""
     return _assign(tuple(int(n) for n in lengths), parts, tolerance, token_pairs)
 
 
@@ -121,8 +115,8 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
 
 
 def _place(lengths, works, parts, order, cut, shared, mean_tokens, mean_work):
-    """(owner, tokens, work) after placing every document not in ``cut`` largest first, every
-    rank starting from the ``shared`` (tokens, work) of the cut documents."""
+    """(owner, tokens, work) after placing every document not in ``cut`` largest first, from
+    the ``shared`` (tokens, work) of the cut documents on every rank."""
     tokens, loads = [shared[0]] * parts, [shared[1]] * parts
     owner = [CUT] * len(lengths)
     for i in order:

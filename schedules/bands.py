@@ -14,10 +14,10 @@ the runs' own rows i and j,
     i - (left - d) // stride  <=  j  <=  i + (right + d) // stride
 
 A side that comes out negative is not a window (kernels take sizes >= 0): the keys before
-the band's left edge are seen by no query, the queries before its right edge see no key, so
-they are cut from the front, which brings that side to 0. Rows and keys past the band are cut
-too. A band that leaves nothing is no call (the block is skipped: no kernel call, and a ring
-takes no step for a block no rank needs); one that leaves every pair is a call without mask.
+the band's left edge (seen by no query) or the queries before its right edge (seeing no key)
+are cut from the front, bringing that side to 0; rows and keys past the band are cut too. A
+band that leaves nothing is no call (a ring takes no step for a block no rank needs); one
+that leaves every pair is a call without mask.
 
     load_balanced, P = 2, S = 16 (chunks of 4), causal window of 2 (band (2, 0)):
     rank 0 holds 0-3 | 12-15, rank 1 holds 4-7 | 8-11
@@ -29,9 +29,7 @@ takes no step for a block no rank needs); one that leaves every pair is a call w
 
 Packed sequences: one varlen call holds the segments (a sequence's run of queries against a
 run of its keys) that share one window and one shift (keys minus queries) after their cuts,
-so sequences whose runs sit at different distances are grouped by what they come out with
-(one call per window and shift; mostly squares, shift 0); the segments of one call take each
-query row at most once (one call per diagonal of run pairs).
+and one diagonal of run pairs, so that it takes each query row at most once.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ MAX_RUNS = 2  # runs of one sequence a rank may hold under a window (calls grow 
 
 
 def window_band(spec) -> tuple[int | None, int | None] | None:
-    """The band of ``spec`` when its window masks more than ``causal`` does, else None (the
-    schedules' block cases then apply)."""
+    """The band of ``spec`` when its window masks more than ``causal`` does, else None."""
     if spec.window is None:
         return None
     mask = band(spec.causal, spec.window)
@@ -76,10 +73,9 @@ class Runs:
 
 def run_index(positions: torch.Tensor, real: torch.Tensor, seq: torch.Tensor,
               stride: int = 1) -> torch.Tensor:
-    """[P, T]: which run of its sequence's part each local token belongs to (0, 1, ...; -1 for
-    padding). ``positions`` [P, T] of every rank's tokens in their sequence, ``real`` [P, T],
-    ``seq`` [T] the sequence of each local row (a sequence's rows together, real ones first);
-    a run goes on while positions step by ``stride``."""
+    """[P, T]: which run of its sequence's part each local token belongs to (-1: padding),
+    from every rank's token ``positions`` and ``real`` [P, T] and each row's ``seq`` [T]; a run
+    goes on while positions step by ``stride``."""
     start = real.clone()
     new_sequence = torch.ones_like(seq, dtype=torch.bool)
     new_sequence[1:] = seq[1:] != seq[:-1]
@@ -133,8 +129,8 @@ def _pair_cut(runs_q: Runs, rank_q, runs_k: Runs, rank_k, mask) -> Cut:
 
 
 def ring_steps(runs_q: Runs, runs_k: Runs, mask) -> list[int]:
-    """The ring steps some rank computes at (0, the own block, always): step s is needed when
-    some rank's queries see a key of the rank s before it."""
+    """The ring steps some rank computes at: 0, and s when some rank's queries see a key of
+    the rank s before it."""
     parts = len(runs_q.count)
     ranks = torch.arange(parts)
     steps = [0]
@@ -157,7 +153,7 @@ def _window(c: Cut, index, mask) -> Window | None:
 def dense_calls(runs_q: Runs, rank: int, runs_k: Runs, source: int, mask, *,
                 key_base: int = 0) -> list[DenseCall]:
     """The calls of ``rank``'s queries against ``source``'s keys of one dense sequence, key
-    rows shifted by ``key_base`` (where the block starts among the keys a call reads)."""
+    rows shifted by ``key_base``."""
     c = _pair_cut(runs_q, rank, runs_k, source, mask)
     s_q = int(runs_q.count[rank].sum())
     calls = []
@@ -174,10 +170,8 @@ def dense_calls(runs_q: Runs, rank: int, runs_k: Runs, source: int, mask, *,
 def packed_calls(runs: Runs, rank: int, source: int, mask, *, tokens: tuple[int, int], device,
                  key_base: int = 0) -> list:
     """The varlen calls of ``rank``'s queries against ``source``'s keys of every packed
-    sequence: segments grouped by their window and their keys minus queries (one call of
-    flash or FA4 aligns every sequence's mask by one such shift), and by diagonal of run
-    pairs so that no query row appears twice in a call. ``tokens``: rows of the query and
-    key tensors; key rows are shifted by ``key_base``."""
+    sequence, grouped as the module docstring says. ``tokens``: rows of the query and key
+    tensors; key rows are shifted by ``key_base``."""
     c = _pair_cut(runs, rank, runs, source, mask)
     kept = (c.rows > 0).nonzero()  # [M, 3]: sequence, query run, key run, in sequence order
     if not len(kept):
@@ -205,8 +199,7 @@ def packed_calls(runs: Runs, rank: int, source: int, mask, *, tokens: tuple[int,
 
 
 def spec_runs(spec, partition, parts: int) -> tuple[Runs, Runs]:
-    """(query runs, key runs) of this rank's local ``spec`` split by ``partition`` over
-    ``parts`` ranks (the packing's runs are made once per packing)."""
+    """(query runs, key runs) of this rank's local ``spec`` split by ``partition``."""
     packing = spec.packing
     if packing is not None:
         runs = packing.cached(("bands", "runs"), lambda: packed_runs(packing.split))
@@ -232,13 +225,11 @@ def check_runs(spec, partition, parts: int, schedule: str) -> None:
 
 
 def ring_plan(spec, mask, partition, parts: int, rank: int):
-    """(steps, travel) of ``rank`` under the band ``mask`` of its local ``spec``: (step, calls)
-    of every ring step it takes, at step s the block of rank (rank - s) mod P, at the
-    ``ring_steps`` only; and ``travel`` = (n, starts), the rows [starts[j], starts[j] + n) of
-    rank j's block that travel, the remote steps' keys counted in them: the hull of the keys
-    that any rank's calls use of a block at a remote step, widened to the widest hull (every
-    shift moves blocks of one shape) and kept inside the block. travel is None when that is
-    the whole block, and for packed sequences (their blocks travel whole)."""
+    """(steps, travel) of ``rank`` under the band ``mask``: (step, calls) of every ring step it
+    takes (at step s the block of rank (rank - s) mod P); ``travel`` = (n, starts), the rows
+    [starts[j], starts[j] + n) of rank j's block that travel (the widest hull of the keys any
+    rank's remote calls use, so every block has one shape), the remote calls' keys counted in
+    them; None when that is the whole block, and for packed sequences."""
     packing = spec.packing
     if packing is None:
         return _dense_ring_plan(mask, partition, parts, rank, spec.q_len * parts,

@@ -1,11 +1,9 @@
 """Token partitioners: which rank holds which tokens of a sequence, as permutations.
 
-A partitioner maps a sequence of S tokens over P ranks. ``indices(S, P, r)`` lists the global
-positions rank r holds, in the order it holds them; ``position(slot, S, P, r)`` is the same
-rule as a formula (the position of the token at local slot ``slot``), vectorized so that a
-packed batch of many sequences is split in a few tensor operations. ``permutation(S, P)``
-concatenates all ranks' indices in rank order; ``inverse`` (its argsort) restores the
-original order.
+``indices(S, P, r)`` lists the global positions rank r holds, in the order it holds them;
+``position(slot, S, P, r)`` is the same rule as a vectorized formula (so a packed batch splits
+in a few tensor operations). ``permutation(S, P)`` concatenates all ranks' indices in rank
+order; ``inverse`` (its argsort) restores the original order.
 
 S = 16, P = 4 (digits are the rank holding each token):
 
@@ -13,18 +11,13 @@ S = 16, P = 4 (digits are the rank holding each token):
     load_balanced  0011 2233 3322 1100        rank r: chunks r and 2P-1-r of 2P chunks
     striped        0123 0123 0123 0123        rank r: tokens r, r+P, r+2P, ...
 
-With a causal mask, contiguous ranks do unequal work (rank P-1 attends to everything, rank 0
-to its own chunk); load-balanced pairs an early chunk with a late one so every rank does the
-same work at every ring step. These three keep each rank's tokens in increasing order, so a
-causal mask over a rank's own tokens is the ordinary top-left mask.
+With a causal mask, contiguous ranks do unequal work; load-balanced pairs an early chunk with
+a late one so every rank does the same work at every ring step. All three keep each rank's
+tokens increasing, so a causal mask over a rank's own tokens is the ordinary top-left mask.
 
-Packed batches: ``documents`` gives whole documents to ranks and cuts only those it must
-(``Documents``, ``schedules.assign``); ``auto`` (the sequence schedules' default) takes it
-where it is faster than ``load_balanced`` (``Auto``).
-
-Custom partitions: ``IndexMap`` (any placement, one row of positions per rank) and
-``VideoTiles`` (video tokens of [F, H, W] grids in raster order, each rank keeping an intact
-tile, with the (f, h, w) ``coordinates`` of its tokens for 3-D RoPE).
+Packed batches: ``documents`` gives whole documents to ranks and cuts only those it must;
+``auto`` takes it where it is faster than ``load_balanced``. Custom partitions: ``IndexMap``
+(one row of positions per rank) and ``VideoTiles`` (intact tiles of video frames).
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ class Partition(abc.ABC):
         return parts
 
     def stride(self, parts: int) -> int:
-        """Distance between the positions of consecutive local tokens inside one run of a
-        rank's tokens (what a sliding window's band is scaled by): 1, or P for ``striped``."""
+        """Distance between the positions of consecutive local tokens of one run (``bands``)."""
         return 1
 
     def check(self, seq_len: int, parts: int) -> None:
@@ -59,8 +51,7 @@ class Partition(abc.ABC):
             )
 
     def padded_length(self, lengths: torch.Tensor, parts: int) -> torch.Tensor:
-        """The length each sequence of ``lengths`` is split at: rounded up to ``multiple``
-        (the padding tokens are added for the caller)."""
+        """The length each sequence of ``lengths`` is split at: rounded up to ``multiple``."""
         m = self.multiple(parts)
         return (lengths + m - 1) // m * m
 
@@ -72,8 +63,8 @@ class Partition(abc.ABC):
 
     @abc.abstractmethod
     def position(self, slot, length, parts: int, rank):
-        """Position, in a sequence of ``length`` tokens, of the token that ``rank`` holds at
-        local ``slot`` (``slot``, ``length`` and ``rank`` broadcast as tensors)."""
+        """Position in a sequence of ``length`` tokens of the token ``rank`` holds at ``slot``
+        (all three broadcast as tensors)."""
 
     def permutation(self, seq_len: int, parts: int) -> torch.Tensor:
         """All ranks' indices, concatenated in rank order."""
@@ -118,11 +109,9 @@ class LoadBalanced(Partition):
 
 
 class Documents(LoadBalanced):
-    """Packed batches: each document goes whole to one rank where that balances the ranks'
-    tokens and attention work, and only the others are cut (``schedules.assign``); a cut
-    document, and a dense sequence, is split as ``load_balanced``. Ranks then hold different
-    numbers of tokens (balanced, not equal). ``tolerance``: how far above the mean a rank's
-    tokens or work may be before one more document is cut."""
+    """Packed batches: documents go whole to ranks where that balances their tokens and work,
+    the others are cut as ``load_balanced`` (``schedules.assign``). ``tolerance``: how far
+    above the mean a rank's tokens or work may be before one more document is cut."""
 
     name = "documents"
 
@@ -142,10 +131,8 @@ class Documents(LoadBalanced):
 
 
 class Auto(Documents):
-    """The default of ``ring``, ``allgather`` and ``hybrid``: a dense sequence is split as
-    ``load_balanced``; a packed batch as ``documents`` when no document needs cutting or the
-    cost model predicts it faster, else as ``load_balanced`` (``schedules.predict
-    .packed_partition``; ``describe`` says which and why)."""
+    """The default of ``ring``, ``allgather`` and ``hybrid``: ``load_balanced``, or for a
+    packed batch ``documents`` where ``schedules.choice.packed_partition`` takes it."""
 
     name = "auto"
 
@@ -173,9 +160,8 @@ class _Fixed(Partition):
 
 
 class IndexMap(_Fixed):
-    """A user's placement: ``index_map[r]`` lists the global tokens of rank r (e.g. intact
-    2-D/3-D tiles of video tokens). Every rank holds the same number of tokens, each token
-    exactly once."""
+    """A user's placement: ``index_map[r]`` lists the global tokens of rank r, the same number
+    on every rank, each token exactly once."""
 
     name = "index_map"
 
@@ -212,16 +198,15 @@ class IndexMap(_Fixed):
 
 
 class VideoTiles(_Fixed):
-    """Video tokens in raster order (frame, then row, then column) of [F, H, W] grids, each
-    rank keeping one intact tile. ``frame`` = (H, W); a sequence of S tokens has F = S/(H*W)
-    frames. ``tiles`` = (tf, th, tw): tiles along frames, rows and columns, one per rank,
-    ranks numbered in raster order of the tiles.
+    """Video tokens of [F, H, W] grids in raster order, each rank keeping one intact tile.
+    ``frame`` = (H, W); ``tiles`` = (tf, th, tw) along frames, rows and columns, one per
+    rank, in raster order.
 
     F = 2, H = W = 4, tiles = (1, 2, 2) (digits: rank; both frames alike):
 
         0 0 1 1
         0 0 1 1        every rank holds a 2 x 2 x 2 box, its tokens in raster order
-        2 2 3 3        (so increasing: the box of a raster order is in raster order)
+        2 2 3 3
         2 2 3 3
     """
 
