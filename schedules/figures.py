@@ -1,7 +1,6 @@
 """The measured figures of the cost model (``cost_table.json`` beside this module, written by
 ``python -m benchmarks.cost_table``): a kernel's TFLOP/s, a ring shift's bandwidth, and what a
-dim's transfers add beside attention. ``schedules.predict`` (a rank's step) and
-``schedules.choice`` (the partition of a packed batch) read them.
+dim's transfers add beside attention (values interpolated in log(length), held at the ends).
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def _interpolate(points: dict[int, float], length: int) -> float:
 def rate(kernel: str, head_dim: int, causal: bool, mode: str, length: int,
          path: Path = TABLE, *, packed: bool = False) -> Figure:
     """TFLOP/s of ``kernel`` on one GPU, at the nearest measured head dim, for calls of
-    ``length`` tokens; ``packed``: a packed batch whose documents are ``length`` tokens on
-    work-weighted average, at the share of the dense rate such batches reached."""
+    ``length`` tokens (``packed``: at the share of the dense rate packed batches reached)."""
     part = _part("kernels", path)
     value, head_dim = dense_rate(part["figures"], kernel, head_dim, causal, mode, length)
     source = (f"{kernel} on one GPU, hd {head_dim} {'causal' if causal else 'full'} {mode} at "
@@ -87,8 +85,7 @@ def rate(kernel: str, head_dim: int, causal: bool, mode: str, length: int,
 
 
 def work_length(calls) -> int:
-    """The mean length of calls of (length, work) pairs, weighted by their work (a causal
-    call of L tokens does about L^2 / 2): what sets the rate of a batch of documents."""
+    """The mean length of calls of (length, work) pairs, weighted by their work."""
     work = sum(w for _, w in calls)
     return max(round(sum(n * w for n, w in calls) / work), 1) if work else 1
 
@@ -96,7 +93,7 @@ def work_length(calls) -> int:
 def dense_rate(figures: list[dict], kernel: str, head_dim: int, causal: bool, mode: str,
                length: int) -> tuple[float, int]:
     """(TFLOP/s, the head dim measured) of ``kernel`` in the kernel ``figures`` of a cost
-    table at the nearest measured head dim, for calls of ``length`` tokens."""
+    table, at the nearest measured head dim."""
     entries = [e for e in figures if (e["kernel"], e["causal"], e["mode"]) == (kernel, causal, mode)]
     if not entries:
         measured = sorted({e["kernel"] for e in figures})
@@ -134,8 +131,8 @@ def transfer_seconds(dim, stated: Overlap, compute: float, backward: bool, trans
 
 
 def _transport(stated: Overlap, transport: str) -> str:
-    """The measured transport a dim's transfers go by: the schedule's own (``auto`` is copy
-    engines: GPUs of one host), NCCL send/receive for collectives."""
+    """The measured transport of a dim's transfers: the schedule's own (``auto``: copy
+    engines), p2p for collectives."""
     if not stated.own_transport:
         return "p2p"
     return "copy_engine" if transport == "auto" else transport

@@ -1,22 +1,17 @@
 """Head groups: a sequence schedule run over a few K/V heads (and their query heads) at a time.
 
-Every buffer a sequence schedule allocates for its blocks scales with the heads it works on:
-the K/V slots and dK/dV sums of ``ring``, the gathered K/V of ``allgather``, the all-to-all
-buffers of ``ulysses``, the accumulators of out and dQ, a kernel's workspace. Running the
-schedule once per group of heads, one group after another, divides all of them by the number
-of groups G. Heads do not mix in attention, so every group computes exactly what the whole
-call computes for its heads (ring-flash-attention's llama3 variant gathers K/V ``heads_k_stride``
-heads at a time). The price: G times as many kernel calls and transfers, each G times smaller.
+Every buffer a sequence schedule allocates for its blocks (K/V slots, dK/dV sums, gathered
+K/V, all-to-all buffers, out and dQ accumulators, kernel workspace) scales with the heads it
+works on. Running the schedule once per group of heads, one group after another, divides them
+all by the number of groups G; heads do not mix in attention, so every group computes exactly
+what the whole call does for its heads (ring-flash-attention's llama3 variant gathers K/V
+``heads_k_stride`` heads at a time). The price: G times as many calls and transfers.
 
-    head_groups="auto"   one group while blocks are small, more as they grow: the most groups
-                         that leave every group's kernel calls at least ``MIN_GROUP_WORK`` query
-                         rows x heads (so short sequences run as with one group, and long ones
-                         take 1/G of the memory). For packed sequences the rows are the
-                         longest share one rank holds of one sequence: each sequence is its
-                         own attention problem, and 2048 short documents in 8 groups would
-                         be 8 x 2048 tiny kernel calls
-                         A schedule whose groups overlap one another's transfers (packed
-                         ``ulysses`` over copy engines) asks for a few groups at least
+    head_groups="auto"   the most groups that leave every group's kernel calls at least
+                         ``MIN_GROUP_WORK`` query rows x heads (packed: rows of the longest
+                         share one rank holds of one sequence, each sequence being its own
+                         problem); a schedule whose groups overlap one another's transfers
+                         (packed ``ulysses`` over copy engines) asks for a few at least
     head_groups=G        G groups; G divides the K/V heads
 
 Group g of G holds K/V heads [g H_kv/G, (g+1) H_kv/G) and the query heads that use them
@@ -46,9 +41,9 @@ def divisors(n: int) -> list[int]:
 
 def choose(option, *, heads: int, kv_heads: int, rows: int, fits=lambda groups: True,
            least: int = 1) -> int:
-    """The number of head groups of a call whose kernel blocks have ``rows`` query rows:
-    ``option`` itself when it is an int, else the most groups ``fits`` allows that keep
-    heads/G x rows >= MIN_GROUP_WORK, or that are at most ``least`` (at least one group)."""
+    """The head groups of a call whose blocks have ``rows`` query rows: ``option`` when it is
+    an int, else the most groups ``fits`` allows that keep heads/G x rows >= MIN_GROUP_WORK
+    or are at most ``least``."""
     if option != "auto":
         return option
     best = 1
@@ -68,15 +63,14 @@ def check_divides(groups: int, kv_heads: int, schedule: str) -> None:
 
 
 def contiguous(spec, groups: int) -> bool:
-    """Whether a head group of a local tensor of ``spec`` is one contiguous buffer in its
-    layout (collectives and transports then take it without a copy)."""
+    """Whether a head group of a local tensor of ``spec`` is one contiguous buffer."""
     return groups == 1 or (spec.layout.value == "bhse" and spec.batch == 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadGroup:
     """The query heads ``q`` and K/V heads ``kv`` (slices of the head dim) of group ``index``
-    (which also keys the group's dropout streams: every group draws its own masks)."""
+    (which also keys the group's dropout streams)."""
 
     q: slice
     kv: slice

@@ -1,18 +1,14 @@
 """Predicted step times of a schedule on a mesh, from measured figures.
 
 The model takes what ``describe()`` says one rank does (FLOPs, bytes received), what the
-schedule states of its transfers (its ``Overlap``, ``schedules.overlap``) and the measured
-figures of ``cost_table.json`` beside this module (written by ``python -m
-benchmarks.cost_table`` from the benchmark results it names):
+schedule states of its transfers (``schedules.overlap``) and the measured figures of
+``cost_table.json`` (``schedules.figures``):
 
-    rate       the kernel's TFLOP/s on one GPU for the same head dim, mask and mode at the
-               length of the rank's kernel calls (interpolated in log(length), held at the
-               ends): S over the ranks of the dims whose schedule splits the keys, else S;
-               packed, the work-weighted length of its documents' calls (whole ones at
-               their length, cut ones in pieces), at the share of the dense rate that
-               packed batches of such documents reached
-    bandwidth  GB/s of one ring shift alone, per transport and block size; transfers that
-               do not go by a schedule's own transport (collectives) use the p2p figure
+    rate       the kernel's TFLOP/s on one GPU for the head dim, mask and mode at the length
+               of the rank's kernel calls (S over the ranks of the dims whose schedule splits
+               the keys; packed, the work-weighted length of its documents' calls, at the
+               share of the dense rate that packed batches reached)
+    bandwidth  GB/s of one ring shift alone, per transport and block size (collectives: p2p)
     unhidden   how much of a shift still costs while attention runs beside it
 
     compute  c = FLOPs / rate
@@ -21,8 +17,8 @@ benchmarks.cost_table`` from the benchmark results it names):
              beside (none unless it says: then they add b)
     time = c + the transfers of every mesh dim
 
-Predictions are for the table's first device (the GPU the committed results measured); the
-kernel is the one ``auto`` ranks first there unless one is named.
+Predictions are for the table's first device, with the kernel ``auto`` ranks first there
+unless one is named.
 """
 
 from __future__ import annotations
@@ -60,8 +56,7 @@ def dims_of(plan) -> list:
 
 
 def overlap(description) -> Overlap:
-    """What the schedule that wrote ``description`` states of its transfers (the cautious
-    default when no registered schedule has its name)."""
+    """What the schedule that wrote ``description`` states of its transfers."""
     return overlap_of(_class(description.schedule) if description.schedule in names() else None)
 
 
@@ -76,8 +71,7 @@ def call_length(plan, spec) -> int:
 
 def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
     """(keys per call, relative work) of each document in a rank's calls of a packed batch:
-    those it holds whole (partition ``documents``) at their length, each cut one at a
-    ``blocks``-th of it and of its work; other ranks' whole documents not at all."""
+    its whole ones at their length, each cut one at a ``blocks``-th of it and of its work."""
     lengths = [n for _, n in spec.sequences()]
     assignment = getattr(plan.local.packing, "assignment", None)
     owner = assignment.owner if assignment is not None else [CUT] * len(lengths)

@@ -9,14 +9,10 @@ A rank's local tokens are its whole documents, then its part of the cut document
                              load-balanced split: K/V travel, one block size on every rank)
     backward   the same, dQ/dK/dV of each set written into its rows
 
-Each part writes straight into its rows of the joint out, lse and gradients (output buffers
-of the kernel call and of the schedule's loop: FA4's varlen call and the padded way write
-there in place, other kernels copy their results in). A rank whose rows are all whole (or
-all cut) returns that one part's results as they are.
-
-The cut packing runs on the schedule's *twin*: the same schedule, mesh, communicator and
-transport buffers, with the load-balanced partition. ``describe`` adds the whole documents'
-kernel call (no bytes) to the twin's description of the cut packing.
+Each part writes into its rows of the joint out, lse and gradients (as output buffers); a
+rank whose rows are all whole (or all cut) returns that one part's results as they are. The
+cut packing runs on the schedule's *twin*: the same schedule, mesh, communicator and
+transport buffers, with the load-balanced partition.
 """
 
 from __future__ import annotations
@@ -54,7 +50,7 @@ def cut_spec(spec):
 
 def whole_documents(cls: type) -> type:
     """Schedule class ``cls`` that runs packed batches under partition ``documents`` as the
-    module docstring says (everything else as ``cls`` does), under the same name."""
+    module docstring says, under the same name."""
     return type(cls.__name__, (WholeDocuments, cls),
                 {"__doc__": cls.__doc__, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__})
@@ -75,8 +71,8 @@ class WholeDocuments:
             == "documents"
 
     def partition_choice(self, cu: tuple, padded: tuple | None) -> tuple[str, str]:
-        """(the partition the packing ``cu``/``padded`` takes, why): partition ``auto`` asks
-        the cost model (``schedules.predict.packed_partition``), made once per packing."""
+        """(the partition the packing ``cu``/``padded`` takes, why); ``auto`` asks the cost
+        model (``schedules.choice.packed_partition``) once per packing."""
         if not isinstance(self.partition, Auto):
             return self.partition.name, "named by the schedule's partition option"
         choices = self.__dict__.setdefault("_choices", collections.OrderedDict())
@@ -96,7 +92,7 @@ class WholeDocuments:
 
     def twin(self):
         """This schedule with the load-balanced partition, sharing its mesh, communicator and
-        transport buffers (made once): what runs the cut packing."""
+        transport buffers (made once)."""
         twin = self.__dict__.get("_twin")
         if twin is None:
             twin = self.copy_without_caches()
@@ -147,7 +143,6 @@ class WholeDocuments:
         out = torch.empty_like(q) if out is None else out
         if lse is None:
             lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        # each part writes its rows of the joint result
         local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec), out=out[:w],
                       lse=lse[:, :, :w])
         self._running_twin().forward(q[w:], k[w:], v[w:], cut, kernel, out=out[w:],
@@ -166,7 +161,6 @@ class WholeDocuments:
             return self._running_twin().backward(dout, q, k, v, out, lse, cut, kernel, **grads)
         dq, dk, dv = (torch.empty_like(t) if g is None else g
                       for g, t in zip(grads.values(), (q, k, v)))
-        # each part writes its rows of the joint gradients
         local_backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
                        whole_spec(spec), dq=dq[:w], dk=dk[:w], dv=dv[:w])
         self._running_twin().backward(dout[w:], q[w:], k[w:], v[w:], out[w:],
