@@ -1,16 +1,12 @@
 """A packed batch split by whole documents (partition ``documents``): each rank's tokens.
 
 ``schedules.assign`` gives some documents whole to one rank and cuts the others, which form
-the "cut packing" (their tokens in batch order), split load-balanced (``packing.Split``): one
-number of tokens on every rank, as ring blocks need. Rank r stores its whole documents first,
-in batch order, then its part of the cut packing:
+the "cut packing", split load-balanced (``packing.Split``). Rank r stores its whole documents
+first, in batch order, then its part of the cut packing; only that part travels:
 
     documents a (2 tokens), b (8), c (3), d (1), P = 2; b is cut, chunks of 2
     rank 0   c0 c1 c2 | b0 b1 b6 b7          cu_seqlens        [0, 3, 7]
     rank 1   a0 a1 d0 | b2 b3 b4 b5          cu_seqlens        [0, 2, 3, 7]
-
-Ranks hold different numbers of tokens (balanced, not equal); only the cut part travels.
-``unshard`` pads every rank's part to the longest before it gathers them.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from .partition import LoadBalanced, Partition
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DocumentSplit:
-    """Every rank's part of one global packing under partition ``documents`` (host tensors):
-    the ``assignment``, and ``cut``, the ``Split`` of the cut packing (None: none cut)."""
+    """Every rank's part of one global packing under partition ``documents`` (host tensors)."""
 
     partition: Partition
     parts: int
@@ -54,10 +49,7 @@ class DocumentSplit:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_parts", {})
 
-    @property
-    def total_tokens(self) -> int:
-        """Tokens of the global packed tensor."""
-        return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
+    total_tokens = Split.total_tokens
 
     @property
     def cut_tokens(self) -> int:
@@ -122,8 +114,7 @@ class DocumentSplit:
 
     @functools.cached_property
     def _unshard_index(self):
-        """(rows of the real tokens in all ranks' parts padded to ``most_tokens``, their global
-        rows), on the device."""
+        """(rows of the real tokens in all ranks' parts padded to ``most_tokens``, global rows)."""
         rows = [self.rows(r) for r in range(self.parts)]
         flat = torch.cat([(r >= 0).nonzero().flatten() + j * self.most_tokens
                           for j, r in enumerate(rows)])
@@ -133,9 +124,8 @@ class DocumentSplit:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DocumentPacking(LocalPacking):
-    """One rank's part of a global packing under partition ``documents``: its whole documents
-    (``whole_tokens`` rows), then its part of the cut packing (``cut``, or None). ``tokens``
-    differs from rank to rank; the rest reads as ``LocalPacking``."""
+    """One rank's part under partition ``documents``: its whole documents (``whole_tokens``
+    rows), then its part of the cut packing (``cut``, or None)."""
 
     @functools.cached_property
     def tokens(self) -> int:
@@ -178,14 +168,6 @@ class DocumentPacking(LocalPacking):
     def counts(self) -> torch.Tensor:
         """Real tokens of each local sequence (whole documents, then cut ones), [N_local]."""
         return torch.tensor(self.offsets[0]).diff()
-
-    @functools.cached_property
-    def cu_seqlens(self) -> torch.Tensor:
-        return self._on_device(torch.tensor(self.offsets[0]), torch.int32)
-
-    @functools.cached_property
-    def cu_seqlens_padded(self) -> torch.Tensor:
-        return self._on_device(torch.tensor(self.offsets[1]), torch.int32)
 
     @functools.cached_property
     def seqlens(self) -> torch.Tensor:

@@ -1,10 +1,9 @@
 """Packed sequences (THD) split over the ranks of a sequence schedule.
 
-The caller holds the global packing of the full [T, H, E] tensors (``cu_seqlens``, and
-``cu_seqlens_padded`` when sequences sit in larger slots), the same on every rank. The
-partition splits every sequence on its own: its slot is rounded up to the partition's
-multiple, and rank r keeps the tokens ``partition.position(slot, L, P, r)``, storing its part
-of every sequence in sequence order, real tokens first, padding last:
+The caller holds the global packing (``cu_seqlens``, and ``cu_seqlens_padded`` when sequences
+sit in larger slots), the same on every rank. The partition splits every sequence on its own,
+its slot rounded up to the partition's multiple; each rank stores its part of every sequence
+in sequence order, real tokens first, padding last:
 
     load_balanced, P = 2, sequences a (5 tokens) and b (8); chunks of 2, '.' is padding
     sequence a, padded to 8     [a0 a1] [a2 a3] [a4 . ] [.  . ]
@@ -12,12 +11,8 @@ of every sequence in sequence order, real tokens first, padding last:
     rank 1 (chunks 1 and 2)     a2 a3 a4 .  | b2 b3 b4 b5     cu_seqlens        [0, 3, 7]
                                                               cu_seqlens_padded [0, 4, 8]
 
-Every rank stores the same number of tokens, so ring blocks keep one size. Padding tokens
-are zeros in ``shard``, never reach a kernel, get zero output and gradient, and ``unshard``
-drops them; their ``position_ids`` (positions inside the sequence, for RoPE) are 0.
-
-A rank's part can be split again (``NestedPacking``, for ``hybrid`` with inner ulysses);
-``LocalPacking.owner`` names the splits that made a part.
+Every rank stores the same number of tokens, so ring blocks keep one size. Padding tokens are
+zeros, never reach a kernel and get zero gradient; ``unshard`` drops them.
 """
 
 from __future__ import annotations
@@ -75,11 +70,10 @@ class Split:
         counts = torch.zeros(self.parts, len(lengths), dtype=torch.long)
         counts.index_add_(1, seq, real.long())
         if not torch.equal(real, slot < counts[:, seq]):
-            raise ValueError(
-                f"partition {self.partition.name!r} places padding tokens between the real tokens "
-                f"of a rank's part; give it sequences without padding (no cu_seqlens_padded, "
-                f"lengths it divides) or use partition 'load_balanced'"
-            )
+            raise ValueError(f"partition {self.partition.name!r} places padding tokens between "
+                             f"the real tokens of a rank's part; give it sequences without padding "
+                             f"(no cu_seqlens_padded, lengths it divides) or use partition "
+                             f"'load_balanced'")
         key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
         fields = dict(lengths=lengths, starts=room[:-1], storage=storage, offsets=offsets, seq=seq,
                       slot=slot, positions=positions, real=real, counts=counts, key=key,
@@ -125,46 +119,25 @@ class Split:
         return flat.to(self.device), tokens.to(self.device)
 
 
+def _of_split(name: str, doc: str) -> property:
+    """A read-only property that is the ``split``'s attribute ``name``."""
+    return property(lambda self: getattr(self.split, name), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class LocalPacking:
-    """One rank's part of a global packing, made by ``schedule.pack(cu_seqlens, ...)``: pass
-    it as ``attention(..., cu_seqlens=local)`` on its rank. ``shard(t)`` / ``unshard(t)`` move
-    [T, ...] tensors between the global packing and this [T_local, ...] part."""
+    """One rank's part of a global packing, to pass as ``attention(..., cu_seqlens=local)``."""
 
     split: Split
     rank: int
 
-    @property
-    def partition(self) -> Partition:
-        return self.split.partition
-
-    @property
-    def parts(self) -> int:
-        return self.split.parts
-
-    @property
-    def device(self) -> torch.device:
-        return self.split.device
-
-    @property
-    def tokens(self) -> int:
-        """T_local: tokens of the local part, padding included (the same on every rank)."""
-        return self.split.tokens
-
-    @property
-    def total_tokens(self) -> int:
-        """T: tokens of the global packed tensor."""
-        return self.split.total_tokens
-
-    @property
-    def counts(self) -> torch.Tensor:
-        """Real tokens of each sequence on each rank, [P, N] (host)."""
-        return self.split.counts
-
-    @property
-    def longest_share(self) -> int:
-        """The most real tokens one rank of this split holds of one sequence."""
-        return self.split.longest_share
+    partition = _of_split("partition", "The ``Partition`` of the split.")
+    parts = _of_split("parts", "The ranks the packing is split over.")
+    device = _of_split("device", "The device of the packing's tensors.")
+    tokens = _of_split("tokens", "T_local: tokens of the local part, padding included.")
+    total_tokens = _of_split("total_tokens", "T: tokens of the global packed tensor.")
+    counts = _of_split("counts", "Real tokens of each sequence on each rank, [P, N] (host).")
+    longest_share = _of_split("longest_share", "The most real tokens a rank holds of a sequence.")
 
     def _on_device(self, t: torch.Tensor, dtype=torch.long) -> torch.Tensor:
         return t.to(device=self.device, dtype=dtype)
@@ -172,14 +145,12 @@ class LocalPacking:
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
         """Cumulative real lengths of the local part, int32 [N+1]."""
-        counts = self.counts[self.rank]
-        cumulative = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-        return self._on_device(cumulative, torch.int32)
+        return self._on_device(torch.tensor(self.offsets[0]), torch.int32)
 
     @functools.cached_property
     def cu_seqlens_padded(self) -> torch.Tensor:
         """Where each sequence's part starts in the local tensor, int32 [N+1]."""
-        return self._on_device(self.split.offsets, torch.int32)
+        return self._on_device(torch.tensor(self.offsets[1]), torch.int32)
 
     @functools.cached_property
     def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -220,16 +191,14 @@ class LocalPacking:
         return self._on_device(rows), self.token_index[self._on_device(rows)]
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens [T_local, ...] of a global packed tensor [T, ...]: padding
-        inserted as zeros; differentiable."""
+        """This rank's tokens of a global packed tensor (padding zeros); differentiable."""
         self._check_rows(t, self.total_tokens, "the global packed tensor")
         rows, tokens = self._real_rows
         local = t.new_zeros((self.tokens, *t.shape[1:]))
         return local.index_copy(0, rows, t.index_select(0, tokens))
 
     def unshard(self, t: torch.Tensor) -> torch.Tensor:
-        """The global [T, ...] tensor, the same on every rank, from every rank's [T_local, ...]
-        part (padding dropped, global padding slots zeros); differentiable."""
+        """The global [T, ...] tensor on every rank from every rank's part; differentiable."""
         self._check_rows(t, self.tokens, "this rank's part")
         full = t if self.parts == 1 else self.split.gather(self._to_gather(t))
         flat, tokens = self.split._unshard_index
@@ -237,21 +206,17 @@ class LocalPacking:
         return whole.index_copy(0, tokens, full.index_select(0, flat))
 
     def _to_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """What this rank gathers of its part ``t`` (its own size on every rank)."""
+        """What this rank gathers of its part ``t`` (one size on every rank)."""
         return t
 
     def _check_rows(self, t: torch.Tensor, want: int, what: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != want:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"t ({shape}) must have {want} tokens along dim 0, the size of {what} "
-                f"({split_by(self.owner)})"
-            )
+            raise ValueError(f"t ({shape}) must have {want} tokens along dim 0, the size of "
+                             f"{what} ({split_by(self.owner)})")
         if t.device != self.device and not t.is_meta:  # meta: data-less, any indices do
-            raise ValueError(
-                f"t is on {t.device} but cu_seqlens was on {self.device}; pack cu_seqlens "
-                f"on the tensors' device"
-            )
+            raise ValueError(f"t is on {t.device} but cu_seqlens was on {self.device}; pack "
+                             f"cu_seqlens on the tensors' device")
 
     def cached(self, key, build):
         """``build()``, made once per key for this packing (schedules keep their calls here)."""
@@ -338,8 +303,6 @@ def split_by(owner: tuple) -> str:
 
 def _coordinates(partition: Partition, positions: torch.Tensor) -> torch.Tensor:
     if not hasattr(partition, "coordinates"):
-        raise ValueError(
-            f"partition {partition.name!r} has no grid coordinates; use position_ids, "
-            f"or partition=VideoTiles(...) for video tokens"
-        )
+        raise ValueError(f"partition {partition.name!r} has no grid coordinates; use "
+                         f"position_ids, or partition=VideoTiles(...) for video tokens")
     return partition.coordinates(positions)
