@@ -1,11 +1,8 @@
-"""What every rank of a mesh would do for one attention problem, without the ranks.
+"""What every rank of a mesh would do for one attention problem, without the ranks: each
+rank's schedule is built on a ``VirtualMesh`` (no process group) and sees meta shards.
 
     for r in plan_ranks("ring", spec, (4,)):        # spec: the global AttentionSpec
         print(r.rank, r.local, r.description, r.memory)
-
-Each rank's schedule is built on a ``VirtualMesh`` (no process group) and sees data-less
-(meta) shards of the full q, k, v, so its local problem, ``validate`` and ``describe`` are
-those of a run on real ranks.
 """
 
 from __future__ import annotations
@@ -20,14 +17,14 @@ import torch
 from sdpa_fusion.mesh import VirtualMesh
 from sdpa_fusion.spec import AttentionSpec
 
+from . import dry_run
 from .base import Description
 from .memory import Memory, input_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds for a step: its inputs q, k, v (and in backward dout) and what the
-    schedule's call allocates (``Description.memory``; None when the schedule does not say)."""
+    """Bytes one rank holds for a step: inputs q, k, v (and dout) and what the call allocates."""
 
     inputs: int
     dout: int
@@ -48,8 +45,7 @@ class RankMemory:
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    """One rank's coordinates on the mesh, local problem, ``describe`` of the global problem
-    and memory (made when first read)."""
+    """One rank's coordinates, local problem, ``describe`` of the global problem and memory."""
 
     rank: int
     coordinates: dict[str, int]
@@ -73,9 +69,7 @@ def mesh_names(name: str, dims: int) -> tuple[str, ...]:
 
 def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
                names: tuple[str, ...] | None = None, **options) -> list[RankPlan]:
-    """Every rank's ``RankPlan`` under schedule ``name`` (with ``options``) on a mesh of
-    ``shape`` for the global ``spec`` (dense, or packed under a sequence schedule on a 1-D
-    mesh); a ValueError naming the fix when the schedule cannot run it there."""
+    """Every rank's ``RankPlan`` under schedule ``name`` on a mesh of ``shape`` for ``spec``."""
     from . import _class, get
 
     packed = spec.layout.is_varlen
@@ -92,8 +86,8 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
             if packed:
                 local = schedule.local_spec(spec)
                 local = local.replace(q_len=local.packing.tokens, kv_len=local.packing.tokens)
-            else:
-                local = _local_spec(schedule, spec)
+            else:  # as a dry run makes it, less the composed mask
+                local = dry_run._local(schedule, spec)[0].replace(mask=None)
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
@@ -111,15 +105,3 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def _local_spec(schedule, spec: AttentionSpec) -> AttentionSpec:
-    """The spec of this rank's shards of data-less full tensors of ``spec``."""
-    def full(heads, length):
-        t = torch.empty(spec.batch, heads, length, spec.head_dim, dtype=spec.dtype, device="meta")
-        return schedule.shard(spec.layout.to(t), layout=spec.layout)
-
-    q = full(spec.heads, spec.q_len)
-    k = v = full(spec.kv_heads, spec.kv_len)
-    return AttentionSpec.from_tensors(q, k, v, layout=spec.layout, causal=spec.causal,
-                                      scale=spec.scale, window=spec.window)
