@@ -1,10 +1,7 @@
 """Multidevice schedules for sdpa-fusion, by name.
 
-    sched = schedules.get("ring", mesh)            # options as keywords
+    sched = schedules.get("ring", mesh)            # options as keywords; collective
     schedules.register(MySchedule)                 # a user's schedule, no edit of this package
-
-``get`` is collective over the mesh: every rank calls it, and either every rank gets a
-schedule of the same configuration or every rank raises the same ValueError.
 """
 
 from __future__ import annotations
@@ -39,35 +36,27 @@ def names() -> list[str]:
 
 
 def options(name: str) -> list[str]:
-    """The keyword options schedule ``name`` names (``get(name, mesh, **options)``); some,
-    such as ``hybrid``, pass further options on to the schedules they are made of."""
-    cls = _class(name)
-    parameters = inspect.signature(cls.__init__).parameters.values()
-    return sorted(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    """The keyword options schedule ``name`` takes (``get(name, mesh, **options)``)."""
+    return sorted(_keywords(_class(name))[0])
 
 
 def option_value(text: str) -> int | str:
-    """An option's value given as text (a command line's): an int where it is one
-    (``head_groups=4``), else the text."""
+    """An option's value given as text: an int where it is one, else the text."""
     return int(text) if text.lstrip("-").isdigit() else text
 
 
 def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:
-    """The schedule registered as ``name`` over ``mesh`` (its options as keywords).
-
-    Collective over ``mesh``: an unknown name or option, or a bad value, on any rank raises the
-    same ValueError on every rank, and so do ranks that build different configurations."""
+    """The schedule registered as ``name`` over ``mesh``; collective: any rank's error (or
+    differing configurations) raises the same ValueError on every rank."""
     schedule = error = None
     try:
         cls = _class(name)
-        known = _options(cls)
-        unknown = [] if known is None else sorted(set(options) - known)
+        known, more = _keywords(cls)
+        unknown = [] if more else sorted(set(options) - known)
         if unknown:
-            raise ValueError(
-                f"schedule {name!r} takes the options {sorted(known)}; "
-                f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
-                f"among them"
-            )
+            raise ValueError(f"schedule {name!r} takes the options {sorted(known)}; "
+                             f"{', '.join(map(repr, unknown))} "
+                             f"{'is' if len(unknown) == 1 else 'are'} not among them")
         schedule = cls(mesh, **options)
     except Exception as e:  # noqa: BLE001 - every failure is agreed on
         error = e
@@ -84,13 +73,11 @@ def _class(name: str) -> type[Schedule]:
     return _REGISTRY[name]
 
 
-def _options(cls: type[Schedule]) -> set[str] | None:
-    """Keyword-only parameters of ``cls.__init__``; None when it also takes ``**options``
-    (it checks those itself)."""
+def _keywords(cls: type[Schedule]) -> tuple[set[str], bool]:
+    """Keyword-only parameters of ``cls.__init__``, and whether it takes ``**options`` too."""
     parameters = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return ({p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY},
+            any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters))
 
 
 for _cls in (Replicated, HeadParallel, Ring, AllGather, Ulysses, Hybrid):
