@@ -1,8 +1,5 @@
-"""What each mesh dim of a ``hybrid`` costs a rank: its schedule's steps, bytes and memory for
-the problem of one line of that dim, and what the two dims together allocate.
-
-Memory has one source, a dry run of the schedules' own code (``schedules.dry_run``): each
-dim's is its 1-D schedule's for the line's problem, the whole step's the hybrid's own."""
+"""What each mesh dim of a ``hybrid`` costs a rank: its schedule's steps, bytes and memory
+(``schedules.dry_run``) for the problem of one line of that dim."""
 
 from __future__ import annotations
 
@@ -13,16 +10,14 @@ from .base import Description, Schedule
 
 @dataclasses.dataclass(frozen=True)
 class DimCost:
-    """What one mesh dim of the hybrid costs each rank: its schedule's description for the
-    problem of one line of that dim."""
+    """What one mesh dim of the hybrid costs each rank, for the problem of one line of it."""
 
     dim: str
     description: Description
 
     @property
     def memory(self) -> int:
-        """Bytes the dim's schedule holds at the peak of its forward beyond its outputs, kept
-        buffers included (``Description.memory``; 0 for a schedule that does not say)."""
+        """Bytes the dim's schedule holds at its forward's peak beyond outputs, kept included."""
         m = self.description.memory
         return 0 if m is None else m.kept + m.forward
 
@@ -41,12 +36,10 @@ class HybridDescription(Description):
 
 
 def describe_dims(inner: Schedule, outer: Schedule, spec, line, memory_of) -> HybridDescription:
-    """The ``HybridDescription`` of ``inner`` x ``outer`` for the global ``spec``: the inner
-    schedule on ``line`` (the global problem of this rank's inner line: all heads of the
-    tokens of its outer rank), the outer one on the heads of one inner rank (all tokens);
-    ``memory_of``: the whole step's ``Description.memory_of``."""
-    dims = tuple(DimCost(s.dim, s.describe(d))
-                 for s, d in ((inner, line), (outer, _heads(spec, inner.size))))
+    """The ``HybridDescription`` of ``inner`` (on ``line``) x ``outer`` for the global ``spec``."""
+    heads = spec.replace(heads=spec.heads // inner.size,  # a K/V head at least
+                         kv_heads=max(spec.kv_heads // inner.size, 1))
+    dims = tuple(DimCost(s.dim, s.describe(d)) for s, d in ((inner, line), (outer, heads)))
     i, o = (d.description for d in dims)
     return HybridDescription(
         "hybrid", inner.size * outer.size, steps=o.steps,
@@ -58,10 +51,4 @@ def describe_dims(inner: Schedule, outer: Schedule, spec, line, memory_of) -> Hy
         backward_flops=o.backward_flops, dims=dims, memory_of=memory_of,
         notes=f"{inner.name} over {inner.dim}={inner.size} x {outer.name} over "
               f"{outer.dim}={outer.size}; steps and flops are the outer schedule's kernel "
-              f"calls on H/{inner.size} heads; bytes add both dims",
-    )
-
-
-def _heads(spec, parts: int):
-    """``spec`` with the heads of one of ``parts`` inner ranks (a K/V head at least)."""
-    return spec.replace(heads=spec.heads // parts, kv_heads=max(spec.kv_heads // parts, 1))
+              f"calls on H/{inner.size} heads; bytes add both dims")

@@ -1,6 +1,5 @@
-"""The plan of a schedule on a mesh, per rank, with predicted times: what ``explain --mesh``
-prints. Built by ``schedules.plan.plan_ranks`` on virtual meshes (no process group) and
-``schedules.predict`` (a cost model on measured figures)."""
+"""The plan of a schedule on a mesh, per rank (``schedules.plan``), with predicted times
+(``schedules.predict``): what ``explain --mesh`` prints."""
 
 from __future__ import annotations
 
@@ -15,6 +14,8 @@ from .plan import mesh_names, plan_ranks
 
 GIB = float(1 << 30)
 MODES = ("fwd", "fwd+bwd")
+DESCRIBED = ("steps", "backward_steps", "bytes_sent", "bytes_received", "backward_bytes_sent",
+             "backward_bytes_received", "flops", "backward_flops")  # the Description's numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +38,8 @@ class MeshReport:
         for i, p in enumerate(self.plans):
             d, m = p.description, p.memory
             local = {k: getattr(p.local, k) for k in ("batch", "heads", "kv_heads", "q_len", "kv_len")}
-            row = {"rank": p.rank, "coordinates": p.coordinates, "local": local, "steps": d.steps,
-                   "backward_steps": d.backward_steps, "bytes_sent": d.bytes_sent,
-                   "bytes_received": d.bytes_received, "backward_bytes_sent": d.backward_bytes_sent,
-                   "backward_bytes_received": d.backward_bytes_received, "flops": d.flops,
-                   "backward_flops": d.backward_flops, "memory_bytes": m.forward,
+            row = {"rank": p.rank, "coordinates": p.coordinates, "local": local,
+                   **{k: getattr(d, k) for k in DESCRIBED}, "memory_bytes": m.forward,
                    "backward_memory_bytes": m.forward_backward}
             if self.predicted is not None:
                 row.update({f"predicted_{mode}_ms": self.predicted[i][mode].seconds * 1e3
@@ -53,9 +51,7 @@ class MeshReport:
 
 
 def documents(packing) -> dict:
-    """What a rank holds of a packed batch: its tokens, the documents it holds whole, those
-    cut over every rank, and its causal attention work (query-key pairs, a cut document
-    counted as its share; ``schedules.assign.work``)."""
+    """What a rank holds of a packed batch: tokens, documents whole and cut, and its work."""
     assignment = getattr(packing, "assignment", None)
     if assignment is not None:  # partition documents
         return {"tokens": packing.tokens, "whole_documents": len(packing.whole_lengths),
@@ -69,8 +65,7 @@ def documents(packing) -> dict:
 def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
                 names: tuple[str, ...] | None = None, options: dict | None = None,
                 kernel: str = "auto") -> MeshReport:
-    """Plan schedule ``name`` on a mesh of ``shape`` for global ``spec`` and predict each
-    rank's step (a ValueError when the schedule cannot run it there)."""
+    """Plan schedule ``name`` on a mesh of ``shape`` for global ``spec``, predicting each step."""
     options = dict(options or {})
     names = tuple(names or mesh_names(name, len(shape)))
     plans = plan_ranks(name, spec, tuple(shape), names, **options)

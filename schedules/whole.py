@@ -1,18 +1,11 @@
 """Running a packed batch split by whole documents (partition ``documents``) in a sequence
-schedule (``ring``, ``allgather``, and the outer schedule of ``hybrid``).
+schedule (``ring``, ``allgather``, and the outer schedule of ``hybrid``): a rank's rows are
+its whole documents, then its part of the cut ones (``schedules.documents``), disjoint sets
+that no merge joins:
 
-A rank's local tokens are its whole documents, then its part of the cut documents
-(``schedules.documents``); the two sets of rows are disjoint, so no merge joins them:
-
-    forward    rows [0, W)   one local varlen kernel call over the whole documents
-               rows [W, T)   the schedule's own packed path on the cut packing (its
-                             load-balanced split: K/V travel, one block size on every rank)
-    backward   the same, dQ/dK/dV of each set written into its rows
-
-Each part writes into its rows of the joint out, lse and gradients (as output buffers); a
-rank whose rows are all whole (or all cut) returns that one part's results as they are. The
-cut packing runs on the schedule's *twin*: the same schedule, mesh, communicator and
-transport buffers, with the load-balanced partition.
+    rows [0, W)   one local varlen kernel call over the whole documents
+    rows [W, T)   the schedule's own packed path on the cut packing, run by its *twin* (the
+                  same schedule, mesh, communicator and buffers, load-balanced partition)
 """
 
 from __future__ import annotations
@@ -49,8 +42,7 @@ def cut_spec(spec):
 
 
 def whole_documents(cls: type) -> type:
-    """Schedule class ``cls`` that runs packed batches under partition ``documents`` as the
-    module docstring says, under the same name."""
+    """Schedule class ``cls`` running packed batches under partition ``documents``."""
     return type(cls.__name__, (WholeDocuments, cls),
                 {"__doc__": cls.__doc__, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__})
@@ -71,8 +63,7 @@ class WholeDocuments:
             == "documents"
 
     def partition_choice(self, cu: tuple, padded: tuple | None) -> tuple[str, str]:
-        """(the partition the packing ``cu``/``padded`` takes, why); ``auto`` asks the cost
-        model (``schedules.choice.packed_partition``) once per packing."""
+        """(the partition the packing ``cu``/``padded`` takes, why), made once per packing."""
         if not isinstance(self.partition, Auto):
             return self.partition.name, "named by the schedule's partition option"
         choices = self.__dict__.setdefault("_choices", collections.OrderedDict())
@@ -91,8 +82,7 @@ class WholeDocuments:
         return super().local_tokens(spec)
 
     def twin(self):
-        """This schedule with the load-balanced partition, sharing its mesh, communicator and
-        transport buffers (made once)."""
+        """This schedule with the load-balanced partition, sharing mesh, comm and buffers."""
         twin = self.__dict__.get("_twin")
         if twin is None:
             twin = self.copy_without_caches()
@@ -168,7 +158,6 @@ class WholeDocuments:
                                       dk=dk[w:], dv=dv[w:])
         return dq, dk, dv
 
-    # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
         if not (spec.layout.is_varlen and self._documents(spec)):
             return self._chosen(spec, super().describe(spec))
@@ -180,22 +169,18 @@ class WholeDocuments:
         call = 1 if packing.whole_tokens else 0
         forward = whole.flops() if call else 0.0
         backward = whole.flops(backward=True) - forward if call else 0.0
-        plan = packing.assignment
         notes = (f"{len(packing.whole_lengths)} whole documents "
                  f"({packing.whole_tokens} tokens, one local kernel call, nothing travels), "
-                 f"{len(plan.cut)} cut over every rank ({packing.tokens - packing.whole_tokens} "
-                 f"tokens here)")
+                 f"{len(packing.assignment.cut)} cut over every rank "
+                 f"({packing.tokens - packing.whole_tokens} tokens here)")
         if cut is not None:
             notes += f"; cut documents: {part.notes}"
-        return self._chosen(spec, Description(
-            self.name, self.size, steps=part.steps + call, bytes_sent=part.bytes_sent,
-            bytes_received=part.bytes_received, flops=part.flops + forward,
+        # the twin's description is this schedule's (same name and ranks), plus the call
+        return self._chosen(spec, dataclasses.replace(
+            part, steps=part.steps + call, flops=part.flops + forward, notes=notes,
             backward_steps=part.backward_steps + call,
-            backward_bytes_sent=part.backward_bytes_sent,
-            backward_bytes_received=part.backward_bytes_received,
-            backward_flops=part.backward_flops + backward, notes=notes,
-            memory_of=dry_run.memory_of(self, spec),
-        ))
+            backward_flops=part.backward_flops + backward,
+            memory_of=dry_run.memory_of(self, spec)))
 
     def _documents(self, spec) -> bool:
         return self.by_documents(spec.cu_seqlens, spec.cu_seqlens_padded)
