@@ -1,8 +1,5 @@
 """A model's batch over a schedule's ranks: the tokens each rank holds, their positions, and
-attention on them.
-
-A training step splits the batch once, runs the model on this rank's tokens and calls
-attention through the batch (``schedules.integrations.transformers`` does it for you):
+attention on them (``schedules.integrations.transformers`` uses it for you):
 
     batch = schedules.batch.split(sched, input_ids.shape)               # [B, S], no padding
     batch = schedules.batch.split(sched, attention_mask=mask)           # padded rows
@@ -12,22 +9,12 @@ attention through the batch (``schedules.integrations.transformers`` does it for
     out = batch.attention(q, k, v, causal=True)  # q, k, v: logical [B_l, H, S_l, E] of them
     logits = batch.unshard(logits_l)             # [B, S, ...] again, on every rank
 
-Dense batches (every row one whole sequence of a length the partition splits): every row is
-split by the partition; local tensors are [B, S_local, ...]. Otherwise the batch becomes
-packed sequences (THD) of its real tokens, one per row (``attention_mask``: 1 for real
-tokens) or per document (``position_ids`` that restart inside a row, without a mask); local
-tensors are [1, T_local, ...], whose padding slots (``real`` False) hold zeros.
+Dense batches give local tensors [B, S_local, ...]; a padded or packed one becomes packed
+sequences (THD) of its real tokens, local tensors [1, T_local, ...] with zero padding slots.
 
-Schedules that keep every token (``head_parallel``, ``replicated``) give every rank the whole
-batch; under ``head_parallel`` (or ``hybrid`` with inner head_parallel) ``attention`` splits
-the heads of the model's replicated q, k, v (``shard(replicated=True)``) and gathers the
-output's heads.
-
-Loss and gradients: let each rank's loss be the sum over its real tokens divided by the
-global count of such tokens; the ranks' losses then add up to the one-process loss (``total``
-gives it). Backward gives the replicated weights this rank's share of their gradient;
-``sum_gradients`` adds the shares over the ranks that split the tokens, after which every
-rank holds the one-process gradient.
+Loss and gradients: let each rank's loss be the sum over its real tokens divided by the global
+count of such tokens; the ranks' losses then add up to the one-process loss (``total``), and
+``sum_gradients`` adds the replicated weights' gradient shares into the one-process gradient.
 """
 
 from __future__ import annotations
@@ -45,13 +32,12 @@ from .partition import Contiguous
 
 def split(schedule, shape=None, *, attention_mask=None, position_ids=None, device=None
           ) -> "TokenBatch":
-    """This rank's part of a [B, S] batch under ``schedule`` (None: one device).
+    """This rank's part of a [B, S] batch under ``schedule`` (None: one device); without an
+    ``attention_mask``, a position that does not follow the one before starts a document."""
+    if schedule is None:
+        from .replicated import Replicated  # one device
 
-    ``shape`` (B, S) is read from ``attention_mask`` or ``position_ids`` when given.
-    ``attention_mask`` [B, S] marks real tokens (1) and padding (0). ``position_ids`` [B, S]
-    (or [1, S]) default to 0..S-1 in every row; without a mask, a position that does not
-    follow the one before starts a new document, as in transformers' packed batches."""
-    schedule = schedule if schedule is not None else _one_device()
+        schedule = Replicated(None)
     mask, positions, (b, s), device = _inputs(shape, attention_mask, position_ids, device)
     if mask is None:  # documents start where the positions do not follow on
         start = torch.ones(b, s, dtype=torch.bool, device=device)
@@ -72,22 +58,14 @@ def split(schedule, shape=None, *, attention_mask=None, position_ids=None, devic
     return TokenBatch(schedule, (b, s), positions, rows, _packing(schedule, cu))
 
 
-def _one_device():
-    from .replicated import Replicated
-
-    return Replicated(None)
-
-
 def _inputs(shape, attention_mask, position_ids, device):
-    """(mask or None, positions [B, S], (B, S), device), checked."""
     given = [t for t in (attention_mask, position_ids) if t is not None]
     for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 2):
             raise ValueError(
                 f"{name} must be a 2-D [B, S] tensor, got "
                 f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}; a "
-                f"4-D or additive mask cannot be read as padding: pass the 2-D 0/1 padding mask"
-            )
+                f"4-D or additive mask cannot be read as padding: pass the 2-D 0/1 padding mask")
     if attention_mask is not None:
         shape = tuple(attention_mask.shape)
     elif position_ids is not None and shape is None:
@@ -100,25 +78,23 @@ def _inputs(shape, attention_mask, position_ids, device):
     mask = None
     if attention_mask is not None:
         if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-            raise ValueError(
-                f"attention_mask must hold 1 for real tokens and 0 for padding, got dtype "
-                f"{attention_mask.dtype} and values {attention_mask.unique().tolist()[:6]}; pass "
-                f"the tokenizer's 0/1 padding mask"
-            )
+            raise ValueError(f"attention_mask must hold 1 for real tokens and 0 for padding, got "
+                             f"dtype {attention_mask.dtype} and values "
+                             f"{attention_mask.unique().tolist()[:6]}; pass the tokenizer's 0/1 "
+                             f"padding mask")
         mask = attention_mask.to(device=device, dtype=torch.bool)
     if position_ids is None:
         positions = torch.arange(s, device=device).expand(b, s)
     elif position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
-        raise ValueError(
-            f"position_ids {list(position_ids.shape)} must be [B, S] = [{b}, {s}] (or [1, {s}])"
-        )
+        raise ValueError(f"position_ids {list(position_ids.shape)} must be [B, S] = [{b}, {s}] "
+                         f"(or [1, {s}])")
     else:
         positions = position_ids.to(device=device, dtype=torch.long).expand(b, s)
     return mask, positions, (b, s), device
 
 
 def _splits(schedule, seq_len: int) -> bool:
-    """Whether every token split of ``schedule`` can split rows of ``seq_len`` tokens dense."""
+    """Whether every token split of ``schedule`` splits rows of ``seq_len`` tokens."""
     for s in reversed(schedule.token_splits):  # outer first
         if seq_len % s.partition.multiple(s.size):
             return False
@@ -127,8 +103,7 @@ def _splits(schedule, seq_len: int) -> bool:
 
 
 def _packing(schedule, cu: torch.Tensor) -> LocalPacking:
-    """This rank's part of the packing ``cu`` of the real tokens (all of it where the
-    schedule keeps every token)."""
+    """This rank's part of the packing ``cu`` (all of it where every rank keeps every token)."""
     if schedule.token_splits:
         return schedule.pack(cu)
     packing, _ = global_packing(cu)
@@ -137,9 +112,8 @@ def _packing(schedule, cu: torch.Tensor) -> LocalPacking:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenBatch:
-    """This rank's tokens of a [B, S] batch under ``schedule``; made by ``split``. Packed:
-    ``rows`` are the real tokens' indices in the flattened [B*S] batch, in sequence order,
-    ``packing`` this rank's ``LocalPacking`` of them (None: dense)."""
+    """This rank's tokens of a [B, S] batch; packed: ``rows`` are the real tokens' indices in
+    the flattened batch, ``packing`` this rank's ``LocalPacking`` of them."""
 
     schedule: object
     shape: tuple[int, int]
@@ -153,7 +127,7 @@ class TokenBatch:
 
     @property
     def tokens(self) -> torch.Tensor:
-        """Index of every local token in the flattened [B*S] batch, [B_l, S_l] (-1: padding)."""
+        """Index of every local token in the flattened [B*S] batch (-1: padding)."""
         b, s = self.shape
         if not self.packed:
             return torch.arange(b, device=self.device)[:, None] * s + self._local_positions
@@ -166,7 +140,6 @@ class TokenBatch:
 
     @property
     def _local_positions(self) -> torch.Tensor:
-        """Positions (0..S-1) in its row of every local token of a dense batch."""
         positions = torch.arange(self.shape[1], device=self.device)
         for s in reversed(self.schedule.token_splits):  # outer first
             positions = positions[s.position_ids(len(positions), self.device)]
@@ -183,8 +156,7 @@ class TokenBatch:
         return self.shard(self.positions)
 
     def shard(self, t: torch.Tensor, fill=0) -> torch.Tensor:
-        """This rank's tokens of a full [B, S, ...] tensor: [B, S_l, ...] (dense) or
-        [1, T_l, ...] (packed, padding slots ``fill``); differentiable."""
+        """This rank's tokens of a full [B, S, ...] tensor (padding slots ``fill``)."""
         self._check("t", t, self.shape, "the full batch")
         if not self.packed:
             return t.index_select(1, self._local_positions)
@@ -195,8 +167,7 @@ class TokenBatch:
         return local[None]
 
     def unshard(self, t: torch.Tensor) -> torch.Tensor:
-        """The full [B, S, ...] tensor on every rank from every rank's local tokens (padding
-        positions 0); differentiable."""
+        """The full [B, S, ...] tensor on every rank from every rank's tokens; differentiable."""
         self._check("t", t, tuple(self.tokens.shape), "this rank's tokens")
         if not self.packed:
             for s in self.schedule.token_splits:  # inner first
@@ -213,18 +184,15 @@ class TokenBatch:
 
     def attention(self, q, k, v, *, causal: bool = True, scale: float | None = None,
                   dropout_p: float = 0.0, kernel="auto", window=None, mask=None) -> torch.Tensor:
-        """``sdpa_fusion.attention`` of the local tokens' q [B_l, H, S_l, E] over k, v
-        [B_l, H_kv, S_l, E] (logical), within each sequence (``window`` and the composed
-        ``mask`` over the batch's sequences); the output like q. Under a head-splitting
-        schedule q, k, v hold all heads: they are split here and the output's gathered."""
+        """``sdpa_fusion.attention`` of the local tokens' q [B_l, H, S_l, E] over k, v within each
+        sequence; under a head-splitting schedule q, k, v hold all heads (split here)."""
         packing = {}
         if self.packed:
             if any(t.dim() != 4 or t.shape[0] != 1 for t in (q, k, v)):
-                raise ValueError(
-                    f"q, k, v of a packed batch are [1, H, T_local, E] (the model's one row of "
-                    f"this rank's tokens), got {[list(t.shape) for t in (q, k, v)]}; feed the "
-                    f"model batch.shard(...) of its inputs"
-                )
+                raise ValueError(f"q, k, v of a packed batch are [1, H, T_local, E] (the model's "
+                                 f"one row of this rank's tokens), got "
+                                 f"{[list(t.shape) for t in (q, k, v)]}; feed the model "
+                                 f"batch.shard(...) of its inputs")
             q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [T_l, H, E]
             packing["cu_seqlens"] = (self.packing if self.schedule.token_splits
                                      else self.packing.cu_seqlens)
@@ -238,18 +206,15 @@ class TokenBatch:
             out = heads.unshard(out)
         return out.transpose(0, 1)[None] if self.packed else out
 
-    # ---- over the ranks that split the tokens ---------------------------------------------
     def total(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``t`` over the ranks that split the tokens, detached: the
-        one-process loss from the ranks' shares."""
+        """The sum of ``t`` over the ranks that split the tokens, detached (the whole loss)."""
         t = t.detach().clone()
         for s in self.schedule.token_splits:
             dist.all_reduce(t, group=s.group)
         return t
 
     def sum_gradients(self, parameters) -> None:
-        """Add up the gradients of replicated ``parameters`` (a module's ``parameters()``)
-        over the ranks that split the tokens, so every rank holds the one-process gradient."""
+        """Add up replicated ``parameters``' gradients over the ranks that split the tokens."""
         grads = [p.grad for p in parameters if p.grad is not None]
         splits = self.schedule.token_splits
         if not grads or not splits:

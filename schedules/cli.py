@@ -1,18 +1,17 @@
 """The ``sdpa-fusion`` command (also ``python -m schedules``): the core's ``demo`` and
-``explain`` (``sdpa_fusion.cli``), with predicted step times, and ``explain`` on a mesh.
+``explain`` (``sdpa_fusion.cli``) with predicted step times, and ``explain`` on a mesh.
 
     sdpa-fusion demo                      # definitions + a checked fwd/bwd run
     sdpa-fusion explain --seq 8192 --heads 32 --kv-heads 8 --layout bshe --causal
     sdpa-fusion explain --schedule ring --mesh 4 --seq 131072 --heads 32 --head-dim 128
 
-``explain --schedule`` plans every rank of a mesh on virtual meshes (no launcher, no process
-group) with predicted step times (``schedules.report``). A user's mistake is one line on
-stderr and exit status 2. The benchmarks run as ``python -m benchmarks NAME``.
+A user's mistake is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -57,11 +56,9 @@ def _documents(text: str) -> tuple[int, ...]:
 
 def packed_spec(spec, lengths: tuple[int, ...]):
     """``spec`` as one packed batch (layout thd) of documents of ``lengths`` tokens."""
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = (0, *itertools.accumulate(lengths))
     return spec.replace(batch=1, q_len=cu[-1], kv_len=cu[-1], layout="thd",
-                        cu_seqlens=tuple(cu)).validate()
+                        cu_seqlens=cu).validate()
 
 
 def add_mesh_args(explain: argparse.ArgumentParser) -> None:
@@ -89,8 +86,7 @@ def build_parser(prog: str = "python -m schedules") -> argparse.ArgumentParser:
 
 
 def explain(args: argparse.Namespace) -> int:
-    """The core's ``explain`` and the predicted time on one GPU, or with ``--schedule`` or
-    ``--mesh`` every rank's plan on a mesh."""
+    """The core's ``explain`` and the predicted time on one GPU, or every rank's plan on a mesh."""
     if args.schedule or args.mesh:
         return explain_mesh(args)
     rc = cli.explain(args)
@@ -101,8 +97,7 @@ def explain(args: argparse.Namespace) -> int:
 
 
 def explain_mesh(args: argparse.Namespace) -> int:
-    """Every rank's plan under ``--schedule`` on a mesh of ``--mesh``, with predicted times,
-    planned on virtual meshes: no process group starts."""
+    """Every rank's plan under ``--schedule`` on a mesh of ``--mesh``, with predicted times."""
     spec = cli.spec_from_args(args, cli.device_of(args.device), PLAN_SHAPE)
     if args.documents:
         spec = packed_spec(spec, args.documents)

@@ -3,14 +3,9 @@
     memory = dry_run.memory(schedule, spec)     # spec: the global problem; this rank's bytes
     d = dry_run.describe(schedule, spec)        # its kernel calls, FLOPs, bytes and memory
 
-The schedule runs its forward and backward on data-less (meta) tensors of this rank's part
-of ``spec``. Its transfers go through a communicator that moves nothing but allocates what
-the real one does (collectives' results, p2p's slots and sends until waited for; the
-copy-engine transport's symmetric buffer, kept between calls as ``kept``); its kernel calls
-through ``WorkspaceKernel``, which allocates what the GPU kernels do and counts calls and
-FLOPs. ``Allocations`` counts every storage ops create and when it dies, so the peak is that
-of the code that runs; nothing models it a second time. A schedule of your own may take its
-whole ``describe()`` from here.
+The schedule runs on meta tensors, through a communicator and a kernel (``WorkspaceKernel``)
+that move and compute nothing but allocate what the real ones do; ``Allocations`` counts every
+storage, so the peak is that of the code that runs, not of a second model of it.
 """
 
 from __future__ import annotations
@@ -145,8 +140,7 @@ class _Done:
 
 
 class DryComm(Communicator):
-    """The communicator of rank ``index`` of ``size``: collectives allocate their results
-    and count their bytes; nothing moves or waits."""
+    """A communicator whose collectives allocate their results and count their bytes only."""
 
     def __init__(self, index: int, size: int):
         self.group, self.ranks, self.index, self.size = None, list(range(size)), index, size
@@ -168,8 +162,7 @@ class DryP2PMover(P2PMover):
 
 
 class DryCopyEngineMover(Mover):
-    """The copy-engine transport's one receive buffer, kept between calls outside torch's
-    allocator: uncounted, its largest size is ``kept_bytes``. Nothing moves."""
+    """The copy-engine transport's one receive buffer, uncounted (``kept_bytes``); nothing moves."""
 
     name = "copy_engine"
 
@@ -213,8 +206,7 @@ def memory_of(schedule: Schedule, spec: AttentionSpec) -> Callable[[], Memory]:
 
 
 def memory(schedule: Schedule, spec: AttentionSpec) -> Memory:
-    """What ``schedule`` allocates on this rank for a forward and a backward on the global
-    ``spec``, from a dry run."""
+    """What ``schedule`` allocates on this rank for a forward and backward on global ``spec``."""
     return run(schedule, spec)[2]
 
 
@@ -265,8 +257,8 @@ def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory
             grads = dry.backward(dout, q, k, v, out, lse, local, kernel)
             del grads
         backward = so_far() - forward
-    kept = dry.kept_bytes if hasattr(dry, "kept_bytes") else 0
-    return forward, backward, Memory(outputs, forward_peak, allocated.peak, kept)
+    return forward, backward, Memory(outputs, forward_peak, allocated.peak,
+                                     getattr(dry, "kept_bytes", 0))
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -290,8 +282,7 @@ def _dry(schedule, done: dict):
 
 
 def _local(schedule, spec: AttentionSpec):
-    """(local spec, this rank's meta q, k, v and dout) of the global ``spec``, as ``attention``
-    makes them from the shards (a packing's indices on the host: meta tensors take them)."""
+    """(local spec, this rank's meta q, k, v and dout) of the global ``spec``."""
     layout, e = spec.layout, spec.head_dim
     packing = schedule.pack(spec.cu_seqlens, spec.cu_seqlens_padded, device="cpu") \
         if layout.is_varlen else None

@@ -5,35 +5,24 @@ attention).
     mesh = sdpa_fusion.init_mesh((2, 4), ("heads", "seq"))
     sched = schedules.get("hybrid", mesh, inner="ulysses", outer="ring")   # the defaults
 
-The *outer* dim (``outer_dim``, default the mesh's second) splits the sequence with the outer
-schedule (``ring`` or ``allgather`` and its options); the *inner* dim (``inner_dim``, default
-the first) splits the heads with the inner schedule, whose local kernel is the outer schedule
-over this rank's outer line:
+The *outer* dim (default the mesh's second) splits the sequence with the outer schedule
+(``ring`` or ``allgather``); the *inner* dim splits the heads with the inner schedule, whose
+local kernel is the outer schedule over this rank's outer line:
 
     inner="ulysses"        rank (i, o) holds S/(Pi Po) tokens of all H heads
         [B, H, S/(Pi Po), E]  --all-to-all over the inner line-->  [B, H/Pi, S/Po, E]
         --outer schedule over the outer line-->  out [B, H/Pi, S/Po, E]
         --all-to-all back-->  out [B, H, S/(Pi Po), E]
-    inner="head_parallel"  rank (i, o) holds [B, H/Pi, S/Po, E]: the outer schedule runs on
-        its heads, no inner communication; with kernel="nvfuser" the fusions carry the head
-        split as an nvFuser DID annotation on the inner dim (``Kernel.split_heads``)
+    inner="head_parallel"  rank (i, o) holds [B, H/Pi, S/Po, E]: no inner communication
 
-The outer ring moves K/V blocks of H_kv/Pi heads. Outer rank o holds the tokens
-``partition.indices(S, Po, o)``; with ulysses, inner rank i the i-th contiguous 1/Pi of them.
-S = 16, 2 x 2, load_balanced:
+Outer rank o holds the tokens ``partition.indices(S, Po, o)``; with ulysses, inner rank i the
+i-th contiguous 1/Pi of them. S = 16, 2 x 2, load_balanced:
 
     outer rank 0: tokens 0-3, 12-15    ulysses: (i=0, o=0) 0-3    (i=1, o=0) 12-15
     outer rank 1: tokens 4-7, 8-11              (i=0, o=1) 4-7    (i=1, o=1) 8-11
 
-K/V with fewer heads than inner ranks (GQA): ulysses replicates them inside its all-to-all;
-head_parallel gives every inner rank a copy of the K/V head its query heads use, whose
-gradient is that rank's share (``unshard(..., heads=, copies="sum")`` adds the shares).
-
-Packed sequences (THD): the outer schedule splits every sequence (``schedules.packing``) as
-on a 1-D mesh; inner head_parallel holds that part of its heads. Inner ulysses splits the part
-again, each sequence's slot contiguously over the inner ranks (``NestedPacking``); the
-all-to-all puts each rank's real tokens back in their rows of the outer part (padding rows
-zero), and the outer schedule runs on them:
+Packed sequences (THD): inner ulysses splits each sequence's outer part again over the inner
+ranks (``NestedPacking``); its all-to-all puts the real tokens back in their rows:
 
     outer part (rank o)   a0 a1 .  .  | b0 b1 b6 b7
     (i=0, o)              a0 a1 | b0 b1        (i=1, o)   .  .  | b6 b7
@@ -64,8 +53,7 @@ from .ulysses import Placement, Ulysses
 
 
 class _LineUlysses(Ulysses):
-    """``ulysses`` over the inner dim of a hybrid. Packed (a ``NestedPacking``), its one call
-    hands the whole outer part (padding rows zero) to the outer schedule, its kernel."""
+    """``ulysses`` over the inner dim; packed, it hands the whole outer part to its kernel."""
 
     routes_packed = False  # the whole part's rows travel as blocks
 
@@ -73,10 +61,9 @@ class _LineUlysses(Ulysses):
         split = spec.packing.split  # the outer part split again
 
         def build():
-            parts = []
-            for j in range(split.parts):
-                rows = split.real[j].nonzero().flatten()
-                parts.append((rows.to(split.device), split.rows(j)[rows].to(split.device)))
+            real = [split.real[j].nonzero().flatten() for j in range(split.parts)]
+            parts = [(rows.to(split.device), split.rows(j)[rows].to(split.device))
+                     for j, rows in enumerate(real)]
             seqlens = packed_seqlens(split.cu_seqlens, split.cu_seqlens_padded)
             return (Placement(split.total_tokens, split.tokens, parts),
                     PackedCall(None, None, seqlens, spec.causal))
@@ -85,8 +72,7 @@ class _LineUlysses(Ulysses):
 
 
 def _unmasked(spec):
-    """``spec`` for the inner schedule: a composed mask is the outer one's (it knows its
-    blocks' token positions)."""
+    """``spec`` for the inner schedule: a composed mask is the outer one's."""
     return spec if spec.mask is None else spec.replace(mask=None)
 
 
@@ -95,8 +81,7 @@ OUTER = {"ring": Ring, "allgather": AllGather}
 
 
 class _OuterKernel(Kernel):
-    """The outer schedule over this rank's outer line as the inner one's local kernel, on
-    the outer schedule's local ``spec`` (shapes from each call's tensors)."""
+    """The outer schedule over this rank's outer line as the inner one's local kernel."""
 
     name = "outer"
     native_varlen = True  # a packed call runs the outer schedule once
@@ -112,8 +97,7 @@ class _OuterKernel(Kernel):
         layout = self.spec.layout
         return self.spec.replace(
             heads=q.shape[layout.head_dim], kv_heads=k.shape[layout.head_dim],
-            q_len=q.shape[layout.seq_dim], kv_len=k.shape[layout.seq_dim],
-        )
+            q_len=q.shape[layout.seq_dim], kv_len=k.shape[layout.seq_dim])
 
     def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
         return self.outer.forward(q, k, v, self._local(q, k), self.kernel, dropout)
@@ -135,8 +119,8 @@ class _OuterKernel(Kernel):
 
 class Hybrid(Schedule):
     """``inner`` ("ulysses" | "head_parallel") over ``inner_dim`` composed with ``outer``
-    ("ring" | "allgather", with ``partition`` and ``outer_options``) over ``outer_dim``. A bad
-    mesh or option raises in ``validate`` (and ``shard``, ``unshard``, ``describe``)."""
+    ("ring" | "allgather", its options) over ``outer_dim``; a bad mesh or option raises in
+    ``validate``. K/V with fewer heads than inner ranks are replicated (ulysses) or copied."""
 
     name = "hybrid"
     supports_thd = True
@@ -191,7 +175,7 @@ class Hybrid(Schedule):
 
     @property
     def splits_heads(self) -> bool:
-        """Whether the local tensors hold a head shard (inner head_parallel), not all heads."""
+        """Whether the local tensors hold a head shard (inner head_parallel)."""
         return self.inner.sharded_dim == 1
 
     @property
@@ -248,9 +232,7 @@ class Hybrid(Schedule):
 
     # ---- packed sequences ------------------------------------------------------------------
     def pack(self, cu_seqlens, cu_seqlens_padded=None, *, device=None) -> LocalPacking:
-        """This rank's part of the GLOBAL packing ``cu_seqlens`` (and ``cu_seqlens_padded``):
-        the outer schedule's part, split again over the inner dim with inner ulysses (a
-        ``NestedPacking``)."""
+        """This rank's part of the GLOBAL packing (a ``NestedPacking`` with inner ulysses)."""
         outer = self.outer.pack(cu_seqlens, cu_seqlens_padded, device=device)
         if self.splits_heads:
             return outer
@@ -290,18 +272,14 @@ class Hybrid(Schedule):
         line = seq_len // outer.size
         if not self.splits_heads and line % inner.size:
             multiple = math.lcm(outer.partition.multiple(outer.size), outer.size * inner.size)
-            raise ValueError(
-                f"sequence length {seq_len} gives each of the {outer.size} ranks of outer dim "
-                f"{outer.dim!r} {line} tokens, which must be divisible by the {inner.size} ranks "
-                f"of inner dim {inner.dim!r} (ulysses); pad the sequence to a multiple of "
-                f"{multiple}"
-            )
+            raise ValueError(f"sequence length {seq_len} gives each of the {outer.size} ranks of "
+                             f"outer dim {outer.dim!r} {line} tokens, which must be divisible by "
+                             f"the {inner.size} ranks of inner dim {inner.dim!r} (ulysses); pad "
+                             f"the sequence to a multiple of {multiple}")
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
-        """This rank's tokens (and, with inner head_parallel, heads: a copy of one K/V head
-        when there are fewer than inner ranks) of a full tensor; packed tensors take the
-        global ``cu_seqlens`` (or this rank's ``pack(...)``)."""
+        """This rank's tokens (and, with inner head_parallel, heads) of a full tensor."""
         layout = shard_layout(t, layout)
         if layout.is_varlen:
             local = packing_of(self, cu_seqlens, cu_seqlens_padded).shard(t)
@@ -312,17 +290,13 @@ class Hybrid(Schedule):
         return local if layout.is_varlen else layout.to(local)
 
     def placements(self, shape) -> list:
-        """DTensor placements of this rank's shards of a [B, H, S, E] tensor of global ``shape``:
-        Shard(2) on the outer dim, and on the inner one Shard(1) (head_parallel) or Shard(2)
-        (ulysses); a ValueError when the shards are not what those mean."""
+        """DTensor placements: Shard(2) outer, Shard(1) (head_parallel) or Shard(2) inner."""
         from torch.distributed.tensor import Replicate, Shard
 
         if len(shape) != 4:
-            raise ValueError(
-                f"schedule 'hybrid' takes DTensors of the logical shape [B, H, S, E], got "
-                f"{list(shape)}; pass packed tensors as this rank's part (schedule.shard(t, "
-                f"layout='thd', cu_seqlens=...))"
-            )
+            raise ValueError(f"schedule 'hybrid' takes DTensors of the logical shape [B, H, S, "
+                             f"E], got {list(shape)}; pass packed tensors as this rank's part "
+                             f"(schedule.shard(t, layout='thd', cu_seqlens=...))")
         names = list(self.mesh.names)
         placements = [Replicate()] * len(names)
         seq_dims = sorted(names.index(s.dim) for s in (self.outer, self.inner)
@@ -331,11 +305,10 @@ class Hybrid(Schedule):
             placements[d] = Shard(2)
         if self.splits_heads:
             if shape[1] % self.inner.size:
-                raise ValueError(
-                    f"heads {shape[1]} of a DTensor must be divisible by the {self.inner.size} "
-                    f"ranks of inner dim {self.inner.dim!r} (Shard(1)); pass K/V with fewer "
-                    f"heads as plain tensors from schedule.shard(...)"
-                )
+                raise ValueError(f"heads {shape[1]} of a DTensor must be divisible by the "
+                                 f"{self.inner.size} ranks of inner dim {self.inner.dim!r} "
+                                 f"(Shard(1)); pass K/V with fewer heads as plain tensors from "
+                                 f"schedule.shard(...)")
             placements[names.index(self.inner.dim)] = Shard(1)
         if shape[2] not in self._contiguous:
             chunk, chunks = 0, 1  # DTensor shards over the mesh dims in mesh order
@@ -345,13 +318,11 @@ class Hybrid(Schedule):
             mine = torch.arange(shape[2]).chunk(chunks)[chunk]
             self._contiguous[shape[2]] = torch.equal(self.indices(shape[2]), mine)
         if not self._contiguous[shape[2]]:
-            raise ValueError(
-                f"the tokens of this rank under schedule 'hybrid' are not the contiguous chunk "
-                f"that the DTensor placements {placements} give it; build the hybrid with "
-                f"partition='contiguous' (with inner='ulysses', also name the outer dim first "
-                f"in the mesh: init_mesh((Po, Pi), ('seq', 'heads'))), or pass plain tensors "
-                f"from schedule.shard(...)"
-            )
+            raise ValueError(f"the tokens of this rank under schedule 'hybrid' are not the "
+                             f"contiguous chunk that the DTensor placements {placements} give it; "
+                             f"build the hybrid with partition='contiguous' (with inner='ulysses', "
+                             f"also name the outer dim first in the mesh: init_mesh((Po, Pi), "
+                             f"('seq', 'heads'))), or pass plain tensors from schedule.shard(...)")
         return placements
 
     @property
@@ -365,9 +336,7 @@ class Hybrid(Schedule):
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None, heads: int | None = None,
                 copies: str | None = None) -> torch.Tensor:
-        """The full tensor (same on every rank) from every rank's part; differentiable.
-        Packed tensors take ``cu_seqlens`` as ``shard`` does; ``heads`` and ``copies`` fold
-        K/V copies under inner head_parallel as ``HeadParallel.unshard`` does."""
+        """The full tensor from every rank's part; ``heads`` and ``copies`` as for head_parallel."""
         layout = unshard_layout(t, layout)
         inner, outer = {}, {}  # the cu_seqlens= of each dim's unshard
         if layout.is_varlen:
@@ -388,8 +357,7 @@ class Hybrid(Schedule):
 
     # ---- costs -----------------------------------------------------------------------------
     def describe(self, spec):
-        """Steps, bytes and FLOPs per rank for the global ``spec``, with one ``DimCost`` per
-        dim (``schedules.dim_costs.describe_dims``)."""
+        """Steps, bytes and FLOPs per rank for the global ``spec``, with one ``DimCost`` per dim."""
         return describe_dims(self.inner, self.outer, spec, self._global_line(spec),
                              dry_run.memory_of(self, spec))
 
@@ -421,11 +389,10 @@ def _compose(mesh, inner: str, outer: str, inner_dim, outer_dim, outer_options):
     names = tuple(mesh.names) if mesh is not None else ()
     if len(names) < 2:
         what = f"the 1-D mesh {names} of {mesh.world_size} ranks" if mesh is not None else "none"
-        raise ValueError(
-            f"schedule 'hybrid' needs a mesh of two dims (inner x outer), got {what}; build one "
-            f"with sdpa_fusion.init_mesh((2, -1), ('heads', 'seq')), or use a 1-D schedule "
-            f"('ring', 'ulysses', 'allgather', 'head_parallel')"
-        )
+        raise ValueError(f"schedule 'hybrid' needs a mesh of two dims (inner x outer), got "
+                         f"{what}; build one with sdpa_fusion.init_mesh((2, -1), ('heads', "
+                         f"'seq')), or use a 1-D schedule ('ring', 'ulysses', 'allgather', "
+                         f"'head_parallel')")
     for role, dim in (("inner_dim", inner_dim), ("outer_dim", outer_dim)):
         if dim is not None and dim not in names:
             raise ValueError(f"{role}={dim!r} is not a dim of the mesh; its dims are {list(names)}")
