@@ -1,10 +1,9 @@
 """Which documents of a packed batch go whole to one rank, and which are cut over all ranks.
 
-A pure function of (document lengths, ranks, tolerance), the same on every rank. A rank's
-load is its tokens (the rest of the model) and its work: per document its L^2 / 2 causal
-query-key pairs, plus ``TOKEN_PAIRS`` per token for what attention costs per row apart from
-its pairs. A whole document needs no communication; a cut document is split load-balanced
-over every rank (about L / P of its tokens and work each), and its K/V travel.
+A pure function of (document lengths, ranks, tolerance). A rank's load is its tokens and its
+work: per document its L^2 / 2 causal query-key pairs plus ``TOKEN_PAIRS`` per token. A whole
+document needs no communication; a cut one is split load-balanced over every rank (L / P of
+its tokens and work each), and its K/V travel.
 
     (token_pairs=0 in this picture)
     lengths 9 7 3 3 2 2 1 1, P = 2: a rank's share is 14 tokens and 39.5 of work
@@ -15,18 +14,11 @@ over every rank (about L / P of its tokens and work each), and its K/V travel.
             rank 0: 3 2 1 + cut       14 tokens, 39.5 work
             rank 1: 3 2 1 + cut       14 tokens, 39.5 work
 
-The rule: documents longer than a rank's share of tokens, or with more work than a rank's
-share, are cut; the others are placed largest first, each on the rank where it raises the
-larger of (tokens / mean tokens, work / mean work) the least. While some rank's tokens or
-work exceed (1 + tolerance) x the mean, the largest whole document is cut too and the rest
-placed again. Bound: every rank's tokens and work are within (1 + tolerance) of the mean
-(counting each cut document as L / P tokens and work(L) / P work per rank), or every
-document is cut (the load-balanced split of every document).
-
-Why the per-token term: with pairs alone, batch (c) of ``benchmarks.virtual_ranks`` (six
-documents of 11K-20K tokens, 1,500 of 16-600) counts each long one as more than a quarter of
-the work, so four ranks cut all six; in time each is less than a rank's share, and only two
-need cutting.
+The rule: documents with more tokens or work than a rank's share are cut; the others are
+placed largest first, each on the rank where it raises the larger of (tokens / mean tokens,
+work / mean work) the least. While some rank exceeds (1 + tolerance) x the mean, the largest
+whole document is cut too and the rest placed again. Without the per-token term, batch (c)
+of ``benchmarks.virtual_ranks`` cut all six long documents; by time only two need cutting.
 """
 
 from __future__ import annotations
@@ -40,8 +32,8 @@ CUT = -1  # the owner of a document cut over every rank
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """The owner rank of every document (``CUT``: split over all ranks) and what each rank
-    holds: ``tokens`` and ``work`` (cut documents counted as their even shares)."""
+    """The owner rank of every document (``CUT``: split over all ranks) and each rank's
+    ``tokens`` and ``work`` (cut documents as their even shares)."""
 
     lengths: tuple[int, ...]
     parts: int
@@ -73,15 +65,13 @@ TOKEN_PAIRS = 600
 
 
 def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
-    """The causal attention work of one document of ``length`` tokens, in query-key pairs:
-    its L^2 / 2 pairs and ``token_pairs`` per token."""
+    """The causal attention work of a document of ``length`` tokens, in query-key pairs."""
     return length * length / 2 + token_pairs * length
 
 
 def assign(lengths, parts: int, *, tolerance: float = 0.05,
            token_pairs: float = TOKEN_PAIRS) -> Assignment:
-    """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure; kept
-    for the last few batches: the partition's choice and its split ask for the same one)."""
+    """The ``Assignment`` of documents of ``lengths`` tokens over ``parts`` ranks (pure, cached)."""
     return _assign(tuple(int(n) for n in lengths), parts, tolerance, token_pairs)
 
 
@@ -115,8 +105,7 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
 
 
 def _place(lengths, works, parts, order, cut, shared, mean_tokens, mean_work):
-    """(owner, tokens, work) after placing every document not in ``cut`` largest first, from
-    the ``shared`` (tokens, work) of the cut documents on every rank."""
+    """(owner, tokens, work) after placing every whole document largest first."""
     tokens, loads = [shared[0]] * parts, [shared[1]] * parts
     owner = [CUT] * len(lengths)
     for i in order:

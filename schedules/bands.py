@@ -1,23 +1,17 @@
 """Sliding windows over a split sequence: the kernel calls of a block, each with a top-left
 window in its own coordinates (pure decisions, no communication).
 
-A rank holds its tokens of a sequence (of every packed sequence) as *runs*: local rows
-[row, row + n) whose positions in the sequence are first, first + stride, ...
-(``Partition.stride``: 1, or P for ``striped``). ``load_balanced`` gives two runs (chunks r
-and 2P-1-r; one where they meet), ``contiguous`` one, ``striped`` one of stride P.
-
-The band of a call is the window and the causal mask together: the query at position a
-sees the key at position b when a - left <= b <= a + right (``mask.band``). Between a run of
-queries and a run of keys whose first positions differ by d = first_q - first_k it is, in
-the runs' own rows i and j,
+A rank holds its tokens of a sequence as *runs*: local rows [row, row + n) at positions first,
+first + stride, ... (``load_balanced`` gives two runs, ``contiguous`` one, ``striped`` one of
+stride P). The query at position a sees the key at b when a - left <= b <= a + right
+(``mask.band``); between a run of queries and a run of keys whose first positions differ by
+d = first_q - first_k that is, in the runs' own rows i and j,
 
     i - (left - d) // stride  <=  j  <=  i + (right + d) // stride
 
-A side that comes out negative is not a window (kernels take sizes >= 0): the keys before
-the band's left edge (seen by no query) or the queries before its right edge (seeing no key)
-are cut from the front, bringing that side to 0; rows and keys past the band are cut too. A
-band that leaves nothing is no call (a ring takes no step for a block no rank needs); one
-that leaves every pair is a call without mask.
+A negative side is cut from the front (the keys before the band's left edge, or the queries
+before its right edge) to 0, and rows and keys past the band are cut too; a band that leaves
+nothing is no call (a ring skips a step no rank needs), one that leaves every pair no mask.
 
     load_balanced, P = 2, S = 16 (chunks of 4), causal window of 2 (band (2, 0)):
     rank 0 holds 0-3 | 12-15, rank 1 holds 4-7 | 8-11
@@ -27,9 +21,8 @@ that leaves every pair is a call without mask.
     rank 0's queries 0-3 vs rank 1's keys 4-7: right side 0 - 4 < 0: every row cut, no call
     rank 0's queries 12-15 vs its own 0-3: d = 12, left side 2 - 12 <= -4: no call
 
-Packed sequences: one varlen call holds the segments (a sequence's run of queries against a
-run of its keys) that share one window and one shift (keys minus queries) after their cuts,
-and one diagonal of run pairs, so that it takes each query row at most once.
+Packed sequences: one varlen call holds the segments that share one window, one shift (keys
+minus queries) and one diagonal of run pairs, so that it takes each query row at most once.
 """
 
 from __future__ import annotations
@@ -121,16 +114,14 @@ def packed_runs(split) -> Runs:
 
 
 def _pair_cut(runs_q: Runs, rank_q, runs_k: Runs, rank_k, mask) -> Cut:
-    """The ``Cut`` of every query run of ``rank_q`` against every key run of ``rank_k`` (ints
-    or broadcasting index tensors): tensors [..., N, K_q, K_k]."""
+    """The ``Cut`` of every query run of ``rank_q`` against every key run of ``rank_k``."""
     n_q, n_k = runs_q.count[rank_q][..., :, None], runs_k.count[rank_k][..., None, :]
     offset = runs_q.first[rank_q][..., :, None] - runs_k.first[rank_k][..., None, :]
     return cut(n_q, n_k, offset, runs_q.stride, mask)
 
 
 def ring_steps(runs_q: Runs, runs_k: Runs, mask) -> list[int]:
-    """The ring steps some rank computes at: 0, and s when some rank's queries see a key of
-    the rank s before it."""
+    """The ring steps some rank computes at: 0, and s when some rank needs the block s back."""
     parts = len(runs_q.count)
     ranks = torch.arange(parts)
     steps = [0]
@@ -152,8 +143,7 @@ def _window(c: Cut, index, mask) -> Window | None:
 
 def dense_calls(runs_q: Runs, rank: int, runs_k: Runs, source: int, mask, *,
                 key_base: int = 0) -> list[DenseCall]:
-    """The calls of ``rank``'s queries against ``source``'s keys of one dense sequence, key
-    rows shifted by ``key_base``."""
+    """The calls of ``rank``'s queries against ``source``'s keys of one dense sequence."""
     c = _pair_cut(runs_q, rank, runs_k, source, mask)
     s_q = int(runs_q.count[rank].sum())
     calls = []
@@ -169,9 +159,7 @@ def dense_calls(runs_q: Runs, rank: int, runs_k: Runs, source: int, mask, *,
 
 def packed_calls(runs: Runs, rank: int, source: int, mask, *, tokens: tuple[int, int], device,
                  key_base: int = 0) -> list:
-    """The varlen calls of ``rank``'s queries against ``source``'s keys of every packed
-    sequence, grouped as the module docstring says. ``tokens``: rows of the query and key
-    tensors; key rows are shifted by ``key_base``."""
+    """The varlen calls of ``rank``'s queries against ``source``'s keys of every sequence."""
     c = _pair_cut(runs, rank, runs, source, mask)
     kept = (c.rows > 0).nonzero()  # [M, 3]: sequence, query run, key run, in sequence order
     if not len(kept):
@@ -209,19 +197,16 @@ def spec_runs(spec, partition, parts: int) -> tuple[Runs, Runs]:
 
 
 def check_runs(spec, partition, parts: int, schedule: str) -> None:
-    """A ValueError when ``partition`` gives a rank more runs of a sequence than a window
-    under ``schedule`` takes."""
+    """A ValueError when ``partition`` gives a rank more runs of a sequence than a window takes."""
     most = max(r.most for r in spec_runs(spec, partition, parts))
     if most > MAX_RUNS:
         window = (spec.window.left, spec.window.right)
-        raise ValueError(
-            f"window={window} under schedule {schedule!r} makes one kernel call per pair of "
-            f"runs of a rank's tokens (positions stepping by the partition's stride), at most "
-            f"{MAX_RUNS} runs per sequence; partition {partition.name!r} gives a rank {most} "
-            f"runs over {parts} ranks. Use partition 'load_balanced', 'contiguous' or "
-            f"'striped', or schedule 'ulysses' or 'head_parallel' (the window over the whole "
-            f"sequence)"
-        )
+        raise ValueError(f"window={window} under schedule {schedule!r} makes one kernel call per "
+                         f"pair of runs of a rank's tokens (positions stepping by the partition's "
+                         f"stride), at most {MAX_RUNS} runs per sequence; partition "
+                         f"{partition.name!r} gives a rank {most} runs over {parts} ranks. Use "
+                         f"partition 'load_balanced', 'contiguous' or 'striped', or schedule "
+                         f"'ulysses' or 'head_parallel' (the window over the whole sequence)")
 
 
 def ring_plan(spec, mask, partition, parts: int, rank: int):
@@ -282,7 +267,6 @@ def _travelling_rows(mask, partition, parts, q_len, kv_len):
 
 
 def _in_travelling_rows(call: DenseCall, start: int, s_kv: int) -> DenseCall:
-    """``call`` with its keys counted in a block's travelling rows, which begin at row
-    ``start`` of the block of ``s_kv`` rows."""
+    """``call`` with its keys counted from row ``start`` of the block of ``s_kv`` rows."""
     first, stop, _ = call.keys.indices(s_kv)
     return dataclasses.replace(call, keys=slice(first - start, stop - start))

@@ -1,14 +1,10 @@
 """The Schedule contract: how one attention problem is spread over a mesh dim.
 
-A schedule sees the *local* tensors of its rank. ``validate`` checks the local spec;
-``forward`` and ``backward`` run the local kernel and the communication; ``shard``/``unshard``
-move between full and local tensors; ``describe`` reports what one call costs each rank.
-``describe``, ``validate``, ``shard`` and ``repr`` never communicate.
-
-The ranks of the schedule's ``control`` group (its line of the mesh) agree on every call
-(``sdpa_fusion.agreement``) on the global problem and on ``configuration()``: name, mesh, dim
-and options, its public attributes, fixed when it is built. Keep caches and per-rank state in
-``_private`` attributes.
+A schedule sees the *local* tensors of its rank: ``forward`` and ``backward`` run the local
+kernel and the communication, ``shard``/``unshard`` move between full and local tensors.
+``describe``, ``validate``, ``shard`` and ``repr`` never communicate. The ranks of the
+``control`` group agree on every call on the global problem and on ``configuration()``, the
+public attributes, fixed when the schedule is built; keep caches in ``_private`` attributes.
 """
 
 from __future__ import annotations
@@ -56,8 +52,7 @@ class Description:
 
     @functools.cached_property
     def memory(self) -> Memory | None:
-        """Bytes the call allocates on each rank (``schedules.dry_run``, made when first read);
-        None for a schedule that does not say."""
+        """Bytes the call allocates on each rank (``schedules.dry_run``); None when not said."""
         return None if self.memory_of is None else self.memory_of()
 
 
@@ -71,9 +66,8 @@ class Schedule(abc.ABC):
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
         if mesh is not None and not isinstance(mesh, Mesh):
-            raise ValueError(
-                f"mesh={mesh!r} must be a sdpa_fusion.Mesh (from sdpa_fusion.init_mesh) or None"
-            )
+            raise ValueError(f"mesh={mesh!r} must be a sdpa_fusion.Mesh (from "
+                             f"sdpa_fusion.init_mesh) or None")
         self.mesh = mesh
         self._contiguous: dict[int, bool] = {}  # per length: does shard() cut contiguous chunks?
         if mesh is not None:
@@ -91,7 +85,7 @@ class Schedule(abc.ABC):
 
     @property
     def kept_plans(self) -> collections.OrderedDict:
-        """The plans of recent ``attention`` calls on this schedule (``sdpa_fusion.api``'s cache)."""
+        """The plans of recent ``attention`` calls (``sdpa_fusion.api``'s cache)."""
         return self.__dict__.setdefault("_kept_plans", collections.OrderedDict())
 
     # ---- mesh helpers --------------------------------------------------------------------
@@ -125,8 +119,7 @@ class Schedule(abc.ABC):
         return {"schedule": self.name, "mesh": self.mesh, **options}
 
     def configuration_fields(self) -> dict[str, str]:
-        """``configuration()`` as canonical text per entry ("schedule", "schedule.<option>"),
-        made once: a schedule's options are fixed when it is built."""
+        """``configuration()`` as canonical text per entry, made once (options are fixed)."""
         return self._configuration_fields
 
     @functools.cached_property
@@ -144,8 +137,8 @@ class Schedule(abc.ABC):
             yield
 
     def placements(self, shape) -> list:
-        """The DTensor placements (one per mesh dim) of this rank's shards of a tensor of
-        global logical ``shape``; a ValueError when no placement describes them."""
+        """The DTensor placements (one per mesh dim) of this rank's shards of a tensor of global
+        ``shape``; a ValueError when none describes them."""
         from torch.distributed.tensor import Replicate, Shard
 
         placements = [Replicate()] * len(self.mesh.names)
@@ -157,12 +150,11 @@ class Schedule(abc.ABC):
             mine = self.shard(probe).flatten()
             self._contiguous[length] = torch.equal(mine, probe.flatten().chunk(self.size)[self.index])
         if not self._contiguous[length]:
-            raise ValueError(
-                f"schedule {self.name!r} holds a partition of dim {self.sharded_dim} that is not "
-                f"contiguous chunks, which is what the DTensor placement Shard({self.sharded_dim}) "
-                f"means; build the schedule with partition='contiguous' to take Shard("
-                f"{self.sharded_dim}) DTensors, or pass plain tensors from schedule.shard(...)"
-            )
+            raise ValueError(f"schedule {self.name!r} holds a partition of dim {self.sharded_dim} "
+                             f"that is not contiguous chunks, which is what the DTensor placement "
+                             f"Shard({self.sharded_dim}) means; build the schedule with "
+                             f"partition='contiguous' to take Shard({self.sharded_dim}) DTensors, "
+                             f"or pass plain tensors from schedule.shard(...)")
         placements[self.mesh.names.index(self.dim)] = Shard(self.sharded_dim)
         return placements
 
@@ -172,22 +164,19 @@ class Schedule(abc.ABC):
         return spec
 
     def call_extent(self, spec: AttentionSpec) -> tuple[int, int]:
-        """(rows, keys) per head of the largest kernel call this rank makes for the local
-        ``spec`` (checked against a kernel's limits): here the whole problem's."""
+        """(rows, keys) per head of this rank's largest kernel call (here the whole problem's)."""
         return spec_extent(self.global_spec(spec))
 
     def kernel_calls(self, spec: AttentionSpec) -> int:
-        """Kernel calls this rank makes for the local ``spec`` in a forward (``kernel="auto"``
-        weighs each way's host time that often)."""
+        """Kernel calls this rank makes for the local ``spec`` in a forward."""
         return 1
 
     def validate(self, spec: AttentionSpec) -> None:
         """Raise ValueError (argument and fix) when this schedule cannot run local ``spec``."""
         if spec.layout.is_varlen and self.size > 1 and not self.supports_thd:
-            raise ValueError(
-                f"schedule {self.name!r} does not take layout='thd' yet; use 'bshe' (pad "
-                f"sequences to one length) or run packed sequences with schedule=None"
-            )
+            raise ValueError(f"schedule {self.name!r} does not take layout='thd' yet; use 'bshe' "
+                             f"(pad sequences to one length) or run packed sequences with "
+                             f"schedule=None")
 
     @abc.abstractmethod
     def forward(self, q, k, v, spec: AttentionSpec, kernel: Kernel, dropout: Dropout | None = None):
@@ -206,19 +195,15 @@ class Schedule(abc.ABC):
         """Raise ValueError (argument and fix) when local q, k, v cannot be this rank's shards."""
 
     def local_packing(self, q, cu_seqlens, cu_seqlens_padded=None):
-        """The ``LocalPacking`` of packed tensors under a schedule that splits tokens; None
-        here: every rank keeps every token."""
+        """The ``LocalPacking`` of packed tensors; None here: every rank keeps every token."""
         if isinstance(cu_seqlens, LocalPacking):
-            raise ValueError(
-                f"cu_seqlens is a LocalPacking, but schedule {self.name!r} does not split tokens; "
-                f"pass the global cu_seqlens tensor"
-            )
+            raise ValueError(f"cu_seqlens is a LocalPacking, but schedule {self.name!r} does not "
+                             f"split tokens; pass the global cu_seqlens tensor")
         return None
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None) -> torch.Tensor:
-        """This rank's part of a full tensor, in ``layout`` (differentiable); packed tensors
-        (``layout='thd'``) take the global ``cu_seqlens`` (and ``cu_seqlens_padded``)."""
+        """This rank's part of a full tensor, in ``layout`` (differentiable)."""
         layout = shard_layout(t, layout)
         if self.sharded_dim is None or self.size == 1:
             return layout.to(t)
@@ -257,8 +242,7 @@ class Schedule(abc.ABC):
 
     @property
     def head_split(self):
-        """The ``head_parallel`` schedule that splits the heads of a model's activations over
-        the ranks (``shard(t, replicated=True)``), or None."""
+        """The ``head_parallel`` schedule that splits a model's heads over the ranks, or None."""
         return None
 
     def __repr__(self) -> str:
@@ -269,16 +253,13 @@ class Schedule(abc.ABC):
 def _check_divisible(t: torch.Tensor, dim: int, parts: int, name: str) -> None:
     what = {1: "heads", 2: "sequence length"}.get(dim, f"dim {dim}")
     if t.shape[dim] % parts:
-        raise ValueError(
-            f"{what} {t.shape[dim]} must be divisible by the {parts} ranks of schedule "
-            f"{name!r}; pad it to a multiple of {parts}"
-        )
+        raise ValueError(f"{what} {t.shape[dim]} must be divisible by the {parts} ranks of "
+                         f"schedule {name!r}; pad it to a multiple of {parts}")
 
 
 class _GatherCat(torch.autograd.Function):
-    """All ranks' parts concatenated along ``dim``. The result is replicated: each rank's
-    copy stands for the one full tensor, so its gradient flows back to this rank's own part
-    only (as DTensor's Shard -> Replicate does), with no communication."""
+    """All ranks' parts concatenated along ``dim``; the replicated result's gradient flows back
+    to this rank's own part only (as DTensor's Shard -> Replicate), with no communication."""
 
     @staticmethod
     def forward(ctx, t, dim: int, group, size: int, index: int):

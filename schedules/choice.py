@@ -1,12 +1,8 @@
-"""Which partition a packed batch takes under partition ``auto`` (the default of ``ring``,
-``allgather`` and ``hybrid``): ``documents`` when no document needs cutting (nothing travels,
-the ranks within the planner's tolerance), else the one the cost model predicts faster
-(``schedules.figures``) for causal fwd+bwd at 32 bf16 heads of 128. The packing is split
-before the heads are known; bytes and FLOPs both grow with heads x head dim, so the choice
-hardly depends on them.
+"""Which partition a packed batch takes under partition ``auto``: ``documents`` when no
+document needs cutting, else the one the cost model predicts faster for causal fwd+bwd at 32
+bf16 heads of 128 (bytes and FLOPs both grow with heads x head dim, so heads hardly matter).
 
-    documents       the slowest rank's work (``schedules.assign``: its causal pairs and the
-                    cost of its rows, in pairs), in calls as long as its longest whole
+    documents       the slowest rank's work, in calls as long as its longest whole
                     document, beside the ring of the cut documents only
     load_balanced   an even share of that work, in calls of a P-th of the longest document,
                     beside the ring of every token
@@ -27,8 +23,7 @@ REFERENCE_HEADS, REFERENCE_HEAD_DIM = 32, 128
 
 def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str = "auto",
                      path=TABLE) -> tuple[str, str]:
-    """("documents" | "load_balanced", why) for a packed batch of document ``lengths`` under
-    ``schedule`` (ring or allgather, partition ``auto``); pure, so alike on every rank."""
+    """("documents" | "load_balanced", why) for a packed batch of document ``lengths``; pure."""
     parts = schedule.size
     plan = assign(lengths, parts, tolerance=tolerance)
     if not plan.cut:
@@ -52,10 +47,7 @@ def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str 
 
 def _seconds(schedule, pairs: float, length: int, ring_tokens: int, kernel: str,
              transport: str, path) -> float:
-    """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` of work
-    (``schedules.assign.work``) in calls of ``length`` keys, beside the transfers of a
-    load-balanced split of ``ring_tokens`` tokens (those of a dense sequence of as many,
-    ``schedule.twin()``)."""
+    """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` of work beside a ring."""
     flops = 4.0 * REFERENCE_HEADS * REFERENCE_HEAD_DIM * pairs * FORWARD_AND_BACKWARD
     compute = flops / rate(kernel, REFERENCE_HEAD_DIM, True, "fwd+bwd", max(length, 1),
                            path).value

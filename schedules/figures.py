@@ -70,7 +70,7 @@ def _interpolate(points: dict[int, float], length: int) -> float:
 def rate(kernel: str, head_dim: int, causal: bool, mode: str, length: int,
          path: Path = TABLE, *, packed: bool = False) -> Figure:
     """TFLOP/s of ``kernel`` on one GPU, at the nearest measured head dim, for calls of
-    ``length`` tokens (``packed``: at the share of the dense rate packed batches reached)."""
+    ``length`` tokens (``packed``: at the share packed batches reached)."""
     part = _part("kernels", path)
     value, head_dim = dense_rate(part["figures"], kernel, head_dim, causal, mode, length)
     source = (f"{kernel} on one GPU, hd {head_dim} {'causal' if causal else 'full'} {mode} at "
@@ -92,8 +92,7 @@ def work_length(calls) -> int:
 
 def dense_rate(figures: list[dict], kernel: str, head_dim: int, causal: bool, mode: str,
                length: int) -> tuple[float, int]:
-    """(TFLOP/s, the head dim measured) of ``kernel`` in the kernel ``figures`` of a cost
-    table, at the nearest measured head dim."""
+    """(TFLOP/s, the head dim measured) of ``kernel`` in a cost table's kernel ``figures``."""
     entries = [e for e in figures if (e["kernel"], e["causal"], e["mode"]) == (kernel, causal, mode)]
     if not entries:
         measured = sorted({e["kernel"] for e in figures})
@@ -104,8 +103,7 @@ def dense_rate(figures: list[dict], kernel: str, head_dim: int, causal: bool, mo
 
 
 def _link(transport: str, block_bytes: float, path: Path) -> tuple[Figure, float]:
-    """(bytes/s of one ring shift of ``block_bytes`` alone, the share of its time that
-    attention running beside it does not hide)."""
+    """(bytes/s of a ring shift of ``block_bytes`` alone, the share attention leaves unhidden)."""
     part = _part("ring_shifts", path)
     measured = {e["transport"] for e in part["figures"]}
     impl = transport if transport in measured else "p2p"
@@ -121,8 +119,7 @@ def _link(transport: str, block_bytes: float, path: Path) -> tuple[Figure, float
 
 def transfer_seconds(dim, stated: Overlap, compute: float, backward: bool, transport: str,
                      path: Path = TABLE) -> tuple[float, Figure]:
-    """(seconds the transfers of one mesh dim's Description add beside ``compute`` seconds of
-    attention, the link figure they go at); ``stated``: what its schedule says of them."""
+    """(seconds one dim's transfers add beside ``compute`` seconds of attention, link figure)."""
     received = dim.bytes_received + (dim.backward_bytes_received if backward else 0)
     shifts = max(dim.steps - 1, 1) * (2 if backward else 1)
     link, unhidden = _link(_transport(stated, transport), received / shifts, path)
@@ -131,8 +128,7 @@ def transfer_seconds(dim, stated: Overlap, compute: float, backward: bool, trans
 
 
 def _transport(stated: Overlap, transport: str) -> str:
-    """The measured transport of a dim's transfers: the schedule's own (``auto``: copy
-    engines), p2p for collectives."""
+    """The measured transport of a dim's transfers (``auto``: copy engines; collectives: p2p)."""
     if not stated.own_transport:
         return "p2p"
     return "copy_engine" if transport == "auto" else transport

@@ -1,23 +1,18 @@
 """``head_parallel``: q, k, v and their gradients split over heads on one mesh dim.
 
 Rank r of P holds heads [r*H/P, (r+1)*H/P) of q and [r*H_kv/P, (r+1)*H_kv/P) of k and v and
-attends them over the full sequence with no communication; H must be a multiple of P. With
-fewer K/V heads than ranks (P % H_kv == 0) each rank holds a copy of the K/V head its query
-heads use; the copy's gradient is that rank's share, and the full K/V's gradient their sum::
+attends them over the full sequence with no communication (H a multiple of P). With fewer
+K/V heads than ranks (P % H_kv == 0) each rank holds a copy of the K/V head its query heads
+use, whose gradient is that rank's share::
 
     k_l = sched.shard(k)                      # a copy of one of H_kv heads (it says so)
     sched.unshard(k_l)                        # k: shard's copies fold back by themselves
     sched.unshard(k_l.grad, heads=H_kv, copies="sum")      # dK of the full k
     sched.unshard(out)                        # attention's output: its H heads
 
-Once copies were handed out, ``unshard`` of any other tensor of one head per rank (a copy's
-gradient, or a tensor computed from a copy) needs ``heads=`` and ``copies=``. With the
-``nvfuser`` kernel the fusions carry the split as nvFuser DID annotations (a loop split of the
-head axis on ``mesh_x``), as nvFuser's own multidevice SDPA tests do.
-
-Inside a model whose other layers are replicated, ``shard(t, replicated=True)`` splits the
-heads of a tensor every rank computed alike: identity forward, all-reduce of its gradient
-backward (Megatron's "f"); ``unshard`` gathers the heads back (Megatron's "g")::
+Inside a replicated model, ``shard(t, replicated=True)`` splits the heads of a tensor every
+rank computed alike (its gradient all-reduced in backward: Megatron's "f"); ``unshard``
+gathers them back (Megatron's "g")::
 
     q_l = sched.shard(q, replicated=True)          # q, k, v: [B, H, S, E] on every rank
     out = sched.unshard(attention(q_l, k_l, v_l, schedule=sched))
@@ -52,20 +47,17 @@ class _SumGradients(torch.autograd.Function):
 
 
 def sum_gradients(t: torch.Tensor, group) -> torch.Tensor:
-    """``t`` itself, whose gradient is summed over the ranks of ``group`` in backward: the step
-    before splitting a tensor that every rank computed alike (Megatron's "f")."""
+    """``t`` itself, whose gradient is summed over the ranks of ``group`` (Megatron's "f")."""
     return _SumGradients.apply(t, group)
 
 
 def heads_of(t: torch.Tensor, parts: int, index: int, where: str) -> torch.Tensor:
-    """Rank ``index``'s heads (dim 1) of ``t`` among ``parts`` ranks: a 1/parts share, or a copy
-    of the one head its query heads use when ``t`` has fewer heads than ranks (K/V of GQA)."""
+    """Rank ``index``'s heads (dim 1) of ``t``: a 1/parts share, or a copy of one head."""
     h = t.shape[1]
     if h % parts and parts % h:
-        raise ValueError(
-            f"heads {h} must be divisible by the {parts} ranks of {where} (or divide {parts}, "
-            f"for K/V heads that ranks then share); use a multiple of {parts} heads"
-        )
+        raise ValueError(f"heads {h} must be divisible by the {parts} ranks of {where} (or divide "
+                         f"{parts}, for K/V heads that ranks then share); use a multiple of "
+                         f"{parts} heads")
     return t.narrow(1, index * h // parts, max(h // parts, 1))
 
 
@@ -73,8 +65,7 @@ _FULL_HEADS = "_sdpa_fusion_full_heads"  # attribute of a local part: its full t
 
 
 def full_heads(t) -> int | None:
-    """The heads of the full tensor of which ``t`` is this rank's part, where ``shard`` or
-    ``attention`` recorded them; None elsewhere."""
+    """The heads of the full tensor of ``t``, where ``shard`` or ``attention`` recorded them."""
     return getattr(t, _FULL_HEADS, None)
 
 
@@ -86,8 +77,7 @@ def record_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def fold_copies(t: torch.Tensor, heads: int, copies: str | None, where: str) -> torch.Tensor:
     """[B, P, S, E] gathered from P ranks, rank i holding a copy of head i * heads // P ->
-    [B, heads, S, E]: ``copies="sum"`` adds the copies (gradients: each is its ranks' share),
-    ``copies="first"`` takes one (values: the copies are equal)."""
+    [B, heads, S, E]: ``copies="sum"`` adds the copies, ``"first"`` takes one."""
     check_copies(t.shape[1], heads, copies, where)
     grouped = t.unflatten(1, (heads, t.shape[1] // heads))
     return grouped.sum(2) if copies == "sum" else grouped.select(2, 0)
@@ -96,17 +86,13 @@ def fold_copies(t: torch.Tensor, heads: int, copies: str | None, where: str) -> 
 def check_copies(p: int, heads: int, copies: str | None, where: str) -> None:
     """A ValueError unless ``p`` gathered heads fold into ``heads`` heads by ``copies``."""
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or p % heads:
-        raise ValueError(
-            f"heads={heads} does not match the {p} heads gathered from the ranks of {where}; "
-            f"pass the full tensor's head count (it differs only for K/V with fewer heads "
-            f"than ranks)"
-        )
+        raise ValueError(f"heads={heads} does not match the {p} heads gathered from the ranks of "
+                         f"{where}; pass the full tensor's head count (it differs only for K/V "
+                         f"with fewer heads than ranks)")
     if copies not in ("sum", "first"):
-        raise ValueError(
-            f"the {p} ranks of {where} hold copies of heads={heads} heads; pass copies='sum' "
-            f"for gradients (each copy holds its ranks' share) or copies='first' for values "
-            f"(the copies are equal), not copies={copies!r}"
-        )
+        raise ValueError(f"the {p} ranks of {where} hold copies of heads={heads} heads; pass "
+                         f"copies='sum' for gradients (each copy holds its ranks' share) or "
+                         f"copies='first' for values (the copies are equal), not copies={copies!r}")
 
 
 class HeadParallel(Schedule):
@@ -143,8 +129,7 @@ class HeadParallel(Schedule):
             f"{what} heads, not a multiple of the {p} ranks of {self._where}, which splits "
             f"the query heads over them (only K/V heads may be fewer than the ranks: each rank "
             f"then holds a copy of the one its query heads use); use a multiple of {p} query "
-            f"heads, or a sequence schedule such as 'ring' or 'allgather'"
-        )
+            f"heads, or a sequence schedule such as 'ring' or 'allgather'")
 
     def forward(self, q, k, v, spec, kernel, dropout=None):
         out, lse = local_forward(self._kernel(kernel), q, k, v, spec, self._dropout(dropout))
@@ -160,9 +145,7 @@ class HeadParallel(Schedule):
 
     def shard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
               cu_seqlens_padded=None, replicated: bool = False) -> torch.Tensor:
-        """This rank's heads of a full tensor, in ``layout``; differentiable (``local_heads``).
-        ``replicated=True``: ``t`` is computed alike on every rank, so its gradient is summed
-        over the ranks in backward."""
+        """This rank's heads of a full tensor; ``replicated``: its gradient is summed over ranks."""
         layout = shard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
@@ -171,9 +154,8 @@ class HeadParallel(Schedule):
         return self.local_heads(t, layout)
 
     def local_heads(self, t: torch.Tensor, layout: Layout, where: str | None = None):
-        """This rank's heads of ``t`` in ``layout``: its 1/P share, or, with fewer heads than
-        ranks (K/V of GQA), a copy of the head its query heads use, recording the full head
-        count. ``where`` names the ranks in errors."""
+        """This rank's heads of ``t`` in ``layout``: its 1/P share, or a copy of one head (K/V of
+        GQA) that records the full head count. ``where`` names the ranks in errors."""
         heads = t.shape[1]
         local = layout.to(heads_of(t, self.size, self.index, where or self._where))
         if heads < self.size:
@@ -184,11 +166,10 @@ class HeadParallel(Schedule):
     def unshard(self, t: torch.Tensor, *, layout: Layout | str = "auto", cu_seqlens=None,
                 cu_seqlens_padded=None, heads: int | None = None,
                 copies: str | None = None) -> torch.Tensor:
-        """The full tensor (same on every rank) from every rank's heads; differentiable.
-        ``heads`` < ranks (K/V of GQA): ``t`` is a copy of one of ``heads`` heads, folded by
-        ``copies`` ("sum" for gradients, "first" for values). Without ``heads``, shard's copies
-        and attention's output fold back by themselves; once copies were handed out, other
-        tensors of one head per rank raise a ValueError asking for ``heads=`` and ``copies=``."""
+        """The full tensor (same on every rank) from every rank's heads; differentiable. ``heads``
+        < ranks: ``t`` is a copy of one of ``heads`` heads, folded by ``copies`` ("sum" for
+        gradients, "first" for values). Shard's copies and attention's output fold by
+        themselves; once copies were handed out, other one-head tensors need both."""
         layout = unshard_layout(t, layout)
         if self.size == 1:
             return layout.to(t)
@@ -225,8 +206,7 @@ class HeadParallel(Schedule):
             f"the gradient of a copied K/V tensor (each copy holds its ranks' share: their sum "
             f"is the gradient of the full tensor), heads={kv}, copies='first' for values equal "
             f"on the ranks that share a head, or heads={gathered} for a tensor of {gathered} "
-            f"heads"
-        )
+            f"heads")
 
     def describe(self, spec):
         if spec.heads % self.size:
@@ -236,5 +216,4 @@ class HeadParallel(Schedule):
             flops=spec.flops() / self.size, backward_steps=1,
             backward_flops=(spec.flops(backward=True) - spec.flops()) / self.size,
             notes=f"{spec.heads // self.size} of {spec.heads} heads per rank, no communication",
-            memory_of=dry_run.memory_of(self, spec),
-        )
+            memory_of=dry_run.memory_of(self, spec))

@@ -1,21 +1,16 @@
 """Head groups: a sequence schedule run over a few K/V heads (and their query heads) at a time.
 
-Every buffer a sequence schedule allocates for its blocks (K/V slots, dK/dV sums, gathered
-K/V, all-to-all buffers, out and dQ accumulators, kernel workspace) scales with the heads it
-works on. Running the schedule once per group of heads, one group after another, divides them
-all by the number of groups G; heads do not mix in attention, so every group computes exactly
-what the whole call does for its heads (ring-flash-attention's llama3 variant gathers K/V
-``heads_k_stride`` heads at a time). The price: G times as many calls and transfers.
+Every buffer a sequence schedule allocates for its blocks scales with the heads it works on;
+running it once per group of heads divides them all by the number of groups G, at G times as
+many calls and transfers. Heads do not mix in attention, so every group computes exactly what
+the whole call does for its heads (ring-flash-attention's llama3 ``heads_k_stride``).
 
     head_groups="auto"   the most groups that leave every group's kernel calls at least
                          ``MIN_GROUP_WORK`` query rows x heads (packed: rows of the longest
-                         share one rank holds of one sequence, each sequence being its own
-                         problem); a schedule whose groups overlap one another's transfers
-                         (packed ``ulysses`` over copy engines) asks for a few at least
+                         share of one sequence)
     head_groups=G        G groups; G divides the K/V heads
 
-Group g of G holds K/V heads [g H_kv/G, (g+1) H_kv/G) and the query heads that use them
-(query head i uses K/V head i // (H / H_kv)): [g H/G, (g+1) H/G).
+Group g of G holds K/V heads [g H_kv/G, (g+1) H_kv/G) and query heads [g H/G, (g+1) H/G).
 """
 
 from __future__ import annotations
@@ -41,9 +36,7 @@ def divisors(n: int) -> list[int]:
 
 def choose(option, *, heads: int, kv_heads: int, rows: int, fits=lambda groups: True,
            least: int = 1) -> int:
-    """The head groups of a call whose blocks have ``rows`` query rows: ``option`` when it is
-    an int, else the most groups ``fits`` allows that keep heads/G x rows >= MIN_GROUP_WORK
-    or are at most ``least``."""
+    """The head groups of a call whose blocks have ``rows`` query rows (module docstring)."""
     if option != "auto":
         return option
     best = 1
@@ -56,10 +49,8 @@ def choose(option, *, heads: int, kv_heads: int, rows: int, fits=lambda groups: 
 def check_divides(groups: int, kv_heads: int, schedule: str) -> None:
     """A ValueError when ``groups`` does not divide ``kv_heads``."""
     if kv_heads % groups:
-        raise ValueError(
-            f"head_groups={groups} must divide the {kv_heads} K/V heads of schedule "
-            f"{schedule!r}; choose one of {divisors(kv_heads)} or 'auto'"
-        )
+        raise ValueError(f"head_groups={groups} must divide the {kv_heads} K/V heads of schedule "
+                         f"{schedule!r}; choose one of {divisors(kv_heads)} or 'auto'")
 
 
 def contiguous(spec, groups: int) -> bool:
@@ -69,8 +60,7 @@ def contiguous(spec, groups: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HeadGroup:
-    """The query heads ``q`` and K/V heads ``kv`` (slices of the head dim) of group ``index``
-    (which also keys the group's dropout streams)."""
+    """The query heads ``q`` and K/V heads ``kv`` (slices) of group ``index``."""
 
     q: slice
     kv: slice

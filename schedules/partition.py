@@ -1,23 +1,16 @@
 """Token partitioners: which rank holds which tokens of a sequence, as permutations.
 
 ``indices(S, P, r)`` lists the global positions rank r holds, in the order it holds them;
-``position(slot, S, P, r)`` is the same rule as a vectorized formula (so a packed batch splits
-in a few tensor operations). ``permutation(S, P)`` concatenates all ranks' indices in rank
-order; ``inverse`` (its argsort) restores the original order.
-
+``position(slot, S, P, r)`` is the same rule as a vectorized formula. ``permutation(S, P)``
+concatenates all ranks' indices; ``inverse`` (its argsort) restores the original order.
 S = 16, P = 4 (digits are the rank holding each token):
 
     contiguous     0000 1111 2222 3333        rank r: [r*S/P, (r+1)*S/P)
     load_balanced  0011 2233 3322 1100        rank r: chunks r and 2P-1-r of 2P chunks
     striped        0123 0123 0123 0123        rank r: tokens r, r+P, r+2P, ...
 
-With a causal mask, contiguous ranks do unequal work; load-balanced pairs an early chunk with
-a late one so every rank does the same work at every ring step. All three keep each rank's
-tokens increasing, so a causal mask over a rank's own tokens is the ordinary top-left mask.
-
-Packed batches: ``documents`` gives whole documents to ranks and cuts only those it must;
-``auto`` takes it where it is faster than ``load_balanced``. Custom partitions: ``IndexMap``
-(one row of positions per rank) and ``VideoTiles`` (intact tiles of video frames).
+Under a causal mask load_balanced gives every rank the same work at every ring step. All
+three keep each rank's tokens increasing, so its own causal mask is the top-left one.
 """
 
 from __future__ import annotations
@@ -45,10 +38,8 @@ class Partition(abc.ABC):
     def check(self, seq_len: int, parts: int) -> None:
         m = self.multiple(parts)
         if seq_len % m:
-            raise ValueError(
-                f"sequence length {seq_len} must be divisible by {m} for {self.name} sharding "
-                f"over {parts} ranks; pad the sequence to a multiple of {m}"
-            )
+            raise ValueError(f"sequence length {seq_len} must be divisible by {m} for {self.name} "
+                             f"sharding over {parts} ranks; pad the sequence to a multiple of {m}")
 
     def padded_length(self, lengths: torch.Tensor, parts: int) -> torch.Tensor:
         """The length each sequence of ``lengths`` is split at: rounded up to ``multiple``."""
@@ -63,8 +54,7 @@ class Partition(abc.ABC):
 
     @abc.abstractmethod
     def position(self, slot, length, parts: int, rank):
-        """Position in a sequence of ``length`` tokens of the token ``rank`` holds at ``slot``
-        (all three broadcast as tensors)."""
+        """Position in a sequence of ``length`` tokens of the token ``rank`` holds at ``slot``."""
 
     def permutation(self, seq_len: int, parts: int) -> torch.Tensor:
         """All ranks' indices, concatenated in rank order."""
@@ -109,9 +99,8 @@ class LoadBalanced(Partition):
 
 
 class Documents(LoadBalanced):
-    """Packed batches: documents go whole to ranks where that balances their tokens and work,
-    the others are cut as ``load_balanced`` (``schedules.assign``). ``tolerance``: how far
-    above the mean a rank's tokens or work may be before one more document is cut."""
+    """Packed batches: documents whole where that balances the ranks, the others cut as
+    ``load_balanced`` (``schedules.assign``, within ``tolerance`` of the mean)."""
 
     name = "documents"
 
@@ -131,8 +120,7 @@ class Documents(LoadBalanced):
 
 
 class Auto(Documents):
-    """The default of ``ring``, ``allgather`` and ``hybrid``: ``load_balanced``, or for a
-    packed batch ``documents`` where ``schedules.choice.packed_partition`` takes it."""
+    """The default: ``load_balanced``, or ``documents`` where ``schedules.choice`` takes it."""
 
     name = "auto"
 
@@ -160,8 +148,7 @@ class _Fixed(Partition):
 
 
 class IndexMap(_Fixed):
-    """A user's placement: ``index_map[r]`` lists the global tokens of rank r, the same number
-    on every rank, each token exactly once."""
+    """A user's placement: ``index_map[r]`` lists the global tokens of rank r."""
 
     name = "index_map"
 
@@ -176,18 +163,16 @@ class IndexMap(_Fixed):
         self.rows = torch.stack(rows)
         flat = self.rows.flatten()
         if not torch.equal(torch.sort(flat).values, torch.arange(flat.numel())):
-            raise ValueError(
-                f"index_map must hold each of the {flat.numel()} token positions exactly once"
-            )
+            raise ValueError(f"index_map must hold each of the {flat.numel()} token positions "
+                             f"exactly once")
         self.increasing = bool((self.rows[:, 1:] > self.rows[:, :-1]).all())
 
     def check(self, seq_len, parts):
         total = self.rows.numel()
         if parts != len(self.rows) or seq_len != total:
-            raise ValueError(
-                f"index_map places {total} tokens on {len(self.rows)} ranks, but the sequence has "
-                f"{seq_len} tokens over {parts} ranks; give one row per rank covering every token"
-            )
+            raise ValueError(f"index_map places {total} tokens on {len(self.rows)} ranks, but the "
+                             f"sequence has {seq_len} tokens over {parts} ranks; give one row per "
+                             f"rank covering every token")
 
     def position(self, slot, length, parts, rank):
         return self.rows[rank, slot]
@@ -214,34 +199,26 @@ class VideoTiles(_Fixed):
 
     def __init__(self, frame, tiles):
         if len(tuple(frame)) != 2 or len(tuple(tiles)) != 3:
-            raise ValueError(
-                f"VideoTiles takes frame=(H, W) and tiles=(tf, th, tw), got frame={frame!r}, "
-                f"tiles={tiles!r}"
-            )
+            raise ValueError(f"VideoTiles takes frame=(H, W) and tiles=(tf, th, tw), got "
+                             f"frame={frame!r}, tiles={tiles!r}")
         self.frame, self.tiles = tuple(int(x) for x in frame), tuple(int(x) for x in tiles)
         if min(self.frame + self.tiles) < 1:
             raise ValueError(f"frame={frame!r} and tiles={tiles!r} must hold positive sizes")
         for what, size, count in (("rows", self.frame[0], self.tiles[1]),
                                   ("columns", self.frame[1], self.tiles[2])):
             if size % count:
-                raise ValueError(
-                    f"{count} tiles along the {size} {what} of a frame do not divide it; choose "
-                    f"tiles among the divisors of frame={self.frame}"
-                )
+                raise ValueError(f"{count} tiles along the {size} {what} of a frame do not divide "
+                                 f"it; choose tiles among the divisors of frame={self.frame}")
 
     def check(self, seq_len, parts):
         h, w = self.frame
         if math.prod(self.tiles) != parts:
-            raise ValueError(
-                f"tiles={self.tiles} make {math.prod(self.tiles)} tiles but the schedule has "
-                f"{parts} ranks; give one tile per rank"
-            )
+            raise ValueError(f"tiles={self.tiles} make {math.prod(self.tiles)} tiles but the "
+                             f"schedule has {parts} ranks; give one tile per rank")
         if seq_len % (h * w) or (seq_len // (h * w)) % self.tiles[0]:
-            raise ValueError(
-                f"a video sequence of {seq_len} tokens is not a whole number of {h}x{w} frames "
-                f"divisible into {self.tiles[0]} tiles along frames; give F*{h}*{w} tokens with "
-                f"F a multiple of {self.tiles[0]}"
-            )
+            raise ValueError(f"a video sequence of {seq_len} tokens is not a whole number of "
+                             f"{h}x{w} frames divisible into {self.tiles[0]} tiles along frames; "
+                             f"give F*{h}*{w} tokens with F a multiple of {self.tiles[0]}")
 
     def position(self, slot, length, parts, rank):
         (h, w), (tf, th, tw) = self.frame, self.tiles
@@ -270,9 +247,7 @@ def get(partition: "str | Partition | list") -> Partition:
         return partition
     if isinstance(partition, str):
         if partition not in _NAMED:
-            raise ValueError(
-                f"partition={partition!r} is not known; use one of {sorted(_NAMED)}, an index "
-                f"map or a VideoTiles"
-            )
+            raise ValueError(f"partition={partition!r} is not known; use one of {sorted(_NAMED)}, "
+                             f"an index map or a VideoTiles")
         return _NAMED[partition]()
     return IndexMap(partition)

@@ -1,24 +1,12 @@
-"""Predicted step times of a schedule on a mesh, from measured figures.
+"""Predicted step times of a schedule on a mesh, from what ``describe()`` says one rank does,
+what the schedule states of its transfers (``schedules.overlap``) and measured figures
+(``schedules.figures``, for the table's first device):
 
-The model takes what ``describe()`` says one rank does (FLOPs, bytes received), what the
-schedule states of its transfers (``schedules.overlap``) and the measured figures of
-``cost_table.json`` (``schedules.figures``):
-
-    rate       the kernel's TFLOP/s on one GPU for the head dim, mask and mode at the length
-               of the rank's kernel calls (S over the ranks of the dims whose schedule splits
-               the keys; packed, the work-weighted length of its documents' calls, at the
-               share of the dense rate that packed batches reached)
-    bandwidth  GB/s of one ring shift alone, per transport and block size (collectives: p2p)
-    unhidden   how much of a shift still costs while attention runs beside it
-
-    compute  c = FLOPs / rate
-    each dim's transfers b = bytes received / bandwidth add max(unhidden * b, b - c * hidden),
-             hidden being the share of the compute the schedule says its transfers can run
-             beside (none unless it says: then they add b)
+    compute  c = FLOPs / rate (the kernel's TFLOP/s at the length of the rank's calls)
+    each dim's transfers b = bytes received / bandwidth (of one ring shift alone) add
+             max(unhidden * b, b - c * hidden), unhidden being how much of a shift still
+             costs beside attention, hidden the share of c the schedule says they overlap
     time = c + the transfers of every mesh dim
-
-Predictions are for the table's first device, with the kernel ``auto`` ranks first there
-unless one is named.
 """
 
 from __future__ import annotations
@@ -46,7 +34,6 @@ class StepTime:
     bandwidth: Figure | None
 
 
-# ---- the model ---------------------------------------------------------------------------
 def dims_of(plan) -> list:
     """The Description of every mesh dim of a rank's plan."""
     d = plan.description
@@ -61,8 +48,7 @@ def overlap(description) -> Overlap:
 
 
 def call_length(plan, spec) -> int:
-    """Keys per kernel call: S over the ranks of the dims whose schedule splits the keys;
-    packed, the work-weighted mean over the documents of the rank's calls."""
+    """Keys per kernel call (packed: the work-weighted mean over the rank's documents)."""
     blocks = math.prod(d.ranks for d in dims_of(plan) if overlap(d).splits_keys)
     if not spec.layout.is_varlen:
         return max(spec.kv_len // blocks, 1)
@@ -70,8 +56,7 @@ def call_length(plan, spec) -> int:
 
 
 def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
-    """(keys per call, relative work) of each document in a rank's calls of a packed batch:
-    its whole ones at their length, each cut one at a ``blocks``-th of it and of its work."""
+    """(keys per call, relative work) of each document in a rank's calls of a packed batch."""
     lengths = [n for _, n in spec.sequences()]
     assignment = getattr(plan.local.packing, "assignment", None)
     owner = assignment.owner if assignment is not None else [CUT] * len(lengths)
@@ -82,8 +67,7 @@ def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
 
 def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",
               path: Path = TABLE) -> StepTime:
-    """Predicted seconds of one rank's forward (``mode="fwd"``) or forward+backward step;
-    ``transport`` is the schedule's option (``auto``: copy engines, GPUs of one host)."""
+    """Predicted seconds of one rank's forward (``mode="fwd"``) or forward+backward step."""
     backward = mode == "fwd+bwd"
     d = plan.description
     flops = d.flops + (d.backward_flops if backward else 0.0)

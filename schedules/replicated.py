@@ -28,5 +28,4 @@ class Replicated(Schedule):
         return Description(
             self.name, self.size, steps=1, bytes_sent=0, bytes_received=0,
             flops=spec.flops(), backward_steps=1, backward_flops=spec.flops(backward=True) - spec.flops(),
-            memory_of=dry_run.memory_of(self, spec),
-        )
+            memory_of=dry_run.memory_of(self, spec))

@@ -1,13 +1,9 @@
 """Base of the context-parallel schedules: q, k, v split along the sequence by a partitioner.
 
 Rank r of the mesh dim holds the tokens ``partition.indices(S, P, r)`` of q, k, v, out and
-the gradients. ``shard`` picks them out of a full tensor; ``unshard`` gathers every rank's
-tokens in the original order; ``position_ids`` are their global positions (for RoPE).
-``head_groups`` runs the schedule over a few K/V heads at a time (``schedules.heads``).
-
-Packed sequences (``layout="thd"``): every sequence is split on its own (``schedules.packing``);
-``pack(cu_seqlens)`` gives this rank's ``LocalPacking``, and ``attention`` takes either the
-global ``cu_seqlens`` or that ``LocalPacking``.
+the gradients; ``unshard`` gathers them in the original order on every rank. Packed sequences
+(``layout="thd"``) are split each on its own (``schedules.packing``): ``attention`` takes the
+global ``cu_seqlens`` or this rank's ``pack(cu_seqlens)``.
 """
 
 from __future__ import annotations
@@ -57,33 +53,29 @@ class SequenceSchedule(Schedule):
             for length in {full.q_len, full.kv_len}:
                 self.partition.check(length, self.size)
         if spec.causal and spec.q_len != spec.kv_len:
-            raise ValueError(
-                f"causal context parallelism needs q and k/v of one length per rank, got "
-                f"q_len={spec.q_len} and kv_len={spec.kv_len}; shard q, k, v of one sequence alike"
-            )
+            raise ValueError(f"causal context parallelism needs q and k/v of one length per rank, "
+                             f"got q_len={spec.q_len} and kv_len={spec.kv_len}; shard q, k, v of "
+                             f"one sequence alike")
         if self.head_groups != "auto":
             heads.check_divides(self.head_groups, spec.kv_heads, self.name)
             self.check_groups(self.head_groups, spec)
         if spec.causal and self.needs_ordered_tokens and not self.partition.increasing:
-            raise ValueError(
-                f"causal attention needs each rank's tokens in increasing order; the "
-                f"{self.partition.name} partition reorders them. Use partition='load_balanced', "
-                f"or schedule 'ulysses' (which attends the whole sequence in order)"
-            )
+            raise ValueError(f"causal attention needs each rank's tokens in increasing order; the "
+                             f"{self.partition.name} partition reorders them. Use "
+                             f"partition='load_balanced', or schedule 'ulysses' (which attends the "
+                             f"whole sequence in order)")
 
     # ---- head groups (schedules.heads) ----------------------------------------------------
     def check_groups(self, groups: int, spec) -> None:
         """A ValueError when this schedule cannot run ``groups`` head groups of local ``spec``."""
 
     def group_count(self, heads_q: int, kv_heads: int, rows: int, least: int = 1) -> int:
-        """Head groups of a local problem of ``rows`` query rows per rank (``auto``: at least
-        the most that fit up to ``least``)."""
+        """Head groups of a local problem of ``rows`` query rows per rank."""
         return heads.choose(self.head_groups, heads=heads_q, kv_heads=kv_heads, rows=rows,
                             fits=lambda g: self.groups_fit(g, heads_q, kv_heads), least=least)
 
     def least_groups(self, spec) -> int:
-        """The groups ``auto`` takes at least for a call on ``spec`` (more where one group's
-        transfers overlap another's kernels)."""
+        """The groups ``auto`` takes at least for a call on ``spec``."""
         return 1
 
     def groups_fit(self, groups: int, heads_q: int, kv_heads: int) -> bool:
@@ -128,9 +120,7 @@ class SequenceSchedule(Schedule):
     # ---- packed sequences ----------------------------------------------------------------
     def pack(self, cu_seqlens, cu_seqlens_padded=None, *, rank: int | None = None,
              device=None) -> LocalPacking:
-        """This rank's (or ``rank``'s) part of the GLOBAL packing ``cu_seqlens`` (and
-        ``cu_seqlens_padded``; tensors or lists of ints), its tensors on ``device`` (default
-        ``cu_seqlens``' own when it is a tensor, else the mesh's)."""
+        """This rank's (or ``rank``'s) part of the GLOBAL packing ``cu_seqlens``, on ``device``."""
         device = packing_device(self, cu_seqlens, device)
         cu, padded = global_packing(cu_seqlens, cu_seqlens_padded, device=device)
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.size):
@@ -164,8 +154,7 @@ class SequenceSchedule(Schedule):
         return ((self.partition, self.size, self.index),)
 
     def local_spec(self, spec):
-        """This rank's part of the global ``spec`` (inverse of ``global_spec``; packed: with
-        its packing, on the host)."""
+        """This rank's part of the global ``spec`` (packed: with its packing, on the host)."""
         if spec.layout.is_varlen:
             split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
             return spec.replace(packing=split.part(self.index))
@@ -215,22 +204,17 @@ def packing_device(schedule, cu_seqlens, device=None) -> torch.device:
 
 
 def packing_of(schedule, cu_seqlens, cu_seqlens_padded=None, device=None) -> LocalPacking:
-    """The packing of ``schedule``'s rank: ``schedule.pack`` of the global ``cu_seqlens`` on
-    ``device``, or ``cu_seqlens`` itself when it is that rank's LocalPacking (else a
-    ValueError saying whose it is)."""
+    """``schedule.pack`` of the global ``cu_seqlens``, or ``cu_seqlens`` itself when it is the
+    rank's LocalPacking (else a ValueError saying whose it is)."""
     if not isinstance(cu_seqlens, LocalPacking):
         return schedule.pack(cu_seqlens, cu_seqlens_padded, device=device)
     if cu_seqlens_padded is not None:
-        raise ValueError(
-            "cu_seqlens_padded goes with the global cu_seqlens tensor; a LocalPacking "
-            "already holds the padding: leave cu_seqlens_padded out"
-        )
+        raise ValueError("cu_seqlens_padded goes with the global cu_seqlens tensor; a "
+                         "LocalPacking already holds the padding: leave cu_seqlens_padded out")
     if cu_seqlens.owner != schedule.packing_owner:
-        raise ValueError(
-            f"cu_seqlens is {cu_seqlens!r}, not this rank's part under schedule "
-            f"{schedule.name!r} ({split_by(schedule.packing_owner)}); pass "
-            f"schedule.pack(cu_seqlens) of this schedule, or the global cu_seqlens"
-        )
+        raise ValueError(f"cu_seqlens is {cu_seqlens!r}, not this rank's part under schedule "
+                         f"{schedule.name!r} ({split_by(schedule.packing_owner)}); pass "
+                         f"schedule.pack(cu_seqlens) of this schedule, or the global cu_seqlens")
     return cu_seqlens
 
 
@@ -239,18 +223,14 @@ def checked_packing(schedule, q, cu_seqlens, cu_seqlens_padded=None) -> LocalPac
     packing = packing_of(schedule, cu_seqlens, cu_seqlens_padded, _device(q))
     if isinstance(q, torch.Tensor) and q.dim() == 3:
         if q.device != packing.device:
-            raise ValueError(
-                f"cu_seqlens is on {packing.device} but q on {q.device}; pass cu_seqlens on "
-                f"the tensors' device"
-            )
+            raise ValueError(f"cu_seqlens is on {packing.device} but q on {q.device}; pass "
+                             f"cu_seqlens on the tensors' device")
         if q.shape[0] != packing.tokens:
-            raise ValueError(
-                f"q has {q.shape[0]} tokens but this rank's part of the packing has "
-                f"{packing.tokens} ({split_by(packing.owner)}; every sequence padded where "
-                f"needed). cu_seqlens is the GLOBAL packing: shard q, k, v with "
-                f"schedule.shard(t, layout='thd', cu_seqlens=cu_seqlens) or "
-                f"schedule.pack(cu_seqlens).shard(t)"
-            )
+            raise ValueError(f"q has {q.shape[0]} tokens but this rank's part of the packing has "
+                             f"{packing.tokens} ({split_by(packing.owner)}; every sequence padded "
+                             f"where needed). cu_seqlens is the GLOBAL packing: shard q, k, v with "
+                             f"schedule.shard(t, layout='thd', cu_seqlens=cu_seqlens) or "
+                             f"schedule.pack(cu_seqlens).shard(t)")
     return packing
 
 
