@@ -37,9 +37,10 @@ import torch
 
 from ..spec import AttentionSpec
 from . import fa4_rows
-from .base import Kernel, Seqlens, Window, band, layout_of, register
+from .base import Kernel, Seqlens, Window, band, register
 from .fa4_entry import INSTALL_HINT, backward, bshd, forward, import_error
 from .limits import Limits, dense_pieces, fits
+from .pieces import empty_like
 
 
 def limits_reason(spec: AttentionSpec, capability: tuple[int, int]) -> str | None:
@@ -69,11 +70,6 @@ def fa4_window(causal: bool, window: Window | None, s_q: int, s_k: int):
     left, right = band(causal, window)
     shift = s_k - s_q
     return (None if left is None else left + shift, None if right is None else right - shift)
-
-
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
-    return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def varlen_shift(seqlens: Seqlens, causal: bool, window: Window | None) -> int | None:
@@ -128,7 +124,7 @@ class FlashAttention4Kernel(Kernel):
         return None
 
     def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
-        out = _empty_like(q) if out is None else out
+        out = empty_like(q) if out is None else out
         if lse is None or not lse.is_contiguous():  # FA4 writes a dense lse
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         forward(bshd(q), bshd(k), bshd(v), scale=scale, out=bshd(out), lse=lse,
@@ -136,7 +132,7 @@ class FlashAttention4Kernel(Kernel):
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, *, causal, scale, window, dropout, dq, dk, dv):
-        dq, dk, dv = (_empty_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
+        dq, dk, dv = (empty_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
         backward(*map(bshd, (q, k, v, out, dout)), lse, scale=scale,
                  window=fa4_window(causal, window, q.shape[2], k.shape[2]),
                  dq=bshd(dq), dk=bshd(dk), dv=bshd(dv))

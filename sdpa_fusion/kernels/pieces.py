@@ -56,23 +56,20 @@ def _stream(dropout, i: int, p: Piece):
     return dropout.stream("piece", i)
 
 
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
     return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-def _too_long(kernel, rows: int, keys: int, e: int) -> str | None:
-    return kernel.too_long(rows, keys, e)
 
 
 # ---- dense ----------------------------------------------------------------------------------
 def dense_forward(kernel, q, k, v, mask, dropout, out, lse):
     limits = kernel.limits
     split = _split(dense_pieces(q.shape, k.shape, limits), (q, k, v, out),
-                   limits, _too_long(kernel, q.shape[2], k.shape[2], q.shape[3]))
+                   limits, kernel.too_long(q.shape[2], k.shape[2], q.shape[3]))
     if not split:
         return written(kernel._forward(q, k, v, dropout=dropout, out=out, lse=lse, **mask),
                         (out, lse))
-    out = _empty_like(q) if out is None else out
+    out = empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
     for i, p in enumerate(split):
         views = (out[p.batch, p.q], lse[p.batch, p.q])
@@ -87,12 +84,12 @@ def dense_forward(kernel, q, k, v, mask, dropout, out, lse):
 def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
     limits = kernel.limits
     split = _split(dense_pieces(q.shape, k.shape, limits), (dout, q, k, v, out, *grads),
-                   limits, _too_long(kernel, q.shape[2], k.shape[2], q.shape[3]))
+                   limits, kernel.too_long(q.shape[2], k.shape[2], q.shape[3]))
     dq, dk, dv = grads
     if not split:
         return written(kernel._backward(dout, q, k, v, out, lse, dropout=dropout, dq=dq, dk=dk,
                                          dv=dv, **mask), grads)
-    grads = tuple(_empty_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    grads = tuple(empty_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
     shared = {}  # fp32 dK/dV sums of K/V heads shared by pieces
     for i, p in enumerate(split):
         heads = (p.q, p.q, p.kv, p.kv, p.q)
@@ -103,16 +100,24 @@ def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
         results = kernel._backward(*args, lse[p.batch, p.q].contiguous(),
                                    dropout=_stream(dropout, i, p), dq=targets[0],
                                    dk=targets[1], dv=targets[2], **mask)
-        written(results[:1], views[:1])
-        if not p.shares_kv:
-            written(results[1:], views[1:])
-            continue
-        key = (p.batch.start, p.kv.start)
-        if key not in shared:
-            shared[key] = [r.float() for r in results[1:]], views[1:]
-        else:
-            for acc, r in zip(shared[key][0], results[1:]):
-                acc.add_(r)
+        _write_grads(results, views, p, shared, (p.batch.start, p.kv.start))
+    return _write_sums(shared, grads)
+
+
+def _write_grads(results, views, p: Piece, shared: dict, key) -> None:
+    """Piece ``p``'s (dq, dk, dv) into its ``views``; the dK/dV of pieces that share K/V
+    heads summed in fp32 under ``key`` in ``shared`` instead (``_write_sums`` writes them)."""
+    written(results[:1], views[:1])
+    if not p.shares_kv:
+        written(results[1:], views[1:])
+    elif key not in shared:
+        shared[key] = [r.float() for r in results[1:]], views[1:]
+    else:
+        for acc, r in zip(shared[key][0], results[1:]):
+            acc.add_(r)
+
+
+def _write_sums(shared: dict, grads):
     for sums, views in shared.values():
         for view, total in zip(views, sums):
             view.copy_(total)
@@ -141,15 +146,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---- packed ---------------------------------------------------------------------------------
 def _packed_split(kernel, q, k, seqlens, tensors):
-    limits = kernel.limits
-    pieces = _packed_pieces(seqlens, q.shape[1], k.shape[1], q.shape[2], limits)
+    pieces = _packed_pieces(seqlens, q.shape[1], k.shape[1], q.shape[2], kernel.limits)
     if pieces is None:  # the message of the longest sequence's refusal
         longest = max(zip(seqlens.lengths_q, seqlens.lengths_k), key=max, default=(0, 0))
-        return _split(None, tensors, limits, _too_long(kernel, *longest, q.shape[2]))
+        raise ValueError(kernel.too_long(*longest, q.shape[2]))
     # where the sequences fit and a tensor does not (rows outside every sequence, or a view
     # of a wider buffer), ``_split`` gives one piece of all: ``_rows`` takes its sequences'
     # rows, ``_own`` copies what is still past the limit
-    return _split(pieces, tensors, limits, None)
+    return _split(pieces, tensors, kernel.limits, None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,17 +172,16 @@ def _rows(seqlens, p: Piece):
     return slice(cu_q[0], cu_q[-1]), slice(cu_k[0], cu_k[-1]), local
 
 
+def packed_lse(q: torch.Tensor) -> torch.Tensor:
+    """A new fp32 lse [H, T_q] for packed ``q``."""
+    return torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+
+
 def packed_outputs(q: torch.Tensor, out=None, lse=None):
     """(out, lse) buffers of a packed call on ``q`` that writes only its sequences' rows: the
     given ones (or new) holding out 0 and lse -inf, what every other row gets."""
-    if out is None:
-        out = torch.zeros_like(q)
-    else:
-        out.zero_()
-    if lse is None:
-        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    lse.fill_(float("-inf"))
-    return out, lse
+    out = torch.zeros_like(q) if out is None else out.zero_()
+    return out, (packed_lse(q) if lse is None else lse).fill_(-math.inf)
 
 
 def packed_grads(inputs, grads) -> tuple:
@@ -190,20 +193,18 @@ def packed_grads(inputs, grads) -> tuple:
 def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
     limits = kernel.limits
     split = _packed_split(kernel, q, k, seqlens, (q, k, v))
+    out, lse = outputs
     if not split:
-        out, lse = outputs
         return written(kernel._varlen_forward(q, k, v, seqlens, **mask, out=out, lse=lse),
                         outputs)
-    out, lse = outputs
     out = torch.empty_like(q) if out is None else out
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device) \
-        if lse is None else lse
+    lse = packed_lse(q) if lse is None else lse
     for p in split:
         rows, keys, local = _rows(seqlens, p)
         views = (out[rows, p.q], lse[p.q, rows])
         if _empty(rows) or _empty(keys):  # no kernel call on no rows: what kernels give
             views[0].zero_()
-            views[1].fill_(float("-inf"))
+            views[1].fill_(-math.inf)
             continue
         results = kernel._varlen_forward(
             *(_own(t, limits) for t in (q[rows, p.q], k[keys, p.kv], v[keys, p.kv])), local,
@@ -212,7 +213,7 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
         written(results, views)
     for a, b in _outside(seqlens.cu_q, q.shape[0]):  # rows of no sequence
         out[a:b] = 0
-        lse[:, a:b] = float("-inf")
+        lse[:, a:b] = -math.inf
     return out, lse
 
 
@@ -249,19 +250,8 @@ def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None,
                                         v[keys, p.kv], out[rows, p.q])),
             lse[p.q, rows].contiguous(), local, **mask, dq=targets[0], dk=targets[1],
             dv=targets[2])
-        written(results[:1], views[:1])
-        if not p.shares_kv:
-            written(results[1:], views[1:])
-            continue
-        key = (p.sequences and p.sequences.start, p.kv.start)
-        if key not in shared:
-            shared[key] = [g.float() for g in results[1:]], views[1:]
-        else:
-            for acc, g in zip(shared[key][0], results[1:]):
-                acc.add_(g)
-    for sums, views in shared.values():
-        for view, total in zip(views, sums):
-            view.copy_(total)
+        _write_grads(results, views, p, shared, (p.sequences and p.sequences.start, p.kv.start))
+    _write_sums(shared, grads)
     for grad, cu in zip(grads, (seqlens.cu_q, seqlens.cu_k, seqlens.cu_k)):
         for a, b in _outside(cu, grad.shape[0]):  # rows of no sequence
             grad[a:b] = 0
