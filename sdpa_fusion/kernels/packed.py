@@ -1,24 +1,18 @@
-"""Ways to run packed (THD) sequences through a kernel (each a ``Kernel``; pass one as
+"""Ways to run packed (THD) sequences through a kernel, each a ``Kernel`` (pass one as
 ``attention(..., kernel=...)``, or let ``auto`` pick one: ``choice``):
 
-- ``Varlen(kernel)``: the kernel's own varlen call, one launch for all sequences (``flash``;
-  ``fa4`` when a kernel of that name is registered);
-- ``PerSequence(kernel)``: one dense call per sequence (the base class's loop): the fastest
-  dense kernel at full speed on long sequences, but every call costs host time;
+- ``Varlen(kernel)``: the kernel's own varlen call, one launch for all sequences;
+- ``PerSequence(kernel)``: one dense call per sequence: the fastest dense kernel at full
+  speed on long sequences, but every call costs host time;
 - ``Padded(kernel)``: one dense call on the sequences padded to the longest (free when they
   have one length and fill the pack, a copy in and out otherwise). Padding keys sit after
-  each sequence, so this needs sequences of one shape (queries x keys, any mask), or as many
-  queries as keys and a mask that hides later keys (causal, or a window whose right side is
-  0). A call it cannot pad exactly (a schedule's block of other shapes) goes through the
-  kernel's own varlen call;
+  each sequence, so this needs sequences of one shape, or as many queries as keys and a mask
+  that hides later keys (causal, or a window whose right side is 0); a call it cannot pad
+  exactly (a schedule's block of other shapes) goes through the kernel's own varlen call;
 - ``Split(kernel, short, min_long)``: sequences of ``min_long`` tokens or more one by one
-  through ``kernel``, the others in one varlen call of ``short``: long documents at the
-  dense kernel's full speed, short ones without a host call each.
+  through ``kernel``, the others in one varlen call of ``short``.
 
-``estimate(spec)`` gives each way's forward+backward seconds by the cost model (``cost``):
-Varlen ``host_s`` plus every sequence's device time; PerSequence the longer of host and
-device time per sequence; Padded one call on N sequences of the longest length plus the
-copies; Split PerSequence of the long sequences plus Varlen of the short ones.
+``estimate(spec)`` gives each way's forward+backward seconds by the cost model (``cost``).
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ from ..mask import band
 from ..spec import AttentionSpec
 from .base import Kernel, Seqlens, backward_each, forward_each, get
 from .cost import COPY_BYTES_PER_S, per_sequence_seconds, sequence_work, speed, varlen_seconds
+from .pieces import packed_lse
 
 
 def has_varlen(kernel: Kernel) -> bool:
@@ -75,9 +70,6 @@ class Way(Kernel):
         """The host time of one forward+backward of packed ``spec`` (its kernel calls)."""
         return speed(self.kernel, "dense").host_s
 
-    def __repr__(self) -> str:
-        return f"<kernel {self.name}>"
-
 
 class Varlen(Way):
     """The kernel's own varlen call."""
@@ -115,8 +107,6 @@ class PerSequence(Way):
 class Split(Way):
     """Sequences of at least ``min_long`` tokens one by one through ``kernel`` (dense), the
     others in one varlen call of ``short``."""
-
-    way = "per-sequence"
 
     def __init__(self, kernel: Kernel | str, short: Kernel | str, min_long: int):
         super().__init__(kernel)
@@ -159,12 +149,10 @@ PIECE_ROWS = 128  # the query rows of a varlen kernel's tile (FA2, FA4, cuDNN: 1
 @functools.lru_cache(maxsize=64)
 def split_sequences(seqlens: Seqlens, min_long: int):
     """(the ``Seqlens`` of the short sequences, with the tokens of the long ones as sequences
-    without keys or without queries, in pieces no longer than the longest short sequence or
-    one tile (``PIECE_ROWS``), whichever is longer, so that they do not widen the varlen
-    launch; ((query start, stop), (key start, stop)) of the long ones). Pieces of one tile
-    widen nothing: a launch covers every sequence with whole tiles. (Pieces of the longest
-    short sequence alone made a call of long sequences only into one sequence per token:
-    a 24K-token call into 48K sequences, 15 s in FA4's varlen forward.)"""
+    without keys or without queries, ((query start, stop), (key start, stop)) of the long
+    ones). The long ones' tokens come in pieces of the longest short sequence or one tile
+    (``PIECE_ROWS``), whichever is longer: no wider launch, and not one sequence per token
+    when no sequence is short (a 24K-token call: 48K sequences, 15 s in FA4's varlen)."""
     pairs = list(zip(seqlens.cu_q, seqlens.cu_k, seqlens.lengths_q, seqlens.lengths_k))
     is_long = [bool(n_q and n_k and max(n_q, n_k) >= min_long) for *_, n_q, n_k in pairs]
     piece = max([max(n_q, n_k) for (*_, n_q, n_k), lng in zip(pairs, is_long) if not lng]
@@ -226,8 +214,7 @@ class Padded(Way):
         out_d, lse_d = self.kernel.forward(pad.dense(q, "q"), pad.dense(k, "k"), pad.dense(v, "k"),
                                            causal=causal, scale=scale, window=window,
                                            out=pad.dense_target(out, "q"))
-        if lse is None:
-            lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        lse = packed_lse(q) if lse is None else lse
         if pad.slots["q"] is not None:  # rows outside every sequence see no key
             lse.fill_(-math.inf)
         pad.unpad_lse(lse_d, lse)
