@@ -14,28 +14,19 @@ Packed sequences (varlen), [T, H, E] tensors delimited by ``Seqlens``:
     varlen_backward(dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None,
                     dq=None, dk=None, dv=None) -> (dq, dk, dv)
 
-Outputs keep the query's layout (gradients their input's). ``lse`` is fp32: [B, H, S_q]
-dense, [H, T_q] packed. ``causal`` and ``window`` are aligned top-left, per sequence when
+Outputs keep the query's layout (gradients their input's); ``lse`` is fp32, [B, H, S_q] dense
+and [H, T_q] packed. ``causal`` and ``window`` are aligned top-left, per sequence when
 packed: query i sees key j when j <= i (causal) and i - left <= j <= i + right (window; a
-side that is None is unbounded). A row that sees no key gets out 0 and lse -inf. K/V may
-have fewer heads than Q (GQA). ``backward`` takes the *global* out and lse of the row, so it
-can be applied block by block (ring attention). Output buffers may be given as keywords
-(``out=``, ``lse=``; ``dq=``, ``dk=``, ``dv=``: tensors shaped, typed and laid out like the
-results): the results are written there and returned (a kernel that writes into given
-buffers, such as ``fa4``, saves the copy).
+None side is unbounded). A row that sees no key gets out 0 and lse -inf. K/V may have fewer
+heads than Q (GQA). ``backward`` takes the *global* out and lse of the rows, so it can run
+block by block (ring attention). Output buffers given as keywords (shaped, typed and laid
+out like the results) receive the results and are returned.
 
-Every call stays inside the kernel's ``limits`` (``sdpa_fusion.kernels.limits``): a call past
-them runs as calls on head groups, batch elements or packed sequences that are inside, and
-inputs that are views past them are copied first. A kernel implements ``_forward`` and
-``_backward`` (and ``_varlen_forward``/``_varlen_backward`` when it has a varlen call:
-``native_varlen``; without one, packed sequences run one by one through its dense call) for
-calls inside its limits. Capabilities are data: ``gpu_only``, ``supports_dropout``,
-``supports_window``, ``supports_mask`` (``masked_forward``/``masked_backward`` with an explicit
-bool mask: the reference; other kernels' partial tiles of a mask go through it),
-``native_varlen``, ``limits``, and the optional ``query_rows`` (a backward
-that sums the dQ of several calls on the same query rows, FA4 on Hopper) and ``split_heads``
-(the kernel for the head shards of a head-parallel mesh, nvFuser's DID split), None where a
-kernel has none.
+No call past the kernel's ``limits`` reaches it: ``pieces`` runs it as calls inside.
+A kernel implements ``_forward`` and ``_backward`` for calls inside its limits, and
+``_varlen_forward``/``_varlen_backward`` when it has a varlen call (``native_varlen``;
+without one, packed sequences run one by one through its dense call). Capabilities are
+data: the class attributes of ``Kernel``.
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ import operator
 
 import torch
 
-from ..layout import Layout, layout_of  # noqa: F401  (layout_of: used by the kernels)
+from ..layout import layout_of  # noqa: F401  (used by the kernels)
 from ..mask import Window, band  # noqa: F401  (part of the kernel contract)
 from ..spec import AttentionSpec
 from . import pieces
@@ -110,12 +101,10 @@ def _cu_tensors(cu_q, cu_k, device):
 class Dropout:
     """Dropout probability and the random stream of one kernel call.
 
-    ``seed`` picks the stream: the reference kernel draws its keep mask from a
-    ``torch.Generator`` seeded with it, in forward and again in backward; GPU kernels run their
-    forward under the CUDA generator seeded with it (``on_cuda``) and leave in ``state`` what
-    their backward replays (flash's philox seed and offset). ``stream(*key)`` is the stream of
-    one part of a call (a rank's heads, a ring block), the same object in forward and
-    backward, so a schedule gives every rank and block its own reproducible stream.
+    ``seed`` picks the stream: the reference kernel draws its keep mask from a generator
+    seeded with it, in forward and again in backward; GPU kernels run their forward under the
+    CUDA generator seeded with it (``on_cuda``) and leave in ``state`` what their backward
+    replays (flash's philox seed and offset). ``stream(*key)``: a part's own stream.
     """
 
     p: float
@@ -129,7 +118,8 @@ class Dropout:
         return cls(p, int(torch.randint(0, 2**62, ()).item()))
 
     def stream(self, *key) -> "Dropout":
-        """The stream of part ``key`` of this call (made once, kept for the backward)."""
+        """The stream of part ``key`` of this call (a rank's heads, a ring block): made once,
+        the same in the backward."""
         streams = self.__dict__.setdefault("_streams", {})
         if key not in streams:
             digest = hashlib.blake2b(repr((self.seed, key)).encode(), digest_size=8).digest()
@@ -164,10 +154,14 @@ class Kernel(abc.ABC):
     supports_dropout: bool = False
     supports_window: bool = False
     native_varlen: bool = False  # runs packed sequences in one call (else one by one)
-    supports_mask: bool = False  # masked_forward/backward: an explicit bool mask (partial tiles)
+    # masked_forward/backward with an explicit bool mask (the reference; other kernels'
+    # partial tiles of a mask go through it)
+    supports_mask: bool = False
     limits: Limits | None = Limits()  # what one call may take; None: no limit
-    query_rows = None  # optional: see the module docstring (FA4 on Hopper)
-    split_heads = None  # optional: (mesh, dim) -> the kernel for head shards (nvFuser)
+    # optional: a backward that sums the dQ of several calls on the same query rows (FA4 on
+    # Hopper), and (mesh, dim) -> the kernel for a head-parallel mesh's head shards (nvFuser)
+    query_rows = None
+    split_heads = None
 
     def unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
         """Why this kernel cannot run ``spec`` on ``device``, or None when it can."""
