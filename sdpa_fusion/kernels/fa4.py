@@ -1,34 +1,23 @@
 """FlashAttention-4 (``flash-attn-4``, CuTe DSL kernels) behind the kernel contract.
 
-Optional: ``pip install 'sdpa-fusion[fa4]'`` installs the tested version; the package is
-imported on first use, so everything else works without it (``unavailable_reason`` then
-says how to install it).
-
-How the contract maps onto FA4:
+Optional: ``pip install 'sdpa-fusion[fa4]'`` installs the tested version; it is imported on
+first use (``unavailable_reason`` says how to install it). How the contract maps onto FA4:
 
 - Layouts, no copies: FA4 takes [B, S, H, D] tensors with any 16-byte aligned strides, so
-  q, k, v, out and dout go in as ``.transpose(1, 2)`` views of our logical [B, H, S, E]
-  tensors, BHSE or BSHE alike. The output and the gradients are allocated in the layout of
-  the tensor they belong to (or given as ``out=``, ``dq=``, ...) and handed to FA4
-  to write into (``out=``/``lse=``, ``dq=``/``dk=``/``dv=``), so nothing is copied
-  afterwards either.
-- GQA: native (FA4 packs the query heads of a K/V head; dK/dV summed in fp32 inside).
+  q, k, v, out and dout go in as ``.transpose(1, 2)`` views, BHSE or BSHE alike, and FA4
+  writes out and the gradients into buffers in their own tensor's layout.
+- GQA: native (dK/dV summed in fp32 inside).
 - Masks: FA4 aligns causal and window masks bottom-right: query i sees key j when
-  ``i + d - left <= j <= i + d + right`` with ``d = s_k - s_q``. Our top-left band
-  (left, right) is that window shifted by d (``fa4_window``), so causal with s_q != s_k and
-  every sliding window run natively. Packed sequences need one shift for the call: under a
-  mask, packed calls whose sequences differ in keys minus queries run sequence by sequence
-  (the base class's varlen path); all others run in one varlen call.
-- Rows that see no key: FA4 writes out 0 and lse -inf, as the contract asks, and its
-  backward reads lse -inf as a row without probability mass.
-- Limits: float16/bfloat16, no dropout; forward and backward on sm90 (head dim up to 256)
-  and sm100/sm110 (head dim up to 128, or 256). FA4 has no backward below sm90.
-- The first call of each kernel configuration (dtype, head dim, GQA ratio, mask kind, dense
-  or packed) compiles it, about 5-8 s; other lengths and batch sizes reuse it (lengths
-  of at most one 128-row tile have variants of their own).
-  ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps compiled kernels on disk for later
-  processes. The backward is FA4's default, not bitwise deterministic (dQ sums atomically).
-- FA4's softcap, score/mask mods and block sparsity are not part of the contract (yet).
+  ``i + d - left <= j <= i + d + right`` with ``d = s_k - s_q``. Our top-left band is that
+  window shifted by d (``fa4_window``). A packed call needs one shift: under a mask, one
+  whose sequences differ in keys minus queries runs sequence by sequence.
+- Rows that see no key: out 0 and lse -inf, as the contract asks; the backward reads lse
+  -inf as a row without probability mass.
+- float16/bfloat16, no dropout; sm90 (head dim up to 256) and sm100/sm110 (up to 128, or
+  256); no backward below sm90.
+- The first call of each configuration (dtype, head dim, GQA ratio, mask kind, dense or
+  packed) compiles it, about 5-8 s; ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps
+  compiled kernels on disk. The backward is not bitwise deterministic (dQ sums atomically).
 """
 
 from __future__ import annotations
@@ -73,10 +62,9 @@ def fa4_window(causal: bool, window: Window | None, s_q: int, s_k: int):
 
 
 def varlen_shift(seqlens: Seqlens, causal: bool, window: Window | None) -> int | None:
-    """The keys minus queries that one FA4 varlen call aligns every packed sequence's mask by
-    (0 without a mask), or None when no one call gives our top-left mask: masked sequences
-    differ in it, or FA4's window would need a negative side. Sequences without queries or
-    keys take any shift."""
+    """The keys minus queries by which one FA4 varlen call aligns every packed sequence's
+    mask (0 without a mask; sequences without queries or keys take any), or None when masked
+    sequences differ in it or FA4's window would need a negative side."""
     if band(causal, window) == (None, None):
         return 0
     shifts = seqlens.shifts
@@ -85,15 +73,6 @@ def varlen_shift(seqlens: Seqlens, causal: bool, window: Window | None) -> int |
                             for side in fa4_window(causal, window, 0, shift)):
         return None
     return shift
-
-
-def _clear_rows_without_keys(out, lse, seqlens: Seqlens) -> None:
-    """out 0 and lse -inf for the queries of packed sequences that have no keys. FA4 masks
-    every score of such a sequence, but multiplies the probabilities (all 0) with a tile of
-    values loaded from outside the sequence, which need not be finite."""
-    for qa, qb in seqlens.rows_without_keys:
-        out[qa:qb] = 0
-        lse[:, qa:qb] = float("-inf")
 
 
 def _contiguous_or_new(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -160,7 +139,11 @@ class FlashAttention4Kernel(Kernel):
         out = _contiguous_or_new(out, q)  # lse: FA4's own (a given one is copied into: small)
         lse = forward(q, k, v, scale=scale, window=fa4_window(causal, window, 0, shift), out=out,
                       packed=self._packed(seqlens, q.device))
-        _clear_rows_without_keys(out, lse, seqlens)
+        # FA4 masks every score of a sequence without keys, but multiplies the probabilities
+        # (all 0) with values loaded from outside the sequence, which need not be finite
+        for qa, qb in seqlens.rows_without_keys:
+            out[qa:qb] = 0
+            lse[:, qa:qb] = float("-inf")
         return out, lse
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
