@@ -66,18 +66,14 @@ def choose(spec: AttentionSpec, device, extent: tuple[int, int],
     if not ways:
         raise KernelUnavailable("kernel='auto' found no kernel for these packed sequences: "
                                 + "; ".join(notes))
-    timed = sorted(((way.estimate(spec) + _more_calls(way, spec, calls), i, way)
-                    for i, way in enumerate(ways)))
+    extra = max(calls - 1, 0)  # every call past the first pays the way's host time again
+    timed = sorted((way.estimate(spec) + extra * way.host_seconds(spec), i, way)
+                   for i, way in enumerate(ways))
     best_time, _, best = timed[0]
     notes.insert(0, f"auto chose {best.name} for these packed sequences: {_ms(best_time)} "
                     f"forward+backward by the cost model (sdpa_fusion.kernels.cost), the least of")
     notes += [f"{way.name}: estimated {_ms(t)}" for t, _, way in timed[1:]]
     return best, notes
-
-
-def _more_calls(way, spec: AttentionSpec, calls: int) -> float:
-    """The host time of ``way``'s calls past the first of ``calls`` (none for one call)."""
-    return (calls - 1) * way.host_seconds(spec) if calls > 1 else 0.0
 
 
 def _ms(seconds: float) -> str:
