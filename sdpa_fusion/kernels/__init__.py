@@ -16,8 +16,7 @@ from .packed import Padded, PerSequence, Split, Varlen
 
 
 class Choice(NamedTuple):
-    """The kernel ``select`` chose, why it skipped the kernels ranked above it, and (for
-    ``auto``) why it chose this one."""
+    """The kernel ``select`` chose, why it skipped those ranked above, and why it chose it."""
 
     kernel: Kernel
     skipped: list[str]
@@ -26,18 +25,16 @@ class Choice(NamedTuple):
 
 def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None,
            extent: tuple[int, int] | None = None, calls: int = 1) -> Choice:
-    """Resolve ``name`` for ``spec`` on ``device``.
+    """Resolve ``name`` for ``spec`` on ``device`` (KernelUnavailable, with the reason, when
+    a named kernel cannot run it).
 
-    ``extent``: (rows, keys) of the largest kernel call per head and sequence (a schedule's
-    calls may span more keys than the local spec holds; by default the spec's own, the
-    longest sequence when packed). A kernel whose limits even a split call would pass there
-    cannot run the spec. ``calls``: how many calls a schedule makes on the spec's sequences
-    (a ring step each): the packed choice pays each way's host time that often. A named
-    kernel that cannot run the spec raises KernelUnavailable with the reason.
-    ``auto`` on a GPU tries the kernels in the order of ``ranking.rank`` (fastest measured
-    on this device first, by ``table``, default the committed ``ranking.TABLE``) and takes
-    the first that can run the spec; for packed sequences it takes the fastest way to run
-    them by the cost model (``choice.choose``); on CPU it takes ``reference``.
+    ``extent``: (rows, keys) of the largest kernel call per head and sequence (default
+    ``spec_extent``; a schedule's calls may span more keys), where even a split call must fit
+    the kernel's limits. ``calls``: the calls a schedule makes on the spec's sequences (a
+    ring step each), each paying a packed way's host time. ``auto`` takes ``reference`` on
+    CPU; on a GPU, the fastest way to run packed sequences by the cost model
+    (``choice.choose``), else the first kernel of ``ranking.rank`` (fastest measured here by
+    ``table``, default ``ranking.TABLE``) that can run the spec.
     """
     device = torch.device(device)
     extent = extent or spec_extent(spec)
@@ -59,14 +56,13 @@ def spec_extent(spec: AttentionSpec) -> tuple[int, int]:
 @functools.lru_cache(maxsize=1024)
 def _select_cached(name: str, spec: AttentionSpec, device: torch.device, extent,
                    calls: int) -> Choice:
-    """``select`` with the committed table, made once per (name, problem, device): a training
-    loop asks the same question every step, and the answer cannot change while it runs."""
+    """``select`` with the committed table, made once: a training loop asks every step."""
     return _select(name, spec, device, None, extent, calls)
 
 
 def _reason(kernel: Kernel, spec: AttentionSpec, device, extent) -> str | None:
     """Why ``kernel`` cannot run ``spec`` on ``device`` with calls up to ``extent`` (naming
-    the kernels that can, when it is too long)."""
+    the kernels that can when it is too long), or None."""
     reason = kernel.unavailable_reason(spec, device)
     long = None if reason else kernel.too_long(*extent, spec.head_dim)
     if long is None:
@@ -76,8 +72,7 @@ def _reason(kernel: Kernel, spec: AttentionSpec, device, extent) -> str | None:
     return f"{long}; kernel {' or '.join(able) or 'none'} can run it here"
 
 
-def _select(name, spec: AttentionSpec, device: torch.device, table, extent,
-            calls: int = 1) -> Choice:
+def _select(name, spec: AttentionSpec, device: torch.device, table, extent, calls) -> Choice:
     if name != "auto":
         kernel = get(name)
         reason = _reason(kernel, spec, device, extent)
@@ -91,7 +86,8 @@ def _select(name, spec: AttentionSpec, device: torch.device, table, extent,
         reason = _reason(get("reference"), spec, device, extent)
         if reason is not None:
             raise KernelUnavailable(f"kernel='auto' found no kernel for this problem: {reason}")
-        return Choice(get("reference"), [], f"auto chose reference: the kernel for {device} tensors")
+        why = f"auto chose reference: the kernel for {device} tensors"
+        return Choice(get("reference"), [], why)
     order = ranking.rank(ranking.load_table() if table is None else table,
                          ranking.gpu(device), spec.head_dim, spec.causal)
     reasons = {k: _reason(get(k), spec, device, extent) for k in order.order}
