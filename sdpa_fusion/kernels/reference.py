@@ -2,9 +2,9 @@
 
 It is the oracle of the test suite and the kernel of CPU ranks. Masks (causal, sliding window)
 are the top-left band of ``sdpa_fusion.mask``; ``masked_forward``/``masked_backward`` take an
-explicit bool mask instead (the partial tiles of a ``masks.mask_mod``, on any device). Packed sequences run one by one (the base
-class's ``varlen_forward``/``varlen_backward``). The backward is the explicit softmax-attention
-gradient (no autograd), given the global out and lse of each query row:
+explicit bool mask instead (the partial tiles of a ``masks.mask_mod``). Packed sequences run
+one by one. The backward is the explicit softmax-attention gradient (no autograd), given the
+global out and lse of each query row:
 
     P  = exp(scale * Q K^T - lse)          (masked entries 0)
     dV = P^T dO
@@ -26,7 +26,7 @@ from .base import Dropout, Kernel, layout_of, like_layout, register
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, S, E] -> [B, H_kv, G, S, E] in fp32 (query heads grouped by their K/V head)."""
+    """[B, H, ...] -> [B, H_kv, G, ...] in fp32 (query heads grouped by their K/V head)."""
     return q.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
 
 
@@ -45,7 +45,7 @@ def _probabilities(q, k, lse, *, causal, scale, window, seen=None):
         # a row with a +inf score has no softmax (inf / inf): NaN for the whole row, as torch's
         lse = torch.where(torch.isposinf(lse), torch.nan, lse)
     else:
-        lse = lse.float().unflatten(1, (kv_heads, q.shape[1] // kv_heads))
+        lse = _grouped(lse, kv_heads)
     empty = torch.isneginf(lse)  # rows that see no key; NaN and +inf rows stay NaN
     p = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
     p = torch.where(empty.unsqueeze(-1), 0.0, p)
@@ -53,8 +53,7 @@ def _probabilities(q, k, lse, *, causal, scale, window, seen=None):
 
 
 def _kept(p: torch.Tensor, dropout: Dropout | None) -> torch.Tensor:
-    """M / (1 - p) of the call's dropout stream, shaped like the probabilities ``p`` (1 without
-    dropout)."""
+    """M / (1 - p) of the call's dropout stream, shaped like ``p`` (1 without dropout)."""
     if dropout is None or dropout.p == 0:
         return torch.ones((), device=p.device)
     draw = torch.rand(p.shape, generator=dropout.generator(p.device), device=p.device)
@@ -93,12 +92,7 @@ class ReferenceKernel(Kernel):
         dq = torch.einsum("bhgqk,bhke->bhgqe", ds, k.float()) * scale
         dk = torch.einsum("bhgqk,bhgqe->bhke", ds, _grouped(q, kv_heads)) * scale
         kv_layout = layout_of(k)
-        return (
-            _out(dq, q),
-            kv_layout.to(dk.to(k.dtype)),
-            kv_layout.to(dv.to(v.dtype)),
-        )
-
+        return _out(dq, q), kv_layout.to(dk.to(k.dtype)), kv_layout.to(dv.to(v.dtype))
 
     def masked_forward(self, q, k, v, seen, scale):
         """(out, lse) of q, k, v under the explicit bool mask ``seen`` [S_q, S_kv]."""
