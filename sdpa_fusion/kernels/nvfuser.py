@@ -63,12 +63,11 @@ class NvFuserKernel(Kernel):
         return NvFuserKernel(mesh.nvfuser_mesh(dim), mesh.size(dim))
 
     def _split_kv(self, q, k, v):
-        """(k, v, groups) as the fusion takes them. nvFuser 0.2.36 cannot carry a DID head
-        split through the in-fusion GQA expand, nor lay out the expand of a single K/V head
-        (MQA) consistently, so in those cases the K/V heads are expanded here and their
-        gradients summed back with ``reduce_kv_heads``; also when a batch or sequence extent
-        is 1 (a one-token sequence of a packed batch), where nvFuser 0.2.36 concretizes the
-        expand's reshape as a squeeze it then rejects."""
+        """(k, v, groups) as the fusion takes them: the K/V heads expanded here (gradients
+        summed back by ``reduce_kv_heads``) where nvFuser 0.2.36 gets its own GQA expand
+        wrong: under a DID head split, for a single K/V head (MQA, laid out inconsistently),
+        and for a batch or sequence extent of 1 (a reshape concretized as a squeeze it then
+        rejects)."""
         groups = q.shape[1] // k.shape[1]
         one_extent = 1 in (q.shape[0], q.shape[2], k.shape[2])
         if groups == 1 or (self.mesh is None and k.shape[1] > 1 and not one_extent):
@@ -78,10 +77,7 @@ class NvFuserKernel(Kernel):
     def _forward(self, q, k, v, *, causal, scale, window, dropout: Dropout | None, out, lse):
         k, v, _ = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
-        with on_cuda(dropout, q.device):
-            outs = self._fusion("SdpaForward", spec).execute(
-                self._dense(spec, q, k, v), **self._scalars(spec)
-            )
+        outs = self._execute("SdpaForward", spec, self._dense(spec, q, k, v), dropout)
         if spec.dropout_p > 0:
             dropout.state = (outs[2], outs[3])
         return outs[0], outs[1]
@@ -92,7 +88,7 @@ class NvFuserKernel(Kernel):
         spec = self._spec(q, k, causal, scale, dropout)
         inputs = [*self._dense(spec, dout, q, k, v, out), exact_strides(lse.contiguous(), range(3)),
                   *_rng_state(spec, dropout, q.device)]
-        dq, dk, dv = self._fusion("SdpaBackward", spec).execute(inputs, **self._scalars(spec))
+        dq, dk, dv = self._execute("SdpaBackward", spec, inputs)
         return dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
     def forward_backward(self, q, k, v, dout, *, causal, scale, dropout: Dropout | None = None,
@@ -106,10 +102,8 @@ class NvFuserKernel(Kernel):
             return (out, lse, *self.backward(dout, q, k, v, out, lse, **mask))
         k, v, groups = self._split_kv(q, k, v)
         spec = self._spec(q, k, causal, scale, dropout)
-        with on_cuda(dropout, q.device):
-            outs = self._fusion("SdpaForwardBackward", spec).execute(
-                self._dense(spec, q, k, v, dout), **self._scalars(spec)
-            )
+        outs = self._execute("SdpaForwardBackward", spec, self._dense(spec, q, k, v, dout),
+                             dropout)
         if spec.dropout_p > 0:
             dropout.state = (outs[5], outs[6])
         out, lse, dq, dk, dv = outs[:5]
@@ -124,20 +118,20 @@ class NvFuserKernel(Kernel):
             dropout_p=dropout.p if dropout is not None else 0.0, layout=layout_of(q),
         )
 
-    def _fusion(self, name: str, spec: AttentionSpec):
+    def _execute(self, name: str, spec: AttentionSpec, inputs, dropout=None):
+        """The shared fusion ``name`` of ``spec`` run on ``inputs`` (a forward: under the CUDA
+        generator at the dropout's stream)."""
         from .. import definitions
 
-        return getattr(definitions, name).cached(spec, mesh=self.mesh, parts=self.parts)
+        with on_cuda(dropout, inputs[0].device):
+            fusion = getattr(definitions, name).cached(spec, mesh=self.mesh, parts=self.parts)
+            return fusion.execute(inputs, scale=spec.softmax_scale, dropout_p=spec.dropout_p)
 
     @staticmethod
     def _dense(spec: AttentionSpec, *tensors):
         """``tensors`` dense in the query's layout (themselves when they already are), with
         exactly the strides the fusion's inputs declare."""
         return [exact_strides(spec.layout.to(t), spec.layout.memory_order) for t in tensors]
-
-    @staticmethod
-    def _scalars(spec: AttentionSpec) -> dict:
-        return {"scale": spec.softmax_scale, "dropout_p": spec.dropout_p}
 
     def __repr__(self) -> str:
         split = f" split over {self.parts} on {self.mesh}" if self.mesh is not None else ""
@@ -154,7 +148,6 @@ def _rng_state(spec: AttentionSpec, dropout: Dropout | None, device) -> list:
             f"the forward filled in, so the backward replays its mask"
         )
     return list(dropout.state)
-
 
 
 @functools.cache
