@@ -1,12 +1,9 @@
 """ATen's fused attention kernels (cuDNN and FlashAttention-2) behind the kernel contract.
 
-``flash`` runs dense and packed (varlen) problems, with sliding windows, through
-``_flash_attention_forward/_backward``; ``flash_window`` turns our top-left masks into its
-bottom-right ones. Packed sequences run in one call when every masked sequence has as many
-more keys than queries (always so for self-attention), else one by one.
-
-``cudnn`` runs dense problems; packed sequences run one by one through it (the base class).
-ATen's cuDNN varlen path is not used: see ``CUDNN_VARLEN``.
+``flash`` runs dense and packed problems, with sliding windows (``flash_window`` turns our
+top-left masks into its bottom-right ones); packed sequences run in one call when every
+masked sequence has as many more keys than queries (always so for self-attention), else one
+by one. ``cudnn`` runs dense problems, packed sequences one by one (see ``CUDNN_VARLEN``).
 """
 
 from __future__ import annotations
@@ -171,10 +168,8 @@ def _filled(part: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
 
 
 class CudnnKernel(Kernel):
-    """ATen cuDNN attention (``_scaled_dot_product_cudnn_attention``); packed sequences run
-    one by one (``CUDNN_VARLEN`` says why not through ATen's cuDNN varlen path). cuDNN refuses
-    one query and one key ("s_q = s_kv = 1 is not supported"): that block, a one-token
-    sequence, runs on the reference kernel."""
+    """ATen cuDNN attention (``_scaled_dot_product_cudnn_attention``). cuDNN refuses one query
+    and one key ("s_q = s_kv = 1 is not supported"): that block runs on the reference kernel."""
 
     name = "cudnn"
     limits = Limits(why="past 2^31 elements ATen's cuDNN backward returns a wrong dQ")
