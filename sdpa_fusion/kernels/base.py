@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import operator
 
 import torch
@@ -192,8 +193,7 @@ class Kernel(abc.ABC):
 
     def too_long(self, rows: int, keys: int, head_dim: int) -> str | None:
         """Why a call of ``rows`` queries and ``keys`` keys per head is past this kernel's
-        limits even when split (one head of one sequence is); None when it can run (split
-        where needed)."""
+        limits even when split, or None."""
         return too_long(self.name, self.limits, rows, keys, head_dim)
 
     def check(self, spec: AttentionSpec, device: torch.device) -> None:
@@ -243,15 +243,17 @@ class Kernel(abc.ABC):
     def _varlen_forward(self, q, k, v, seqlens: Seqlens, *, causal, scale, window, out=None,
                         lse=None):
         """One varlen call (``native_varlen``); ``out``/``lse`` as in ``_forward``. This
-        default runs the sequences one by one."""
-        out, lse = pieces.packed_outputs(q, out, lse)
+        default runs the sequences one by one (other rows: out 0, lse -inf)."""
+        out = torch.zeros_like(q) if out is None else out.zero_()
+        lse = (pieces.packed_lse(q) if lse is None else lse).fill_(-math.inf)
         forward_each(self, q, k, v, _sequences(seqlens), out, lse, causal=causal, scale=scale,
                      window=window)
         return out, lse
 
     def _varlen_backward(self, dout, q, k, v, out, lse, seqlens: Seqlens, *, causal, scale,
                          window, dq=None, dk=None, dv=None):
-        grads = pieces.packed_grads((q, k, v), (dq, dk, dv))
+        grads = tuple(torch.zeros_like(t) if g is None else g.zero_()
+                      for t, g in zip((q, k, v), (dq, dk, dv)))
         backward_each(self, dout, q, k, v, out, lse, _sequences(seqlens), grads, causal=causal,
                       scale=scale, window=window)
         return grads

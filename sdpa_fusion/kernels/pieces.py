@@ -129,12 +129,9 @@ def written(results, targets):
     write them itself); returns the targets, or the results where no target was given."""
     done = []
     for result, target in zip(results, targets):
-        if target is None:
-            done.append(result)
-            continue
-        if not _same(result, target):
+        if target is not None and not _same(result, target):
             target.copy_(result)
-        done.append(target)
+        done.append(result if target is None else target)
     return tuple(done)
 
 
@@ -175,19 +172,6 @@ def _rows(seqlens, p: Piece):
 def packed_lse(q: torch.Tensor) -> torch.Tensor:
     """A new fp32 lse [H, T_q] for packed ``q``."""
     return torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-
-
-def packed_outputs(q: torch.Tensor, out=None, lse=None):
-    """(out, lse) buffers of a packed call on ``q`` that writes only its sequences' rows: the
-    given ones (or new) holding out 0 and lse -inf, what every other row gets."""
-    out = torch.zeros_like(q) if out is None else out.zero_()
-    return out, (packed_lse(q) if lse is None else lse).fill_(-math.inf)
-
-
-def packed_grads(inputs, grads) -> tuple:
-    """Gradient buffers of a packed call on ``inputs`` (q, k, v) that writes only its
-    sequences' rows: the given ones (or new), zeroed."""
-    return tuple(torch.zeros_like(t) if g is None else g.zero_() for t, g in zip(inputs, grads))
 
 
 def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
