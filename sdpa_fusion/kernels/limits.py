@@ -2,13 +2,10 @@
 
 GPU attention kernels index their tensors with 32-bit offsets in places. Past 2^31 elements
 ATen's cuDNN backward returns a wrong dQ with no error (b=1, 32 heads of 128: from 524,288
-tokens on), and ATen's varlen flash reads out of bounds (the CUDA context is lost);
+tokens on), ATen's varlen flash reads out of bounds (the CUDA context is lost), and
 FlashAttention-4's varlen backward wraps ``cu_seqlens[i] * dout.stride(0)`` in 32 bits
-(flash-attention issue 2611). So every kernel states its ``Limits``: the most elements any
-tensor of one call may span (from its first element to its last, strides included, so a
-view of some heads of a [B, S, H, E] buffer spans all of its rows), and for packed calls the
-rows its workspaces add per sequence. No call past them reaches the kernel: ``dense_pieces``
-and ``packed_pieces`` cut it into calls that stay inside, each exact on its own (heads,
+(flash-attention issue 2611). So every kernel states its ``Limits``, and ``dense_pieces`` and
+``packed_pieces`` cut a call past them into calls inside, each exact on its own (heads,
 batch elements and packed sequences do not mix in attention):
 
     0. packed: consecutive sequences apart with every head, when each sequence fits so (their
@@ -18,8 +15,8 @@ batch elements and packed sequences do not mix in attention):
     3. else the query heads of one K/V head apart (their dK/dV summed);
     4. else (one head of one sequence is past the limit) nothing: ``too_long`` says why.
 
-A piece's input that is a view past the limit is copied into a buffer of its own first
-(``Kernel`` in ``base`` runs the pieces). All functions here are pure.
+``pieces`` runs them, copying a piece's input that is a view past the limit first. All
+functions here are pure.
 """
 
 from __future__ import annotations
@@ -34,10 +31,10 @@ ELEMENTS_32BIT = 1 << 31  # a 32-bit signed offset reaches elements [0, 2^31)
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one call of a kernel may take: every tensor spanning at most ``elements``
-    elements (``span``), and a problem of at most ``elements`` per tensor even where the
-    kernel widens K/V to every query head (GQA) or pads sequences, whose workspaces add up to
-    ``rows_per_sequence`` rows per sequence (per batch element of a dense call): see
-    ``dense_size`` and ``packed_rows``. ``why`` says where the limit comes from."""
+    elements (``span``: a view of some heads of a [B, S, H, E] buffer spans all its rows), and
+    at most ``elements`` per tensor even where the kernel widens K/V to every query head (GQA)
+    or its workspaces add ``rows_per_sequence`` rows per sequence (``dense_size``,
+    ``packed_rows``). ``why`` says where the limit comes from."""
 
     elements: int = ELEMENTS_32BIT
     rows_per_sequence: int = 0
@@ -140,22 +137,18 @@ def packed_rows(lengths_q, lengths_k, limits: Limits) -> int:
 def packed_pieces(lengths_q, lengths_k, heads: int, kv_heads: int, e: int,
                   limits: Limits | None) -> list[Piece] | None:
     """The pieces of a packed call of sequences of ``lengths_q`` queries and ``lengths_k``
-    keys (lists), tensors [T, H, E]: ``[]`` when it fits, else consecutive sequences apart
-    with every head (each piece's rows one block of the tensors: nothing copied), else head
-    groups over all sequences, or consecutive sequences apart with the heads that fit (views
-    of some heads span every row: copied), or None when one head of one sequence does not
-    fit."""
+    keys (lists), tensors [T, H, E]: ``[]`` when it fits, else steps 0 to 3 of the module
+    docstring, or None when one head of one sequence does not fit."""
     if limits is None:
         return []
-    limit = limits.elements
-    if packed_rows(lengths_q, lengths_k, limits) * heads * e <= limit:
+    limit, rows = limits.elements, packed_rows(lengths_q, lengths_k, limits)
+    if rows * heads * e <= limit:
         return []
     runs = sequence_runs(lengths_q, lengths_k, limits, limit // (heads * e))
     if runs is not None:  # every head of each run: its rows of [T, H, E] are one block
         every_head = _head_pieces(1, heads, kv_heads, (1, kv_heads, heads))
         return [dataclasses.replace(p, sequences=r) for r in runs for p in every_head]
-    per_head = packed_rows(lengths_q, lengths_k, limits) * e
-    plan = _head_plan(1, heads, kv_heads, per_head, limit)
+    plan = _head_plan(1, heads, kv_heads, rows * e, limit)
     if plan is not None:
         return _head_pieces(1, heads, kv_heads, plan)
     runs = sequence_runs(lengths_q, lengths_k, limits, limit // e)
