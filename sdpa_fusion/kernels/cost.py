@@ -3,12 +3,10 @@
 A sequence of ``length`` tokens costs ``flops / rate`` seconds on the device, with
 ``rate(length) = peak * length / (length + half)`` (short sequences fill the GPU less), and
 every kernel call ``host_s`` seconds on the host. A varlen call also pays ``sequence_s``
-per sequence and head (a short sequence's tiles cost more than their FLOPs: 2048 documents
-of 128 tokens run 3x slower in one varlen call than their rate says). ``SPEEDS`` holds
-these per kernel and way ("dense": one call per problem, "varlen": one call for a pack),
-fitted to ``benchmarks.thd`` on an H200 (bf16, 32 heads, head dim 128, causal
-forward+backward; cudnn and flash through ATen, fa4 through FlashAttention-4 4.0.0b36); a
-kernel without an entry gets ``DEFAULT_SPEED``.
+per sequence and head (2048 documents of 128 tokens run 3x slower in one varlen call than
+their rate says). ``SPEEDS`` holds these per kernel and way ("dense": one call per problem,
+"varlen": one call for a pack), fitted to ``benchmarks.thd`` on an H200 (bf16, 32 heads,
+head dim 128, causal forward+backward, FA4 4.0.0b36); other kernels get ``DEFAULT_SPEED``.
 """
 
 from __future__ import annotations

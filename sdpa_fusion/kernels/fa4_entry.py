@@ -1,13 +1,11 @@
 """FlashAttention-4's entry points, in one place, behind a version check.
 
-The ``fa4`` kernel needs what FA4's public functions (``flash_attn_func``, an autograd
-Function) do not offer: a backward from an external out and lse (a ring's merged ones), and
-outputs written into given buffers. Those are FA4's private ``_flash_attn_fwd`` and
-``_flash_attn_bwd``; the Hopper dQ accumulator over several calls (``fa4_rows``) reaches
-further in (the backward's preprocess, postprocess and kernel class). Private entry points
-change between releases, so they are used only with the release they were tested with
-(``TESTED_VERSION``): with any other, ``import_error`` says so and the kernel is unavailable
-(``auto`` runs cuDNN instead) until the tested release is installed.
+The ``fa4`` kernel needs a backward from an external out and lse (a ring's merged ones) and
+outputs written into given buffers, which FA4's public autograd Function does not offer:
+its private ``_flash_attn_fwd`` and ``_flash_attn_bwd`` do (``fa4_rows`` reaches further
+in). Private entry points change between releases, so they are used only with the tested
+release (``TESTED_VERSION``); with any other, ``import_error`` says so and the kernel is
+unavailable.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """FlashAttention-4's backward over several calls on the same query rows (Hopper, sm90).
 
-A ring's query rows meet one K/V block per step, one kernel call each. FA4's entry point
-(``_flash_attn_bwd``) runs three kernels per call: a preprocess (dO·O and the base-2 lse of
-the rows, and a zeroed fp32 dQ accumulator), the attention backward (dK, dV, and dQ added
-into the accumulator) and a postprocess (the accumulator scaled into dQ); the schedule then
-adds each call's dQ. ``QueryRows`` runs the preprocess once for the rows, lets every call's
-backward add into one accumulator, and converts it once: per row of a ring on two GPUs, one
-preprocess, one postprocess and one dQ add fewer.
+A ring's query rows meet one K/V block per step, one kernel call each. FA4's
+``_flash_attn_bwd`` runs three kernels per call: a preprocess (dO·O, the base-2 lse of the
+rows, a zeroed fp32 dQ accumulator), the backward (dK, dV, dQ added into the accumulator)
+and a postprocess (the accumulator scaled into dQ). ``QueryRows`` runs the preprocess and
+the postprocess once for the rows and lets every call add into one accumulator.
 
-The backward kernel keeps its dQ tiles in its MMA's register order, so the calls share an
-accumulator only in one tile configuration (FA4's non-causal one: 80-row tiles at head dim
-128), each call on whole tiles. A call on other rows runs on the tiles around them, the rows
-it leaves out masked by a base-2 lse of +inf for the call (no probability, so neither dQ of
-those rows nor dK/dV from them); the preprocess writes that +inf past the last row itself.
-A causal call is square and on whole tiles (``rows_fit``).
-
-The kernels are FA4's own (``flash_attn.cute``, reached through ``fa4_entry``, which admits
-only the tested release): this module compiles and launches them as ``_flash_attn_bwd`` of
-flash-attn-4 4.0.0b36 does on sm90 for dense tensors without window, score or mask mods, and
-takes nothing else.
+The backward keeps its dQ tiles in its MMA's register order, so calls share an accumulator
+only in one tile configuration (FA4's non-causal one: 80-row tiles at head dim 128), each
+call on whole tiles. A call on other rows runs on the tiles around them, the rows it leaves
+out masked by a base-2 lse of +inf (no probability, so no dQ of those rows nor dK/dV from
+them); the preprocess writes that +inf past the last row itself. A causal call is square and
+on whole tiles (``rows_fit``). The kernels are compiled and launched as ``_flash_attn_bwd``
+of flash-attn-4 4.0.0b36 does on sm90 for dense tensors without window or mods.
 """
 
 from __future__ import annotations

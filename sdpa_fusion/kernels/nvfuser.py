@@ -1,11 +1,10 @@
 """The nvFuser kernel: attention through the fusions of ``sdpa_fusion.definitions``.
 
-Every call takes the shared fusion for its problem (``Definition.cached``); batch and sequence
-lengths are symbolic there, so one compiled fusion serves all lengths. ``split_heads`` gives a
-kernel whose fusions carry nvFuser's DID head split; it is called with this rank's head shards,
-as nvFuser's multidevice SDPA tests do. With dropout, the forward runs under the CUDA generator
-at the ``Dropout``'s stream, stores the philox seed and offset it returns in ``dropout.state``
-and the backward replays them.
+Every call takes the shared fusion for its problem (``Definition.cached``), whose batch and
+sequence lengths are symbolic. ``split_heads`` gives a kernel whose fusions carry nvFuser's
+DID head split, called with this rank's head shards (as nvFuser's multidevice SDPA tests).
+With dropout, the forward runs under the CUDA generator at the ``Dropout``'s stream and
+leaves the philox seed and offset it returns in ``dropout.state`` for the backward.
 """
 
 from __future__ import annotations

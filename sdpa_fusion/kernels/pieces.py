@@ -1,13 +1,11 @@
 """Run a kernel call as the pieces that keep it inside the kernel's limits (``limits``).
 
-A call that fits goes to the kernel as it is. Otherwise every piece (head group, batch
-elements, packed sequences) is one kernel call on views of the call's tensors; a view past
-the limit (a few heads of a [B, S, H, E] buffer span all of its rows) is copied into a
-buffer of its own, and the piece's results are written into the call's outputs: straight
-from the kernel where the output's view fits, else copied. Pieces that share K/V heads (the
-query heads of one K/V head apart) add their dK/dV in fp32. With dropout every piece draws
-its own stream (``Dropout.stream``), the same in forward and backward. Rows of a packed call
-outside every piece's sequences get out 0, lse -inf and gradient 0, as the kernels give them.
+A call that fits goes to the kernel as it is. Otherwise every piece is one kernel call on
+views of the call's tensors; a view past the limit is copied into a buffer of its own, and
+the piece's results are written into the call's outputs (straight from the kernel where the
+output's view fits). Pieces that share K/V heads add their dK/dV in fp32. With dropout every
+piece draws its own stream (``Dropout.stream``), the same in forward and backward. Rows of a
+packed call outside every piece's sequences get out 0, lse -inf and gradient 0.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The order in which ``auto`` tries kernels: fastest measured on this device first.
 
 ``measured_tflops.json`` (beside this module) holds the forward+backward TFLOP/s of every
-kernel per device, head dim and causal flag. ``benchmarks.single_gpu`` writes it from its
-results (``--kernel-table-from`` rewrites it from a saved result); no figure in it is typed
-by hand. A problem is looked up by the device's name, else by its compute capability (a
-device measured with the same sm), then the nearest measured head dim and the same causal
-flag. Kernels the table does not list, and devices it does not know, follow
-``default_order``: cuDNN first, then FA4 (on sm90 and newer), ATen flash, nvFuser.
-
-All functions here are pure (no GPU needed), so the ordering is tested on CPU.
+kernel per device, head dim and causal flag, written by ``benchmarks.single_gpu`` (no figure
+is typed by hand). A problem is looked up by ``lookup``; kernels the table does not list, and
+devices it does not know, follow ``default_order``. All functions here are pure (no GPU
+needed), so the ordering is tested on CPU.
 """
 
 from __future__ import annotations
@@ -72,8 +68,7 @@ def load_table(path: Path = TABLE) -> tuple[Measured, ...]:
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
     """Kernels in the order ``auto`` tries them on a device the table does not know: cuDNN
-    (fastest measured on Ampere and Hopper), FA4 (sm90+; it has no backward below), ATen
-    flash, nvFuser (ATen flash inside a fusion)."""
+    (fastest measured on Ampere and Hopper), FA4 (sm90+: no backward below), flash, nvFuser."""
     if capability[0] >= 9:
         return ("cudnn", "fa4", "flash", "nvfuser")
     return ("cudnn", "flash", "nvfuser")
