@@ -1,32 +1,23 @@
 """The one contract every local attention kernel serves, and the registry of kernels.
 
-Dense tensors, logical [B, H, S, E] in BHSE or BSHE memory order:
-
     forward(q, k, v, *, causal, scale, window=None, dropout=None, out=None, lse=None)
         -> (out, lse)
     backward(dout, q, k, v, out, lse, *, causal, scale, window=None, dropout=None,
              dq=None, dk=None, dv=None) -> (dq, dk, dv)
 
-Packed sequences (varlen), [T, H, E] tensors delimited by ``Seqlens``:
+take dense tensors, logical [B, H, S, E] in BHSE or BSHE memory order; ``varlen_forward``
+and ``varlen_backward`` take packed [T, H, E] tensors and the ``Seqlens`` that delimit them
+(after the tensors; no dropout). Outputs keep the query's layout (gradients their input's);
+``lse`` is fp32, [B, H, S_q] dense and [H, T_q] packed. ``causal`` and ``window`` are
+aligned top-left, per sequence when packed: query i sees key j when j <= i (causal) and
+i - left <= j <= i + right (window; a None side is unbounded). A row that sees no key gets
+out 0 and lse -inf. K/V may have fewer heads than Q (GQA). ``backward`` takes the *global*
+out and lse of the rows, so it can run block by block (ring attention). Output buffers
+given as keywords (shaped, typed and laid out like the results) receive the results.
 
-    varlen_forward(q, k, v, seqlens, *, causal, scale, window=None, out=None, lse=None)
-        -> (out, lse)
-    varlen_backward(dout, q, k, v, out, lse, seqlens, *, causal, scale, window=None,
-                    dq=None, dk=None, dv=None) -> (dq, dk, dv)
-
-Outputs keep the query's layout (gradients their input's); ``lse`` is fp32, [B, H, S_q] dense
-and [H, T_q] packed. ``causal`` and ``window`` are aligned top-left, per sequence when
-packed: query i sees key j when j <= i (causal) and i - left <= j <= i + right (window; a
-None side is unbounded). A row that sees no key gets out 0 and lse -inf. K/V may have fewer
-heads than Q (GQA). ``backward`` takes the *global* out and lse of the rows, so it can run
-block by block (ring attention). Output buffers given as keywords (shaped, typed and laid
-out like the results) receive the results and are returned.
-
-No call past the kernel's ``limits`` reaches it: ``pieces`` runs it as calls inside.
-A kernel implements ``_forward`` and ``_backward`` for calls inside its limits, and
-``_varlen_forward``/``_varlen_backward`` when it has a varlen call (``native_varlen``;
-without one, packed sequences run one by one through its dense call). Capabilities are
-data: the class attributes of ``Kernel``.
+A kernel implements ``_forward`` and ``_backward`` for calls inside its ``limits`` (``pieces``
+splits the others), and ``_varlen_forward``/``_varlen_backward`` when it has a varlen call
+(``native_varlen``; else packed sequences run one by one through its dense call).
 """
 
 from __future__ import annotations
@@ -155,14 +146,10 @@ class Kernel(abc.ABC):
     supports_dropout: bool = False
     supports_window: bool = False
     native_varlen: bool = False  # runs packed sequences in one call (else one by one)
-    # masked_forward/backward with an explicit bool mask (the reference; other kernels'
-    # partial tiles of a mask go through it)
-    supports_mask: bool = False
+    supports_mask: bool = False  # masked_forward/backward: an explicit bool mask (partial tiles)
     limits: Limits | None = Limits()  # what one call may take; None: no limit
-    # optional: a backward that sums the dQ of several calls on the same query rows (FA4 on
-    # Hopper), and (mesh, dim) -> the kernel for a head-parallel mesh's head shards (nvFuser)
-    query_rows = None
-    split_heads = None
+    query_rows = None  # optional: one dQ summed over calls on the same query rows (FA4, sm90)
+    split_heads = None  # optional: (mesh, dim) -> the kernel for head shards (nvFuser)
 
     def unavailable_reason(self, spec: AttentionSpec, device: torch.device) -> str | None:
         """Why this kernel cannot run ``spec`` on ``device``, or None when it can."""
