@@ -5,6 +5,7 @@ A kernel registered later under a name listed here (``fa4``) enters the choice b
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -31,9 +32,7 @@ def best_split(spec: AttentionSpec, kernel: Kernel | str, short: Kernel | str,
     long_s = [max(dense.host_s, dense.seconds(f, n)) + (calls - 1) * dense.host_s
               for n, f in work]  # as ``choose`` counts a way's host time over ``calls``
     short_s = [varlen.in_varlen(f, n, spec.heads) for n, f in work]
-    suffix = [0.0] * (len(work) + 1)
-    for i in range(len(work) - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + long_s[i]
+    suffix = list(itertools.accumulate(reversed(long_s), initial=0.0))[::-1]  # of work[i:]
     best, prefix, i = None, 0.0, 0
     for min_long in lengths[1:]:
         while work[i][0] < min_long:
@@ -52,13 +51,11 @@ def choose(spec: AttentionSpec, device, extent: tuple[int, int],
     pays the way's host time, the device time split among them), and notes: why it won, then
     every other way's estimate (what ``explain`` shows)."""
     device = torch.device(device)
-    notes, kernels = [], []
-    for name in PACKED_KERNELS:
-        if name in names():
-            reason = get(name).unavailable_reason(spec, device) or \
-                get(name).too_long(*extent, spec.head_dim)
-            kernels += [get(name)] if reason is None else []
-            notes += [] if reason is None else [reason]
+    reasons = {name: get(name).unavailable_reason(spec, device)
+               or get(name).too_long(*extent, spec.head_dim)
+               for name in PACKED_KERNELS if name in names()}
+    kernels = [get(name) for name, reason in reasons.items() if reason is None]
+    notes = [reason for reason in reasons.values() if reason is not None]
     ways = [w for kernel in kernels for w in
             ([Varlen(kernel)] if has_varlen(kernel) else []) + [PerSequence(kernel), Padded(kernel)]]
     ways += [w for long in kernels for short in kernels if has_varlen(short)
