@@ -184,7 +184,7 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
     for p in split:
         rows, keys, local = _rows(seqlens, p)
         views = (out[rows, p.q], lse[p.q, rows])
-        if _empty(rows) or _empty(keys):  # no kernel call on no rows: what kernels give
+        if rows.stop == rows.start or keys.stop == keys.start:  # no call: what kernels give
             views[0].zero_()
             views[1].fill_(-math.inf)
             continue
@@ -197,10 +197,6 @@ def packed_forward(kernel, q, k, v, seqlens, mask, outputs=(None, None)):
         out[a:b] = 0
         lse[:, a:b] = -math.inf
     return out, lse
-
-
-def _empty(span: slice) -> bool:
-    return span.stop == span.start
 
 
 def _outside(cu, rows: int) -> list[tuple[int, int]]:
@@ -220,7 +216,7 @@ def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None,
     for p in split:
         rows, keys, local = _rows(seqlens, p)
         views = (grads[0][rows, p.q], grads[1][keys, p.kv], grads[2][keys, p.kv])
-        if _empty(rows) or _empty(keys):  # no kernel call on no rows: gradients 0
+        if rows.stop == rows.start or keys.stop == keys.start:  # no call: gradients 0
             for view in views:
                 view.zero_()
             continue
