@@ -159,10 +159,8 @@ class Kernel(abc.ABC):
                 return f"kernel {self.name!r} runs on CUDA GPUs only; the tensors are on {device}"
             major, minor = torch.cuda.get_device_capability(device)
             if major < 8:
-                return (
-                    f"kernel {self.name!r} needs an Ampere or newer GPU (sm80+); "
-                    f"{torch.cuda.get_device_name(device)} is sm{major}{minor}"
-                )
+                return (f"kernel {self.name!r} needs an Ampere or newer GPU (sm80+); "
+                        f"{torch.cuda.get_device_name(device)} is sm{major}{minor}")
             if spec.dtype not in (torch.float16, torch.bfloat16):
                 return f"kernel {self.name!r} takes float16 or bfloat16, not {spec.dtype}"
         if spec.dropout_p > 0 and not self.supports_dropout:

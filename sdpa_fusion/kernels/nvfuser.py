@@ -47,11 +47,9 @@ class NvFuserKernel(Kernel):
         if error is not None:
             return f"kernel 'nvfuser' needs nvfuser_direct ({INSTALL_HINT}): {error}"
         if spec.causal and spec.q_len != spec.kv_len:
-            return (
-                f"kernel 'nvfuser' runs ATen flash, which aligns the causal mask bottom-right, "
-                f"so causal with q_len={spec.q_len} != kv_len={spec.kv_len} is not the top-left "
-                f"mask asked for"
-            )
+            return (f"kernel 'nvfuser' runs ATen flash, which aligns the causal mask bottom-right, "
+                    f"so causal with q_len={spec.q_len} != kv_len={spec.kv_len} is not the "
+                    f"top-left mask asked for")
         if spec.head_dim > 256:
             return f"kernel 'nvfuser' supports head_dim <= 256, got {spec.head_dim}"
         return None
@@ -142,10 +140,8 @@ def _rng_state(spec: AttentionSpec, dropout: Dropout | None, device) -> list:
     if spec.dropout_p == 0:
         return list(_zero_rng_state(torch.device(device)))
     if len(dropout.state) != 2:
-        raise ValueError(
-            f"dropout (p={dropout.p}) has no philox seed/offset; pass the Dropout object that "
-            f"the forward filled in, so the backward replays its mask"
-        )
+        raise ValueError(f"dropout (p={dropout.p}) has no philox seed/offset; pass the Dropout "
+                         f"object that the forward filled in, so the backward replays its mask")
     return list(dropout.state)
 
 
