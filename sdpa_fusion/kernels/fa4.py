@@ -118,9 +118,8 @@ class FlashAttention4Kernel(Kernel):
         return dq, dk, dv
 
     def query_rows(self, q, dout, out, lse, *, scale, spans):
-        """On Hopper: ``fa4_rows.QueryRows`` (the rows preprocessed once, one fp32 dQ
-        accumulator for every call) for calls it takes (``fa4_rows.rows_fit``) whose rows
-        stay inside the limits (QueryRows launches FA4's kernels on them as they are)."""
+        """On Hopper, ``fa4_rows.QueryRows`` for calls it takes (``fa4_rows.rows_fit``) whose
+        rows stay inside the limits (it launches FA4's kernels on them as they are)."""
         b, h, s, e = q.shape
         rounded = (b, h, s + self.limits.rows_per_sequence, e)
         if (not fa4_rows.usable(q.device) or import_error() is not None

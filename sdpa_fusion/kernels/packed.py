@@ -260,9 +260,8 @@ class Padding:
         return flat.view(shape).transpose(1, 2)
 
     def dense_target(self, t: torch.Tensor | None, side: str) -> torch.Tensor | None:
-        """A given packed output buffer as the dense [N, H, m, E] view a kernel may write
-        into: only when the pack is that batch already and ``t`` is contiguous (else None:
-        the result is copied into it)."""
+        """A given packed output buffer as a dense [N, H, m, E] view a kernel may write into,
+        when the pack is that batch already and ``t`` is contiguous (else None: copied)."""
         if t is None or self.slots[side] is not None or not t.is_contiguous():
             return None
         return self.dense(t, side)

@@ -96,8 +96,8 @@ class Ranking:
     causal: bool
 
     def why(self, chosen: str, runners_up: list[str]) -> str:
-        """One line saying why ``chosen`` won over ``runners_up`` (kernels that could run
-        the problem too, in rank order)."""
+        """One line saying why ``chosen`` won over ``runners_up`` (the others that can run
+        the problem, in rank order)."""
         m = self.measured
         figure = m.figure(chosen) if m else None
         order = " > ".join(self.order)
@@ -135,9 +135,8 @@ def rank(table, device: Device, head_dim: int, causal: bool) -> Ranking:
 
 
 def choose(ranking: Ranking, reasons: dict[str, str | None]) -> tuple[str | None, list[str], str]:
-    """(chosen kernel, why each kernel ranked above it was skipped, why it was chosen) given
-    every ranked kernel's ``unavailable_reason`` (None: it can run the problem). The chosen
-    kernel is None when none can."""
+    """(chosen kernel or None, why each kernel ranked above it was skipped, why it was chosen)
+    given every ranked kernel's ``unavailable_reason`` (None: it can run the problem)."""
     runnable = [k for k in ranking.order if reasons.get(k) is None]
     if not runnable:
         return None, [reasons[k] for k in ranking.order], ""
