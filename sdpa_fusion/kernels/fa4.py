@@ -95,12 +95,9 @@ class FlashAttention4Kernel(Kernel):
 
     def _unavailable_reason(self, spec: AttentionSpec, device) -> str | None:
         reason = limits_reason(spec, torch.cuda.get_device_capability(device))
-        if reason is not None:
-            return reason
-        error = import_error()
-        if error is not None:
-            return f"kernel 'fa4' needs FlashAttention-4 ({INSTALL_HINT}): {error}"
-        return None
+        if reason is None and import_error() is not None:
+            reason = f"kernel 'fa4' needs FlashAttention-4 ({INSTALL_HINT}): {import_error()}"
+        return reason
 
     def _forward(self, q, k, v, *, causal, scale, window, dropout, out, lse):
         out = empty_like(q) if out is None else out
