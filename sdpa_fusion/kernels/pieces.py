@@ -99,7 +99,8 @@ def dense_backward(kernel, dout, q, k, v, out, lse, mask, dropout, grads):
                                    dropout=_stream(dropout, i, p), dq=targets[0],
                                    dk=targets[1], dv=targets[2], **mask)
         _write_grads(results, views, p, shared, (p.batch.start, p.kv.start))
-    return _write_sums(shared, grads)
+    _write_sums(shared)
+    return grads
 
 
 def _write_grads(results, views, p: Piece, shared: dict, key) -> None:
@@ -115,11 +116,10 @@ def _write_grads(results, views, p: Piece, shared: dict, key) -> None:
             acc.add_(r)
 
 
-def _write_sums(shared: dict, grads):
+def _write_sums(shared: dict) -> None:
     for sums, views in shared.values():
         for view, total in zip(views, sums):
             view.copy_(total)
-    return grads
 
 
 def written(results, targets):
@@ -229,7 +229,7 @@ def packed_backward(kernel, dout, q, k, v, out, lse, seqlens, mask, grads=(None,
             lse[p.q, rows].contiguous(), local, **mask, dq=targets[0], dk=targets[1],
             dv=targets[2])
         _write_grads(results, views, p, shared, (p.sequences and p.sequences.start, p.kv.start))
-    _write_sums(shared, grads)
+    _write_sums(shared)
     for grad, cu in zip(grads, (seqlens.cu_q, seqlens.cu_k, seqlens.cu_k)):
         for a, b in _outside(cu, grad.shape[0]):  # rows of no sequence
             grad[a:b] = 0
