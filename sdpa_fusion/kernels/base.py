@@ -248,8 +248,7 @@ class Kernel(abc.ABC):
 
 
 def head_shards(kernel: Kernel, mesh, dim: str) -> Kernel:
-    """The kernel for the local head shards of a head-parallel split over ``mesh``'s dim
-    ``dim``: ``kernel.split_heads`` where it has one, else the kernel itself."""
+    """The kernel for the local head shards of a head split over ``mesh``'s dim ``dim``."""
     return kernel if kernel.split_heads is None else kernel.split_heads(mesh, dim)
 
 

@@ -20,9 +20,8 @@ from .base import Kernel
 
 @dataclasses.dataclass(frozen=True)
 class Speed:
-    """How fast a kernel runs causal forward+backward: ``peak`` FLOP/s on long sequences,
-    half of it at ``half`` tokens, ``host_s`` seconds of host time per call, and in a
-    varlen call ``sequence_s`` more per sequence and head."""
+    """How fast a kernel runs causal forward+backward (the module docstring's model): ``peak``
+    FLOP/s, half of it at ``half`` tokens, ``host_s`` and ``sequence_s`` seconds."""
 
     peak: float
     half: int
