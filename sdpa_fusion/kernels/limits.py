@@ -67,10 +67,6 @@ class Piece:
     shares_kv: bool = False
 
 
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(a, min(a + size, n)) for a in range(0, n, size)]
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
@@ -100,7 +96,8 @@ def _head_pieces(batch: int, heads: int, kv_heads: int, plan) -> list[Piece]:
     b, kv, q = plan
     groups = heads // kv_heads
     pieces = []
-    for rows in _chunks(batch, b):
+    for b0 in range(0, batch, b):
+        rows = slice(b0, min(b0 + b, batch))
         for kv0 in range(0, kv_heads, kv):
             for q0 in range(kv0 * groups, (kv0 + kv) * groups, q):
                 pieces.append(Piece(rows, slice(q0, q0 + q), slice(kv0, kv0 + kv),
