@@ -26,16 +26,12 @@ class Choice(NamedTuple):
 def select(name: str | Kernel, spec: AttentionSpec, device, *, table=None,
            extent: tuple[int, int] | None = None, calls: int = 1) -> Choice:
     """Resolve ``name`` for ``spec`` on ``device`` (KernelUnavailable, with the reason, when
-    a named kernel cannot run it).
-
-    ``extent``: (rows, keys) of the largest kernel call per head and sequence (default
-    ``spec_extent``; a schedule's calls may span more keys), where even a split call must fit
-    the kernel's limits. ``calls``: the calls a schedule makes on the spec's sequences (a
-    ring step each), each paying a packed way's host time. ``auto`` takes ``reference`` on
-    CPU; on a GPU, the fastest way to run packed sequences by the cost model
-    (``choice.choose``), else the first kernel of ``ranking.rank`` (fastest measured here by
-    ``table``, default ``ranking.TABLE``) that can run the spec.
-    """
+    a named kernel cannot run it). ``extent``: (rows, keys) of the largest kernel call per
+    head and sequence, which even split must fit the kernel's limits (default
+    ``spec_extent``). ``calls``: a schedule's calls on the sequences (a ring step each), each
+    paying a packed way's host time. ``auto`` takes ``reference`` on CPU; on a GPU, the
+    fastest packed way by the cost model (``choice.choose``), else the first kernel of
+    ``ranking.rank`` (fastest measured here, by ``table``) that can run the spec."""
     device = torch.device(device)
     extent = extent or spec_extent(spec)
     if table is None and isinstance(name, str):  # no rank's packing kept (it holds a schedule)
