@@ -22,12 +22,12 @@ def unwrap_dtensors(tensors, schedule):
     if not schedule.takes_dtensors:
         raise ValueError(f"schedule {schedule.name!r} does not take DTensors; pass this rank's "
                          "local tensors (schedule.shard(...)) instead")
-    ranks, dim, size = schedule.mesh.torch_mesh.mesh.tolist(), schedule.sharded_dim, schedule.size
+    ranks, dim = schedule.mesh.torch_mesh.mesh.tolist(), schedule.sharded_dim
     for name, t in zip("qkv", tensors):
         if t.device_mesh.mesh.tolist() != ranks:
             raise ValueError(f"{name} lives on DeviceMesh {t.device_mesh.mesh.tolist()} but "
                              f"schedule {schedule.name!r} runs on {ranks}; use the schedule's mesh")
-        if dim is not None and t.dim() > dim and t.shape[dim] % size:
+        if dim is not None and t.dim() > dim and t.shape[dim] % (size := schedule.size):
             what = {1: "heads", 2: "sequence length"}.get(dim, f"dim {dim}")
             raise ValueError(f"{name} is a DTensor with {what} {t.shape[dim]}, which its {size} "
                              f"ranks cannot hold in equal shards; pad it to a multiple of {size}")

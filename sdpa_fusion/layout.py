@@ -43,7 +43,7 @@ class Layout(enum.Enum):
     @property
     def stride_order(self) -> list[int]:
         """nvFuser stride order of the logical tensor (the highest number is the outermost dim)."""
-        return [self.ndim - 1 - position for position in self.logical_order]
+        return {Layout.BHSE: [3, 2, 1, 0], Layout.BSHE: [3, 1, 2, 0], Layout.THD: [2, 1, 0]}[self]
 
     @property
     def memory_order(self) -> tuple[int, ...]:
@@ -53,7 +53,7 @@ class Layout(enum.Enum):
     @property
     def logical_order(self) -> list[int]:
         """The permutation that views a buffer in memory order as the logical tensor."""
-        return [self.memory_order.index(d) for d in range(self.ndim)]
+        return _inverse(self.memory_order)
 
     @property
     def seq_dim(self) -> int:
@@ -86,19 +86,20 @@ class Layout(enum.Enum):
         return self.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _dense_strides(shape, memory_order) -> list[int]:
-    """The strides of a dense tensor of ``shape`` whose dims nest in ``memory_order``."""
-    strides, expected = [0] * len(shape), 1
-    for d in reversed(memory_order):
-        strides[d] = expected
-        expected *= shape[d]
-    return strides
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return inv
 
 
 def exact_strides(t: torch.Tensor, memory_order) -> torch.Tensor:
     """Dense ``t`` (dims nested in ``memory_order``) as a view whose size-1 dims have the strides
     of that order too: torch leaves them free, nvFuser checks them against a fusion's contiguity."""
-    strides = _dense_strides(t.shape, memory_order)
+    strides, expected = [0] * t.dim(), 1
+    for d in reversed(memory_order):
+        strides[d] = expected
+        expected *= t.shape[d]
     if list(t.stride()) == strides:
         return t
     return t.as_strided(t.shape, strides, t.storage_offset())
@@ -106,9 +107,14 @@ def exact_strides(t: torch.Tensor, memory_order) -> torch.Tensor:
 
 def has_layout(t: torch.Tensor, layout: Layout) -> bool:
     """Whether ``t`` is dense with its dims nested in ``layout``'s memory order."""
-    return t.dim() == layout.ndim and all(
-        n == 1 or stride == dense for n, stride, dense
-        in zip(t.shape, t.stride(), _dense_strides(t.shape, layout.memory_order)))
+    if t.dim() != layout.ndim:
+        return False
+    expected = 1
+    for d in reversed(layout.memory_order):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
 
 
 def _is_auto(layout) -> bool:

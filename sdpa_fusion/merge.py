@@ -78,14 +78,16 @@ class Merged:
 
 def put(out_acc, lse_acc, block_out, block_lse, rows=None) -> None:
     """Set the accumulators to a block's (out, lse) over ``rows``: 0 and -inf elsewhere."""
-    if not _all(rows):
-        out_acc.zero_()
-        lse_acc.fill_(float("-inf"))
+    if _all(rows):
+        out_acc.copy_(block_out)
+        lse_acc.copy_(block_lse)
+        return
+    out_acc.zero_()
+    lse_acc.fill_(float("-inf"))
     if isinstance(rows, torch.Tensor):
         out_acc.index_copy_(2, rows, block_out.to(out_acc.dtype))
         lse_acc.index_copy_(2, rows, block_lse)
     else:
-        rows = slice(None) if rows is None else rows
         out_acc[:, :, rows].copy_(block_out)
         lse_acc[:, :, rows].copy_(block_lse)
 

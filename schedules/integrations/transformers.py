@@ -236,8 +236,8 @@ class _Backend:
                 kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
                 kwargs.get("max_length_q"), kwargs.get("max_length_k"),
                 (q.shape[0], q.shape[2]), q.device)
-        restarts = positions is not None and bool((positions[:, 1:] != positions[:, :-1] + 1).any())
-        if padding is not None or restarts:
+        if padding is not None or (positions is not None and bool(
+                (positions[:, 1:] != positions[:, :-1] + 1).any())):  # documents restart
             batch = schedules.batch.split(None, (q.shape[0], q.shape[2]),
                                           attention_mask=padding, position_ids=positions,
                                           device=q.device)

@@ -147,8 +147,8 @@ def _read(fn, call: Call, found: dict) -> Band | None:
         return _NOTHING
     if name == "chunked_overlay":  # matters where a real token lies past its row's first chunk
         last = max(call.q_offset + call.q_len, call.kv_offset + call.kv_len) - 1
-        beyond = bool(((last - free["left_padding"]) >= int(free["chunk_size"])).any())
-        found[name] = found.get(name, False) or beyond
+        found[name] = found.get(name, False) or bool(
+            ((last - free["left_padding"]) >= int(free["chunk_size"])).any())
         return Band(None, None)
     raise Unsupported(_custom(fn))
 

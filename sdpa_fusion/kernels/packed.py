@@ -108,6 +108,8 @@ class Split(Way):
     """Sequences of at least ``min_long`` tokens one by one through ``kernel`` (dense), the
     others in one varlen call of ``short``."""
 
+    way = "per-sequence"
+
     def __init__(self, kernel: Kernel | str, short: Kernel | str, min_long: int):
         super().__init__(kernel)
         self.short, self.min_long = get(short), min_long
