@@ -34,6 +34,11 @@ def packed_seqlens(cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ..
     return Seqlens(tuple(cu_q), tuple(cu_k))
 
 
+def spec_seqlens(spec: AttentionSpec) -> Seqlens:
+    """The ``Seqlens`` of packed ``spec``."""
+    return packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded)
+
+
 def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout | None = None,
                   *, out=None, lse=None):
     """(out, lse fp32 [B,H,S] or [1,H,T]) of the local problem, into ``out``, ``lse`` if given."""
@@ -43,9 +48,8 @@ def local_forward(kernel: Kernel, q, k, v, spec: AttentionSpec, dropout: Dropout
     if not spec.layout.is_varlen:
         return kernel.forward(q, k, v, causal=spec.causal, scale=scale, dropout=dropout,
                               window=spec.window, out=out, lse=lse)
-    seqlens = packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded)
-    out, packed_lse = kernel.varlen_forward(q, k, v, seqlens, causal=spec.causal, scale=scale,
-                                            window=spec.window, out=out,
+    out, packed_lse = kernel.varlen_forward(q, k, v, spec_seqlens(spec), causal=spec.causal,
+                                            scale=scale, window=spec.window, out=out,
                                             lse=None if lse is None else lse[0])
     return out, (packed_lse.unsqueeze(0) if lse is None else lse)
 
@@ -60,8 +64,7 @@ def local_backward(kernel: Kernel, dout, q, k, v, out, lse, spec: AttentionSpec,
     if not spec.layout.is_varlen:
         return kernel.backward(dout, q, k, v, out, lse, causal=spec.causal, scale=scale,
                                dropout=dropout, window=spec.window, dq=dq, dk=dk, dv=dv)
-    return kernel.varlen_backward(dout, q, k, v, out, lse[0],
-                                  packed_seqlens(spec.cu_seqlens, spec.cu_seqlens_padded),
+    return kernel.varlen_backward(dout, q, k, v, out, lse[0], spec_seqlens(spec),
                                   causal=spec.causal, scale=scale, window=spec.window, dq=dq,
                                   dk=dk, dv=dv)
 
