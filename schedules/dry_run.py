@@ -239,7 +239,7 @@ def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory
     """(forward, backward, memory) of a dry run of ``schedule`` on the global ``spec``."""
     done: dict = {}
     dry = _dry(schedule, done)
-    local, (q, k, v, dout) = _local(dry, spec)
+    local, (q, k, v, dout) = local_problem(dry, spec)
     kernel = WorkspaceKernel()
 
     def so_far() -> Counts:
@@ -281,8 +281,9 @@ def _dry(schedule, done: dict):
     return dry
 
 
-def _local(schedule, spec: AttentionSpec):
-    """(local spec, this rank's meta q, k, v and dout) of the global ``spec``."""
+def local_problem(schedule, spec: AttentionSpec):
+    """(local spec, this rank's meta q, k, v and dout) of the global ``spec``: the shards of
+    data-less full tensors, as ``attention`` would see them on this rank."""
     layout, e = spec.layout, spec.head_dim
     packing = schedule.pack(spec.cu_seqlens, spec.cu_seqlens_padded, device="cpu") \
         if layout.is_varlen else None

@@ -87,7 +87,7 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
                 local = schedule.local_spec(spec)
                 local = local.replace(q_len=local.packing.tokens, kv_len=local.packing.tokens)
             else:  # as a dry run makes it, less the composed mask
-                local = dry_run._local(schedule, spec)[0].replace(mask=None)
+                local = dry_run.local_problem(schedule, spec)[0].replace(mask=None)
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,

@@ -50,7 +50,7 @@ def plans(name: str, options: dict, p: int):
                 planned, sched = sched._cut_global(spec), sched.twin()
                 if planned is None:
                     continue
-            local, (q, k, _, _) = dry_run._local(sched, planned)
+            local, (q, k, _, _) = dry_run.local_problem(sched, planned)
             try:
                 sched.validate(local)
             except ValueError:  # a problem this schedule refuses (tests/test_describe.py)
@@ -130,7 +130,7 @@ def test_the_ring_plan_is_the_one_the_runner_docstring_shows():
     travels on while it is used, except the last."""
     spec = sdpa_fusion.AttentionSpec(1, 2, 2, 48, 48, 16)
     sched = schedules.get("ring", VirtualMesh((3,), ("seq",), rank=1), head_groups=1)
-    local, (q, k, _, _) = dry_run._local(sched, spec)
+    local, (q, k, _, _) = dry_run.local_problem(sched, spec)
     ops = sched.plan(local, q, k, backward=False).ops
     assert [type(op).__name__ for op in ops] == [
         "Send", "KV", "Open", "Fold", "KV", "Send", "Fold", "KV", "Fold", "Finish"]
