@@ -278,3 +278,23 @@ def test_fold_by_heads_gives_the_whole_merge(monkeypatch, layout, heads, acc_dty
     assert out.data_ptr() == storage and has_layout(out, layout)
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("held", ["packed", "bhse", "bshe"])
+def test_add_rows_by_index_adds_each_row_once(held, dtype):
+    """``calls.add_rows`` with distinct rows in any order: acc[rows] += g, rounded once, on a
+    packed block (token rows, the fast path), a dense BHSE and a batched BSHE accumulator."""
+    from schedules.calls import add_rows, as_block
+
+    g = torch.Generator().manual_seed(3)
+    shape = {"packed": (S, H, E), "bhse": (B, H, S, E), "bshe": (B, S, H, E)}[held]
+    acc = torch.randn(shape, generator=g).to(dtype)
+    acc = as_block(acc) if held == "packed" else acc if held == "bhse" else acc.transpose(1, 2)
+    rows = torch.randperm(S, generator=g)[:S // 3]
+    grad = torch.randn(acc.shape[0], H, len(rows), E, generator=g).to(dtype)
+    want = acc.clone()
+    for i, r in enumerate(rows.tolist()):
+        want[:, :, r] += grad[:, :, i]
+    add_rows(acc, rows, grad)
+    assert torch.equal(acc, want)
