@@ -121,16 +121,23 @@ class VirtualComm:
     """The communicator of virtual rank ``index`` of ``size``: counts bytes, waits for nothing
     (the mailbox hands transfers over when they are made)."""
 
-    def __init__(self, index: int, size: int):
-        self.index, self.size = index, size
+    def __init__(self, index: int, size: int, first: int = 0, whole: "VirtualComm" = None):
+        self.index, self.size, self.first, self.whole = index, size, first, whole
         self.bytes_sent = self.bytes_received = 0
 
     def peer(self, hops: int) -> int:
-        return (self.index + hops) % self.size
+        """The virtual rank ``hops`` after this one (``peer(0)``: this one)."""
+        return self.first + (self.index + hops) % self.size
+
+    def line(self, first: int, size: int) -> "VirtualComm":
+        """Ranks [first, first + size) of this line (as ``Communicator.line``)."""
+        return VirtualComm(self.index - first, size, self.first + first, self)
 
     def count(self, sent: int, received: int) -> None:
         self.bytes_sent += sent
         self.bytes_received += received
+        if self.whole is not None:
+            self.whole.count(sent, received)
 
     def pending(self, works, result, what: str):
         return _Done(result)
@@ -157,28 +164,33 @@ class VirtualMover(Mover):
         super().__init__(comm)
         self.mailbox = mailbox
 
+    def over(self, comm: VirtualComm) -> "VirtualMover":
+        return VirtualMover(comm, self.mailbox)
+
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def push(self, tensors, ring, slot, hops=1):
         comm, box = self.comm, self.mailbox
+        me = comm.peer(0)
         for t in tensors:
             if box.replaying is None:
-                box.send(comm.index, comm.peer(hops), t)
+                box.send(me, comm.peer(hops), t)
         for into in ring.tensors(slot):
-            box.receive(comm.peer(-hops), comm.index, into)
+            box.receive(comm.peer(-hops), me, into)
         comm.count(ring.data.used, ring.data.used)
         return []
 
     def _exchange(self, puts, takes, region):
         comm, box, flat = self.comm, self.mailbox, region.flat
+        me = comm.peer(0)
         for p in puts:
             if p.hops % comm.size == 0:
                 flat[p.at:p.at + p.nbytes].copy_(p.bytes())
             elif box.replaying is None:
-                box.send(comm.index, comm.peer(p.hops), p.bytes())
+                box.send(me, comm.peer(p.hops), p.bytes())
         for t in takes:
-            box.receive(comm.peer(-t.hops), comm.index, flat[t.at:t.at + t.nbytes])
+            box.receive(comm.peer(-t.hops), me, flat[t.at:t.at + t.nbytes])
         return []
 
 

@@ -1,4 +1,4 @@
-"""Which documents of a packed batch go whole to one rank, and which are cut over all ranks.
+"""Which documents of a packed batch go whole to one rank, and which are cut over ranks.
 
 A pure function of (document lengths, ranks, tolerance). A rank's load is its tokens and its
 work: per document its L^2 / 2 causal query-key pairs plus ``TOKEN_PAIRS`` per token. A whole
@@ -19,6 +19,15 @@ placed largest first, each on the rank where it raises the larger of (tokens / m
 work / mean work) the least. While some rank exceeds (1 + tolerance) x the mean, the largest
 whole document is cut too and the rest placed again. Without the per-token term, batch (c)
 of ``benchmarks.virtual_ranks`` cut all six long documents; by time only two need cutting.
+
+``plan`` cuts over fewer ranks where it can: when the documents fit whole into groups of g
+consecutive ranks (``assign`` over P / g groups cuts none), each group is assigned on its
+own and its cut documents are split over its g ranks only, their K/V travelling inside it,
+kept where every rank stays within the tolerance of the batch's mean:
+
+    P = 4, two documents longer than a rank's share and many short ones
+    assign over 4 ranks:  both cut over ranks 0-3, three of every four blocks travel
+    plan, groups of 2:    one cut over ranks 0-1, the other over ranks 2-3, one block travels
 """
 
 from __future__ import annotations
@@ -32,19 +41,33 @@ CUT = -1  # the owner of a document cut over every rank
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """The owner rank of every document (``CUT``: split over all ranks) and each rank's
-    ``tokens`` and ``work`` (cut documents as their even shares)."""
+    """The owner rank of every document (``CUT``: split over the ranks of its group) and each
+    rank's ``tokens`` and ``work`` (cut documents as their even shares). Groups are the runs
+    of ``group_size`` consecutive ranks (one group of every rank by default); ``group`` names
+    every document's."""
 
     lengths: tuple[int, ...]
     parts: int
     owner: tuple[int, ...]
     tokens: tuple[float, ...]
     work: tuple[float, ...]
+    group_size: int = 0  # 0: every rank
+    group: tuple[int, ...] = ()  # (): every document in group 0
+
+    def __post_init__(self):
+        if not self.group_size:
+            object.__setattr__(self, "group_size", self.parts)
+        if not self.group:
+            object.__setattr__(self, "group", (0,) * len(self.lengths))
 
     @property
     def cut(self) -> tuple[int, ...]:
         """Indices of the cut documents, in batch order."""
         return tuple(i for i, o in enumerate(self.owner) if o == CUT)
+
+    def cut_in(self, group: int) -> tuple[int, ...]:
+        """Indices of the documents cut over the ranks of ``group``, in batch order."""
+        return tuple(i for i in self.cut if self.group[i] == group)
 
     def whole(self, rank: int) -> tuple[int, ...]:
         """Indices of the documents ``rank`` holds whole, in batch order."""
@@ -102,6 +125,50 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
         if balanced or not whole:
             return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads))
         cut.add(whole[0])
+
+
+def plan(lengths, parts: int, *, tolerance: float = 0.05,
+         token_pairs: float = TOKEN_PAIRS) -> Assignment:
+    """``assign``'s plan, or the one of the fewest ranks per group (``_grouped``) where that
+    cuts nothing across groups and keeps every rank within ``tolerance`` (pure, cached)."""
+    return _plan(tuple(int(n) for n in lengths), parts, tolerance, token_pairs)
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(lengths: tuple[int, ...], parts: int, tolerance: float,
+          token_pairs: float) -> Assignment:
+    flat = _assign(lengths, parts, tolerance, token_pairs)
+    if not flat.cut:
+        return flat
+    for size in range(2, parts):
+        if parts % size == 0:
+            grouped = _grouped(lengths, parts, size, tolerance, token_pairs)
+            if grouped is not None:
+                return grouped
+    return flat
+
+
+def _grouped(lengths, parts, size, tolerance, token_pairs) -> Assignment | None:
+    """Documents whole to groups of ``size`` ranks, then each group's assigned over its ranks;
+    None when a document must be cut across groups or a rank exceeds the tolerance."""
+    top = _assign(lengths, parts // size, tolerance, token_pairs)
+    if top.cut:
+        return None
+    owner, group = [CUT] * len(lengths), [0] * len(lengths)
+    tokens, loads = [], []
+    for g in range(parts // size):
+        docs = top.whole(g)
+        inner = _assign(tuple(lengths[i] for i in docs), size, tolerance, token_pairs)
+        for i, o in zip(docs, inner.owner):
+            owner[i], group[i] = (CUT if o == CUT else g * size + o), g
+        tokens += inner.tokens
+        loads += inner.work
+    limit = 1.0 + tolerance
+    if (max(tokens) > limit * sum(tokens) / parts + 1e-9
+            or max(loads) > limit * sum(loads) / parts + 1e-9):
+        return None
+    return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads), size,
+                      tuple(group))
 
 
 def _place(lengths, works, parts, order, cut, shared, mean_tokens, mean_work):

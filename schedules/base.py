@@ -79,7 +79,7 @@ class Schedule(abc.ABC):
     def copy_without_caches(self) -> "Schedule":
         """A shallow copy without what is made per object (configuration fields, kept plans)."""
         other = copy.copy(self)
-        for name in ("_configuration_fields", "_kept_plans"):
+        for name in ("_configuration_fields", "_kept_plans", "_twins"):
             other.__dict__.pop(name, None)
         return other
 

@@ -51,6 +51,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class Communicator:
     """Collectives over one line of the mesh (``ranks``: global ranks in line order)."""
 
+    whole: "Communicator | None" = None  # the line's communicator, for one of a part of it
+
     def __init__(self, group, ranks: list[int], index: int, *, timeout: datetime.timedelta):
         self.group, self.ranks, self.index = group, ranks, index
         self.size = len(ranks)
@@ -104,12 +106,24 @@ class Communicator:
         """Global rank ``hops`` after this one on the ring of the line (before when < 0)."""
         return self.ranks[(self.index + hops) % self.size]
 
+    def line(self, first: int, size: int) -> "Communicator":
+        """The communicator of ranks [first, first + size) of this line (this rank among
+        them): peers among them, its own transfer count (every rank of the part counts
+        alike), bytes counted here too (``schedules.groups``)."""
+        part = Communicator(self.group, self.ranks[first:first + size], self.index - first,
+                            timeout=self.timeout)
+        part.whole = self
+        return part
+
     def count(self, sent: int, received: int) -> None:
-        """Record a transfer of ``sent`` and ``received`` bytes."""
+        """Record a transfer of ``sent`` and ``received`` bytes (on the whole line's
+        communicator too, for a part of it)."""
         self._transfers += 1
-        self.stats.bytes_sent += sent
-        self.stats.bytes_received += received
-        self.stats.transfers += 1
+        for stats in (self.stats, self.whole and self.whole.stats):
+            if stats is not None:
+                stats.bytes_sent += sent
+                stats.bytes_received += received
+                stats.transfers += 1
 
     def all_gather(self, t: torch.Tensor) -> Pending:
         """Start gathering every rank's ``t``: the result is [size, *t.shape]."""

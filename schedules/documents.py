@@ -1,8 +1,9 @@
 """A packed batch split by whole documents (partition ``documents``): each rank's tokens.
 
 ``schedules.assign`` gives some documents whole to one rank and cuts the others, which form
-the "cut packing", split load-balanced (``packing.Split``). Rank r stores its whole documents
-first, in batch order, then its part of the cut packing; only that part travels:
+the "cut packing" of their group of ranks (every rank, or a run of them: ``assign.plan``),
+split load-balanced over the group (``packing.Split``). Rank r stores its whole documents
+first, in batch order, then its part of its group's cut packing; only that part travels:
 
     documents a (2 tokens), b (8), c (3), d (1), P = 2; b is cut, chunks of 2
     rank 0   c0 c1 c2 | b0 b1 b6 b7          cu_seqlens        [0, 3, 7]
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from .assign import Assignment, assign
+from .assign import Assignment, plan
 from .packing import LocalPacking, Split
 from .partition import LoadBalanced, Partition
 
@@ -36,14 +37,17 @@ class DocumentSplit:
         cu = torch.tensor(self.cu_seqlens)
         lengths = cu.diff()
         starts = torch.tensor(self.cu_seqlens_padded or self.cu_seqlens)[:-1]
-        plan = assign(lengths.tolist(), self.parts, tolerance=self.partition.tolerance)
-        cut_docs = torch.tensor(plan.cut, dtype=torch.long)
-        cut = None
-        if len(plan.cut):
-            cut_cu = (0, *torch.cumsum(lengths[cut_docs], 0).tolist())
-            cut = Split(LoadBalanced(), self.parts, cut_cu, None, self.device)
+        assignment = plan(lengths.tolist(), self.parts, tolerance=self.partition.tolerance)
+        size = assignment.group_size
+        cut_docs, cuts = {}, {}
+        for group in range(self.parts // size):
+            docs = torch.tensor(assignment.cut_in(group), dtype=torch.long)
+            if len(docs):
+                cut_cu = (0, *torch.cumsum(lengths[docs], 0).tolist())
+                cut_docs[group] = docs
+                cuts[group] = Split(LoadBalanced(), size, cut_cu, None, self.device)
         key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
-        fields = dict(lengths=lengths, starts=starts, assignment=plan, cut=cut,
+        fields = dict(lengths=lengths, starts=starts, assignment=assignment, cuts=cuts,
                       cut_docs=cut_docs, key=key, key_hash=hash(key))
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -52,9 +56,18 @@ class DocumentSplit:
     total_tokens = Split.total_tokens
 
     @property
-    def cut_tokens(self) -> int:
-        """Tokens every rank stores of the cut packing (padding included)."""
-        return 0 if self.cut is None else self.cut.tokens
+    def group_size(self) -> int:
+        """The ranks of a group, over which its cut documents are split."""
+        return self.assignment.group_size
+
+    def cut(self, rank: int) -> Split | None:
+        """The split of the cut packing of ``rank``'s group (None when it cuts nothing)."""
+        return self.cuts.get(rank // self.group_size)
+
+    def cut_tokens(self, rank: int) -> int:
+        """Tokens ``rank`` stores of its group's cut packing (padding included)."""
+        cut = self.cut(rank)
+        return 0 if cut is None else cut.tokens
 
     def whole(self, rank: int) -> torch.Tensor:
         """The documents ``rank`` holds whole, in batch order (host)."""
@@ -62,7 +75,7 @@ class DocumentSplit:
 
     def tokens_of(self, rank: int) -> int:
         """Tokens ``rank`` stores: its whole documents' and its part of the cut packing."""
-        return int(self.lengths[self.whole(rank)].sum()) + self.cut_tokens
+        return int(self.lengths[self.whole(rank)].sum()) + self.cut_tokens(rank)
 
     @functools.cached_property
     def most_tokens(self) -> int:
@@ -73,15 +86,16 @@ class DocumentSplit:
     def longest_share(self) -> int:
         """The most real tokens one rank holds of one document."""
         whole = [int(self.lengths[i]) for i, o in enumerate(self.assignment.owner) if o >= 0]
-        return max([*whole, self.cut.longest_share if self.cut is not None else 0], default=0)
+        return max([*whole, *(cut.longest_share for cut in self.cuts.values())], default=0)
 
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part: whole documents, then cut ones."""
         whole = torch.cumsum(self.lengths[self.whole(rank)], 0).tolist()
         base = whole[-1] if whole else 0
-        if self.cut is None:
+        cut = self.cut(rank)
+        if cut is None:
             return (0, *whole), (0, *whole)
-        cut_cu, cut_padded = self.cut.part_packing(rank)
+        cut_cu, cut_padded = cut.part_packing(rank % self.group_size)
         return ((0, *whole, *(base + n for n in cut_cu[1:])),
                 (0, *whole, *(base + n for n in cut_padded[1:])))
 
@@ -91,20 +105,20 @@ class DocumentSplit:
         n = self.lengths[docs]
         first = torch.repeat_interleave(self.starts[docs] - (torch.cumsum(n, 0) - n), n)
         whole = first + torch.arange(int(n.sum()))
-        if self.cut is None:
+        cut, i = self.cut(rank), rank % self.group_size
+        if cut is None:
             return whole
-        cut = self.cut
-        rows = self.starts[self.cut_docs][cut.seq] + cut.positions[rank]
-        return torch.cat([whole, torch.where(cut.real[rank], rows, -1)])
+        rows = self.starts[self.cut_docs[rank // self.group_size]][cut.seq] + cut.positions[i]
+        return torch.cat([whole, torch.where(cut.real[i], rows, -1)])
 
     def positions(self, rank: int) -> torch.Tensor:
         """Position of each of ``rank``'s tokens inside its document (0 for padding), host."""
         n = self.lengths[self.whole(rank)]
         whole = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        if self.cut is None:
+        cut, i = self.cut(rank), rank % self.group_size
+        if cut is None:
             return whole
-        cut = self.cut
-        return torch.cat([whole, torch.where(cut.real[rank], cut.positions[rank], 0)])
+        return torch.cat([whole, torch.where(cut.real[i], cut.positions[i], 0)])
 
     def part(self, rank: int) -> "DocumentPacking":
         """Rank ``rank``'s view (made once)."""
@@ -148,8 +162,15 @@ class DocumentPacking(LocalPacking):
 
     @property
     def cut(self) -> LocalPacking | None:
-        """This rank's part of the cut packing (its last rows), or None."""
-        return None if self.split.cut is None else self.split.cut.part(self.rank)
+        """This rank's part of its group's cut packing (its last rows), or None."""
+        cut = self.split.cut(self.rank)
+        return None if cut is None else cut.part(self.rank % self.split.group_size)
+
+    @property
+    def group(self) -> tuple[int, int]:
+        """(first rank, ranks) of the group this rank's cut documents are split over."""
+        size = self.split.group_size
+        return self.rank // size * size, size
 
     @property
     def longest_share(self) -> int:
@@ -187,7 +208,9 @@ class DocumentPacking(LocalPacking):
         return torch.cat([t, pad])
 
     def __repr__(self) -> str:
-        cut = len(self.assignment.cut)
+        first, size = self.group
+        cut = len(self.assignment.cut_in(first // size))
+        over = "" if size == self.parts else f" over ranks {first}-{first + size - 1}"
         return (f"DocumentPacking(rank {self.rank} of {self.parts}, "
-                f"{len(self.whole_lengths)} whole documents, {cut} cut, {self.tokens} of "
+                f"{len(self.whole_lengths)} whole documents, {cut} cut{over}, {self.tokens} of "
                 f"{self.total_tokens} tokens)")

@@ -147,6 +147,11 @@ class DryComm(Communicator):
         self.timeout, self._arrivals, self._watch = None, None, None
         self._count_from_zero()
 
+    def line(self, first: int, size: int) -> "DryComm":
+        part = DryComm(self.index - first, size)
+        part.whole = self
+        return part
+
     def _start(self, collective, out, t) -> _Done:
         return _Done((t,))
 
@@ -156,6 +161,9 @@ class DryComm(Communicator):
 
 class DryP2PMover(P2PMover):
     """p2p's slots and the copies it sends, held until waited for; nothing moves."""
+
+    def over(self, comm) -> "DryP2PMover":
+        return DryP2PMover(comm)
 
     def _start(self, sends, receives) -> list:
         return [_Done([t for t, _ in sends])] if sends or receives else []
@@ -183,6 +191,8 @@ class DryCopyEngineMover(Mover):
 
     def region(self, base, nbytes, device):
         return Region(_uncounted(nbytes, device), base)
+
+    over = DryP2PMover.over
 
     def push(self, tensors, ring, slot, hops=1):
         self.comm.count(ring.data.used, ring.data.used)

@@ -51,14 +51,18 @@ class MeshReport:
 
 
 def documents(packing) -> dict:
-    """What a rank holds of a packed batch: tokens, documents whole and cut, and its work."""
+    """What a rank holds of a packed batch: tokens, documents whole and cut (those of its
+    group, and the ranks they are cut over), and its work."""
     assignment = getattr(packing, "assignment", None)
     if assignment is not None:  # partition documents
+        first, size = packing.group
         return {"tokens": packing.tokens, "whole_documents": len(packing.whole_lengths),
-                "cut_documents": len(assignment.cut),
+                "cut_documents": len(assignment.cut_in(first // size)),
+                "cut_over_ranks": [first, first + size - 1],
                 "work_pairs": assignment.work[packing.rank]}
     lengths = [n for n in packing.split.lengths.tolist() if n]  # every document is cut
     return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
+            "cut_over_ranks": [0, packing.parts - 1],
             "work_pairs": sum(work(n) for n in lengths) / packing.parts}
 
 
@@ -92,6 +96,7 @@ def _ranks(ranks: list[int]) -> str:
 def _cells(report: MeshReport, row: dict) -> list[str]:
     cells = [] if "tokens" not in row else [
         str(row["tokens"]), f"{row['whole_documents']}/{row['cut_documents']}",
+        _ranks(list(range(row["cut_over_ranks"][0], row["cut_over_ranks"][1] + 1))),
         f"{row['work_pairs'] / 1e6:.4g}"]
     cells += [f"{row['steps']}/{row['backward_steps']}",
              f"{_gib(row['bytes_sent'])}/{_gib(row['backward_bytes_sent'])}",
@@ -107,7 +112,7 @@ def table(report: MeshReport) -> list[str]:
     """The per-rank table, ranks with the same numbers on one line."""
     header = ["ranks", "steps", "GiB sent", "GiB received", "TFLOP", "memory GiB"]
     if report.spec.layout.is_varlen:
-        header[1:1] = ["tokens", "documents whole/cut", "work M pairs"]
+        header[1:1] = ["tokens", "documents whole/cut", "cut over", "work M pairs"]
     if report.predicted is not None:
         header.append("predicted ms")
     groups: dict[tuple, list[int]] = {}

@@ -150,6 +150,11 @@ class Mover:
     def __init__(self, comm):
         self.comm = comm
 
+    def over(self, comm) -> "Mover":
+        """A mover like this one over ``comm`` (a part of its line): p2p, which needs nothing
+        of the ranks outside it."""
+        return P2PMover(comm)
+
     @property
     def kept_bytes(self) -> int:
         """Bytes of buffer kept between calls, outside torch's caching allocator."""

@@ -5,7 +5,8 @@ that no merge joins:
 
     rows [0, W)   one local varlen kernel call over the whole documents
     rows [W, T)   the schedule's own packed path on the cut packing, run by its *twin* (the
-                  same schedule, mesh, communicator and buffers, load-balanced partition)
+                  same schedule, mesh, communicator and buffers, load-balanced partition;
+                  over the rank's group only where the plan groups ranks: ``schedules.groups``)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from . import dry_run
 from .base import Description, Schedule
 from .documents import DocumentPacking, DocumentSplit
 from .choice import packed_partition
+from .groups import SubLine
 from .partition import Auto, Documents, LoadBalanced
 
 
@@ -81,22 +83,31 @@ class WholeDocuments:
             return self.local_spec(spec).packing.tokens
         return super().local_tokens(spec)
 
-    def twin(self):
-        """This schedule with the load-balanced partition, sharing mesh, comm and buffers."""
-        twin = self.__dict__.get("_twin")
-        if twin is None:
+    def twin(self, group: tuple[int, int] | None = None):
+        """This schedule with the load-balanced partition, sharing mesh, comm and buffers; over
+        the ranks ``group`` = (first, size) of its line only, when given and not all of them
+        (``schedules.groups``; p2p transfers, which need nothing of the other ranks)."""
+        twins = self.__dict__.setdefault("_twins", {})
+        key = None if group is None or group[1] == self.size else group
+        if key not in twins:
             twin = self.copy_without_caches()
             twin.partition = LoadBalanced()
             twin._splits, twin._positions, twin._contiguous = collections.OrderedDict(), {}, {}
             twin.__dict__.pop("comm", None)
-            self._twin = twin
-        return twin
+            if key is not None:
+                twin.mesh = SubLine(self.mesh, self.dim, *key)
+                twin.transport, twin._movers = "p2p", {}
+            twins[key] = twin
+        return twins[key]
 
-    def _running_twin(self):
-        """``twin()`` about to run: it takes this schedule's communicator."""
-        twin = self.twin()
+    def _running_twin(self, group: tuple[int, int] | None = None):
+        """``twin(group)`` about to run: it takes this schedule's communicator (of its group)."""
+        twin = self.twin(group)
         if self.mesh is not None and "comm" not in twin.__dict__:
-            twin.__dict__["comm"] = self.comm
+            whole = twin.mesh is self.mesh
+            twin.__dict__["comm"] = self.comm if whole else self.comm.line(*group)
+            for device, mover in ({} if whole else self._movers).items():
+                twin._movers[device] = mover.over(twin.comm)
         return twin
 
     def validate(self, spec):
@@ -105,14 +116,14 @@ class WholeDocuments:
         Schedule.validate(self, spec)
         cut = cut_spec(spec)
         if cut is not None:
-            self.twin().validate(cut)
+            self.twin(spec.packing.group).validate(cut)
 
     def call_extent(self, spec) -> tuple[int, int]:
         if not isinstance(spec.packing, DocumentPacking):
             return super().call_extent(spec)
         longest = max(spec.packing.whole_lengths, default=0)
         cut = cut_spec(spec)
-        rows, keys = (0, 0) if cut is None else self.twin().call_extent(cut)
+        rows, keys = (0, 0) if cut is None else self.twin(spec.packing.group).call_extent(cut)
         return max(rows, longest), max(keys, longest)
 
     def kernel_calls(self, spec) -> int:
@@ -120,7 +131,7 @@ class WholeDocuments:
         if not isinstance(spec.packing, DocumentPacking):
             return super().kernel_calls(spec)
         cut = cut_spec(spec)
-        return 1 if cut is None else self.twin().kernel_calls(cut)
+        return 1 if cut is None else self.twin(spec.packing.group).kernel_calls(cut)
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         if not isinstance(spec.packing, DocumentPacking):
@@ -128,15 +139,15 @@ class WholeDocuments:
         w, cut = spec.packing.whole_tokens, cut_spec(spec)
         if cut is None:  # every document whole: the local call's results as they are
             return local_forward(kernel, q, k, v, whole_spec(spec), out=out, lse=lse)
+        twin = self._running_twin(spec.packing.group)
         if not w:  # every row cut
-            return self._running_twin().forward(q, k, v, cut, kernel, out=out, lse=lse)
+            return twin.forward(q, k, v, cut, kernel, out=out, lse=lse)
         out = torch.empty_like(q) if out is None else out
         if lse is None:
             lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec), out=out[:w],
                       lse=lse[:, :, :w])
-        self._running_twin().forward(q[w:], k[w:], v[w:], cut, kernel, out=out[w:],
-                                     lse=lse[:, :, w:])
+        twin.forward(q[w:], k[w:], v[w:], cut, kernel, out=out[w:], lse=lse[:, :, w:])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
@@ -147,15 +158,15 @@ class WholeDocuments:
         w, cut = spec.packing.whole_tokens, cut_spec(spec)
         if cut is None:
             return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec), **grads)
+        twin = self._running_twin(spec.packing.group)
         if not w:
-            return self._running_twin().backward(dout, q, k, v, out, lse, cut, kernel, **grads)
+            return twin.backward(dout, q, k, v, out, lse, cut, kernel, **grads)
         dq, dk, dv = (torch.empty_like(t) if g is None else g
                       for g, t in zip(grads.values(), (q, k, v)))
         local_backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
                        whole_spec(spec), dq=dq[:w], dk=dk[:w], dv=dv[:w])
-        self._running_twin().backward(dout[w:], q[w:], k[w:], v[w:], out[w:],
-                                      lse[:, :, w:].contiguous(), cut, kernel, dq=dq[w:],
-                                      dk=dk[w:], dv=dv[w:])
+        twin.backward(dout[w:], q[w:], k[w:], v[w:], out[w:], lse[:, :, w:].contiguous(), cut,
+                      kernel, dq=dq[w:], dk=dk[w:], dv=dv[w:])
         return dq, dk, dv
 
     def describe(self, spec):
@@ -164,14 +175,16 @@ class WholeDocuments:
         local = self.local_spec(spec)
         packing, whole = local.packing, whole_spec(local)
         cut = self._cut_global(spec)
-        part = self.twin().describe(cut) if cut is not None else Description(
+        first, size = packing.group
+        part = self.twin(packing.group).describe(cut) if cut is not None else Description(
             self.name, self.size, steps=0, bytes_sent=0, bytes_received=0, flops=0.0)
         call = 1 if packing.whole_tokens else 0
         forward = whole.flops() if call else 0.0
         backward = whole.flops(backward=True) - forward if call else 0.0
+        over = "every rank" if size == self.size else f"ranks {first}-{first + size - 1}"
         notes = (f"{len(packing.whole_lengths)} whole documents "
                  f"({packing.whole_tokens} tokens, one local kernel call, nothing travels), "
-                 f"{len(packing.assignment.cut)} cut over every rank "
+                 f"{len(packing.assignment.cut_in(first // size))} cut over {over} "
                  f"({packing.tokens - packing.whole_tokens} tokens here)")
         if cut is not None:
             notes += f"; cut documents: {part.notes}"
@@ -194,10 +207,12 @@ class WholeDocuments:
         return dataclasses.replace(d, notes=f"partition {said} ({why}); {d.notes}")
 
     def _cut_global(self, spec):
-        """The global problem of the cut packing of the global ``spec`` (None: none cut)."""
+        """The global problem of this rank's group's cut packing of the global ``spec``
+        (None: its group cuts none)."""
         split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
-        if split.cut is None:
+        cut = split.cut(self.index)
+        if cut is None:
             return None
-        cu = split.cut.cu_seqlens
+        cu = cut.cu_seqlens
         return spec.replace(q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None,
                             packing=None)

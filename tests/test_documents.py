@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import schedules
 import sdpa_fusion
-from schedules.assign import CUT, assign, work
+from schedules.assign import CUT, assign, plan, work
 from schedules.documents import DocumentSplit
 from schedules.partition import Documents
 
@@ -101,6 +101,46 @@ def test_short_documents_stay_whole_and_balanced():
     for parts in (2, 4, 8):
         a = assign([128] * 2048, parts)
         assert not a.cut and a.imbalance == (1.0, 1.0)
+
+
+def test_plan_cuts_over_groups_where_documents_fit_them():
+    """Two documents longer than a rank's share (24 of 20 tokens) fit a group of two ranks
+    (40): each is cut over its group only; the batch's (a) and (c) of benchmarks.thd cut
+    over groups of two at P = 4, of four at P = 8, and (d), whose longest document has more
+    than half the work, over every rank."""
+    from benchmarks.thd import BATCHES
+
+    a = plan([24, 1, 3, 2, 5, 1, 4, 24, 1, 3, 2, 5, 1, 4], 4, tolerance=0.2)
+    assert a.group_size == 2 and a.cut == (0, 7) and a.group[0] != a.group[7]
+    assert all(a.owner[i] // 2 == a.group[i] for i in range(14) if a.owner[i] != CUT)
+    assert assign([24, 1, 3, 2, 5, 1, 4] * 2, 4, tolerance=0.2).group_size == 4
+    sizes = {(b, p): plan(BATCHES[b], p).group_size for b in "acd" for p in (4, 8)}
+    assert sizes == {("a", 4): 2, ("a", 8): 4, ("c", 4): 2, ("c", 8): 4, ("d", 4): 4,
+                     ("d", 8): 8}
+
+
+@settings(max_examples=80, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 400)), min_size=1, max_size=40),
+       st.sampled_from([2, 3, 4, 6, 8]), st.sampled_from([0.05, 0.2, 100.0]))
+def test_plan_bounds(lengths, parts, tolerance):
+    """``plan`` is ``assign`` or a grouping of it: groups of a size dividing the ranks, every
+    document in one group (whole on one of its ranks, or cut over it), shares adding up, every
+    rank within the tolerance when any document stays whole, and no more ranks per group
+    than ``assign``'s one group."""
+    a, flat = plan(lengths, parts, tolerance=tolerance), assign(lengths, parts, tolerance=tolerance)
+    if a.group_size == parts:
+        assert a == flat
+        return
+    assert 2 <= a.group_size < parts and parts % a.group_size == 0 and flat.cut
+    assert all(o == CUT or o // a.group_size == g for o, g in zip(a.owner, a.group))
+    assert sum(a.tokens) == pytest.approx(sum(lengths))
+    assert sum(a.work) == pytest.approx(sum(work(n) for n in lengths))
+    for g in range(parts // a.group_size):  # a group's ranks share its cut documents evenly
+        ranks = range(g * a.group_size, (g + 1) * a.group_size)
+        cut = sum(lengths[i] for i in a.cut_in(g)) / a.group_size
+        for r in ranks:
+            assert a.tokens[r] == pytest.approx(cut + sum(lengths[i] for i in a.whole(r)))
+    assert max(a.imbalance) <= 1 + tolerance + 1e-9
 
 
 def split_of(lengths, parts, slack=None, tolerance=100.0) -> DocumentSplit:

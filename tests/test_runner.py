@@ -47,7 +47,8 @@ def plans(name: str, options: dict, p: int):
             if spec.layout.is_varlen and getattr(sched, "by_documents", lambda *_: False)(
                     spec.cu_seqlens, spec.cu_seqlens_padded):
                 # whole documents: one local call, no plan; the cut ones run on its twin
-                planned, sched = sched._cut_global(spec), sched.twin()
+                group = sched.local_spec(spec).packing.group
+                planned, sched = sched._cut_global(spec), sched.twin(group)
                 if planned is None:
                     continue
             local, (q, k, _, _) = dry_run.local_problem(sched, planned)

@@ -28,6 +28,26 @@ def test_tiny_run(tmp_path):
     assert all(min(r["bytes_sent_per_rank"]) > 0 for r in a)  # every document cut: K/V travel
 
 
+def test_documents_cut_over_groups_of_ranks_run_right():
+    """Over 4 virtual ranks two long documents are cut over a pair of ranks each
+    (``schedules.assign.plan``): every rank right, each rank sending what it receives, half
+    its pair's cut tokens' K/V, forward and backward."""
+    from schedules.assign import plan
+
+    lengths = [24, 1, 3, 2, 5, 1, 4, 2] * 2
+    assert plan(lengths, 4).group_size == 2
+    args = virtual_ranks.parse_args(["--tiny", "--ranks", "4", "--partitions", "documents",
+                                     "--schedules", "ring"])
+    rows = []
+    virtual_ranks.batch_rows(args, "g", lengths, lambda text: None,
+                             lambda row: row is not None and rows.append(row))
+    row = rows[-1]
+    assert row["ranks"] == 4 and row["status"] == "ok", row
+    assert row["check"].startswith("right"), row
+    sent = row["bytes_sent_per_rank"]
+    assert sent == row["bytes_received_per_rank"] and len(set(sent)) == 1 and sent[0] > 0
+
+
 def test_profile_splits_each_rank_s_device_time():
     rows, _ = _rows("--ranks", "2", "--partitions", "documents", "--profile")
     split = rows[1]["rank_device_ms"]

@@ -119,6 +119,35 @@ def test_cut_documents_move_what_describe_says(mesh, name):
     assert_bytes(d, forward, backward, sched.group)
 
 
+def grouped_lengths(groups: int) -> list[int]:
+    """Per group of two ranks, one document longer than a rank's share (24 of 40 tokens)
+    and short ones: each fits a group whole (``schedules.assign.plan``)."""
+    return [24, 1, 3, 0, 2, 5, 1, 4] * groups
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_documents_cut_within_groups_of_ranks(mesh, name):
+    """With room in groups of two ranks, each long document is cut over its group only:
+    exact per document, its K/V travel inside the group, as describe() says; every rank
+    stays within the tolerance. Three ranks (no group size divides them) cut over all."""
+    p = mesh.size()
+    problem = make_packed(grouped_lengths(max(p // 2, 1)), h=4, h_kv=2, causal=True,
+                          slack=[0, 1, 0, 2, 0, 0, 1, 0] * max(p // 2, 1))
+    sched = schedules.get(name, mesh, partition=Documents(tolerance=0.2))
+    local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+    grouped = p >= 4 and p % 2 == 0
+    first, size = local.group
+    assert (first, size) == ((mesh.rank // 2 * 2, 2) if grouped else (0, p))
+    assert max(local.assignment.imbalance) <= 1.2 + 1e-9
+    assert_packed_matches(problem, run_packed(sched, problem, local=True))
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
+    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
+    assert_bytes(d, forward, backward, sched.group)
+    if grouped:
+        assert f"cut over ranks {first}-{first + 1}" in d.notes
+
+
 def test_unshard_of_uneven_parts_is_differentiable(mesh):
     """unshard(shard(x)) is x (zero in the global padding slots); the gradient of the full
     result reaches this rank's tokens only."""
@@ -141,6 +170,20 @@ def test_hybrid_outer(meshes, shape, inner, outer):  # noqa: F811
     assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
     local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
     assert torch.equal(local.position_ids, local.shard(global_positions(problem)))
+
+
+@shapes
+def test_hybrid_outer_cuts_within_groups_of_outer_ranks(meshes, shape):  # noqa: F811
+    """With room in groups of two outer ranks, the outer ring cuts each long document over
+    its group of the outer line only (rank (i, o) with o's pair)."""
+    pi, po = shape
+    lengths = grouped_lengths(max(po // 2, 1))
+    problem = make_packed(lengths, h=2 * pi, h_kv=pi, causal=True)
+    sched = schedules.get("hybrid", meshes(shape), inner="ulysses", outer="ring",
+                          partition=Documents(tolerance=0.2))
+    assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
+    outer = sched.outer.split(problem.cu_seqlens, None, "cpu")
+    assert outer.group_size == (2 if po >= 4 and po % 2 == 0 else po)
 
 
 def test_dense_sequences_split_as_load_balanced(mesh):
