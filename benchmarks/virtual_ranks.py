@@ -227,6 +227,15 @@ def kind_of(kernel: str) -> str:
 
 
 # ---- rows -------------------------------------------------------------------------------
+def partition_of(text: str):
+    """A partition from its name and options: "documents:groups=False" is
+    ``Documents(groups=False)``."""
+    from schedules import partition
+
+    name, options = impl_options(text)
+    return type(partition.get(name))(**options) if options else partition.get(name)
+
+
 def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dict:
     """The row of ``schedule`` on ``parts`` virtual ranks: each rank recorded, then timed
     alone and checked; the slowest kept."""
@@ -241,7 +250,7 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
             box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
             start = time.monotonic()
             scheds = virtual_schedules(name, parts, inputs[0].device, box, cu,
-                                       partition=partition, **options)
+                                       partition=partition_of(partition), **options)
             try:
                 reports = record(args, scheds, inputs, cu, box, problem if runs == 0 else None)
             except torch.OutOfMemoryError:
@@ -379,7 +388,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=common.int_list, default=[2, 4, 8])
     p.add_argument("--batches", default="a,b,c,d")
-    p.add_argument("--partitions", default="documents,load_balanced")
+    p.add_argument("--partitions", default="documents,load_balanced",
+                   help="partitions, each with options (documents:groups=False)")
     p.add_argument("--schedules", default="ring",
                    help="ring, allgather, or several (comma), each with options "
                         "(ring:grad_dtype=input)")

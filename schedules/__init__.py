@@ -40,9 +40,17 @@ def options(name: str) -> list[str]:
     return sorted(_keywords(_class(name))[0])
 
 
-def option_value(text: str) -> int | str:
-    """An option's value given as text: an int where it is one, else the text."""
-    return int(text) if text.lstrip("-").isdigit() else text
+def option_value(text: str) -> int | float | bool | str:
+    """An option's value given as text: an int, a float or True/False where it is one, else
+    the text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def get(name: str, mesh: Mesh | None = None, **options) -> Schedule:

@@ -127,18 +127,19 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
         cut.add(whole[0])
 
 
-def plan(lengths, parts: int, *, tolerance: float = 0.05,
+def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
          token_pairs: float = TOKEN_PAIRS) -> Assignment:
-    """``assign``'s plan, or the one of the fewest ranks per group (``_grouped``) where that
-    cuts nothing across groups and keeps every rank within ``tolerance`` (pure, cached)."""
-    return _plan(tuple(int(n) for n in lengths), parts, tolerance, token_pairs)
+    """``assign``'s plan, or (with ``groups``) the one of the fewest ranks per group
+    (``_grouped``) where that cuts nothing across groups and keeps every rank within
+    ``tolerance`` (pure, cached)."""
+    return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs)
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(lengths: tuple[int, ...], parts: int, tolerance: float,
+def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
           token_pairs: float) -> Assignment:
     flat = _assign(lengths, parts, tolerance, token_pairs)
-    if not flat.cut:
+    if not (flat.cut and groups):
         return flat
     for size in range(2, parts):
         if parts % size == 0:

@@ -22,10 +22,11 @@ REFERENCE_HEADS, REFERENCE_HEAD_DIM = 32, 128
 
 
 def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str = "auto",
-                     path=TABLE) -> tuple[str, str]:
-    """("documents" | "load_balanced", why) for a packed batch of document ``lengths``; pure."""
+                     path=TABLE, groups: bool = True) -> tuple[str, str]:
+    """("documents" | "load_balanced", why) for a packed batch of document ``lengths``
+    (``tolerance`` and ``groups`` of ``partition.Documents``); pure."""
     parts = schedule.size
-    chosen = plan(lengths, parts, tolerance=tolerance)
+    chosen = plan(lengths, parts, tolerance=tolerance, groups=groups)
     if not chosen.cut:
         return "documents", "no document needs cutting: every one stays whole, nothing travels"
     try:

@@ -37,7 +37,8 @@ class DocumentSplit:
         cu = torch.tensor(self.cu_seqlens)
         lengths = cu.diff()
         starts = torch.tensor(self.cu_seqlens_padded or self.cu_seqlens)[:-1]
-        assignment = plan(lengths.tolist(), self.parts, tolerance=self.partition.tolerance)
+        assignment = plan(lengths.tolist(), self.parts, tolerance=self.partition.tolerance,
+                          groups=self.partition.groups)
         size = assignment.group_size
         cut_docs, cuts = {}, {}
         for group in range(self.parts // size):

@@ -100,23 +100,29 @@ class LoadBalanced(Partition):
 
 class Documents(LoadBalanced):
     """Packed batches: documents whole where that balances the ranks, the others cut as
-    ``load_balanced`` (``schedules.assign``, within ``tolerance`` of the mean)."""
+    ``load_balanced`` (``schedules.assign``, within ``tolerance`` of the mean), over a group
+    of ranks where they fit one (``groups``; False: over every rank)."""
 
     name = "documents"
 
-    def __init__(self, tolerance: float = 0.05):
+    def __init__(self, tolerance: float = 0.05, groups: bool = True):
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) \
                 or not tolerance >= 0:
             raise ValueError(f"tolerance={tolerance!r} must be a number >= 0 (0.05: a rank may "
                              f"hold 5% more tokens or work than the mean)")
-        self.tolerance = float(tolerance)
+        if not isinstance(groups, bool):
+            raise ValueError(f"groups={groups!r} must be True (cut documents over a group of "
+                             f"ranks where they fit one) or False (over every rank)")
+        self.tolerance, self.groups = float(tolerance), groups
 
     @property
     def key(self):
-        return (self.name, self.tolerance)
+        return (self.name, self.tolerance, self.groups)
 
     def __repr__(self) -> str:
-        return self.name if self.tolerance == 0.05 else f"{self.name}(tolerance={self.tolerance})"
+        options = [f"tolerance={self.tolerance}"] * (self.tolerance != 0.05)
+        options += ["groups=False"] * (not self.groups)
+        return f"{self.name}({', '.join(options)})" if options else self.name
 
 
 class Auto(Documents):

@@ -73,7 +73,8 @@ class WholeDocuments:
         if key not in choices:
             lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
             choices[key] = packed_partition(self, lengths, self.partition.tolerance,
-                                            getattr(self, "transport", "auto"))
+                                            getattr(self, "transport", "auto"),
+                                            groups=self.partition.groups)
             while len(choices) > 4:
                 choices.popitem(last=False)
         return choices[key]

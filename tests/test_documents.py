@@ -252,9 +252,26 @@ def test_hybrid_kernel_calls_are_its_outer_rings(inner):
     assert sched.kernel_calls(plan.spec) == sched.outer.size == 2
 
 
-def test_bad_tolerance():
+def test_bad_tolerance_or_groups():
     with pytest.raises(ValueError, match=r"tolerance=-1 must be a number >= 0"):
         Documents(tolerance=-1)
+    with pytest.raises(ValueError, match=r"groups='no' must be True .* or False"):
+        Documents(groups="no")
+
+
+def test_groups_false_cuts_over_every_rank():
+    """``Documents(groups=False)``: the plan is ``assign``'s, a split's one group every rank;
+    the option is part of the partition's identity and its repr."""
+    lengths = [24, 1, 3, 2, 5, 1, 4] * 2
+    assert plan(lengths, 4, groups=False) == assign(lengths, 4)
+    split = split_of(lengths, 4, tolerance=0.2)
+    flat = DocumentSplit(Documents(0.2, groups=False), 4, split.cu_seqlens, None,
+                         torch.device("cpu"))
+    assert (split.group_size, flat.group_size) == (2, 4)
+    assert [flat.part(r).group for r in range(4)] == [(0, 4)] * 4
+    assert [split.part(r).group for r in range(4)] == [(0, 2), (0, 2), (2, 2), (2, 2)]
+    assert Documents(groups=False) != Documents()
+    assert repr(Documents(0.2, groups=False)) == "documents(tolerance=0.2, groups=False)"
 
 
 @pytest.mark.parametrize("partition", ["documents", "auto"])
