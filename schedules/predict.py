@@ -58,11 +58,22 @@ def call_length(plan, spec) -> int:
 def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
     """(keys per call, relative work) of each document in a rank's calls of a packed batch."""
     lengths = [n for _, n in spec.sequences()]
-    assignment = getattr(plan.local.packing, "assignment", None)
-    owner = assignment.owner if assignment is not None else [CUT] * len(lengths)
-    mine = plan.local.packing.rank if assignment is not None else None
-    return [(n, n * n) if o == mine else (max(n // blocks, 1), n * n / blocks)
-            for n, o in zip(lengths, owner) if o in (mine, CUT)]
+    packing = plan.local.packing
+    assignment = getattr(packing, "assignment", None)
+    if assignment is None:
+        return [(max(n // blocks, 1), n * n / blocks) for n in lengths]
+    first, size = packing.group  # its cut documents meet the blocks of its group's ranks
+    blocks = max(blocks * size // packing.parts, 1)
+    cut = set(assignment.cut_in(first // size))
+    return [(n, n * n) if o == packing.rank else (max(n // blocks, 1), n * n / blocks)
+            for i, (n, o) in enumerate(zip(lengths, assignment.owner))
+            if o == packing.rank or i in cut]
+
+
+def _in_groups(plan) -> bool:
+    """Whether the rank's cut documents are split over a group of its ranks (p2p)."""
+    packing = plan.local.packing
+    return hasattr(packing, "group") and packing.group[1] < packing.parts
 
 
 def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",
@@ -75,6 +86,8 @@ def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",
              packed=spec.layout.is_varlen)
     compute = flops / r.value
     transfers, link = 0.0, None
+    if _in_groups(plan):  # a group's ring moves by p2p (``schedules.whole``)
+        transport = "p2p"
     for dim in dims_of(plan):
         seconds, link = transfer_seconds(dim, overlap(dim), compute, backward, transport, path) \
             if dim.bytes_received or backward and dim.backward_bytes_received else (0.0, link)
