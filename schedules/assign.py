@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import math
 
-CUT = -1  # the owner of a document cut over every rank
+CUT = -1  # the owner of a cut document (split over the ranks of its group)
 
 
 @dataclasses.dataclass(frozen=True)
