@@ -62,8 +62,7 @@ def _seconds(schedule, pairs: float, length: int, ring_tokens: int, kernel: str,
                          q_len=tokens, kv_len=tokens, head_dim=REFERENCE_HEAD_DIM,
                          dtype=torch.bfloat16, causal=True)
     twin = schedule.twin((schedule.index // size * size, size))
-    if size != schedule.size:
-        transport = "p2p"  # a group's ring moves by p2p (``WholeDocuments.twin``)
+    transport = getattr(twin, "transport", transport)  # a group's ring: p2p
     d = twin.describe(spec)
     return compute + transfer_seconds(d, overlap_of(type(twin)), compute, True, transport,
                                       path)[0]

@@ -105,10 +105,11 @@ class WholeDocuments:
         """``twin(group)`` about to run: it takes this schedule's communicator (of its group)."""
         twin = self.twin(group)
         if self.mesh is not None and "comm" not in twin.__dict__:
-            whole = twin.mesh is self.mesh
-            twin.__dict__["comm"] = self.comm if whole else self.comm.line(*group)
-            for device, mover in ({} if whole else self._movers).items():
-                twin._movers[device] = mover.over(twin.comm)
+            if twin.mesh is self.mesh:
+                twin.__dict__["comm"] = self.comm
+            else:
+                twin.__dict__["comm"] = self.comm.line(*group)
+                twin._movers = {device: m.over(twin.comm) for device, m in self._movers.items()}
         return twin
 
     def validate(self, spec):
