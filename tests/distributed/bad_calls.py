@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import schedules
 import sdpa_fusion
+from schedules.partition import Documents
 from schedules.ring import Ring
 from sdpa_fusion.kernels import register
 from sdpa_fusion.kernels.reference import ReferenceKernel
@@ -339,6 +340,10 @@ BUILDS = [
          r"transport='pigeon' is not known", schedule="allgather"),
     Case("get_dim_unknown", build("ring", lambda p: dict(dim="heads")), r"mesh has no dim 'heads'"),
     Case("get_partition_differs", build("ring", lambda p: dict(partition="contiguous")),
+         r"schedules.get needs the same call on every rank .* differ in schedule.partition \(",
+         all_error=False),
+    Case("get_documents_groups_differ",
+         build("ring", lambda p: dict(partition=Documents(groups=False))),
          r"schedules.get needs the same call on every rank .* differ in schedule.partition \(",
          all_error=False),
 ]
