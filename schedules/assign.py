@@ -20,14 +20,21 @@ work / mean work) the least. While some rank exceeds (1 + tolerance) x the mean,
 whole document is cut too and the rest placed again. Without the per-token term, batch (c)
 of ``benchmarks.virtual_ranks`` cut all six long documents; by time only two need cutting.
 
-``plan`` cuts over fewer ranks where it can: when the documents fit whole into groups of g
-consecutive ranks (``assign`` over P / g groups cuts none), each group is assigned on its
-own and its cut documents are split over its g ranks only, their K/V travelling inside it,
-kept where every rank stays within the tolerance of the batch's mean:
+``plan`` cuts each document over as few ranks as it can, level by level: the ranks are
+halves (or thirds, ... by the smallest factor of their number), and ``assign`` over the
+halves says which documents fit one half whole; the others are cut over every rank of the
+level, and each half is planned the same way with its documents, the cut documents' shares
+counted as already there. A document is thus cut over every rank, a half, a quarter, ...,
+its K/V travelling inside those ranks only; the plan is kept where every rank stays within
+the tolerance of the batch's mean (else ``assign``'s, every cut document over every rank):
 
-    P = 4, two documents longer than a rank's share and many short ones
-    assign over 4 ranks:  both cut over ranks 0-3, three of every four blocks travel
-    plan, groups of 2:    one cut over ranks 0-1, the other over ranks 2-3, one block travels
+    P = 4, one document with 61% of the work, one with 38%, many short ones (batch d)
+    assign over 4 ranks:   the first cut over ranks 0-3; the second whole on rank 0, which
+                           then holds 4.3% more work than the mean (the others' tokens are
+                           at the bound)
+    plan:                  the first cut over ranks 0-3, the second over ranks 0-1 (it does
+                           not fit rank 0 beside its share of the first): every rank within
+                           0.6% of the mean
 """
 
 from __future__ import annotations
@@ -37,37 +44,45 @@ import functools
 import math
 
 CUT = -1  # the owner of a cut document (split over the ranks of its group)
+Group = tuple  # (first rank, ranks): the consecutive ranks a cut document is split over
 
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """The owner rank of every document (``CUT``: split over the ranks of its group) and each
-    rank's ``tokens`` and ``work`` (cut documents as their even shares). Groups are the runs
-    of ``group_size`` consecutive ranks (one group of every rank by default); ``group`` names
-    every document's."""
+    """The owner rank of every document (``CUT``: split over the ranks ``over`` names) and
+    each rank's ``tokens`` and ``work`` (cut documents as their even shares over their
+    ranks). ``over`` defaults to every rank for each cut document."""
 
     lengths: tuple[int, ...]
     parts: int
     owner: tuple[int, ...]
     tokens: tuple[float, ...]
     work: tuple[float, ...]
-    group_size: int = 0  # 0: every rank
-    group: tuple[int, ...] = ()  # (): every document in group 0
+    over: tuple[Group, ...] = ()  # per document: (first, ranks) it is cut over; (r, 1) whole
 
     def __post_init__(self):
-        if not self.group_size:
-            object.__setattr__(self, "group_size", self.parts)
-        if not self.group:
-            object.__setattr__(self, "group", (0,) * len(self.lengths))
+        if not self.over:
+            object.__setattr__(self, "over", tuple((0, self.parts) if o == CUT else (o, 1)
+                                                   for o in self.owner))
 
     @property
     def cut(self) -> tuple[int, ...]:
         """Indices of the cut documents, in batch order."""
         return tuple(i for i, o in enumerate(self.owner) if o == CUT)
 
-    def cut_in(self, group: int) -> tuple[int, ...]:
-        """Indices of the documents cut over the ranks of ``group``, in batch order."""
-        return tuple(i for i in self.cut if self.group[i] == group)
+    def cut_over(self, group: Group) -> tuple[int, ...]:
+        """Indices of the documents cut over the ranks ``group``, in batch order."""
+        return tuple(i for i in self.cut if self.over[i] == tuple(group))
+
+    @functools.cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """The groups of ranks some document is cut over, most ranks first, then by rank."""
+        return tuple(sorted({self.over[i] for i in self.cut}, key=lambda g: (-g[1], g[0])))
+
+    def groups_of(self, rank: int) -> tuple[Group, ...]:
+        """The groups ``rank`` is in that cut some document, most ranks first (its rows'
+        order: whole documents, then each group's cut packing)."""
+        return tuple(g for g in self.groups if g[0] <= rank < g[0] + g[1])
 
     def whole(self, rank: int) -> tuple[int, ...]:
         """Indices of the documents ``rank`` holds whole, in batch order."""
@@ -104,14 +119,23 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
     if parts < 1 or any(n < 0 for n in lengths):
         raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
     works = tuple(work(n, token_pairs) for n in lengths)
-    mean_tokens, mean_work = sum(lengths) / parts, sum(works) / parts
+    owner, tokens, loads = _owners(lengths, works, parts, tolerance)
+    return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads))
+
+
+def _owners(lengths, works, parts, tolerance, base=(0.0, 0.0)):
+    """(owner, tokens, work) of ``assign``'s rule over ``parts`` bins that each hold ``base``
+    (tokens, work) already (the shares of documents cut at an outer level of ``plan``)."""
+    mean_tokens = base[0] + sum(lengths) / parts
+    mean_work = base[1] + sum(works) / parts
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     cut = {i for i in order
            if parts > 1 and (lengths[i] > mean_tokens or works[i] > mean_work)}
     limit = 1.0 + tolerance
     while True:
         whole = [i for i in order if i not in cut]
-        shared = (sum(lengths[i] for i in cut) / parts, sum(works[i] for i in cut) / parts)
+        shared = (base[0] + sum(lengths[i] for i in cut) / parts,
+                  base[1] + sum(works[i] for i in cut) / parts)
         # the largest whole document past the bound on any rank, with the cut documents'
         # shares alone (by more than rounding): placing them all could only end in cutting it
         if whole and (shared[0] + lengths[whole[0]] > limit * mean_tokens + 1e-6
@@ -123,15 +147,15 @@ def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
         balanced = (max(tokens) <= limit * mean_tokens + 1e-9
                     and max(loads) <= limit * mean_work + 1e-9)
         if balanced or not whole:
-            return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads))
+            return owner, tokens, loads
         cut.add(whole[0])
 
 
 def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
          token_pairs: float = TOKEN_PAIRS) -> Assignment:
-    """``assign``'s plan, or (with ``groups``) the one of the fewest ranks per group
-    (``_grouped``) where that cuts nothing across groups and keeps every rank within
-    ``tolerance`` (pure, cached)."""
+    """``assign``'s plan when it cuts nothing or ``groups`` is False; else each document cut
+    over as few ranks as the levels allow (``_nested``), where that keeps every rank within
+    ``tolerance`` of the mean (pure, cached)."""
     return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs)
 
 
@@ -139,37 +163,52 @@ def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
 def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
           token_pairs: float) -> Assignment:
     flat = _assign(lengths, parts, tolerance, token_pairs)
-    if not (flat.cut and groups):
+    if not (flat.cut and groups) or _factor(parts) == parts:
         return flat
-    for size in range(2, parts):
-        if parts % size == 0:
-            grouped = _grouped(lengths, parts, size, tolerance, token_pairs)
-            if grouped is not None:
-                return grouped
-    return flat
-
-
-def _grouped(lengths, parts, size, tolerance, token_pairs) -> Assignment | None:
-    """Documents whole to groups of ``size`` ranks, then each group's assigned over its ranks;
-    None when a document must be cut across groups or a rank exceeds the tolerance."""
-    top = _assign(lengths, parts // size, tolerance, token_pairs)
-    if top.cut:
-        return None
-    owner, group = [CUT] * len(lengths), [0] * len(lengths)
-    tokens, loads = [], []
-    for g in range(parts // size):
-        docs = top.whole(g)
-        inner = _assign(tuple(lengths[i] for i in docs), size, tolerance, token_pairs)
-        for i, o in zip(docs, inner.owner):
-            owner[i], group[i] = (CUT if o == CUT else g * size + o), g
-        tokens += inner.tokens
-        loads += inner.work
+    nested = _nested(lengths, parts, tolerance, token_pairs)
     limit = 1.0 + tolerance
-    if (max(tokens) > limit * sum(tokens) / parts + 1e-9
-            or max(loads) > limit * sum(loads) / parts + 1e-9):
-        return None
-    return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads), size,
-                      tuple(group))
+    if (max(nested.tokens) > limit * sum(nested.tokens) / parts + 1e-9
+            or max(nested.work) > limit * sum(nested.work) / parts + 1e-9):
+        return flat
+    return nested
+
+
+def _nested(lengths, parts, tolerance, token_pairs) -> Assignment:
+    """Level by level: ``_owners`` over the f groups of a level (f the smallest factor of
+    its ranks) cuts what fits none whole over the level's ranks; each group is planned the
+    same way with the documents it holds, the level's cut shares its base."""
+    works = tuple(work(n, token_pairs) for n in lengths)
+    owner, over = [0] * len(lengths), [(0, 1)] * len(lengths)  # empty documents: rank 0
+    levels = [(tuple(i for i, n in enumerate(lengths) if n), 0, parts, (0.0, 0.0))]
+    while levels:
+        docs, first, size, base = levels.pop()
+        if size == 1:
+            for i in docs:
+                owner[i], over[i] = first, (first, 1)
+            continue
+        f = _factor(size)
+        sub = size // f
+        bins, _, _ = _owners([lengths[i] for i in docs], [works[i] for i in docs], f,
+                             tolerance, (base[0] * sub, base[1] * sub))
+        cut = [i for i, b in zip(docs, bins) if b == CUT]
+        for i in cut:
+            owner[i], over[i] = CUT, (first, size)
+        base = (base[0] + sum(lengths[i] for i in cut) / size,
+                base[1] + sum(works[i] for i in cut) / size)
+        for b in range(f):
+            levels.append((tuple(i for i, o in zip(docs, bins) if o == b), first + b * sub,
+                           sub, base))
+    tokens, loads = [0.0] * parts, [0.0] * parts
+    for i, (first, size) in enumerate(over):
+        for r in range(first, first + size):
+            tokens[r] += lengths[i] / size
+            loads[r] += works[i] / size
+    return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads), tuple(over))
+
+
+def _factor(n: int) -> int:
+    """The smallest factor of ``n`` above 1 (``n`` itself when prime; 1 for 1)."""
+    return next((f for f in range(2, math.isqrt(n) + 1) if n % f == 0), n)
 
 
 def _place(lengths, works, parts, order, cut, shared, mean_tokens, mean_work):

@@ -14,7 +14,7 @@ import torch
 
 from sdpa_fusion.spec import FORWARD_AND_BACKWARD, AttentionSpec
 
-from .assign import CUT, plan
+from .assign import plan
 from .figures import TABLE, auto_kernel, rate, transfer_seconds
 from .overlap import overlap_of
 
@@ -31,14 +31,10 @@ def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str 
         return "documents", "no document needs cutting: every one stays whole, nothing travels"
     try:
         kernel = auto_kernel(REFERENCE_HEAD_DIM, True, path)
-        size = chosen.group_size
-        whole = [n for n, o in zip(lengths, chosen.owner) if o != CUT]
-        longest_cut = max(lengths[i] for i in chosen.cut)
-        ring_tokens = max(sum(lengths[i] for i in chosen.cut_in(g)) for g in range(parts // size))
-        documents = _seconds(schedule, max(chosen.work), max([*whole, longest_cut // size]),
-                             ring_tokens, kernel, transport, path, size)
+        documents = max(_rank_seconds(schedule, chosen, r, lengths, kernel, transport, path)
+                        for r in range(parts))
         balanced = _seconds(schedule, sum(chosen.work) / parts, max(lengths) // parts,
-                            sum(lengths), kernel, transport, path)
+                            [((0, parts), sum(lengths))], kernel, transport, path)
     except ValueError as e:
         return "documents", f"the cost model has no figures ({e}); whole documents move least"
     name = "documents" if documents <= balanced else "load_balanced"
@@ -48,21 +44,34 @@ def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str 
                   f"{REFERENCE_HEAD_DIM}, {kernel})")
 
 
-def _seconds(schedule, pairs: float, length: int, ring_tokens: int, kernel: str,
-             transport: str, path, size: int | None = None) -> float:
-    """Predicted fwd+bwd seconds of the slowest rank: ``pairs`` of work beside a ring of
-    ``size`` ranks (all by default) on ``ring_tokens`` tokens."""
+def _rank_seconds(schedule, chosen, rank: int, lengths, kernel, transport, path) -> float:
+    """Predicted fwd+bwd seconds of ``rank`` under the plan ``chosen``: its work, in calls
+    as long as its longest whole document or cut share, beside the rings of its groups."""
+    rings = [(g, sum(lengths[i] for i in chosen.cut_over(g))) for g in chosen.groups_of(rank)]
+    longest = max([*(lengths[i] for i in chosen.whole(rank)),
+                   *(max(lengths[i] for i in chosen.cut_over(g)) // g[1] for g, _ in rings)],
+                  default=1)
+    return _seconds(schedule, chosen.work[rank], longest, rings, kernel, transport, path)
+
+
+def _seconds(schedule, pairs: float, length: int, rings, kernel: str, transport: str,
+             path) -> float:
+    """Predicted fwd+bwd seconds of a rank: ``pairs`` of work beside a ring over each
+    (group of ranks, tokens) of ``rings``, each hiding behind its share of the compute."""
     flops = 4.0 * REFERENCE_HEADS * REFERENCE_HEAD_DIM * pairs * FORWARD_AND_BACKWARD
     compute = flops / rate(kernel, REFERENCE_HEAD_DIM, True, "fwd+bwd", max(length, 1),
                            path).value
-    size = size or schedule.size
-    multiple = 2 * size
-    tokens = -(-ring_tokens // multiple) * multiple
-    spec = AttentionSpec(batch=1, heads=REFERENCE_HEADS, kv_heads=REFERENCE_HEADS,
-                         q_len=tokens, kv_len=tokens, head_dim=REFERENCE_HEAD_DIM,
-                         dtype=torch.bfloat16, causal=True)
-    twin = schedule.twin((schedule.index // size * size, size))
-    transport = getattr(twin, "transport", transport)  # a group's ring: p2p
-    d = twin.describe(spec)
-    return compute + transfer_seconds(d, overlap_of(type(twin)), compute, True, transport,
-                                      path)[0]
+    seconds = compute
+    for (_, size), ring_tokens in rings:
+        multiple = 2 * size
+        tokens = -(-ring_tokens // multiple) * multiple
+        spec = AttentionSpec(batch=1, heads=REFERENCE_HEADS, kv_heads=REFERENCE_HEADS,
+                             q_len=tokens, kv_len=tokens, head_dim=REFERENCE_HEAD_DIM,
+                             dtype=torch.bfloat16, causal=True)
+        # a ring's cost is the same on each of its ranks: that of this rank's group of its
+        # size (groups of a size start at its multiples: ``assign.plan``)
+        twin = schedule.twin((schedule.index // size * size, size))
+        ring_transport = getattr(twin, "transport", transport)  # a group's ring: p2p
+        seconds += transfer_seconds(twin.describe(spec), overlap_of(type(twin)),
+                                    compute / len(rings), True, ring_transport, path)[0]
+    return seconds

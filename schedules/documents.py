@@ -1,9 +1,10 @@
 """A packed batch split by whole documents (partition ``documents``): each rank's tokens.
 
-``schedules.assign`` gives some documents whole to one rank and cuts the others, which form
-the "cut packing" of their group of ranks (every rank, or a run of them: ``assign.plan``),
-split load-balanced over the group (``packing.Split``). Rank r stores its whole documents
-first, in batch order, then its part of its group's cut packing; only that part travels:
+``schedules.assign`` gives some documents whole to one rank and cuts the others over a group
+of ranks (every rank, a half, a quarter, ...: ``assign.plan``); the documents cut over one
+group form its "cut packing", split load-balanced over the group (``packing.Split``). Rank r
+stores its whole documents first, in batch order, then its part of each cut packing of its
+groups, most ranks first; only those parts travel:
 
     documents a (2 tokens), b (8), c (3), d (1), P = 2; b is cut, chunks of 2
     rank 0   c0 c1 c2 | b0 b1 b6 b7          cu_seqlens        [0, 3, 7]
@@ -39,14 +40,12 @@ class DocumentSplit:
         starts = torch.tensor(self.cu_seqlens_padded or self.cu_seqlens)[:-1]
         assignment = plan(lengths.tolist(), self.parts, tolerance=self.partition.tolerance,
                           groups=self.partition.groups)
-        size = assignment.group_size
         cut_docs, cuts = {}, {}
-        for group in range(self.parts // size):
-            docs = torch.tensor(assignment.cut_in(group), dtype=torch.long)
-            if len(docs):
-                cut_cu = (0, *torch.cumsum(lengths[docs], 0).tolist())
-                cut_docs[group] = docs
-                cuts[group] = Split(LoadBalanced(), size, cut_cu, None, self.device)
+        for group in assignment.groups:
+            docs = torch.tensor(assignment.cut_over(group), dtype=torch.long)
+            cut_docs[group] = docs
+            cuts[group] = Split(LoadBalanced(), group[1], (0, *torch.cumsum(lengths[docs], 0)
+                                                           .tolist()), None, self.device)
         key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
         fields = dict(lengths=lengths, starts=starts, assignment=assignment, cuts=cuts,
                       cut_docs=cut_docs, key=key, key_hash=hash(key))
@@ -56,26 +55,21 @@ class DocumentSplit:
 
     total_tokens = Split.total_tokens
 
-    @property
-    def group_size(self) -> int:
-        """The ranks of a group, over which its cut documents are split."""
-        return self.assignment.group_size
-
-    def cut(self, rank: int) -> Split | None:
-        """The split of the cut packing of ``rank``'s group (None when it cuts nothing)."""
-        return self.cuts.get(rank // self.group_size)
+    def cuts_of(self, rank: int) -> list[tuple[tuple[int, int], Split]]:
+        """(group, split of its cut packing) of every group of ``rank`` that cuts a
+        document, in the order of the rank's rows."""
+        return [(g, self.cuts[g]) for g in self.assignment.groups_of(rank)]
 
     def cut_tokens(self, rank: int) -> int:
-        """Tokens ``rank`` stores of its group's cut packing (padding included)."""
-        cut = self.cut(rank)
-        return 0 if cut is None else cut.tokens
+        """Tokens ``rank`` stores of its groups' cut packings (padding included)."""
+        return sum(cut.tokens for _, cut in self.cuts_of(rank))
 
     def whole(self, rank: int) -> torch.Tensor:
         """The documents ``rank`` holds whole, in batch order (host)."""
         return torch.tensor(self.assignment.whole(rank), dtype=torch.long)
 
     def tokens_of(self, rank: int) -> int:
-        """Tokens ``rank`` stores: its whole documents' and its part of the cut packing."""
+        """Tokens ``rank`` stores: its whole documents' and its parts of the cut packings."""
         return int(self.lengths[self.whole(rank)].sum()) + self.cut_tokens(rank)
 
     @functools.cached_property
@@ -92,34 +86,33 @@ class DocumentSplit:
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part: whole documents, then cut ones."""
         whole = torch.cumsum(self.lengths[self.whole(rank)], 0).tolist()
-        base = whole[-1] if whole else 0
-        cut = self.cut(rank)
-        if cut is None:
-            return (0, *whole), (0, *whole)
-        cut_cu, cut_padded = cut.part_packing(rank % self.group_size)
-        return ((0, *whole, *(base + n for n in cut_cu[1:])),
-                (0, *whole, *(base + n for n in cut_padded[1:])))
+        cu, padded = [0, *whole], [0, *whole]
+        for (first, _), cut in self.cuts_of(rank):
+            cut_cu, cut_padded = cut.part_packing(rank - first)
+            cu += [cu[-1] + n for n in cut_cu[1:]]
+            padded += [padded[-1] + n for n in cut_padded[1:]]
+        return tuple(cu), tuple(padded)
 
     def rows(self, rank: int) -> torch.Tensor:
         """Row of each of ``rank``'s tokens in the global packed tensor (-1: padding), host."""
         docs = self.whole(rank)
         n = self.lengths[docs]
         first = torch.repeat_interleave(self.starts[docs] - (torch.cumsum(n, 0) - n), n)
-        whole = first + torch.arange(int(n.sum()))
-        cut, i = self.cut(rank), rank % self.group_size
-        if cut is None:
-            return whole
-        rows = self.starts[self.cut_docs[rank // self.group_size]][cut.seq] + cut.positions[i]
-        return torch.cat([whole, torch.where(cut.real[i], rows, -1)])
+        parts = [first + torch.arange(int(n.sum()))]
+        for group, cut in self.cuts_of(rank):
+            i = rank - group[0]
+            rows = self.starts[self.cut_docs[group]][cut.seq] + cut.positions[i]
+            parts.append(torch.where(cut.real[i], rows, -1))
+        return torch.cat(parts)
 
     def positions(self, rank: int) -> torch.Tensor:
         """Position of each of ``rank``'s tokens inside its document (0 for padding), host."""
         n = self.lengths[self.whole(rank)]
-        whole = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        cut, i = self.cut(rank), rank % self.group_size
-        if cut is None:
-            return whole
-        return torch.cat([whole, torch.where(cut.real[i], cut.positions[i], 0)])
+        parts = [torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)]
+        for (first, _), cut in self.cuts_of(rank):
+            i = rank - first
+            parts.append(torch.where(cut.real[i], cut.positions[i], 0))
+        return torch.cat(parts)
 
     def part(self, rank: int) -> "DocumentPacking":
         """Rank ``rank``'s view (made once)."""
@@ -140,7 +133,7 @@ class DocumentSplit:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DocumentPacking(LocalPacking):
     """One rank's part under partition ``documents``: its whole documents (``whole_tokens``
-    rows), then its part of the cut packing (``cut``, or None)."""
+    rows), then its part of each of its groups' cut packings (``cuts``)."""
 
     @functools.cached_property
     def tokens(self) -> int:
@@ -161,17 +154,15 @@ class DocumentPacking(LocalPacking):
         """Rows of the whole documents (the first rows of the local part)."""
         return sum(self.whole_lengths)
 
-    @property
-    def cut(self) -> LocalPacking | None:
-        """This rank's part of its group's cut packing (its last rows), or None."""
-        cut = self.split.cut(self.rank)
-        return None if cut is None else cut.part(self.rank % self.split.group_size)
-
-    @property
-    def group(self) -> tuple[int, int]:
-        """(first rank, ranks) of the group this rank's cut documents are split over."""
-        size = self.split.group_size
-        return self.rank // size * size, size
+    @functools.cached_property
+    def cuts(self) -> tuple[tuple[tuple[int, int], slice, LocalPacking], ...]:
+        """(group, its rows here, this rank's part of its cut packing) of every group of
+        this rank that cuts a document, in row order (after the whole documents)."""
+        out, start = [], self.whole_tokens
+        for group, cut in self.split.cuts_of(self.rank):
+            out.append((group, slice(start, start + cut.tokens), cut.part(self.rank - group[0])))
+            start += cut.tokens
+        return tuple(out)
 
     @property
     def longest_share(self) -> int:
@@ -209,9 +200,8 @@ class DocumentPacking(LocalPacking):
         return torch.cat([t, pad])
 
     def __repr__(self) -> str:
-        first, size = self.group
-        cut = len(self.assignment.cut_in(first // size))
-        over = "" if size == self.parts else f" over ranks {first}-{first + size - 1}"
+        cuts = ", ".join(f"{len(self.assignment.cut_over(g))} cut over ranks {g[0]}-"
+                         f"{g[0] + g[1] - 1}" for g, _, _ in self.cuts) or "none cut"
         return (f"DocumentPacking(rank {self.rank} of {self.parts}, "
-                f"{len(self.whole_lengths)} whole documents, {cut} cut{over}, {self.tokens} of "
+                f"{len(self.whole_lengths)} whole documents, {cuts}, {self.tokens} of "
                 f"{self.total_tokens} tokens)")

@@ -100,8 +100,9 @@ class LoadBalanced(Partition):
 
 class Documents(LoadBalanced):
     """Packed batches: documents whole where that balances the ranks, the others cut as
-    ``load_balanced`` (``schedules.assign``, within ``tolerance`` of the mean), over a group
-    of ranks where they fit one (``groups``; False: over every rank)."""
+    ``load_balanced`` (``schedules.assign``, within ``tolerance`` of the mean), each over as
+    few ranks as fit it: every rank, a half, a quarter, ... (``groups``; False: over every
+    rank)."""
 
     name = "documents"
 
@@ -111,8 +112,8 @@ class Documents(LoadBalanced):
             raise ValueError(f"tolerance={tolerance!r} must be a number >= 0 (0.05: a rank may "
                              f"hold 5% more tokens or work than the mean)")
         if not isinstance(groups, bool):
-            raise ValueError(f"groups={groups!r} must be True (cut documents over a group of "
-                             f"ranks where they fit one) or False (over every rank)")
+            raise ValueError(f"groups={groups!r} must be True (cut each document over as few "
+                             f"ranks as fit it) or False (over every rank)")
         self.tolerance, self.groups = float(tolerance), groups
 
     @property

@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 
 from . import _class, names
-from .assign import CUT
 from .figures import (  # noqa: F401 (read as predict.TABLE, predict.rate, ...)
     TABLE, Figure, _interpolate, auto_kernel, load_table, measured_device, rate,
     transfer_seconds, work_length)
@@ -62,18 +61,24 @@ def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
     assignment = getattr(packing, "assignment", None)
     if assignment is None:
         return [(max(n // blocks, 1), n * n / blocks) for n in lengths]
-    first, size = packing.group  # its cut documents meet the blocks of its group's ranks
-    blocks = max(blocks * size // packing.parts, 1)
-    cut = set(assignment.cut_in(first // size))
-    return [(n, n * n) if o == packing.rank else (max(n // blocks, 1), n * n / blocks)
-            for i, (n, o) in enumerate(zip(lengths, assignment.owner))
-            if o == packing.rank or i in cut]
+    sizes = {i: assignment.over[i][1] for g in assignment.groups_of(packing.rank)
+             for i in assignment.cut_over(g)}  # its cut documents meet their groups' blocks
+    calls = []
+    for i, (n, o) in enumerate(zip(lengths, assignment.owner)):
+        if o == packing.rank:
+            calls.append((n, n * n))
+        elif i in sizes:
+            b = max(blocks * sizes[i] // packing.parts, 1)
+            calls.append((max(n // b, 1), n * n / b))
+    return calls
 
 
 def _in_groups(plan) -> bool:
-    """Whether the rank's cut documents are split over a group of its ranks (p2p)."""
+    """Whether the rank's cut documents are all split over groups smaller than its line
+    (their rings move by p2p)."""
     packing = plan.local.packing
-    return hasattr(packing, "group") and packing.group[1] < packing.parts
+    cuts = getattr(packing, "cuts", ())
+    return bool(cuts) and all(size < packing.parts for (_, size), _, _ in cuts)
 
 
 def step_time(plan, spec, *, mode: str, kernel: str, transport: str = "auto",

@@ -52,17 +52,17 @@ class MeshReport:
 
 def documents(packing) -> dict:
     """What a rank holds of a packed batch: tokens, documents whole and cut (those of its
-    group, and the ranks they are cut over), and its work."""
+    groups, and the ranks each group is), and its work."""
     assignment = getattr(packing, "assignment", None)
     if assignment is not None:  # partition documents
-        first, size = packing.group
+        groups = [g for g, _, _ in packing.cuts]
         return {"tokens": packing.tokens, "whole_documents": len(packing.whole_lengths),
-                "cut_documents": len(assignment.cut_in(first // size)),
-                "cut_over_ranks": [first, first + size - 1],
+                "cut_documents": sum(len(assignment.cut_over(g)) for g in groups),
+                "cut_over_ranks": [[first, first + size - 1] for first, size in groups],
                 "work_pairs": assignment.work[packing.rank]}
     lengths = [n for n in packing.split.lengths.tolist() if n]  # every document is cut
     return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
-            "cut_over_ranks": [0, packing.parts - 1],
+            "cut_over_ranks": [[0, packing.parts - 1]],
             "work_pairs": sum(work(n) for n in lengths) / packing.parts}
 
 
@@ -96,7 +96,7 @@ def _ranks(ranks: list[int]) -> str:
 def _cells(report: MeshReport, row: dict) -> list[str]:
     cells = [] if "tokens" not in row else [
         str(row["tokens"]), f"{row['whole_documents']}/{row['cut_documents']}",
-        _ranks(list(range(row["cut_over_ranks"][0], row["cut_over_ranks"][1] + 1))),
+        " ".join(_ranks(list(range(a, b + 1))) for a, b in row["cut_over_ranks"]) or "-",
         f"{row['work_pairs'] / 1e6:.4g}"]
     cells += [f"{row['steps']}/{row['backward_steps']}",
              f"{_gib(row['bytes_sent'])}/{_gib(row['backward_bytes_sent'])}",

@@ -1,12 +1,13 @@
 """Running a packed batch split by whole documents (partition ``documents``) in a sequence
 schedule (``ring``, ``allgather``, and the outer schedule of ``hybrid``): a rank's rows are
-its whole documents, then its part of the cut ones (``schedules.documents``), disjoint sets
-that no merge joins:
+its whole documents, then its part of each cut packing of its groups (``schedules.documents``),
+disjoint sets that no merge joins:
 
     rows [0, W)   one local varlen kernel call over the whole documents
-    rows [W, T)   the schedule's own packed path on the cut packing, run by its *twin* (the
-                  same schedule, mesh, communicator and buffers, load-balanced partition;
-                  over the rank's group only where the plan groups ranks: ``schedules.groups``)
+    then, per group of ranks that cuts documents (most ranks first), that group's rows: the
+                  schedule's own packed path on its cut packing, run by a *twin* (the same
+                  schedule, mesh, communicator and buffers, load-balanced partition; over
+                  the group's ranks only where they are not all of them: ``schedules.groups``)
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from .groups import SubLine
 from .partition import Auto, Documents, LoadBalanced
 
 
+# what the descriptions of a rank's calls add up
+SUMMED = ("steps", "bytes_sent", "bytes_received", "flops", "backward_steps",
+          "backward_bytes_sent", "backward_bytes_received", "backward_flops")
+
+
 def whole_spec(spec):
     """The local problem of the whole documents of ``spec`` (its packing a DocumentPacking)."""
     cu = spec.packing.whole_offsets
@@ -33,14 +39,15 @@ def whole_spec(spec):
                         cu_seqlens_padded=None)
 
 
-def cut_spec(spec):
-    """The local problem of the cut packing of ``spec`` (None when no document is cut)."""
-    cut = spec.packing.cut
-    if cut is None:
-        return None
-    cu, padded = cut.offsets
-    return spec.replace(packing=cut, q_len=cut.tokens, kv_len=cut.tokens, cu_seqlens=cu,
-                        cu_seqlens_padded=padded)
+def cut_specs(spec) -> list:
+    """(group, rows, local problem) of each cut packing of ``spec`` (its packing a
+    DocumentPacking), in row order."""
+    out = []
+    for group, rows, cut in spec.packing.cuts:
+        cu, padded = cut.offsets
+        out.append((group, rows, spec.replace(packing=cut, q_len=cut.tokens, kv_len=cut.tokens,
+                                              cu_seqlens=cu, cu_seqlens_padded=padded)))
+    return out
 
 
 def whole_documents(cls: type) -> type:
@@ -116,40 +123,42 @@ class WholeDocuments:
         if not isinstance(spec.packing, DocumentPacking):
             return super().validate(spec)
         Schedule.validate(self, spec)
-        cut = cut_spec(spec)
-        if cut is not None:
-            self.twin(spec.packing.group).validate(cut)
+        for group, _, cut in cut_specs(spec):
+            self.twin(group).validate(cut)
 
     def call_extent(self, spec) -> tuple[int, int]:
         if not isinstance(spec.packing, DocumentPacking):
             return super().call_extent(spec)
         longest = max(spec.packing.whole_lengths, default=0)
-        cut = cut_spec(spec)
-        rows, keys = (0, 0) if cut is None else self.twin(spec.packing.group).call_extent(cut)
-        return max(rows, longest), max(keys, longest)
+        extents = [self.twin(group).call_extent(cut) for group, _, cut in cut_specs(spec)]
+        return (max([longest, *(rows for rows, _ in extents)]),
+                max([longest, *(keys for _, keys in extents)]))
 
     def kernel_calls(self, spec) -> int:
-        """Those of the cut documents' schedule; one when every document is whole."""
+        """Those of the cut documents' schedules; one when every document is whole."""
         if not isinstance(spec.packing, DocumentPacking):
             return super().kernel_calls(spec)
-        cut = cut_spec(spec)
-        return 1 if cut is None else self.twin(spec.packing.group).kernel_calls(cut)
+        cuts = cut_specs(spec)
+        return sum(self.twin(group).kernel_calls(cut) for group, _, cut in cuts) if cuts else 1
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         if not isinstance(spec.packing, DocumentPacking):
             return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse)
-        w, cut = spec.packing.whole_tokens, cut_spec(spec)
-        if cut is None:  # every document whole: the local call's results as they are
+        w, cuts = spec.packing.whole_tokens, cut_specs(spec)
+        if not cuts:  # every document whole: the local call's results as they are
             return local_forward(kernel, q, k, v, whole_spec(spec), out=out, lse=lse)
-        twin = self._running_twin(spec.packing.group)
-        if not w:  # every row cut
-            return twin.forward(q, k, v, cut, kernel, out=out, lse=lse)
+        if not w and len(cuts) == 1:  # every row cut over one group
+            group, _, cut = cuts[0]
+            return self._running_twin(group).forward(q, k, v, cut, kernel, out=out, lse=lse)
         out = torch.empty_like(q) if out is None else out
         if lse is None:
             lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec), out=out[:w],
-                      lse=lse[:, :, :w])
-        twin.forward(q[w:], k[w:], v[w:], cut, kernel, out=out[w:], lse=lse[:, :, w:])
+        if w:
+            local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec), out=out[:w],
+                          lse=lse[:, :, :w])
+        for group, rows, cut in cuts:
+            self._running_twin(group).forward(q[rows], k[rows], v[rows], cut, kernel,
+                                              out=out[rows], lse=lse[:, :, rows])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
@@ -157,18 +166,23 @@ class WholeDocuments:
         grads = dict(dq=dq, dk=dk, dv=dv)
         if not isinstance(spec.packing, DocumentPacking):
             return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout, **grads)
-        w, cut = spec.packing.whole_tokens, cut_spec(spec)
-        if cut is None:
+        w, cuts = spec.packing.whole_tokens, cut_specs(spec)
+        if not cuts:
             return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec), **grads)
-        twin = self._running_twin(spec.packing.group)
-        if not w:
-            return twin.backward(dout, q, k, v, out, lse, cut, kernel, **grads)
+        if not w and len(cuts) == 1:
+            group, _, cut = cuts[0]
+            return self._running_twin(group).backward(dout, q, k, v, out, lse, cut, kernel,
+                                                      **grads)
         dq, dk, dv = (torch.empty_like(t) if g is None else g
                       for g, t in zip(grads.values(), (q, k, v)))
-        local_backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w], lse[:, :, :w].contiguous(),
-                       whole_spec(spec), dq=dq[:w], dk=dk[:w], dv=dv[:w])
-        twin.backward(dout[w:], q[w:], k[w:], v[w:], out[w:], lse[:, :, w:].contiguous(), cut,
-                      kernel, dq=dq[w:], dk=dk[w:], dv=dv[w:])
+        if w:
+            local_backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w],
+                           lse[:, :, :w].contiguous(), whole_spec(spec), dq=dq[:w], dk=dk[:w],
+                           dv=dv[:w])
+        for group, rows, cut in cuts:
+            self._running_twin(group).backward(
+                dout[rows], q[rows], k[rows], v[rows], out[rows], lse[:, :, rows].contiguous(),
+                cut, kernel, dq=dq[rows], dk=dk[rows], dv=dv[rows])
         return dq, dk, dv
 
     def describe(self, spec):
@@ -176,26 +190,23 @@ class WholeDocuments:
             return self._chosen(spec, super().describe(spec))
         local = self.local_spec(spec)
         packing, whole = local.packing, whole_spec(local)
-        cut = self._cut_global(spec)
-        first, size = packing.group
-        part = self.twin(packing.group).describe(cut) if cut is not None else Description(
-            self.name, self.size, steps=0, bytes_sent=0, bytes_received=0, flops=0.0)
         call = 1 if packing.whole_tokens else 0
         forward = whole.flops() if call else 0.0
-        backward = whole.flops(backward=True) - forward if call else 0.0
-        over = "every rank" if size == self.size else f"ranks {first}-{first + size - 1}"
-        notes = (f"{len(packing.whole_lengths)} whole documents "
-                 f"({packing.whole_tokens} tokens, one local kernel call, nothing travels), "
-                 f"{len(packing.assignment.cut_in(first // size))} cut over {over} "
-                 f"({packing.tokens - packing.whole_tokens} tokens here)")
-        if cut is not None:
-            notes += f"; cut documents: {part.notes}"
-        # the twin's description is this schedule's (same name and ranks), plus the call
+        d = Description(self.name, self.size, steps=call, bytes_sent=0, bytes_received=0,
+                        flops=forward, backward_steps=call,
+                        backward_flops=whole.flops(backward=True) - forward if call else 0.0)
+        notes = [f"{len(packing.whole_lengths)} whole documents ({packing.whole_tokens} tokens, "
+                 f"one local kernel call, nothing travels)"]
+        for group, rows, _ in packing.cuts:
+            first, size = group
+            part = self.twin(group).describe(self._cut_global(spec, group))
+            over = "every rank" if size == self.size else f"ranks {first}-{first + size - 1}"
+            notes.append(f"{len(packing.assignment.cut_over(group))} cut over {over} "
+                         f"({rows.stop - rows.start} tokens here): {part.notes}")
+            d = dataclasses.replace(d, **{f: getattr(d, f) + getattr(part, f) for f in SUMMED})
+        # the twins' descriptions are this schedule's (same name and ranks), summed
         return self._chosen(spec, dataclasses.replace(
-            part, steps=part.steps + call, flops=part.flops + forward, notes=notes,
-            backward_steps=part.backward_steps + call,
-            backward_flops=part.backward_flops + backward,
-            memory_of=dry_run.memory_of(self, spec)))
+            d, notes="; ".join(notes), memory_of=dry_run.memory_of(self, spec)))
 
     def _documents(self, spec) -> bool:
         return self.by_documents(spec.cu_seqlens, spec.cu_seqlens_padded)
@@ -208,13 +219,9 @@ class WholeDocuments:
         said = name if name == self.partition.name else f"{self.partition!r}: {name}"
         return dataclasses.replace(d, notes=f"partition {said} ({why}); {d.notes}")
 
-    def _cut_global(self, spec):
-        """The global problem of this rank's group's cut packing of the global ``spec``
-        (None: its group cuts none)."""
+    def _cut_global(self, spec, group):
+        """The global problem of the cut packing of ``group`` of the global ``spec``."""
         split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
-        cut = split.cut(self.index)
-        if cut is None:
-            return None
-        cu = cut.cu_seqlens
+        cu = split.cuts[group].cu_seqlens
         return spec.replace(q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None,
                             packing=None)

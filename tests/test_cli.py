@@ -183,16 +183,15 @@ def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
     assert top.main(args + ["--option", "partition=documents", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["ranks"]
     plan = plan_of(lengths, 4)
-    size = plan.group_size  # 2: each 4096 is cut over a pair of ranks
-    assert size == 2
-    cut = [plan.cut_in(r // size) for r in range(4)]
+    assert plan.groups == ((0, 2), (2, 2))  # each 4096 is cut over a pair of ranks
+    cut = [[i for g in plan.groups_of(r) for i in plan.cut_over(g)] for r in range(4)]
     assert [r["tokens"] for r in rows] == [
-        sum(lengths[i] for i in plan.whole(r)) + sum(lengths[i] for i in cut[r]) // size
+        sum(lengths[i] for i in plan.whole(r)) + sum(lengths[i] for i in cut[r]) // 2
         for r in range(4)]
     assert [r["work_pairs"] for r in rows] == list(plan.work)
     assert all(r["whole_documents"] == len(plan.whole(r["rank"])) for r in rows)
     assert all(r["cut_documents"] == len(cut[r["rank"]]) for r in rows)
-    assert [r["cut_over_ranks"] for r in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["cut_over_ranks"] for r in rows] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
     assert all((r["bytes_sent"] == 0) == (not cut[r["rank"]]) for r in rows)
     assert top.main(args) == 0
     out = capsys.readouterr().out

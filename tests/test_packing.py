@@ -212,7 +212,7 @@ def test_a_rank_s_packing_is_read_from_host_values_made_once(monkeypatch):
     step, growing with the documents)."""
     import schedules
     import sdpa_fusion
-    from schedules.whole import cut_spec, whole_spec
+    from schedules.whole import cut_specs, whole_spec
 
     lengths = [40, 3, 9, 1, 20, 7, 100]  # 100: more than a rank's share, cut
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -222,12 +222,12 @@ def test_a_rank_s_packing_is_read_from_host_values_made_once(monkeypatch):
     q = local.shard(torch.randn(cu[-1], 2, 8))
     spec = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched,
                             cu_seqlens=local).spec
-    first = (local.tokens, local.offsets, whole_spec(spec), cut_spec(spec))
-    assert first[3] is not None and first[2].q_len > 0  # both parts present
+    first = (local.tokens, local.offsets, whole_spec(spec), cut_specs(spec))
+    assert first[3] and first[2].q_len > 0  # both parts present
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor read on a later call")
 
     for method in ("tolist", "item", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, method, refuse)
-    assert (local.tokens, local.offsets, whole_spec(spec), cut_spec(spec)) == first
+    assert (local.tokens, local.offsets, whole_spec(spec), cut_specs(spec)) == first

@@ -43,22 +43,21 @@ def plans(name: str, options: dict, p: int):
     for what, spec in problems(p):
         for rank in range(p):
             sched = schedules.get(name, VirtualMesh((p,), ("seq",), rank=rank), **options)
-            planned = spec
+            runs = [(sched, spec)]
             if spec.layout.is_varlen and getattr(sched, "by_documents", lambda *_: False)(
                     spec.cu_seqlens, spec.cu_seqlens_padded):
-                # whole documents: one local call, no plan; the cut ones run on its twin
-                group = sched.local_spec(spec).packing.group
-                planned, sched = sched._cut_global(spec), sched.twin(group)
-                if planned is None:
+                # whole documents: one local call, no plan; each group's cut ones on a twin
+                runs = [(sched.twin(group), sched._cut_global(spec, group))
+                        for group, _, _ in sched.local_spec(spec).packing.cuts]
+            for twin, planned in runs:
+                local, (q, k, _, _) = dry_run.local_problem(twin, planned)
+                try:
+                    twin.validate(local)
+                except ValueError:  # a problem this schedule refuses (tests/test_describe.py)
                     continue
-            local, (q, k, _, _) = dry_run.local_problem(sched, planned)
-            try:
-                sched.validate(local)
-            except ValueError:  # a problem this schedule refuses (tests/test_describe.py)
-                continue
-            q, k = runner.blocks(local, q, k)
-            yield ((name, options, p, what, rank), sched.plan(local, q, k, backward=False),
-                   sched.plan(local, q, k, backward=True))
+                q, k = runner.blocks(local, q, k)
+                yield ((name, options, p, what, rank), twin.plan(local, q, k, backward=False),
+                       twin.plan(local, q, k, backward=True))
 
 
 def assert_well_formed(plan: runner.Plan, where) -> list:

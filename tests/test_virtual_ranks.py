@@ -35,20 +35,39 @@ def test_documents_cut_over_groups_of_ranks_run_right():
     from schedules.assign import plan
 
     lengths = [24, 1, 3, 2, 5, 1, 4, 2] * 2
-    assert plan(lengths, 4).group_size == 2
-    args = virtual_ranks.parse_args(["--tiny", "--ranks", "4", "--schedules", "ring",
+    assert plan(lengths, 4).groups == ((0, 2), (2, 2))
+    sent = _sent_per_rank(lengths, 4)
+    grouped, flat = sent["documents"], sent["documents:groups=False"]
+    assert len(set(grouped)) == len(set(flat)) == 1 and 0 < 3 * grouped[0] == flat[0]
+
+
+def test_a_rank_in_two_groups_runs_both_rings_right():
+    """One document cut over all four virtual ranks and one over ranks 0-1: ranks 0 and 1
+    run both rings, every rank right, the pair sending more than the others."""
+    from schedules.assign import plan
+
+    lengths = [4 * n for n in (44, 1, 2, 16, 3, 1, 2, 3, 2, 1, 4, 2, 2, 3, 1, 2)]
+    assert plan(lengths, 4).groups == ((0, 4), (0, 2))
+    sent = _sent_per_rank(lengths, 4)["documents"]
+    assert sent[0] == sent[1] > sent[2] == sent[3] > 0
+
+
+def _sent_per_rank(lengths, ranks: int) -> dict:
+    """{partition: bytes each rank sends} of ``lengths`` over ``ranks`` virtual ranks (tiny
+    shapes, ring, documents and documents:groups=False), every rank's step checked right."""
+    args = virtual_ranks.parse_args(["--tiny", "--ranks", str(ranks), "--schedules", "ring",
                                      "--partitions", "documents,documents:groups=False"])
     rows = []
     virtual_ranks.batch_rows(args, "g", lengths, lambda text: None,
                              lambda row: row is not None and rows.append(row))
     sent = {}
     for row in rows[1:]:
-        assert row["ranks"] == 4 and row["status"] == "ok", row
+        assert row["ranks"] == ranks and row["status"] == "ok", row
         assert row["check"].startswith("right"), row
+        assert row["check_record"].startswith("right"), row
         sent[row["partition"]] = row["bytes_sent_per_rank"]
         assert sent[row["partition"]] == row["bytes_received_per_rank"]
-    grouped, flat = sent["documents"], sent["documents:groups=False"]
-    assert len(set(grouped)) == len(set(flat)) == 1 and 0 < 3 * grouped[0] == flat[0]
+    return sent
 
 
 def test_profile_splits_each_rank_s_device_time():

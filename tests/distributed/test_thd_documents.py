@@ -136,7 +136,7 @@ def test_documents_cut_within_groups_of_ranks(mesh, name):
     sched = schedules.get(name, mesh, partition=Documents(tolerance=0.2))
     local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
     grouped = p >= 4 and p % 2 == 0
-    first, size = local.group
+    [((first, size), _, _)] = local.cuts
     assert (first, size) == ((mesh.rank // 2 * 2, 2) if grouped else (0, p))
     assert max(local.assignment.imbalance) <= 1.2 + 1e-9
     assert_packed_matches(problem, run_packed(sched, problem, local=True))
@@ -146,6 +146,34 @@ def test_documents_cut_within_groups_of_ranks(mesh, name):
     assert_bytes(d, forward, backward, sched.group)
     if grouped:
         assert f"cut over ranks {first}-{first + 1}" in d.notes
+
+
+@pytest.mark.parametrize("name", ["ring", "allgather"])
+def test_a_document_over_every_rank_and_one_over_a_pair(mesh, name):
+    """At even P >= 4 the longest document is cut over every rank, the second over the first
+    half of them (it fits no rank beside its share of the first; at P = 8 a third over ranks
+    0-1): those ranks run several cut packings' schedules, exact per document, bytes as
+    describe() says (its notes name every group)."""
+    p = mesh.size()
+    lengths = [p * n for n in (44, 1, 2, 16, 3, 1, 2, 3, 2, 1, 4, 2, 2, 3, 1, 2)]
+    problem = make_packed(lengths, h=4, h_kv=2, causal=True,
+                          slack=[0, 1, 0, 2, 0, 0, 1, 0] * 2)
+    sched = schedules.get(name, mesh, partition="documents")
+    local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
+    groups = [g for g, _, _ in local.cuts]
+    nested = p >= 4 and p % 2 == 0
+    if nested:
+        assert local.assignment.over[0] == (0, p) and local.assignment.over[3] == (0, p // 2)
+    assert groups == list(local.assignment.groups_of(mesh.rank))
+    assert max(local.assignment.imbalance) <= 1.05 + 1e-9
+    assert_packed_matches(problem, run_packed(sched, problem, local=True))
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
+    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
+    assert_bytes(d, forward, backward, sched.group)
+    for first, size in groups:
+        over = "every rank" if size == p else f"ranks {first}-{first + size - 1}"
+        assert f"cut over {over}" in d.notes
 
 
 def test_unshard_of_uneven_parts_is_differentiable(mesh):
@@ -183,7 +211,8 @@ def test_hybrid_outer_cuts_within_groups_of_outer_ranks(meshes, shape):  # noqa:
                           partition=Documents(tolerance=0.2))
     assert_packed_matches(problem, run_packed(sched, problem, kv_copies=True))
     outer = sched.outer.split(problem.cu_seqlens, None, "cpu")
-    assert outer.group_size == (2 if po >= 4 and po % 2 == 0 else po)
+    size = 2 if po >= 4 and po % 2 == 0 else po
+    assert {s for _, s in outer.assignment.groups} == ({size} if po > 1 else set())
 
 
 def test_dense_sequences_split_as_load_balanced(mesh):
