@@ -304,6 +304,7 @@ SERIES = (
             Run("virtual_ranks.json", "e4c39de"), Run("virtual_ranks.json", "3aa438f"),
             Run("virtual_ranks.json", "c963095"), Run("virtual_ranks.json", "ce315df"),
             Run("virtual_ranks.json", "4c0279f"), Run("virtual_ranks.json", "3686002"),
+            Run("virtual_ranks.json", "fbc7244"), Run("virtual_ranks.json", "08b2ab8"),
             Run("virtual_ranks.json")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
