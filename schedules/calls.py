@@ -356,14 +356,46 @@ class Sum:
 def part_call(packing, source: int, q_span, k_span, causal: bool) -> PackedCall | None:
     """The call of this rank's rows ``q_span`` = (start, stop) of every sequence's part vs
     rows ``k_span`` of rank ``source``'s part of it, both cut to the real tokens."""
+    (q0, q1), (k0, k1), starts, split = _part_spans(packing, source, q_span, k_span, causal)
+    return packed_call(ranges(starts + q0, q1 - q0), q1 - q0, ranges(starts + k0, k1 - k0), k1 - k0,
+                       causal=causal, tokens=(split.tokens, split.tokens), device=split.device)
+
+
+# A part call on the scattered rows of at most this many sequences runs as a call on each
+# sequence's consecutive rows. On an H200 (benchmarks.virtual_ranks) the gathers and index
+# kernels of one call on scattered rows took 1.5-2.2 ms of a rank's step per cut document
+# past the first on batch (d) at P = 4; calls per sequence over three documents at P = 8
+# left ranks waiting on the host (its launches, 10 ms a step). A group of ``assign.plan``
+# mostly cuts one or two documents.
+SEQUENCE_CALLS = 2
+
+
+def part_calls(packing, source: int, q_span, k_span, causal: bool) -> list[PackedCall]:
+    """``part_call`` as a list of calls: one per sequence where its rows or keys are
+    scattered over at most ``SEQUENCE_CALLS`` sequences (each call on consecutive rows)."""
+    call = part_call(packing, source, q_span, k_span, causal)
+    scattered = call is not None and (isinstance(call.rows, torch.Tensor)
+                                      or isinstance(call.keys, torch.Tensor))
+    if not scattered or len(call.seqlens.lengths_q) > SEQUENCE_CALLS:
+        return [] if call is None else [call]
+    (q0, q1), (k0, k1), starts, split = _part_spans(packing, source, q_span, k_span, causal)
+    calls = []
+    for a, b, c, d in zip((starts + q0).tolist(), (starts + q1).tolist(),
+                          (starts + k0).tolist(), (starts + k1).tolist()):
+        if b > a and d > c:
+            calls.append(PackedCall(slice(a, b), slice(c, d), Seqlens((0, b - a), (0, d - c)),
+                                    causal))
+    return calls
+
+
+def _part_spans(packing, source: int, q_span, k_span, causal: bool):
+    """((q0, q1), (k0, k1), starts, split): per sequence the local rows of the part call."""
     split = packing.split
     q0, q1 = _real(q_span, split.counts[packing.rank])
     k0, k1 = _real(k_span, split.counts[source])
     if causal:  # top-left: keys past the last query are seen by none (kernels get squares)
         k1 = torch.minimum(k1, k0 + q1 - q0)
-    starts = split.offsets[:-1]
-    return packed_call(ranges(starts + q0, q1 - q0), q1 - q0, ranges(starts + k0, k1 - k0), k1 - k0,
-                       causal=causal, tokens=(split.tokens, split.tokens), device=split.device)
+    return (q0, q1), (k0, k1), split.offsets[:-1], split
 
 
 def _real(span, real: torch.Tensor):

@@ -46,7 +46,7 @@ import torch
 from . import dry_run, heads, mask_plans, runner
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import DenseCall, PackedCall, part_call
+from .calls import DenseCall, PackedCall, part_calls
 from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -104,13 +104,14 @@ def dense_call(case: Block, s_q: int, s_kv: int) -> DenseCall | None:
     return DenseCall(rows, keys, causal)
 
 
-def packed_call(case: Block, packing, source: int) -> PackedCall | None:
-    """The varlen call of a block case on the parts of every packed sequence (or None)."""
+def packed_calls(case: Block, packing, source: int) -> list[PackedCall]:
+    """The varlen calls of a block case on the parts of every packed sequence (one, or one
+    per sequence where few sequences' rows are scattered: ``calls.part_calls``)."""
     if case is Block.SKIP:
-        return None
+        return []
     storage = packing.split.storage
     rows, keys, causal = _ranges(case, storage, storage)
-    return part_call(packing, source, rows, keys, causal)
+    return part_calls(packing, source, rows, keys, causal)
 
 
 
@@ -166,11 +167,10 @@ class Ring(Transported, SequenceSchedule):
         mask = window_band(spec)
         if mask is not None:
             return ring_plan(spec, mask, self.partition, self.size, self.index)
-        calls = self._calls(spec, s_q, s_kv)
-        return [(step, [] if call is None else [call]) for step, call in enumerate(calls)], None
+        return list(enumerate(self._calls(spec, s_q, s_kv))), None
 
-    def _calls(self, spec, s_q: int, s_kv: int) -> list:
-        """The kernel call (or None) of every ring step of this rank without a window."""
+    def _calls(self, spec, s_q: int, s_kv: int) -> list[list]:
+        """The kernel calls of every ring step of this rank without a window."""
         me = self.index
         sources = [(me - step) % self.size for step in range(self.size)]
 
@@ -179,9 +179,9 @@ class Ring(Transported, SequenceSchedule):
 
         packing = spec.packing
         if packing is None:
-            return [dense_call(case(j), s_q, s_kv) for j in sources]
+            return [[c] if (c := dense_call(case(j), s_q, s_kv)) else [] for j in sources]
         return packing.cached(("ring", spec.causal),
-                              lambda: [packed_call(case(j), packing, j) for j in sources])
+                              lambda: [packed_calls(case(j), packing, j) for j in sources])
 
     def group_rows(self, rows: int, spec) -> int:
         """Under a window of span w a block's calls are bands of about w keys and about w rows

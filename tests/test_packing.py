@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from schedules import partition as partitions
 from schedules.packing import Split, global_packing
 from schedules.partition import VideoTiles
-from schedules.ring import block_case, packed_call
+from schedules.ring import block_case, packed_calls
 from sdpa_fusion.mask import band, visible_pairs
 
 
@@ -87,14 +87,20 @@ def test_every_real_token_on_one_rank_padding_last(packing):
 def test_ring_causal_calls_are_square_per_sequence(packing):
     """Every causal kernel call of a packed ring is square per sequence (the top-left mask is
     then also the bottom-right one flash uses), and every real query meets each key of an
-    earlier position exactly once over the ring steps."""
+    earlier position exactly once over the ring steps; a step of several calls (one per
+    sequence) gives each its own consecutive rows and keys."""
     name, parts, lengths, slack = packing
     split = split_of(lengths, parts, name, slack)
     for rank in range(parts):
         local, pairs = split.part(rank), 0
         for source in range(parts):
-            call = packed_call(block_case(rank, source, True, split.partition), local, source)
-            if call is not None:
+            calls = packed_calls(block_case(rank, source, True, split.partition), local, source)
+            if len(calls) > 1:
+                assert all(isinstance(c.rows, slice) and isinstance(c.keys, slice)
+                           and len(c.seqlens.lengths_q) == 1 for c in calls)
+                spans = sorted((c.rows.start, c.rows.stop) for c in calls)
+                assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))  # disjoint
+            for call in calls:
                 if call.causal:
                     assert call.seqlens.lengths_q == call.seqlens.lengths_k
                 pairs += sum(visible_pairs(n_q, n_k, band(call.causal, call.window))
