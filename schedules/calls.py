@@ -162,6 +162,17 @@ def row_index(span, n: int) -> torch.Tensor:
     return torch.arange(n)[span if span is not None else slice(None)]
 
 
+def most_calls_per_row(calls, rows: int) -> int:
+    """The most of ``calls`` any of ``rows`` query rows is in (calls on disjoint row ranges,
+    such as a step's calls on each sequence's rows, count once; a call on an index tensor
+    counts for every row, read without a device sync): how many results a row merges."""
+    count = torch.zeros(rows, dtype=torch.int32)
+    for call in calls:
+        count[slice(None) if isinstance(call.rows, torch.Tensor) or call.rows is None
+              else call.rows] += 1
+    return int(count.max()) if rows else 0
+
+
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped like ``t`` in its layout (BHSE or BSHE)."""
     return layout_of(t).empty(t.shape, dtype=t.dtype, device=t.device)
@@ -302,7 +313,7 @@ def dq_sum_of(kernel, target: torch.Tensor, calls, args, dropout=None) -> "Sum":
         spans = [(*c.rows.indices(s_q)[:2], c.causal) for c in calls]
         if kernel.query_rows is not None:
             in_kernel = kernel.query_rows(q, dout, out, lse, scale=scale, spans=spans)
-    return Sum(target, len(calls), in_kernel)
+    return Sum(target, most_calls_per_row(calls, s_q), in_kernel)
 
 
 def _rows_in_kernel(call, s_q: int, s_kv: int) -> bool:

@@ -46,7 +46,7 @@ import torch
 from . import dry_run, heads, mask_plans, runner
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
-from .calls import DenseCall, PackedCall, part_calls
+from .calls import DenseCall, PackedCall, most_calls_per_row, part_calls
 from .overlap import Overlap
 from .partition import Contiguous, LoadBalanced, Striped
 from .sequence import SequenceSchedule
@@ -212,8 +212,10 @@ class Ring(Transported, SequenceSchedule):
         if travel is not None:
             travel = (travel[1][self.index], travel[0])
         if not backward:  # K/V slots: two, or one when only one block travels
-            return runner.Plan(self._forward_ops(calls, remote, groups), groups, travel,
-                               min(2, groups * len(remote)))
+            blocks = most_calls_per_row([c for step in calls.values() for c in step],
+                                        q.shape[2])
+            return runner.Plan(self._forward_ops(calls, remote, groups, blocks), groups,
+                               travel, min(2, groups * len(remote)))
         count = self._backward_groups(groups, spec, len(remote), k.shape[1], q.shape[1],
                                       q.shape[2])
         # a block's dK/dV sums come from one rank alone, straight home, in one dense call
@@ -248,8 +250,9 @@ class Ring(Transported, SequenceSchedule):
         """The dropout stream key of this rank's calls on the block of ring step ``step``."""
         return "ring", self.index, (self.index - step) % self.size, group
 
-    def _forward_ops(self, calls, remote, groups: int) -> tuple:
-        order, blocks = [0, *remote], sum(len(c) for c in calls.values())
+    def _forward_ops(self, calls, remote, groups: int, blocks: int) -> tuple:
+        """Forward: each group's rows merge the calls of every step, ``blocks`` at most."""
+        order = [0, *remote]
         ops = []
         for g, step, kv in self._steps(groups, [order] * groups, remote):
             ops += kv

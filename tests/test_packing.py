@@ -237,3 +237,34 @@ def test_a_rank_s_packing_is_read_from_host_values_made_once(monkeypatch):
     for method in ("tolist", "item", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, method, refuse)
     assert (local.tokens, local.offsets, whole_spec(spec), cut_specs(spec)) == first
+
+
+def test_a_step_of_calls_on_each_sequence_counts_once_per_row():
+    """Calls on disjoint row ranges (a step's calls on each sequence's rows) merge one result
+    per row: over two ranks, two documents cut, every row merges at most two (the merge and
+    the dQ sum write straight into the bf16 result); a call on an index tensor counts for
+    every row."""
+    from schedules.calls import PackedCall, most_calls_per_row
+    from sdpa_fusion.kernels.base import Seqlens
+
+    split = split_of([40, 24], 2, "load_balanced")
+    for rank in range(2):
+        local = split.part(rank)
+        calls = [c for source in range(2) for c in
+                 packed_calls(block_case(rank, source, True, split.partition), local, source)]
+        assert len(calls) == 3 and most_calls_per_row(calls, local.tokens) == 2
+    import schedules
+    import sdpa_fusion
+    from schedules import runner
+
+    sched = schedules.get("ring", sdpa_fusion.VirtualMesh((2,), ("seq",), rank=1),
+                          partition="load_balanced")
+    local = sched.pack((0, 40, 64))
+    q = torch.empty(local.tokens, 2, 8)
+    spec = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched,
+                            cu_seqlens=local).spec
+    plan = sched.plan(spec, *runner.blocks(spec, q, q), backward=False)
+    assert [op.blocks for op in plan.ops if isinstance(op, runner.Open)] == [2]
+    index = PackedCall(torch.tensor([1, 2]), None, Seqlens((0, 2), (0, 9)), False)
+    part = PackedCall(slice(0, 4), slice(0, 4), Seqlens((0, 4), (0, 4)), True)
+    assert most_calls_per_row([index, part], 9) == 2 and most_calls_per_row([part], 9) == 1
