@@ -305,7 +305,8 @@ SERIES = (
             Run("virtual_ranks.json", "c963095"), Run("virtual_ranks.json", "ce315df"),
             Run("virtual_ranks.json", "4c0279f"), Run("virtual_ranks.json", "3686002"),
             Run("virtual_ranks.json", "fbc7244"), Run("virtual_ranks.json", "08b2ab8"),
-            Run("virtual_ranks.json")),
+            Run("virtual_ranks.json", "42e4830"), Run("virtual_ranks.json"),
+            Run("virtual_ranks.json", "2f7ea51")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
