@@ -119,6 +119,17 @@ def test_cut_documents_move_what_describe_says(mesh, name):
     assert_bytes(d, forward, backward, sched.group)
 
 
+def right_and_moving_as_described(sched, problem):
+    """Exact per document, and the step sends and receives what ``describe()`` says, which
+    it returns."""
+    assert_packed_matches(problem, run_packed(sched, problem, local=True))
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
+              cu_seqlens_padded=problem.cu_seqlens_padded)
+    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
+    assert_bytes(d, forward, backward, sched.group)
+    return d
+
+
 def grouped_lengths(groups: int) -> list[int]:
     """Per group of two ranks, one document longer than a rank's share (24 of 40 tokens)
     and short ones: each fits a group whole (``schedules.assign.plan``)."""
@@ -139,11 +150,7 @@ def test_documents_cut_within_groups_of_ranks(mesh, name):
     [((first, size), _, _)] = local.cuts
     assert (first, size) == ((mesh.rank // 2 * 2, 2) if grouped else (0, p))
     assert max(local.assignment.imbalance) <= 1.2 + 1e-9
-    assert_packed_matches(problem, run_packed(sched, problem, local=True))
-    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
-              cu_seqlens_padded=problem.cu_seqlens_padded)
-    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
-    assert_bytes(d, forward, backward, sched.group)
+    d = right_and_moving_as_described(sched, problem)
     if grouped:
         assert f"cut over ranks {first}-{first + 1}" in d.notes
 
@@ -166,11 +173,7 @@ def test_a_document_over_every_rank_and_one_over_a_pair(mesh, name):
         assert local.assignment.over[0] == (0, p) and local.assignment.over[3] == (0, p // 2)
     assert groups == list(local.assignment.groups_of(mesh.rank))
     assert max(local.assignment.imbalance) <= 1.05 + 1e-9
-    assert_packed_matches(problem, run_packed(sched, problem, local=True))
-    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens,
-              cu_seqlens_padded=problem.cu_seqlens_padded)
-    d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
-    assert_bytes(d, forward, backward, sched.group)
+    d = right_and_moving_as_described(sched, problem)
     for first, size in groups:
         over = "every rank" if size == p else f"ranks {first}-{first + size - 1}"
         assert f"cut over {over}" in d.notes
