@@ -165,12 +165,19 @@ def row_index(span, n: int) -> torch.Tensor:
 def most_calls_per_row(calls, rows: int) -> int:
     """The most of ``calls`` any of ``rows`` query rows is in (calls on disjoint row ranges,
     such as a step's calls on each sequence's rows, count once; a call on an index tensor
-    counts for every row, read without a device sync): how many results a row merges."""
-    count = torch.zeros(rows, dtype=torch.int32)
+    counts for every row): how many results a row merges. A loop over the calls' ends on
+    the host, no tensor and no device sync: it runs on every backward."""
+    ends = []  # (row, +1) where a call's rows start, (row, -1) past their end
     for call in calls:
-        count[slice(None) if isinstance(call.rows, torch.Tensor) or call.rows is None
-              else call.rows] += 1
-    return int(count.max()) if rows else 0
+        whole = call.rows is None or isinstance(call.rows, torch.Tensor)
+        start, stop = (0, rows) if whole else call.rows.indices(rows)[:2]
+        if start < stop:
+            ends += [(start, 1), (stop, -1)]
+    most = depth = 0
+    for _, change in sorted(ends):  # at one row, an end before a start: disjoint ranges
+        depth += change
+        most = max(most, depth)
+    return most
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:

@@ -268,3 +268,7 @@ def test_a_step_of_calls_on_each_sequence_counts_once_per_row():
     index = PackedCall(torch.tensor([1, 2]), None, Seqlens((0, 2), (0, 9)), False)
     part = PackedCall(slice(0, 4), slice(0, 4), Seqlens((0, 4), (0, 4)), True)
     assert most_calls_per_row([index, part], 9) == 2 and most_calls_per_row([part], 9) == 1
+    after = PackedCall(slice(4, 9), slice(4, 9), Seqlens((0, 5), (0, 5)), True)  # touches
+    over = PackedCall(slice(3, 6), slice(3, 6), Seqlens((0, 3), (0, 3)), True)
+    assert most_calls_per_row([part, after], 9) == 1
+    assert most_calls_per_row([part, after, over], 9) == 2
