@@ -56,6 +56,10 @@ class Description:
         return None if self.memory_of is None else self.memory_of()
 
 
+DESCRIBED = ("steps", "backward_steps", "bytes_sent", "bytes_received", "backward_bytes_sent",
+             "backward_bytes_received", "flops", "backward_flops")  # a Description's numbers
+
+
 class Schedule(abc.ABC):
     """Base of all schedules; subclasses set ``name`` and ``sharded_dim`` (logical dim)."""
 

@@ -10,12 +10,11 @@ from sdpa_fusion.spec import AttentionSpec
 
 from . import predict
 from .assign import work
+from .base import DESCRIBED
 from .plan import mesh_names, plan_ranks
 
 GIB = float(1 << 30)
 MODES = ("fwd", "fwd+bwd")
-DESCRIBED = ("steps", "backward_steps", "bytes_sent", "bytes_received", "backward_bytes_sent",
-             "backward_bytes_received", "flops", "backward_flops")  # the Description's numbers
 
 
 @dataclasses.dataclass(frozen=True)

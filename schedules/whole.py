@@ -20,16 +20,11 @@ import torch
 from sdpa_fusion.local import local_backward, local_forward
 
 from . import dry_run
-from .base import Description, Schedule
+from .base import DESCRIBED, Description, Schedule
 from .documents import DocumentPacking, DocumentSplit
 from .choice import packed_partition
 from .groups import SubLine
 from .partition import Auto, Documents, LoadBalanced
-
-
-# what the descriptions of a rank's calls add up
-SUMMED = ("steps", "bytes_sent", "bytes_received", "flops", "backward_steps",
-          "backward_bytes_sent", "backward_bytes_received", "backward_flops")
 
 
 def whole_spec(spec):
@@ -203,7 +198,7 @@ class WholeDocuments:
             over = "every rank" if size == self.size else f"ranks {first}-{first + size - 1}"
             notes.append(f"{len(packing.assignment.cut_over(group))} cut over {over} "
                          f"({rows.stop - rows.start} tokens here): {part.notes}")
-            d = dataclasses.replace(d, **{f: getattr(d, f) + getattr(part, f) for f in SUMMED})
+            d = dataclasses.replace(d, **{f: getattr(d, f) + getattr(part, f) for f in DESCRIBED})
         # the twins' descriptions are this schedule's (same name and ranks), summed
         return self._chosen(spec, dataclasses.replace(
             d, notes="; ".join(notes), memory_of=dry_run.memory_of(self, spec)))
