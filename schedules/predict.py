@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from . import _class, names
+from .assign import CUT
 from .figures import (  # noqa: F401 (read as predict.TABLE, predict.rate, ...)
     TABLE, Figure, _interpolate, auto_kernel, load_table, measured_device, rate,
     transfer_seconds, work_length)
@@ -61,14 +62,12 @@ def document_calls(plan, spec, blocks: int) -> list[tuple[int, float]]:
     assignment = getattr(packing, "assignment", None)
     if assignment is None:
         return [(max(n // blocks, 1), n * n / blocks) for n in lengths]
-    sizes = {i: assignment.over[i][1] for g in assignment.groups_of(packing.rank)
-             for i in assignment.cut_over(g)}  # its cut documents meet their groups' blocks
     calls = []
-    for i, (n, o) in enumerate(zip(lengths, assignment.owner)):
+    for n, o, (first, size) in zip(lengths, assignment.owner, assignment.over):
         if o == packing.rank:
             calls.append((n, n * n))
-        elif i in sizes:
-            b = max(blocks * sizes[i] // packing.parts, 1)
+        elif o == CUT and first <= packing.rank < first + size:  # meets its group's blocks
+            b = max(blocks * size // packing.parts, 1)
             calls.append((max(n // b, 1), n * n / b))
     return calls
 
