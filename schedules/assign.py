@@ -65,7 +65,7 @@ class Assignment:
             object.__setattr__(self, "over", tuple((0, self.parts) if o == CUT else (o, 1)
                                                    for o in self.owner))
 
-    @property
+    @functools.cached_property
     def cut(self) -> tuple[int, ...]:
         """Indices of the cut documents, in batch order."""
         return tuple(i for i, o in enumerate(self.owner) if o == CUT)
