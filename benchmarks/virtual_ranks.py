@@ -22,8 +22,9 @@ measures every row N times, each pass with a one-GPU step of its own, and keeps 
 (``slowest_x_p_over_one_gpu_runs``: the goals' spread, ``docs/tables.py``). With
 ``--profile`` each rank's device time of two more steps, back to back, is split into
 attention kernels, device-to-device copies and the rest, beside the device's idle time and
-the largest kernels of the rest (``device_time``), and the caching allocator's device calls
-over the timed steps are counted (``allocator_events``).
+the largest kernels of the rest (``device_time``), beside the host's time to issue one step
+and the places where a step waits for the device (``host_time``), and the caching
+allocator's device calls over the timed steps are counted (``allocator_events``).
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
 and 1,500 of 16-600; d log-normal lengths (median 600, sigma 1.2) in [16, 65536] packed to
@@ -37,6 +38,7 @@ import argparse
 import collections
 import gc
 import itertools
+import statistics
 import threading
 import time
 
@@ -152,7 +154,8 @@ def replay(args, sched, inputs, cu, box: Mailbox, problem):
                        budget_s=args.budget_s)
     timed = allocator_events(leaves[0].device, since=before)
     report = check_rank(problem, local, *(t.detach() for t in step(leaves)))
-    return m, report, dict(device_time(step, leaves), allocator=timed) if args.profile else None
+    return m, report, (dict(device_time(step, leaves), **host_time(step, leaves),
+                            allocator=timed) if args.profile else None)
 
 
 def allocator_events(device, since: dict | None = None) -> dict:
@@ -204,6 +207,38 @@ def device_time(step, leaves) -> dict:
     times["largest_other"] = [[name, round(ms / PROFILED_STEPS, 3)]
                               for name, ms in rest.most_common(TOP_OTHER)]
     return times
+
+
+HOST_STEPS = 3  # steps whose host time is taken (host_time)
+
+
+def host_time(step, leaves) -> dict:
+    """``host_ms``: the host's own time to issue one ``step`` (the median of ``HOST_STEPS``,
+    each issued after the device finished the last, so that the host never waits for it);
+    where it exceeds the step's device time, the device idles in a loop of steps. ``syncs``:
+    where a step waits for the device ([file:line, times per step], from torch's sync debug
+    mode); each wait idles the device. Empty off CUDA."""
+    import warnings
+
+    if not leaves[0].is_cuda:
+        return {}
+    times = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(HOST_STEPS):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                start = time.perf_counter()
+                step(leaves)
+                times.append(time.perf_counter() - start)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = collections.Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return dict(host_ms=round(statistics.median(times) * 1e3, 3),
+                syncs=[[where, n / HOST_STEPS] for where, n in syncs.most_common()])
 
 
 def idle_ms(spans) -> float:
