@@ -308,8 +308,10 @@ SERIES = (
             Run("virtual_ranks.json", "c963095"), Run("virtual_ranks.json", "ce315df"),
             Run("virtual_ranks.json", "4c0279f"), Run("virtual_ranks.json", "3686002"),
             Run("virtual_ranks.json", "fbc7244"), Run("virtual_ranks.json", "08b2ab8"),
-            Run("virtual_ranks.json", "42e4830"), Run("virtual_ranks.json"),
-            Run("virtual_ranks.json", "2f7ea51")),
+            Run("virtual_ranks.json", "42e4830"), Run("virtual_ranks.json", "be2d490"),
+            Run("virtual_ranks.json", "2f7ea51"), Run("virtual_ranks.json", "3ef4637"),
+            Run("virtual_ranks.json", "97f4da5"), Run("virtual_ranks.json", "16d30ad"),
+            Run("virtual_ranks.json")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
