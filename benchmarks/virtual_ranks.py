@@ -23,7 +23,8 @@ measures every row N times, each pass with a one-GPU step of its own, and keeps 
 ``--profile`` each rank's device time of two more steps, back to back, is split into
 attention kernels, device-to-device copies and the rest, beside the device's idle time and
 the largest kernels of the rest (``device_time``), beside the host's time to issue one step
-and the places where a step waits for the device (``host_time``), and the caching
+and the places where a step waits for the device (``host_time``) and the step's time as one
+CUDA graph replayed, without the host (``graph_time``), and the caching
 allocator's device calls over the timed steps are counted (``allocator_events``).
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
@@ -155,7 +156,8 @@ def replay(args, sched, inputs, cu, box: Mailbox, problem):
     timed = allocator_events(leaves[0].device, since=before)
     report = check_rank(problem, local, *(t.detach() for t in step(leaves)))
     return m, report, (dict(device_time(step, leaves), **host_time(step, leaves),
-                            allocator=timed) if args.profile else None)
+                            **graph_time(step, leaves), allocator=timed)
+                       if args.profile else None)
 
 
 def allocator_events(device, since: dict | None = None) -> dict:
@@ -239,6 +241,44 @@ def host_time(step, leaves) -> dict:
                                 if "synchroniz" in str(w.message))
     return dict(host_ms=round(statistics.median(times) * 1e3, 3),
                 syncs=[[where, n / HOST_STEPS] for where, n in syncs.most_common()])
+
+
+GRAPH_STEPS = 20  # replays of a captured step timed back to back (graph_time)
+
+
+def graph_time(step, leaves) -> dict:
+    """``graph_ms``: the median time of ``step`` captured in one CUDA graph and replayed
+    ``GRAPH_STEPS`` times back to back: the device's own time for the step in a loop, with
+    the host's work taken away; ``graph_vs_step``: the largest difference of the replay's
+    outputs from an uncaptured step's (the same kernels on the same inputs, so only the order
+    of atomic adds may differ). ``graph_error`` instead where the step cannot be captured.
+    Empty off CUDA."""
+    if not leaves[0].is_cuda:
+        return {}
+    want = [t.detach().clone() for t in step(leaves)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm-up off the default stream, as capture asks
+        step(leaves)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            got = step(leaves)
+    except Exception as e:  # noqa: BLE001 -- recorded: this step cannot be captured
+        torch.cuda.synchronize()
+        return dict(graph_error=f"{type(e).__name__}: {e}"[:300])
+    graph.replay()
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(GRAPH_STEPS)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return dict(graph_ms=round(statistics.median(s.elapsed_time(e) for s, e in events), 3),
+                graph_vs_step=diff)
 
 
 def idle_ms(spans) -> float:

@@ -12,7 +12,7 @@ A generated table sits between ``<!-- tables.py: NAME -->`` and ``<!-- /tables.p
   its file and the commit that last changed it (``git log -1 -- FILE``);
 - ``ranks``: where the slowest rank's step goes in the newest ``virtual_ranks.json`` (its
   ``--profile`` split: device time by kind, the device's idle time, the host's time to issue
-  the step);
+  the step, the step as a CUDA graph replayed without the host);
 - ``goals``: every goal figure over the committed runs that measured it (the files below, as
   committed at the commits named), with its spread; a goal counts as met only when at least
   three runs measured it and every one of them clears it.
@@ -374,8 +374,9 @@ def goals() -> str:
 # ---- ranks: the slowest rank's step in the newest virtual-ranks run --------------------------
 def ranks() -> str:
     """Per row of the newest ``virtual_ranks.json`` with a device split: its slowest rank's
-    median step beside the goal (1.1 x one GPU / P), the device time it keeps busy, and the
-    host's time to issue the step: where the host's exceeds the device's, the device waits."""
+    median step beside the goal (1.1 x one GPU / P), the device time it keeps busy, the
+    host's time to issue the step, and the step replayed as a CUDA graph (no host work): where
+    the replay is as long as the step, the host is not what holds it."""
     run = Run("virtual_ranks.json")
     rows = run.record()["rows"]
     one = {r["batch"]: r["median_ms"] for r in rows if r.get("ranks") == 1 and r.get("median_ms")}
@@ -383,10 +384,11 @@ def ranks() -> str:
              f"step, the goal (1.1 x one GPU's step / P), and that rank's profiled step in ms: "
              f"device time by kind (attention kernels, device-to-device copies that stand for "
              f"transfers, the rest: merges, sums, gathers), the device's idle time within two "
-             f"steps back to back (per step), and the host's time to issue one step alone "
-             f"(`host`; '-' where the run did not measure it).", "",
-             "| batch, P | step | goal | busy | attention | copies | rest | idle | host |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"steps back to back (per step), the host's time to issue one step alone "
+             f"(`host`), and the step captured in a CUDA graph and replayed in a loop, "
+             f"without the host (`graph`; '-' where the run did not measure it).", "",
+             "| batch, P | step | goal | busy | attention | copies | rest | idle | host | graph |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = r.get("rank_device_ms")
         if r.get("status") != "ok" or not split or r["batch"] not in one:
@@ -394,11 +396,10 @@ def ranks() -> str:
         slowest = max(range(len(r["rank_ms"])), key=lambda i: r["rank_ms"][i] or 0.0)
         d, parts = split[slowest], r["ranks"]
         busy = d["attention"] + d["copies"] + d["other"]
-        host = d.get("host_ms")
         cells = [r["rank_ms"][slowest], 1.1 * one[r["batch"]] / parts, busy, d["attention"],
-                 d["copies"], d["other"], d["idle"]]
-        lines.append(f"| ({r['batch']}), {parts} | " + " | ".join(f"{x:.2f}" for x in cells)
-                     + f" | {'-' if host is None else f'{host:.2f}'} |")
+                 d["copies"], d["other"], d["idle"], d.get("host_ms"), d.get("graph_ms")]
+        lines.append(f"| ({r['batch']}), {parts} | "
+                     + " | ".join("-" if x is None else f"{x:.2f}" for x in cells) + " |")
     return "\n".join(lines)
 
 
