@@ -194,6 +194,16 @@ def packed_problem(q, k, v, dout, cu_seqlens, *, causal: bool = True,
                    _scale(scale, q), cu)
 
 
+def check_packed_rank(problem: Problem, index: torch.Tensor, out, dq, dk, dv,
+                      **sampling) -> dict:
+    """One rank's packed results [T_local, H, E] against ``problem`` (``packed_problem`` of
+    the whole batch), as a dict that ``merge`` joins over ranks; ``index`` gives each local
+    row's global token (a schedule packing's ``token_index``; -1: padding, not checked)."""
+    real = (index >= 0).nonzero().squeeze(1)
+    results = (t.index_select(0, real).permute(1, 0, 2).unsqueeze(0) for t in (out, dq, dk, dv))
+    return check_shard(problem, index[real], *results, **sampling).as_dict()
+
+
 def check_shard(problem: Problem, positions: torch.Tensor, out, dq, dk, dv, *,
                 rows: int = ROWS, key_rows: int = KEY_ROWS, key_flops: float = KEY_FLOPS,
                 batches=None) -> Report:

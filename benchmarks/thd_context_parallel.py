@@ -21,7 +21,14 @@ fwd+bwd) under ``ring``, full causal vs a window of 4K keys back (``window=(4096
 divided by what its FLOP count allows (t_full / t_window) / (flops_full / flops_window) is
 its efficiency; goal >= 0.8 under ring.
 
-Outputs are checked against one device (``rel_err``). JSON and PNG go to benchmarks/results/
+Whole documents to ranks (``--preset documents``; ``thd_context_parallel_documents.json``):
+batches a-d under ``ring`` with partition ``documents`` and with ``load_balanced`` (every
+document cut into 2P chunks), no window. Goals: per GPU at least 0.9x one GPU on every batch
+(``documents``), and ``documents`` at least 3x ``load_balanced`` on batch b.
+
+Outputs are checked against one device (``rel_err``), and each rank's out and gradients of
+the packed batches on sampled rows against fp32 math (``check``; a wrong one is no figure:
+its status says so). JSON and PNG go to benchmarks/results/
 (``thd_context_parallel.json``); ``--tiny`` runs small problems with the reference kernel.
 """
 
@@ -34,12 +41,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks import common
+from benchmarks import check, common
 from benchmarks.context_parallel import impl_options
 from benchmarks.thd import BATCHES, TINY_BATCHES
 
 NAME = "thd_context_parallel"
 SCHEDULES = ("ring", "allgather", "ulysses")
+DOCUMENTS, LOAD_BALANCED = "ring:partition=documents", "ring:partition=load_balanced"
+PRESETS = {"documents": dict(batches="a,b,c,d", schedules=f"{DOCUMENTS},{LOAD_BALANCED}",
+                             window=False)}
+PER_GPU_GOAL = {None: 0.85, "documents": 0.9}  # per-GPU TFLOP/s over one GPU's, per preset
+SPLIT_GOAL = 3.0  # documents over load_balanced on batch b (--preset documents)
+KEY_FLOPS = 5e11  # fp32 work of one rank's dK/dV check: ~10 ms on an H200
 
 
 def parse_args(argv=None):
@@ -56,8 +69,16 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tag", default="",
                    help="appended to the result name, for an ad-hoc run beside the committed one")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="documents: batches a-d, whole documents against every document cut "
+                        "(ring), no window; its own result name")
     common.add_distributed_args(p)
     args = p.parse_args(argv)
+    args.window_part = True
+    if args.preset:
+        preset = PRESETS[args.preset]
+        args.batches, args.schedules = preset["batches"], preset["schedules"]
+        args.window_part = preset["window"]
     args.batches = [b for b in args.batches.split(",") if b]
     args.schedules = [s for s in args.schedules.split(",") if s]
     args.window_kernels = [k for k in args.window_kernels.split(",") if k]
@@ -67,7 +88,8 @@ def parse_args(argv=None):
         args.heads, args.head_dim, args.dtype = 8, 16, torch.float32
         args.window_seq, args.window, args.warmup, args.iters = 256, 8, 1, 2
         args.kernel, args.window_kernels = "reference", ["reference"]
-    args.name = NAME + args.tag + ("_tiny" if args.tiny else "")
+    args.name = NAME + (f"_{args.preset}" if args.preset else "") + args.tag + \
+        ("_tiny" if args.tiny else "")
     return args
 
 
@@ -109,6 +131,25 @@ def error_against(out: torch.Tensor, ref: torch.Tensor | None) -> float | None:
     return None if ref is None else common.relative_error(out, ref)
 
 
+def checked(mesh, problem, index, attend, inputs) -> dict:
+    """Every rank's out and gradients of one more step of ``attend`` on its ``inputs`` (q, k,
+    v, dout; local row i is global token ``index[i]``), on sampled rows against fp32 math
+    (``check.merge`` of the ranks' reports: the same on every rank)."""
+    q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
+    out = attend(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), inputs[3])
+    report = check.check_packed_rank(problem, index, out.detach(), *grads,
+                                     key_flops=KEY_FLOPS)
+    return check.merge(mesh.agree(report))
+
+
+def right(m: common.Measurement, checks: dict) -> common.Measurement:
+    """``m``, or a "wrong" measurement where ``checks`` found a wrong row."""
+    if m.status == "ok" and not checks["right"]:
+        return common.Measurement(status="wrong", error=check.line(checks))
+    return m
+
+
 # ---- packed batches -------------------------------------------------------------------------
 def packed_inputs(args, lengths, device):
     g = torch.Generator(device=device).manual_seed(0)
@@ -136,9 +177,16 @@ def batch_rows(args, mesh, batch: str) -> list[dict]:
 
     with torch.no_grad():
         ref = attend(*inputs[:3], cu_seqlens=cu)
-    m = timed(args, mesh, *train(lambda q, k, v: attend(q, k, v, cu_seqlens=cu), inputs),
-              alone=True)
-    rows = [common.make_row(panel, f"1 GPU {args.kernel}", mean, m, flops, ranks=1, **fields)]
+    problem = check.packed_problem(*inputs, cu.tolist(), causal=True)
+
+    def attend_whole(q, k, v):
+        return attend(q, k, v, cu_seqlens=cu)
+
+    m = timed(args, mesh, *train(attend_whole, inputs), alone=True)
+    checks = checked(mesh, problem, torch.arange(len(inputs[0]), device=cu.device),
+                     attend_whole, inputs)
+    rows = [common.make_row(panel, f"1 GPU {args.kernel}", mean, right(m, checks), flops,
+                            ranks=1, check=check.line(checks), **fields)]
     for entry in args.schedules:
         try:
             name, options = impl_options(entry)
@@ -151,8 +199,10 @@ def batch_rows(args, mesh, batch: str) -> list[dict]:
 
             with torch.no_grad():
                 rel_err = error_against(sched.unshard(attend_local(*local[:3]), **kw), ref)
-            m = timed(args, mesh, *train(attend_local, local))
-            extra = dict(rel_err=rel_err, steps=sched.describe(spec).steps)
+            checks = checked(mesh, problem, sched.pack(cu).token_index, attend_local, local)
+            m = right(timed(args, mesh, *train(attend_local, local)), checks)
+            extra = dict(rel_err=rel_err, steps=sched.describe(spec).steps,
+                         check=check.line(checks))
         except Exception as e:  # noqa: BLE001 -- the same on every rank: recorded
             m, extra = common.failure(e), {}
         rows.append(common.make_row(panel, entry, mean, m, flops / mesh.world_size,
@@ -212,20 +262,32 @@ def window_rows(args, mesh) -> list[dict]:
 
 
 # ---- results --------------------------------------------------------------------------------
-def goal_ratios(rows) -> list[dict]:
-    """Per batch: each schedule's per-GPU TFLOP/s over one GPU's (goal >= 0.85 on a). Per
-    kernel, on one GPU and under ring: the window's speed-up over full causal / the speed-up
-    its FLOPs allow (goal >= 0.8 under ring)."""
+def goal_ratios(rows, preset: str | None = None) -> list[dict]:
+    """Per batch: each schedule's per-GPU TFLOP/s over one GPU's (goal >= 0.85 on a; with
+    ``preset="documents"`` >= 0.9 on every batch for ``documents``, and ``documents`` over
+    ``load_balanced``, >= 3 on b). Per kernel, on one GPU and under ring: the window's speed-up
+    over full causal / the speed-up its FLOPs allow (goal >= 0.8 under ring)."""
     one_gpu = [r["impl"] for r in rows if "batch" in r and r["ranks"] == 1]
     full = [r["impl"] for r in rows if r.get("mask") == "full causal"]
+
+    def per_gpu(r, _, ratio):
+        goal = PER_GPU_GOAL[preset]
+        if preset == "documents" and r["impl"] != DOCUMENTS:
+            goal = None
+        return {"case": f"batch {r['batch']}", "impl": r["impl"], "ratio": ratio, "goal": goal}
+
     batches = common.ratios(
         rows, lambda r: one_gpu if "batch" in r and r["ranks"] > 1 else None, same=("batch",),
-        entry=lambda r, _, ratio: {"case": f"batch {r['batch']}", "impl": r["impl"],
-                                   "ratio": ratio, "goal": 0.85})
+        entry=per_gpu)
+    split = common.ratios(
+        rows, lambda r: LOAD_BALANCED if r["impl"] == DOCUMENTS else None, same=("batch",),
+        entry=lambda r, _, ratio: {"case": f"batch {r['batch']}",
+                                   "impl": f"{DOCUMENTS} / {LOAD_BALANCED}", "ratio": ratio,
+                                   "goal": SPLIT_GOAL if r["batch"] == "b" else None})
     windows = common.ratios(
         rows, lambda r: full if r.get("mask", "full causal") != "full causal" else None,
         same=("kernel", "ranks"), value="median_ms", entry=window_efficiency)
-    return batches + windows
+    return batches + split + windows
 
 
 def window_efficiency(row, full, _) -> dict:
@@ -250,7 +312,7 @@ def main(argv=None) -> int:
                                for k, v in vars(args).items() if k not in ("results_dir",)},
                   "rows": []}
         start, deadline = time.monotonic(), common.Deadline(args.max_seconds)
-        for part in [*args.batches, "window"]:
+        for part in [*args.batches, *(["window"] if args.window_part else [])]:
             if not mesh.agree(deadline.left() > 0)[0]:  # every rank stops alike
                 continue
             record["rows"] += window_rows(args, mesh) if part == "window" else \
@@ -274,7 +336,7 @@ def report(mesh, record, args, start, what) -> None:
 
 
 def finish(args, record, start) -> None:
-    record["ratios"] = goal_ratios(record["rows"])
+    record["ratios"] = goal_ratios(record["rows"], args.preset)
     record["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = common.save(args.name, record, args, metrics=("tflops", "peak_gib"), bars=True)
     print("\nTFLOP/s per GPU (real tokens; a window's own FLOPs)")
@@ -282,7 +344,7 @@ def finish(args, record, start) -> None:
     for r in record["ratios"]:
         goal = f" (goal >= {r['goal']})" if r["goal"] else ""
         detail = (f": speed-up {r['speed_up']:.2f} of {r['allowed']:.2f} allowed"
-                  if "allowed" in r else " per GPU vs one GPU")
+                  if "allowed" in r else "" if " / " in r["impl"] else " per GPU vs one GPU")
         print(f"{r['case']}, {r['impl']}{detail} = {r['ratio']:.2f}{goal}")
     bad = [r for r in record["rows"] if r.get("rel_err") is not None and not r["rel_err"] < 2e-2]
     for r in bad:

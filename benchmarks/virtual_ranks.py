@@ -83,10 +83,8 @@ def record_bytes(args) -> float:
 # ---- one rank's step --------------------------------------------------------------------
 def check_rank(problem: check.Problem, local, out, dq, dk, dv) -> dict:
     """One rank's out and gradients [T_local, H, E] on sampled rows against fp32 math."""
-    index = local.token_index
-    real = (index >= 0).nonzero().squeeze(1)
-    results = (t.index_select(0, real).permute(1, 0, 2).unsqueeze(0) for t in (out, dq, dk, dv))
-    return check.check_shard(problem, index[real], *results, key_flops=KEY_FLOPS).as_dict()
+    return check.check_packed_rank(problem, local.token_index, out, dq, dk, dv,
+                                   key_flops=KEY_FLOPS)
 
 
 def direct_step(args, sched, inputs, cu):

@@ -26,6 +26,9 @@
 #   bench-hybrid     mpirun -np $NP python -m benchmarks.hybrid            (~3 min on 2)
 #   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
+#   bench-docs-goals the two-GPU goals of whole documents to ranks (NP=2): packed batches a-d
+#                    under ring, documents against load_balanced, every rank checked:
+#                    thd_context_parallel --preset documents (~4 min on 2)
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
 #                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
 #   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile;
@@ -181,6 +184,11 @@ bench_thd_cp() {
         -m benchmarks.thd_context_parallel
 }
 
+bench_docs_goals() {
+    bench bench-docs-goals thd_context_parallel_documents 330 60 "${MPI[@]}" "$PY" \
+        -m benchmarks.thd_context_parallel --preset documents
+}
+
 bench_max_seq() {
     bench bench-max-seq-single max_seq 200 30 "${ONE_GPU[@]}" "$PY" -m benchmarks.max_seq \
         --single-gpu --confirm-budget-s "${CONFIRM_S:-120}"
@@ -272,6 +280,7 @@ for part in "${parts[@]}"; do
         bench-max-seq) bench_max_seq ;;
         bench-vr) bench_vr ;;
         bench-vr-goals) bench_vr_goals ;;
+        bench-docs-goals) bench_docs_goals ;;
         *) note "unknown part '$part'; see the top of $0"; exit 2 ;;
     esac
 done
