@@ -22,10 +22,10 @@ measures every row N times, each pass with a one-GPU step of its own, and keeps 
 (``slowest_x_p_over_one_gpu_runs``: the goals' spread, ``docs/tables.py``). With
 ``--profile`` each rank's device time of two more steps, back to back, is split into
 attention kernels, device-to-device copies and the rest, beside the device's idle time and
-the largest kernels of the rest (``device_time``), beside the host's time to issue one step
-and the places where a step waits for the device (``host_time``) and the step's time as one
-CUDA graph replayed, without the host (``graph_time``), and the caching
-allocator's device calls over the timed steps are counted (``allocator_events``).
+the largest kernels of the rest (``device_time``); the host's time to issue one step and the
+places where a step waits for the device are taken (``host_time``), and the step's time as
+one CUDA graph replayed without the host (``graph_time``); and the caching allocator's
+device calls over the timed steps are counted (``allocator_events``).
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
 and 1,500 of 16-600; d log-normal lengths (median 600, sigma 1.2) in [16, 65536] packed to
