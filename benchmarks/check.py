@@ -43,6 +43,7 @@ ROWS = 16            # query rows checked (out, dQ)
 KEY_ROWS = 8         # key rows checked (dK, dV)
 KEY_TAIL = 512       # causal: checked keys lie at most this far before their sequence's end
 KEY_FLOPS = 1e14     # the most fp32 work the dK/dV reference may take: ~3 s on an H200
+RANK_KEY_FLOPS = 5e11  # the same for one rank of many (check_packed_rank): ~10 ms on an H200
 BATCHES = 2          # batch elements checked when B > 1 (the first and the last)
 KEYS_PER_STEP = 4096
 HEADS_PER_STEP = 8
@@ -194,14 +195,22 @@ def packed_problem(q, k, v, dout, cu_seqlens, *, causal: bool = True,
                    _scale(scale, q), cu)
 
 
-def check_packed_rank(problem: Problem, index: torch.Tensor, out, dq, dk, dv,
-                      **sampling) -> dict:
+def check_packed_rank(problem: Problem, index: torch.Tensor, out, dq, dk, dv, *,
+                      key_flops: float = RANK_KEY_FLOPS) -> dict:
     """One rank's packed results [T_local, H, E] against ``problem`` (``packed_problem`` of
     the whole batch), as a dict that ``merge`` joins over ranks; ``index`` gives each local
     row's global token (a schedule packing's ``token_index``; -1: padding, not checked)."""
     real = (index >= 0).nonzero().squeeze(1)
     results = (t.index_select(0, real).permute(1, 0, 2).unsqueeze(0) for t in (out, dq, dk, dv))
-    return check_shard(problem, index[real], *results, **sampling).as_dict()
+    return check_shard(problem, index[real], *results, key_flops=key_flops).as_dict()
+
+
+def judged(m, checks: dict):
+    """The measurement ``m`` of a checked step, or one of status "wrong" (no figure) where
+    ``checks`` (``merge``'s) found a wrong row."""
+    if m.status == "ok" and not checks["right"]:
+        return type(m)(status="wrong", error=line(checks))
+    return m
 
 
 def check_shard(problem: Problem, positions: torch.Tensor, out, dq, dk, dv, *,

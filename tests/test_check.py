@@ -204,3 +204,14 @@ def test_each_rank_checks_its_shard_against_the_regenerated_problem(monkeypatch)
     assert not merged["right"] and merged["worst"]["dq"] == [0, 2, 95]
     assert merged["rows"]["out"] == 32 and merged["errors"]["dk"] is not None
     assert merge(reports[:1])["right"]
+
+
+def test_a_step_whose_check_found_a_wrong_row_is_no_figure():
+    from benchmarks.common import Measurement
+
+    timed = Measurement(median_ms=1.0, min_ms=1.0, max_ms=1.0)
+    wrong = {"right": False, "errors": {"dq": 0.4}, "tolerance": 0.05}
+    assert check.judged(timed, {"right": True}) is timed
+    judged = check.judged(timed, wrong)
+    assert (judged.status, judged.median_ms) == ("wrong", None)
+    assert judged.error == check.line(wrong)
