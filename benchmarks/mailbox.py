@@ -12,6 +12,12 @@ kernel compiler or launcher never sees two ranks at once (FlashAttention-4's CuT
 launcher is not thread-safe). Receives of the ranks in ``recording`` are kept in order up to
 ``budget`` bytes; past it the highest recording rank's record is dropped (``recorded`` says
 whose records are complete) and that rank is recorded by a later run.
+
+A replayed rank's receives on a GPU run as the copy-engine transport runs them
+(``schedules.transport``): on a side stream behind the rank's work so far, the rank's stream
+waiting for them only where it reads what arrived, so that they pass beside its kernels
+(``transfers="side"``); with ``transfers="inline"`` they run on the rank's stream where it
+makes them, never beside its work.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import torch
 from schedules.transport import Mover
 
 
+TRANSFERS = ("side", "inline")  # where a replayed rank's receives run (see above)
+
+
 class Stopped(RuntimeError):
     """A virtual rank stopped waiting because another one failed."""
 
@@ -34,8 +43,11 @@ class Mailbox:
     """Queues of transfers between virtual ranks, the baton, and the records."""
 
     def __init__(self, parts: int, *, recording=(), budget: float = math.inf,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, transfers: str = "side"):
+        if transfers not in TRANSFERS:
+            raise ValueError(f"transfers={transfers!r}: choose one of {TRANSFERS}")
         self.parts, self.budget, self.timeout_s = parts, budget, timeout_s
+        self.transfers = transfers
         self.turn = threading.Condition()
         self.holder: int | None = None
         self.queues = collections.defaultdict(collections.deque)
@@ -44,6 +56,7 @@ class Mailbox:
         self.failed: BaseException | None = None
         self.replaying: int | None = None
         self.cursor = 0
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # ---- the baton --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -94,6 +107,15 @@ class Mailbox:
             self._keep(dst, t)
         into.copy_(t.view_as(into))
 
+    def side_stream(self, device) -> "torch.cuda.Stream | None":
+        """The stream a replayed rank's receives on ``device`` run on (None: its own)."""
+        device = torch.device(device)
+        if self.replaying is None or device.type != "cuda" or self.transfers != "side":
+            return None
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device=device)
+        return self.streams[device]
+
     def _keep(self, rank: int, t: torch.Tensor) -> None:
         if rank not in self.records:
             return
@@ -140,7 +162,7 @@ class VirtualComm:
             self.whole.count(sent, received)
 
     def pending(self, works, result, what: str):
-        return _Done(result)
+        return _Done(result, works)
 
     @contextlib.contextmanager
     def running(self, what: str):
@@ -148,10 +170,15 @@ class VirtualComm:
 
 
 class _Done:
-    def __init__(self, result):
-        self.result = result
+    """A transfer that has been made; ``wait()`` holds the current stream for ``events``."""
+
+    def __init__(self, result, events=()):
+        self.result, self.events = result, list(events)
 
     def wait(self):
+        for event in self.events:
+            event.wait()
+        self.events = []
         return self.result
 
 
@@ -176,22 +203,47 @@ class VirtualMover(Mover):
         for t in tensors:
             if box.replaying is None:
                 box.send(me, comm.peer(hops), t)
-        for into in ring.tensors(slot):
-            box.receive(comm.peer(-hops), me, into)
         comm.count(ring.data.used, ring.data.used)
-        return []
+        return self._land([(into, None) for into in ring.tensors(slot)], -hops)
 
     def _exchange(self, puts, takes, region):
         comm, box, flat = self.comm, self.mailbox, region.flat
         me = comm.peer(0)
+        local = []
         for p in puts:
             if p.hops % comm.size == 0:
-                flat[p.at:p.at + p.nbytes].copy_(p.bytes())
+                local.append((flat[p.at:p.at + p.nbytes], p.bytes()))
             elif box.replaying is None:
                 box.send(me, comm.peer(p.hops), p.bytes())
-        for t in takes:
-            box.receive(comm.peer(-t.hops), me, flat[t.at:t.at + t.nbytes])
-        return []
+        return self._land(local + [(flat[t.at:t.at + t.nbytes], -t.hops) for t in takes])
+
+    def _land(self, copies, hops: int | None = None) -> list:
+        """Fill each (target, source): a tensor, or the hops back of the rank it comes from
+        (None: ``hops``); on the mailbox's side stream when it has one (the events to wait
+        for), else now."""
+        if not copies:
+            return []
+        side = self.mailbox.side_stream(copies[0][0].device)
+        if side is None:
+            self._copy(copies, hops)
+            return []
+        # behind this rank's work so far: what it sends is written, the slot has been read
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._copy(copies, hops)
+            for target, _ in copies:
+                target.record_stream(side)  # its memory is not reused before the copy is done
+            event = torch.cuda.Event()
+            event.record(side)
+        return [event]
+
+    def _copy(self, copies, hops) -> None:
+        box, comm = self.mailbox, self.comm
+        for target, source in copies:
+            if isinstance(source, torch.Tensor):
+                target.copy_(source)
+            else:
+                box.receive(comm.peer(hops if source is None else source), comm.peer(0), target)
 
 
 def virtual_schedules(name: str, parts: int, device, mailbox: Mailbox, cu_seqlens,

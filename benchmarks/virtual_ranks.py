@@ -11,7 +11,9 @@ on the one device (``benchmarks.mailbox``). Record: the P ranks run causal fwd+b
 one thread each and one at a time, their transfers handed over and recorded; each rank's
 out and gradients are checked on sampled rows against fp32 math (``benchmarks.check``).
 Replay: each rank alone runs the step again, timed, its receives copied from its record (a
-copy stands for each transfer); then once more, checked. Records kept past ``--record-gib``
+copy stands for each transfer; on a side stream beside the rank's work, as the copy-engine
+transport runs transfers, or with ``--transfers inline`` on its own stream); then once more,
+checked. Records kept past ``--record-gib``
 (default: half the memory free when the row starts) are made again by another record run;
 a record run out of memory runs again keeping half of what it had kept (the ranks' own
 work on the one device needs the rest).
@@ -47,7 +49,7 @@ import torch
 
 from benchmarks import check, common
 from benchmarks.context_parallel import impl_options
-from benchmarks.mailbox import Mailbox, Stopped, virtual_schedules
+from benchmarks.mailbox import TRANSFERS, Mailbox, Stopped, virtual_schedules
 from benchmarks.thd import BATCHES, TINY_BATCHES
 
 NAME = "virtual_ranks"
@@ -179,8 +181,8 @@ def device_time(step, leaves) -> dict:
     tensors) and the rest (merges, sums, gathers); ``idle``, the time between the first
     step's first device work and the last step's last when the device ran nothing
     (``idle_ms``: waiting for the host, or for a synchronisation, within a step or between
-    two); and ``largest_other``, the ``TOP_OTHER`` kernels outside attention that took the
-    most time, [name, ms]."""
+    two); ``ops``, the kernels, copies and sets the device ran; and ``largest_other``, the
+    ``TOP_OTHER`` kernels outside attention that took the most time, [name, ms]."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if leaves[0].is_cuda else [])
@@ -202,6 +204,7 @@ def device_time(step, leaves) -> dict:
         spans.append((e.time_range.start, e.time_range.end))
     split["idle"] = idle_ms(spans)
     times = {k: round(v / PROFILED_STEPS, 3) for k, v in split.items()}
+    times["ops"] = len(spans) / PROFILED_STEPS
     times["largest_other"] = [[name, round(ms / PROFILED_STEPS, 3)]
                               for name, ms in rest.most_common(TOP_OTHER)]
     return times
@@ -318,7 +321,8 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
     budget, halved = record_bytes(args), 0
     try:
         while left:
-            box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s)
+            box = Mailbox(parts, recording=left, budget=budget, timeout_s=args.timeout_s,
+                          transfers=args.transfers)
             start = time.monotonic()
             scheds = virtual_schedules(name, parts, inputs[0].device, box, cu,
                                        partition=partition_of(partition), **options)
@@ -484,6 +488,10 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=1,
                    help="measure every row this many times, each pass with its own one-GPU "
                         "step (the goals' spread; the first pass's row is kept whole)")
+    p.add_argument("--transfers", choices=TRANSFERS, default="side",
+                   help="where a timed rank's receives run: side, on a side stream beside "
+                        "its work as the copy-engine transport runs transfers; inline, on "
+                        "its own stream where it makes them")
     p.add_argument("--profile", action="store_true",
                    help="also split each rank's device time (attention, copies, the rest)")
     p.add_argument("--tiny", action="store_true", help="small batches, reference kernel, CPU")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 
+import pytest
 import torch
 
 from benchmarks import virtual_ranks
@@ -75,7 +76,7 @@ def test_profile_splits_each_rank_s_device_time():
     split = rows[1]["rank_device_ms"]
     assert rows[1]["status"] == "ok" and len(split) == 2, rows[1]
     # on CPU no event has device time: every part is zero
-    assert split == [{"attention": 0.0, "copies": 0.0, "other": 0.0, "idle": 0.0,
+    assert split == [{"attention": 0.0, "copies": 0.0, "other": 0.0, "idle": 0.0, "ops": 0.0,
                       "largest_other": [],
                       "allocator": {"mallocs": 0, "frees": 0, "retries": 0}}] * 2, split
 
@@ -244,3 +245,15 @@ def test_no_row_starts_past_max_seconds():
     virtual_ranks.batch_rows(args, "a", virtual_ranks.batches(True)["a"], lambda text: None,
                              rows.append)
     assert [r["ranks"] for r in rows] == [1]
+
+
+def test_transfers_name_where_receives_run():
+    """On CPU every receive runs where it is made; an unknown --transfers is refused."""
+    for transfers in ("side", "inline"):
+        box = Mailbox(2, recording=[0], transfers=transfers)
+        box.replay(0)
+        assert box.side_stream("cpu") is None
+    with pytest.raises(ValueError, match="transfers='both'.*side"):
+        Mailbox(2, transfers="both")
+    rows, _ = _rows("--ranks", "2", "--partitions", "documents", "--transfers", "inline")
+    assert rows[1]["status"] == "ok" and rows[1]["check"].startswith("right"), rows[1]
