@@ -34,16 +34,17 @@ def test_replayed_receives_run_beside_the_rank_s_work_and_are_right(monkeypatch)
     args = virtual_ranks.parse_args([
         "--ranks", "2,4", "--batches", "c", "--shrink", "64", "--heads", "4",
         "--head-dim", "64", "--kernel", "flash", "--schedules",
-        "ring:grad_dtype=input,allgather", "--partitions", "documents", "--iters", "2",
-        "--profile"])
+        "ring:grad_dtype=input,allgather", "--partitions", "documents,load_balanced",
+        "--iters", "2", "--profile"])
     rows = []
     virtual_ranks.batch_rows(args, "c", virtual_ranks.batches(False, 64)["c"],
                              lambda text: print(text, flush=True),
                              lambda row: row is not None and rows.append(row))
-    assert len(rows) == 1 + 2 * 2, [r.get("impl") for r in rows]
+    assert len(rows) == 1 + 2 * 2 * 2, [r.get("impl") for r in rows]
     for row in rows[1:]:
         assert row["status"] == "ok" and row["check"].startswith("right"), row
         for split in row["rank_device_ms"]:
             assert "graph_error" not in split, split
             assert split["graph_vs_step"] <= 2e-2 and split["ops"] > 0, split
+    # load_balanced cuts every document: K/V travel (documents may place all whole here)
     assert sides and all(s != torch.cuda.current_stream() for s in sides)
