@@ -311,7 +311,8 @@ SERIES = (
             Run("virtual_ranks.json", "42e4830"), Run("virtual_ranks.json", "be2d490"),
             Run("virtual_ranks.json", "2f7ea51"), Run("virtual_ranks.json", "3ef4637"),
             Run("virtual_ranks.json", "97f4da5"), Run("virtual_ranks.json", "16d30ad"),
-            Run("virtual_ranks.json", "ea9adb8"), Run("virtual_ranks.json")),
+            Run("virtual_ranks.json", "ea9adb8"), Run("virtual_ranks.json", "630ff60"),
+            Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "7e8596f")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
@@ -372,7 +373,7 @@ def goals() -> str:
 
 
 # ---- ranks: the slowest rank's step in the newest virtual-ranks run --------------------------
-RANKS_RUN = Run("virtual_ranks.json", "ea9adb8")  # the newest run with host and graph times
+RANKS_RUN = Run("virtual_ranks.json", "e2a18af")  # the newest run with host and graph times
 
 
 def ranks() -> str:
@@ -388,10 +389,12 @@ def ranks() -> str:
              f"device time by kind (attention kernels, device-to-device copies that stand for "
              f"transfers, the rest: merges, sums, gathers), the device's idle time within two "
              f"steps back to back (per step), the host's time to issue one step alone "
-             f"(`host`), and the step captured in a CUDA graph and replayed in a loop, "
-             f"without the host (`graph`; '-' where the run did not measure it).", "",
-             "| batch, P | step | goal | busy | attention | copies | rest | idle | host | graph |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(`host`), the step captured in a CUDA graph and replayed in a loop, "
+             f"without the host (`graph`), and the kernels, copies and sets the device runs "
+             f"per step (`ops`); '-' where the run did not measure it.", "",
+             "| batch, P | step | goal | busy | attention | copies | rest | idle | host | graph "
+             "| ops |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = r.get("rank_device_ms")
         if r.get("status") != "ok" or not split or r["batch"] not in one:
@@ -401,8 +404,10 @@ def ranks() -> str:
         busy = d["attention"] + d["copies"] + d["other"]
         cells = [r["rank_ms"][slowest], 1.1 * one[r["batch"]] / parts, busy, d["attention"],
                  d["copies"], d["other"], d["idle"], d.get("host_ms"), d.get("graph_ms")]
+        ops = "-" if d.get("ops") is None else f"{d['ops']:.0f}"
         lines.append(f"| ({r['batch']}), {parts} | "
-                     + " | ".join("-" if x is None else f"{x:.2f}" for x in cells) + " |")
+                     + " | ".join("-" if x is None else f"{x:.2f}" for x in cells)
+                     + f" | {ops} |")
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
 #                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
 #   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile;
-#                    ring with input-dtype sums, documents; ~4 min): the goals' spread
+#                    ring with input-dtype sums, documents; 5-7 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
 #   all              tests, then bench, not tests-gpu-long (12-15 min; to keep each command
