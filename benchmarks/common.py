@@ -500,6 +500,8 @@ METRIC_LABELS = {
     "step_gib": "memory of the step per GPU (GiB)",
     "median_ms": "time (ms)",
     "gbps": "transfer rate (GB/s)",
+    "host_us": "host time per call (us)",
+    "device_us": "device time per call (us)",
 }
 
 

@@ -1,0 +1,39 @@
+"""benchmarks.host_calls runs small on CPU: every piece timed, the attention row checked
+against fp32 math, a wrong attention recorded with no figure."""
+
+from __future__ import annotations
+
+import json
+
+import sdpa_fusion
+from benchmarks import host_calls
+
+
+def _rows(tmp_path):
+    code = host_calls.main(["--tiny", "--results-dir", str(tmp_path), "--copy-to", ""])
+    return code, json.loads((tmp_path / "host_calls_tiny.json").read_text())["rows"]
+
+
+def test_tiny_run_times_every_piece(tmp_path):
+    code, rows = _rows(tmp_path)
+    assert code == 0
+    assert [r["impl"] for r in rows] == [
+        "torch op (one element)", "reference packed forward", "reference packed backward",
+        "merge fold (fp32)", "attention reference fwd+bwd"]
+    for r in rows:
+        assert r["status"] == "ok" and r["host_us"] > 0 and r["device_us"] > 0, r
+    assert rows[-1]["check"].startswith("right"), rows[-1]
+    assert (tmp_path / "host_calls_tiny.png").is_file()
+
+
+def test_a_wrong_attention_is_no_figure(tmp_path, monkeypatch):
+    attention = sdpa_fusion.attention
+    monkeypatch.setattr(sdpa_fusion, "attention", lambda *a, **k: 2 * attention(*a, **k))
+    code, rows = _rows(tmp_path)
+    assert code == 1
+    assert rows[-1]["status"] == "wrong" and rows[-1]["host_us"] is None, rows[-1]
+    assert rows[-1]["check"].startswith("WRONG"), rows[-1]
+
+
+def test_lengths_repeat_with_x():
+    assert host_calls.lengths_of("2048,300x3, 5") == [2048, 300, 300, 300, 5]
