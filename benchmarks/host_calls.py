@@ -11,8 +11,9 @@ per call and ``device_us`` the device's (CUDA events around the calls; on CPU th
 again). A piece whose host time exceeds its device time leaves the device idle in a loop of
 it. Pieces: one torch op on one element; each kernel's packed forward and backward on one
 packed batch (``--lengths``); a merge fold into an fp32 accumulator (nvFuser on GPUs); and the
-batch through ``sdpa_fusion.attention`` forward and backward, its out and gradients checked on
-sampled rows against fp32 math (a wrong one recorded as such, with no figure).
+batch through ``sdpa_fusion.attention`` forward and backward, its offsets a tuple (the call's
+plan kept) and a list (planned on every call), its out and gradients checked on sampled rows
+against fp32 math (a wrong one recorded as such, with no figure).
 """
 
 from __future__ import annotations
@@ -95,18 +96,22 @@ def pieces(args, q, k, v, dout, cu):
     out.append(("merge fold (fp32)", None,
                 lambda: merge.fold(as_block(acc), acc_lse, as_block(q), block_lse), None))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    cu_tensor = torch.tensor(cu, dtype=torch.int32, device=q.device)
 
-    def attention():
+    def attention(offsets):
         o = sdpa_fusion.attention(*leaves, layout="thd", causal=True, kernel=args.kernel,
-                                  cu_seqlens=cu_tensor)
+                                  cu_seqlens=offsets)
         return (o, *torch.autograd.grad(o, leaves, dout))
 
-    def checked():
-        results = [t.detach() for t in attention()]
+    def checked(offsets):
+        results = [t.detach() for t in attention(offsets)]
         return check.check_packed(q, k, v, dout, *results, cu).as_dict()
 
-    out.append((f"attention {args.kernel} fwd+bwd", args.kernel, attention, checked))
+    # offsets as a tuple: the call's plan is kept (every layer of a step after the first);
+    # as a list: planned on every call (docs/api.md). A GPU tensor would cost a device sync.
+    for offsets, how in ((tuple(cu), "a tuple: plan kept"), (list(cu), "a list: planned")):
+        out.append((f"attention {args.kernel} fwd+bwd (offsets {how})", args.kernel,
+                    lambda offsets=offsets: attention(offsets),
+                    lambda offsets=offsets: checked(offsets)))
     return out
 
 
