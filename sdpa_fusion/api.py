@@ -152,9 +152,10 @@ def _planned(q, k, v, options: dict) -> tuple[Plan, dict]:
     key = _call_key(q, k, v, options)
     if key is None or kept is None:
         return plan(q, k, v, **options), {}
-    if key in kept:
+    found = kept.get(key)
+    if found is not None:
         kept.move_to_end(key)
-        return kept[key]
+        return found
     kept[key] = found = (plan(q, k, v, **options), {})
     while len(kept) > PLANS_KEPT:
         kept.popitem(last=False)
@@ -170,15 +171,36 @@ def _call_key(q, k, v, options: dict):
     key = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)),
            tuple((name, _typed(value)) for name, value in options.items() if name != "schedule"))
     try:
-        hash(key)
+        return _CallKey(key)
     except TypeError:
         return None
-    return key
+
+
+class _CallKey:
+    """A call key hashed once: a kept plan is looked up, found and moved with one hash of its
+    offsets, however many documents the pack holds."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: tuple):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CallKey) and self.hash == other.hash and self.key == other.key
+
+
+_INTS = "ints"  # _typed's mark of a tuple of ints (no other typed value starts with a string)
 
 
 def _typed(value):
-    """``value`` with the type of every part, so that a key tells ``1`` from ``True``."""
+    """``value`` with the type of every part, so that a key tells ``1`` from ``True``; a
+    tuple of ints (a pack's offsets) as it is, its items' types checked in one pass in C."""
     if isinstance(value, tuple):
+        if set(map(type, value)) <= {int}:
+            return _INTS, value
         return tuple(_typed(v) for v in value)
     return type(value), value
 

@@ -220,6 +220,24 @@ def test_offsets_in_a_tensor_are_read_on_every_call(monkeypatch, rng):
     assert len(made) == 2
 
 
+def test_offsets_in_a_tuple_keep_their_plan_until_the_pack_changes(monkeypatch, rng):
+    """A tuple of offsets is part of the kept plan's key: the same pack is planned once, a
+    new one anew, each right; in a key, True is not 1."""
+    from sdpa_fusion import api
+
+    made = _counting_plans(monkeypatch)
+    q, k, v = (torch.randn(20, 2, 8, generator=rng) for _ in range(3))
+    for cut in (5, 5, 12, 5):
+        out = sdpa_fusion.attention(q, k, v, layout="thd", causal=True, cu_seqlens=(0, cut, 20))
+        for a, b in ((0, cut), (cut, 20)):
+            want = reference.attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                       causal=True).out
+            assert_close(out[a:b], want[0].transpose(0, 1), torch.float32)
+    assert len(made) == 2
+    assert api._typed((0, 1, 2)) != api._typed((0, True, 2))
+    assert api._typed((0, 1, 2)) == api._typed((0, 1, 2)) != api._typed((0, 1, 3))
+
+
 def test_calls_with_a_mask_are_planned_every_time(monkeypatch, rng):
     """A mask holds tensors and a batch brings its own: no plan of it is kept."""
     made = _counting_plans(monkeypatch)
