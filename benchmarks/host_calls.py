@@ -125,6 +125,7 @@ def parse_args(argv=None):
     p.add_argument("--kernel", default="auto", help="the kernel of the attention row")
     p.add_argument("--calls", type=int, default=40, help="calls per piece, back to back")
     p.add_argument("--tiny", action="store_true", help="small batch, reference kernel, CPU")
+    p.add_argument("--tag", default="", help="write host_calls<tag>.json, beside the default's")
     common.add_output_args(p)
     args = p.parse_args(argv)
     args.kernels = [k for k in args.kernels.split(",") if k]
@@ -134,7 +135,7 @@ def parse_args(argv=None):
     if args.tiny:
         args.lengths, args.heads, args.head_dim = "8,3,1,0,5", 2, 8
         args.kernels, args.kernel, args.calls = ["reference"], "reference", 3
-    args.name = NAME + ("_tiny" if args.tiny else "")
+    args.name = NAME + args.tag + ("_tiny" if args.tiny else "")
     return args
 
 

@@ -39,3 +39,9 @@ def test_a_wrong_attention_is_no_figure(tmp_path, monkeypatch):
 
 def test_lengths_repeat_with_x():
     assert host_calls.lengths_of("2048,300x3, 5") == [2048, 300, 300, 300, 5]
+
+
+def test_a_tag_names_the_files(tmp_path):
+    host_calls.main(["--tiny", "--results-dir", str(tmp_path), "--copy-to", "", "--tag", "_x"])
+    assert (tmp_path / "host_calls_x_tiny.json").is_file()
+    assert not (tmp_path / "host_calls_tiny.json").exists()
