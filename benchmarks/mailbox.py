@@ -204,7 +204,7 @@ class VirtualMover(Mover):
             if box.replaying is None:
                 box.send(me, comm.peer(hops), t)
         comm.count(ring.data.used, ring.data.used)
-        return self._land([(into, None) for into in ring.tensors(slot)], -hops)
+        return self._land([(into, -hops) for into in ring.tensors(slot)])
 
     def _exchange(self, puts, takes, region):
         comm, box, flat = self.comm, self.mailbox, region.flat
@@ -217,33 +217,33 @@ class VirtualMover(Mover):
                 box.send(me, comm.peer(p.hops), p.bytes())
         return self._land(local + [(flat[t.at:t.at + t.nbytes], -t.hops) for t in takes])
 
-    def _land(self, copies, hops: int | None = None) -> list:
-        """Fill each (target, source): a tensor, or the hops back of the rank it comes from
-        (None: ``hops``); on the mailbox's side stream when it has one (the events to wait
-        for), else now."""
+    def _land(self, copies) -> list:
+        """Fill each (target, source): a tensor, or the hops (negative: back) to the rank
+        whose transfer it takes; on the mailbox's side stream when it has one (the events to
+        wait for), else now."""
         if not copies:
             return []
         side = self.mailbox.side_stream(copies[0][0].device)
         if side is None:
-            self._copy(copies, hops)
+            self._copy(copies)
             return []
         # behind this rank's work so far: what it sends is written, the slot has been read
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._copy(copies, hops)
+            self._copy(copies)
             for target, _ in copies:
                 target.record_stream(side)  # its memory is not reused before the copy is done
             event = torch.cuda.Event()
             event.record(side)
         return [event]
 
-    def _copy(self, copies, hops) -> None:
+    def _copy(self, copies) -> None:
         box, comm = self.mailbox, self.comm
         for target, source in copies:
             if isinstance(source, torch.Tensor):
                 target.copy_(source)
             else:
-                box.receive(comm.peer(hops if source is None else source), comm.peer(0), target)
+                box.receive(comm.peer(source), comm.peer(0), target)
 
 
 def virtual_schedules(name: str, parts: int, device, mailbox: Mailbox, cu_seqlens,
