@@ -19,6 +19,7 @@ against fp32 math (a wrong one recorded as such, with no figure).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -79,8 +80,8 @@ def pieces(args, q, k, v, dout, cu):
         try:
             kernel = kernels.get(name)
             o, lse = kernel.varlen_forward(q, k, v, seqlens, causal=True, scale=scale)
-        except Exception as e:  # noqa: BLE001 -- recorded: not on this machine
-            out.append((f"{name} packed forward", name, e, None))
+        except Exception as e:  # noqa: BLE001 -- recorded (main): not on this machine
+            out.append((f"{name} packed forward", name, _raising(e), None))
             continue
         grads = [torch.empty_like(t) for t in (q, k, v)]
         out.append((f"{name} packed forward", name,
@@ -115,6 +116,13 @@ def pieces(args, q, k, v, dout, cu):
     return out
 
 
+def _raising(error: Exception):
+    """A piece that raises ``error`` when timed (its row records the failure)."""
+    def fn():
+        raise error
+    return fn
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048x2,1024,512,300x40",
@@ -142,9 +150,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     lengths = lengths_of(args.lengths)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = [0, *itertools.accumulate(lengths)]
     g = torch.Generator(device=args.device).manual_seed(0)
     q, k, v, dout = (torch.randn(cu[-1], args.heads, args.head_dim, device=args.device,
                                  generator=g).to(args.dtype) for _ in range(4))
@@ -158,17 +164,14 @@ def main(argv=None) -> int:
               "rows": []}
     for name, kernel, fn, checked in pieces(args, q, k, v, dout, cu):
         report = None
-        if isinstance(fn, Exception):
-            m, host, device = common.failure(fn), None, None
-        else:
-            try:
-                host, device = timed(fn, args.calls, args.device)
-                m = common.Measurement(median_ms=device / 1e3, iters=args.calls, warmup=2)
-                if checked is not None:
-                    report = checked()
-                    m = check.judged(m, report)
-            except Exception as e:  # noqa: BLE001 -- recorded
-                m, host, device = common.failure(e), None, None
+        try:
+            host, device = timed(fn, args.calls, args.device)
+            m = common.Measurement(median_ms=device / 1e3, iters=args.calls, warmup=2)
+            if checked is not None:
+                report = checked()
+                m = check.judged(m, report)
+        except Exception as e:  # noqa: BLE001 -- recorded
+            m, host, device = common.failure(e), None, None
         ok = m.status == "ok"
         row = common.make_row(panel, name, cu[-1], m, 0.0, kernel=kernel,
                               host_us=host if ok else None, device_us=device if ok else None,
