@@ -414,7 +414,6 @@ def ranks() -> str:
 # ---- the docs ------------------------------------------------------------------------------
 TABLES: dict[str, Callable[[], str]] = {"memory": memory, "headline": headline, "goals": goals,
                                         "ranks": ranks}
-NEEDS_HISTORY = {"goals"}  # tables that read runs from git history
 DOCS = ("README.md", "docs/benchmarks.md")
 
 
