@@ -312,7 +312,8 @@ SERIES = (
             Run("virtual_ranks.json", "2f7ea51"), Run("virtual_ranks.json", "3ef4637"),
             Run("virtual_ranks.json", "97f4da5"), Run("virtual_ranks.json", "16d30ad"),
             Run("virtual_ranks.json", "ea9adb8"), Run("virtual_ranks.json", "630ff60"),
-            Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "7e8596f")),
+            Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "7e8596f"),
+            Run("virtual_ranks.json", "3cbf3dc")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
