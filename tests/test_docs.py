@@ -63,6 +63,26 @@ def test_the_tables_from_committed_results_are_current(tables, doc):
     assert wanted == text, "run python docs/tables.py"
 
 
+def test_a_rank_s_cost_terms_are_its_share_of_the_plan(tables):
+    # P = 2: the 100-token document has more tokens than a share and is cut over both ranks
+    # (a ring of two steps over its 100 tokens); the two 1-token ones stay whole, one a rank
+    for rank in (0, 1):
+        pairs, tokens, steps, cut = tables.rank_terms([100, 1, 1], 2, rank)
+        assert pairs == pytest.approx((100 * 100 / 2 / 2 + 0.5) / 1e6)
+        assert (tokens, steps, cut) == pytest.approx((51 / 1024, 2.0, 100 / 1024))
+    # nothing cut: no ring
+    assert tables.rank_terms([3, 3], 2, 1) == pytest.approx((4.5e-6, 3 / 1024, 0.0, 0.0))
+
+
+def test_the_cost_fit_recovers_the_costs_it_was_made_from(tables):
+    costs = [0.09, 0.05, 0.2, 0.02]
+    terms = [(400.0, 33.0, 8.0, 48.0), (90.0, 68.0, 6.0, 30.0), (450.0, 35.0, 6.0, 65.0),
+             (89.0, 69.0, 2.0, 17.0), (12.0, 40.0, 0.0, 0.0), (220.0, 32.0, 12.0, 67.0)]
+    found = [(None, None, 0, t, sum(c * x for c, x in zip(costs, t))) for t in terms]
+    found.append((None, None, 0, (1.0, 1.0, 0.0, 0.0), 1e3))  # no ring: left out of the fit
+    assert tables.cost_fit(found) == pytest.approx(costs, rel=1e-6)
+
+
 def test_a_goal_is_met_only_when_three_runs_or_more_all_clear_it(tables):
     assert tables.verdict([0.951, 0.96, 0.97], 0.95, True) == "yes"
     assert tables.verdict([0.951], 0.95, True) == "not shown: 1 run"
