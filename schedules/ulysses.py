@@ -31,6 +31,11 @@ The exchanges go through ``transport`` (``schedules.transport``): on GPUs of one
 engines move them beside the attention kernel, which holds every SM; ``head_groups="auto"``
 then takes ``heads.PIPELINE_GROUPS`` groups where the heads allow.
 
+Partition ``documents`` (packed batches, ``schedules.whole``): each rank attends its whole
+documents alone, all heads, and nothing of them travels; the documents cut over a group of
+ranks run this schedule over the group (load-balanced parts of their cut packing), so only
+their tokens travel, and each rank of the group attends all their tokens of heads/group.
+
 All of the above is a plan (``Ulysses.plan``: the ops of ``schedules.runner``; the exchanges
 are its ``_Exchanges``).
 """
@@ -46,9 +51,10 @@ from sdpa_fusion.layout import Layout
 from . import dry_run, heads, mask_plans, runner
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
-from .partition import Documents
+from .partition import Auto
 from .sequence import SequenceSchedule
 from .transport import InFlight, Put, Take, Transported, rows_at, sections
+from .whole import whole_documents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +116,7 @@ def packed_placement(split) -> Placement:
     return Placement(int(split.lengths.sum()), split.tokens, parts)
 
 
+@whole_documents
 class Ulysses(Transported, SequenceSchedule):
     """All-to-all context parallelism; packed tokens travel by ``transport``."""
 
@@ -120,12 +127,13 @@ class Ulysses(Transported, SequenceSchedule):
     def __init__(self, mesh, *, dim=None, partition="load_balanced", transport="auto",
                  head_groups="auto"):
         super().__init__(mesh, dim=dim, partition=partition, head_groups=head_groups)
-        if isinstance(self.partition, Documents):
+        if isinstance(self.partition, Auto):
             raise ValueError(
-                f"partition={self.partition.name!r} (whole documents of a packed batch to ranks) "
-                f"is taken by schedules 'ring', 'allgather' and 'hybrid' (over its outer dim), "
-                f"not 'ulysses', which attends every document whole on each rank anyway; use "
-                f"partition='load_balanced' (the default) here, or one of those schedules"
+                "partition='auto' (the cost model's choice between 'documents' and "
+                "'load_balanced') is made for schedules 'ring', 'allgather' and 'hybrid', not "
+                "'ulysses'; name partition='load_balanced' (the default: every token travels) "
+                "or 'documents' (whole documents stay on their rank, each cut one is split by "
+                "heads over its group of ranks)"
             )
         self.use_transport(transport)
 
@@ -198,13 +206,15 @@ class Ulysses(Transported, SequenceSchedule):
                 f"{self.size}; use 'auto' or fewer groups"
             )
 
-    def forward(self, q, k, v, spec, kernel, dropout=None):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
-        return runner.forward(plan, q, k, v, spec, kernel, None, dropout)
+        return runner.forward(plan, q, k, v, spec, kernel, None, dropout, out=out, lse=lse)
 
-    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None):
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
+                 dv=None):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
-        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout)
+        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout,
+                               dq=dq, dk=dk, dv=dv)
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:

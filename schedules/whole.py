@@ -1,7 +1,7 @@
 """Running a packed batch split by whole documents (partition ``documents``) in a sequence
-schedule (``ring``, ``allgather``, and the outer schedule of ``hybrid``): a rank's rows are
-its whole documents, then its part of each cut packing of its groups (``schedules.documents``),
-disjoint sets that no merge joins:
+schedule (``ring``, ``allgather``, ``ulysses``, and the outer schedule of ``hybrid``): a rank's
+rows are its whole documents, then its part of each cut packing of its groups
+(``schedules.documents``), disjoint sets that no merge joins:
 
     rows [0, W)   one local varlen kernel call over the whole documents
     then, per group of ranks that cuts documents (most ranks first), that group's rows: the

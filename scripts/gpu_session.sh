@@ -29,8 +29,9 @@
 #   bench-docs-goals the two-GPU goals of whole documents to ranks (NP=2): packed batches a-d
 #                    under ring, documents against load_balanced, every rank checked:
 #                    thd_context_parallel --preset documents (~4 min on 2)
-#   bench-vr         packed batches over virtual ranks on one GPU (whole documents, ring and
-#                    allgather, device time split): benchmarks.virtual_ranks (~3 min)
+#   bench-vr         packed batches over virtual ranks on one GPU (whole documents; ring with
+#                    input-dtype sums beside ulysses, one and two head groups; device time
+#                    split): benchmarks.virtual_ranks (~6 min)
 #   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile;
 #                    ring with input-dtype sums, documents; 5-7 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
@@ -197,8 +198,9 @@ bench_max_seq() {
 }
 
 bench_vr() {
-    bench bench-vr virtual_ranks 330 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
-        --partitions documents --schedules ring,allgather --profile
+    bench bench-vr virtual_ranks 540 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
+        --partitions documents --profile \
+        --schedules ring:grad_dtype=input,ulysses,ulysses:head_groups=2
 }
 bench_vr_goals() {
     bench bench-vr-goals virtual_ranks 540 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \

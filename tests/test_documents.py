@@ -319,12 +319,14 @@ def test_a_rank_of_two_groups_stores_each_cut_packing_after_its_whole_documents(
     assert sorted(every[every >= 0].tolist()) == list(range(sum(lengths)))
 
 
-@pytest.mark.parametrize("partition", ["documents", "auto"])
-def test_ulysses_refuses_whole_documents(partition):
+def test_ulysses_takes_documents_but_not_auto():
+    """Ulysses takes ``documents`` when named (CPU ranks: tests/distributed/
+    test_thd_documents.py); the cost model's ``auto`` is the ring's and allgather's."""
     mesh = sdpa_fusion.VirtualMesh((2,), ("seq",))
-    with pytest.raises(ValueError, match=rf"partition='{partition}' .* 'ring', 'allgather' and "
-                                         r"'hybrid' .* not 'ulysses'"):
-        schedules.get("ulysses", mesh, partition=partition)
+    assert schedules.get("ulysses", mesh, partition="documents").partition.name == "documents"
+    with pytest.raises(ValueError, match=r"partition='auto' .* 'ring', 'allgather' and "
+                                         r"'hybrid', not 'ulysses'; name partition="):
+        schedules.get("ulysses", mesh, partition="auto")
 
 
 def test_auto_takes_documents_where_the_model_says_faster():

@@ -65,7 +65,8 @@ def test_dense(mesh, monkeypatch, name, partition, d):
 
 
 PACKED = [s for s in SCHEDULES if s[0] != "head_parallel"] + [
-    ("ring", "documents"), ("allgather", "documents"), ("hybrid", "ulysses"),
+    ("ring", "documents"), ("allgather", "documents"), ("ulysses", "documents"),
+    ("hybrid", "ulysses"),
     ("hybrid", "head_parallel")]
 
 

@@ -24,6 +24,14 @@ from .test_thd import SAME_ON_EVERY_RANK
 from .test_traffic import assert_bytes, step
 
 KEEP_WHOLE = Documents(tolerance=100.0)  # cuts only what must be cut: small tests keep documents
+SCHEDULES = ["ring", "allgather", "ulysses"]
+
+
+def heads(name: str, p: int, h: int, h_kv: int) -> dict:
+    """``h`` query and ``h_kv`` K/V heads, times ``p`` under ulysses (whose cut documents
+    split their heads over a group of ranks, a divisor of ``p``)."""
+    times = p if name == "ulysses" else 1
+    return dict(h=h * times, h_kv=h_kv * times)
 
 
 @st.composite
@@ -42,7 +50,7 @@ def packings(draw, p: int):
             draw(st.sampled_from([0.05, 100.0])))
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_random_packings_match_reference(mesh, name):
     """Forward and backward exact per document, zero on padding; positions are those inside
     each document; every token unshards to its place."""
@@ -52,7 +60,8 @@ def test_random_packings_match_reference(mesh, name):
     @given(packings(p))
     def check(drawn):
         lengths, slack, window, causal, gqa, tolerance = drawn
-        problem = make_packed(lengths, h=2, h_kv=1 if gqa else 2, slack=slack, causal=causal,
+        problem = make_packed(lengths, **heads(name, p, 2, 1 if gqa else 2), slack=slack,
+                              causal=causal,
                               window=window, scale=0.5)
         sched = schedules.get(name, mesh, partition=Documents(tolerance=tolerance))
         assert_packed_matches(problem, run_packed(sched, problem))
@@ -62,14 +71,14 @@ def test_random_packings_match_reference(mesh, name):
     check()
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("window", [None, (3, 0)], ids=["causal", "window"])
 def test_one_long_document_and_short_ones(mesh, name, window):
     """The long document is cut (its K/V travel), the short ones stay whole; ranks hold
     different numbers of tokens."""
     p = mesh.size()
     lengths = [1, 3, 0, 8 * p + 3, 2, 5, 1, 4]
-    problem = make_packed(lengths, h=4, h_kv=2, causal=True, window=window)
+    problem = make_packed(lengths, **heads(name, p, 4, 2), causal=True, window=window)
     sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
     local = sched.pack(problem.cu_seqlens)
     assert local.assignment.cut == (3,)
@@ -77,25 +86,25 @@ def test_one_long_document_and_short_ones(mesh, name, window):
     assert_packed_matches(problem, run_packed(sched, problem, local=True))
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_every_row_cut(mesh, name):
     """One document (and empty ones): every rank's rows are cut, its results the cut
     documents' schedule's as they are."""
     p = mesh.size()
-    problem = make_packed([0, 8 * p + 3, 0], h=4, h_kv=2, causal=True)
+    problem = make_packed([0, 8 * p + 3, 0], **heads(name, p, 4, 2), causal=True)
     sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
     local = sched.pack(problem.cu_seqlens)
     assert local.assignment.cut == (1,) and local.whole_tokens == 0
     assert_packed_matches(problem, run_packed(sched, problem, local=True))
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_short_documents_move_nothing(mesh, name):
     """Every document whole: the call sends and receives nothing (the agreement aside), as
     describe() says, and each rank's tokens are within one document of the mean."""
     p = mesh.size()
     lengths = [3, 1, 4, 1, 5, 2, 6, 2, 3, 5] * p
-    problem = make_packed(lengths, h=2, causal=True)
+    problem = make_packed(lengths, **heads(name, p, 2, 2), causal=True)
     sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
     kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
     d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
@@ -107,11 +116,11 @@ def test_short_documents_move_nothing(mesh, name):
 
 
 @pytest.mark.usefixtures("several_ranks")
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_cut_documents_move_what_describe_says(mesh, name):
     p = mesh.size()
     # 12p tokens: more than a rank's share, so cut (and 6p + 1 too at P >= 4)
-    problem = make_packed([6 * p + 1, 2, 0, 3, 1, 12 * p], h=4, h_kv=2, causal=True)
+    problem = make_packed([6 * p + 1, 2, 0, 3, 1, 12 * p], **heads(name, p, 4, 2), causal=True)
     sched = schedules.get(name, mesh, partition=KEEP_WHOLE)
     kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
     d, forward, backward = step(sched, problem.q, problem.k, problem.v, problem.dout, kw)
@@ -136,13 +145,13 @@ def grouped_lengths(groups: int) -> list[int]:
     return [24, 1, 3, 0, 2, 5, 1, 4] * groups
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_documents_cut_within_groups_of_ranks(mesh, name):
     """With room in groups of two ranks, each long document is cut over its group only:
     exact per document, its K/V travel inside the group, as describe() says; every rank
     stays within the tolerance. Three ranks (no group size divides them) cut over all."""
     p = mesh.size()
-    problem = make_packed(grouped_lengths(max(p // 2, 1)), h=4, h_kv=2, causal=True,
+    problem = make_packed(grouped_lengths(max(p // 2, 1)), **heads(name, p, 4, 2), causal=True,
                           slack=[0, 1, 0, 2, 0, 0, 1, 0] * max(p // 2, 1))
     sched = schedules.get(name, mesh, partition=Documents(tolerance=0.2))
     local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
@@ -155,7 +164,7 @@ def test_documents_cut_within_groups_of_ranks(mesh, name):
         assert f"cut over ranks {first}-{first + 1}" in d.notes
 
 
-@pytest.mark.parametrize("name", ["ring", "allgather"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_a_document_over_every_rank_and_one_over_a_pair(mesh, name):
     """At even P >= 4 the longest document is cut over every rank, the second over the first
     half of them (it fits no rank beside its share of the first; at P = 8 a third over ranks
@@ -163,7 +172,7 @@ def test_a_document_over_every_rank_and_one_over_a_pair(mesh, name):
     describe() says (its notes name every group)."""
     p = mesh.size()
     lengths = [p * n for n in (44, 1, 2, 16, 3, 1, 2, 3, 2, 1, 4, 2, 2, 3, 1, 2)]
-    problem = make_packed(lengths, h=4, h_kv=2, causal=True,
+    problem = make_packed(lengths, **heads(name, p, 4, 2), causal=True,
                           slack=[0, 1, 0, 2, 0, 0, 1, 0] * 2)
     sched = schedules.get(name, mesh, partition="documents")
     local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
