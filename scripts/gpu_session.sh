@@ -33,7 +33,8 @@
 #                    input-dtype sums beside ulysses, one and two head groups; device time
 #                    split): benchmarks.virtual_ranks (~6 min)
 #   bench-vr-goals   the same goals measured three times in one run (--runs 3 --profile;
-#                    ring with input-dtype sums, documents; 5-7 min): the goals' spread
+#                    documents, under VR_SCHEDULES, default ring with input-dtype sums;
+#                    5-7 min): the goals' spread
 #   bench-max-seq    the longest trainable sequence (NP=2): max_seq --single-gpu, then under
 #                    mpirun (confirmation steps within CONFIRM_S each; default 120)
 #   all              tests, then bench, not tests-gpu-long (12-15 min; to keep each command
@@ -204,7 +205,8 @@ bench_vr() {
 }
 bench_vr_goals() {
     bench bench-vr-goals virtual_ranks 540 40 "${ONE_GPU[@]}" "$PY" -m benchmarks.virtual_ranks \
-        --partitions documents --schedules ring:grad_dtype=input --runs 3 --profile
+        --partitions documents --schedules "${VR_SCHEDULES:-ring:grad_dtype=input}" --runs 3 \
+        --profile
 }
 
 bench_transport() {
