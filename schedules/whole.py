@@ -119,7 +119,15 @@ class WholeDocuments:
             return super().validate(spec)
         Schedule.validate(self, spec)
         for group, _, cut in cut_specs(spec):
-            self.twin(group).validate(cut)
+            try:
+                self.twin(group).validate(cut)
+            except ValueError as e:
+                first, size = group
+                cut_docs = len(spec.packing.assignment.cut_over(group))
+                raise ValueError(
+                    f"partition 'documents' cuts {cut_docs} document(s) over ranks "
+                    f"{first}-{first + size - 1}, which run schedule {self.name!r} over those "
+                    f"{size} ranks: {e}") from e
 
     def call_extent(self, spec) -> tuple[int, int]:
         if not isinstance(spec.packing, DocumentPacking):

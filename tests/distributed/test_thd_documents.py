@@ -232,3 +232,21 @@ def test_dense_sequences_split_as_load_balanced(mesh):
     sched = schedules.get("ring", mesh, partition="documents")
     balanced = schedules.get("ring", mesh)
     assert torch.equal(sched.position_ids(8 * mesh.size()), balanced.position_ids(8 * mesh.size()))
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_ulysses_heads_that_a_cut_group_cannot_split(mesh):
+    """A document cut over every rank, heads not divisible by them: every rank raises the
+    same ValueError naming heads and the cut, on every call; a call with heads that divide
+    runs right after."""
+    p = mesh.size()
+    sched = schedules.get("ulysses", mesh, partition=KEEP_WHOLE)
+    lengths = [2, 8 * p + 3, 1]
+    bad = make_packed(lengths, h=p + 1, h_kv=p + 1, causal=True)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"cuts 1 document\(s\) over ranks 0-{p - 1}, "
+                                             rf"which run schedule 'ulysses' .* heads={p + 1} "
+                                             rf"must be divisible by the {p} ranks"):
+            run_packed(sched, bad)
+    good = make_packed(lengths, **heads("ulysses", p, 2, 1), causal=True)
+    assert_packed_matches(good, run_packed(sched, good))
