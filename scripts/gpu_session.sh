@@ -27,8 +27,8 @@
 #   bench-thd-cp     mpirun -np $NP python -m benchmarks.thd_context_parallel
 #                    (packed batches and a 4K window at 128K; ~3 min on 2)
 #   bench-docs-goals the two-GPU goals of whole documents to ranks (NP=2): packed batches a-d
-#                    under ring, documents against load_balanced, every rank checked:
-#                    thd_context_parallel --preset documents (~4 min on 2)
+#                    under ring, documents against load_balanced, and ulysses with documents,
+#                    every rank checked: thd_context_parallel --preset documents (~6 min on 2)
 #   bench-vr         packed batches over virtual ranks on one GPU (whole documents; ring with
 #                    input-dtype sums beside ulysses, one and two head groups; device time
 #                    split): benchmarks.virtual_ranks (~6 min)
@@ -187,7 +187,7 @@ bench_thd_cp() {
 }
 
 bench_docs_goals() {
-    bench bench-docs-goals thd_context_parallel_documents 330 60 "${MPI[@]}" "$PY" \
+    bench bench-docs-goals thd_context_parallel_documents 480 60 "${MPI[@]}" "$PY" \
         -m benchmarks.thd_context_parallel --preset documents
 }
 

@@ -13,7 +13,7 @@ def _row(batch, impl, tflops, ranks=2):
 
 def _rows(b_docs=40.0):
     return [_row("a", "1 GPU auto", 500.0, ranks=1), _row("a", DOCS, 460.0),
-            _row("a", SPLIT, 430.0), _row("b", "1 GPU auto", 60.0, ranks=1),
+            _row("a", SPLIT, 430.0), _row("a", thd.ULYSSES_DOCUMENTS, 470.0), _row("b", "1 GPU auto", 60.0, ranks=1),
             _row("b", DOCS, b_docs), _row("b", SPLIT, 10.0)]
 
 
@@ -26,6 +26,8 @@ def test_documents_preset_asks_0_9_of_one_gpu_and_3x_the_split_on_b():
     per_gpu = got["batch a", DOCS]
     assert (per_gpu["ratio"], per_gpu["goal"]) == (460.0 / 500.0, 0.9)
     assert got["batch a", SPLIT]["goal"] is None  # the split is measured, not a goal
+    by_heads = got["batch a", thd.ULYSSES_DOCUMENTS]  # cut documents by heads: the same goal
+    assert (by_heads["ratio"], by_heads["goal"]) == (470.0 / 500.0, 0.9)
     b_over = got["batch b", f"{DOCS} / {SPLIT}"]
     assert (b_over["ratio"], b_over["goal"]) == (4.0, 3.0)
     assert got["batch a", f"{DOCS} / {SPLIT}"]["goal"] is None  # 3x is asked of b alone
