@@ -1,7 +1,7 @@
 """Packed batches split over P virtual ranks on one GPU: each rank's step timed alone.
 
     python -m benchmarks.virtual_ranks --ranks 2,4,8 --batches a,b,c,d \\
-        --schedules ring,allgather                                              # one H200
+        --schedules ring:grad_dtype=input,ulysses                               # one H200
     python -m benchmarks.virtual_ranks --tiny                                   # CPU smoke
     python -m benchmarks.virtual_ranks --shrink 16 --heads 2 --head-dim 16 \\
         --kernel reference                                                      # CPU, medium
@@ -465,8 +465,8 @@ def parse_args(argv=None):
     p.add_argument("--partitions", default="documents,load_balanced",
                    help="partitions, each with options (documents:groups=False)")
     p.add_argument("--schedules", default="ring",
-                   help="ring, allgather, or several (comma), each with options "
-                        "(ring:grad_dtype=input)")
+                   help="ring, allgather, ulysses, or several (comma), each with options "
+                        "(ring:grad_dtype=input, ulysses:head_groups=2)")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
