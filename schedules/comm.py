@@ -144,13 +144,21 @@ class Communicator:
         return self.pending([work], out, f"reduce-scatter over ranks {self.ranks}").wait()
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """Exchange slices of [size, ...] ``t``: slice i goes to rank i, and comes from it."""
+        """Exchange slices of [size, ...] ``t``: slice i goes to rank i, and comes from it
+        (on a part of the line, pairwise among its ranks: the others take no part)."""
         t = t.contiguous()
         out = torch.empty_like(t)
-        work = self._start(dist.all_to_all_single, out, t)
+        if self.whole is None:
+            works = [self._start(dist.all_to_all_single, out, t)]
+        else:
+            out[self.index].copy_(t[self.index])
+            ops = [dist.P2POp(op, tensor[j], self.ranks[j], self.group)
+                   for j in range(self.size) if j != self.index
+                   for op, tensor in ((dist.isend, t), (dist.irecv, out))]
+            works = dist.batch_isend_irecv(ops) if ops else []
         part = _nbytes(t) // self.size
         self.count(part * (self.size - 1), part * (self.size - 1))
-        return self.pending([work], out, f"all-to-all over ranks {self.ranks}").wait()
+        return self.pending(works, out, f"all-to-all over ranks {self.ranks}").wait()
 
     def _start(self, collective, out: torch.Tensor, t: torch.Tensor):
         """Start ``collective(out, t)`` over the group; its work."""

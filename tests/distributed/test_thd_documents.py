@@ -250,3 +250,16 @@ def test_ulysses_heads_that_a_cut_group_cannot_split(mesh):
             run_packed(sched, bad)
     good = make_packed(lengths, **heads("ulysses", p, 2, 1), causal=True)
     assert_packed_matches(good, run_packed(sched, good))
+
+
+def test_ulysses_one_kv_head_for_a_group(mesh):
+    """One K/V head for every rank of the groups that cut documents (at even P >= 4 also a
+    group of ranks 0-1 alone): each of them attends with it (replicated) and its dK/dV come
+    back summed among the group's ranks only, exact per document and moving what describe()
+    says."""
+    p = mesh.size()
+    lengths = [p * n for n in (44, 1, 2, 16, 3, 1, 2, 3, 2, 1, 4, 2, 2, 3, 1, 2)]
+    problem = make_packed(lengths, h=2 * p, h_kv=1, causal=True, window=(5, 0))
+    sched = schedules.get("ulysses", mesh, partition="documents")
+    assert sched.pack(problem.cu_seqlens).cuts  # every rank runs a cut group here
+    right_and_moving_as_described(sched, problem)
