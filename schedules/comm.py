@@ -161,5 +161,9 @@ class Communicator:
         return self.pending(works, out, f"all-to-all over ranks {self.ranks}").wait()
 
     def _start(self, collective, out: torch.Tensor, t: torch.Tensor):
-        """Start ``collective(out, t)`` over the group; its work."""
+        """Start ``collective(out, t)`` over the group (the whole line's: a part of it has
+        no group of its own, and its ranks alone would wait for the others); its work."""
+        if self.whole is not None:
+            raise NotImplementedError(f"{collective.__name__} over ranks {self.ranks}, a part "
+                                      f"of the line {self.whole.ranks}")
         return collective(out, t, group=self.group, async_op=True)
