@@ -29,9 +29,10 @@ SCHEDULES = ["ring", "allgather", "ulysses"]
 
 def heads(name: str, p: int, h: int, h_kv: int) -> dict:
     """``h`` query and ``h_kv`` K/V heads, times ``p`` under ulysses (whose cut documents
-    split their heads over a group of ranks, a divisor of ``p``)."""
+    split their heads over a group of ranks, a divisor of ``p``); one K/V head stays one
+    (each rank of a group then attends with it, replicated)."""
     times = p if name == "ulysses" else 1
-    return dict(h=h * times, h_kv=h_kv * times)
+    return dict(h=h * times, h_kv=h_kv if h_kv == 1 else h_kv * times)
 
 
 @st.composite
