@@ -1,8 +1,8 @@
-"""Packed batches split by whole documents (partition ``documents``) under ring, allgather and
-hybrid vs the reference per document: random packings, empty and one-token documents, every
-document short (nothing travels), one longer than a rank's share, windows, GQA; positions and
-unshard with ranks holding different numbers of tokens (the planner's table and bounds:
-tests/test_documents.py).
+"""Packed batches split by whole documents (partition ``documents``) under ring, allgather,
+ulysses and hybrid vs the reference per document: random packings, empty and one-token
+documents, every document short (nothing travels), one longer than a rank's share, windows,
+GQA; positions and unshard with ranks holding different numbers of tokens (the planner's
+table and bounds: tests/test_documents.py).
 
     mpirun -np 4 --oversubscribe python -m pytest tests/distributed/test_thd_documents.py
 """
@@ -62,8 +62,7 @@ def test_random_packings_match_reference(mesh, name):
     def check(drawn):
         lengths, slack, window, causal, gqa, tolerance = drawn
         problem = make_packed(lengths, **heads(name, p, 2, 1 if gqa else 2), slack=slack,
-                              causal=causal,
-                              window=window, scale=0.5)
+                              causal=causal, window=window, scale=0.5)
         sched = schedules.get(name, mesh, partition=Documents(tolerance=tolerance))
         assert_packed_matches(problem, run_packed(sched, problem))
         local = sched.pack(problem.cu_seqlens, problem.cu_seqlens_padded)
