@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import schedules
 from schedules.partition import Documents
 
+from .conftest import assert_matches, make_problem, run_schedule
 from .packed import (assert_packed_matches, assert_round_trip, global_positions, make_packed,
                      run_packed)
 from .test_hybrid import meshes, shapes  # noqa: F401  (the 2-D meshes of this world)
@@ -227,11 +228,16 @@ def test_hybrid_outer_cuts_within_groups_of_outer_ranks(meshes, shape):  # noqa:
     assert {s for _, s in outer.assignment.groups} == ({size} if po > 1 else set())
 
 
-def test_dense_sequences_split_as_load_balanced(mesh):
-    """A dense batch has no documents: each sequence is split as ``load_balanced``."""
-    sched = schedules.get("ring", mesh, partition="documents")
-    balanced = schedules.get("ring", mesh)
-    assert torch.equal(sched.position_ids(8 * mesh.size()), balanced.position_ids(8 * mesh.size()))
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_dense_sequences_split_as_load_balanced(mesh, name):
+    """A dense batch has no documents: each sequence is split as ``load_balanced``, and runs
+    as it does there."""
+    p = mesh.size()
+    sched = schedules.get(name, mesh, partition="documents")
+    balanced = schedules.get(name, mesh, partition="load_balanced")
+    assert torch.equal(sched.position_ids(8 * p), balanced.position_ids(8 * p))
+    problem = make_problem(h=2 * p, s=8 * p, causal=True)
+    assert_matches(problem, run_schedule(sched, problem))
 
 
 @pytest.mark.usefixtures("several_ranks")
