@@ -152,13 +152,19 @@ class Communicator:
             works = [self._start(dist.all_to_all_single, out, t)]
         else:
             out[self.index].copy_(t[self.index])
-            ops = [dist.P2POp(op, tensor[j], self.ranks[j], self.group)
-                   for j in range(self.size) if j != self.index
-                   for op, tensor in ((dist.isend, t), (dist.irecv, out))]
-            works = dist.batch_isend_irecv(ops) if ops else []
+            others = [j for j in range(self.size) if j != self.index]
+            works = self.pairwise([(t[j], j - self.index) for j in others],
+                                  [(out[j], j - self.index) for j in others])
         part = _nbytes(t) // self.size
         self.count(part * (self.size - 1), part * (self.size - 1))
         return self.pending(works, out, f"all-to-all over ranks {self.ranks}").wait()
+
+    def pairwise(self, sends, receives) -> list:
+        """Start sending and receiving each (tensor, hops) between this rank and the peer
+        ``hops`` on (back for a receive's negative hops); the works (not counted here)."""
+        ops = [dist.P2POp(dist.isend, t, self.peer(h), self.group) for t, h in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.peer(h), self.group) for t, h in receives]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _start(self, collective, out: torch.Tensor, t: torch.Tensor):
         """Start ``collective(out, t)`` over the group (the whole line's: a part of it has

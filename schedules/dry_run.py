@@ -155,6 +155,9 @@ class DryComm(Communicator):
     def _start(self, collective, out, t) -> _Done:
         return _Done((t,))
 
+    def pairwise(self, sends, receives) -> list:
+        return [_Done([t for t, _ in sends])] if sends or receives else []
+
     def wait(self, work, what: str, step: int) -> None:
         work.wait()
 
@@ -164,9 +167,6 @@ class DryP2PMover(P2PMover):
 
     def over(self, comm) -> "DryP2PMover":
         return DryP2PMover(comm)
-
-    def _start(self, sends, receives) -> list:
-        return [_Done([t for t, _ in sends])] if sends or receives else []
 
 
 class DryCopyEngineMover(Mover):

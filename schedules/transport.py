@@ -225,11 +225,8 @@ class P2PMover(Mover):
 
     def _start(self, sends, receives) -> list:
         """Start sending and receiving each (tensor, hops); the works keep what they send."""
-        comm = self.comm
-        ops = [dist.P2POp(dist.isend, t, comm.peer(h), comm.group) for t, h in sends]
-        ops += [dist.P2POp(dist.irecv, t, comm.peer(h), comm.group) for t, h in receives]
         kept = [t for t, _ in sends]
-        return [_Keep(work, kept) for work in dist.batch_isend_irecv(ops)] if ops else []
+        return [_Keep(work, kept) for work in self.comm.pairwise(sends, receives)]
 
 
 class _Keep:

@@ -206,6 +206,19 @@ def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
     assert "'12y' is not a list of document lengths" in capsys.readouterr().err
 
 
+def test_explain_plans_ulysses_whole_documents_in_groups_without_a_process_group(capsys):
+    """Ulysses, each 4096 cut over a pair of ranks, one K/V head (replicated over the pair):
+    its dK/dV sums over the pair are planned dry, moving bytes on the cut documents' ranks."""
+    assert not dist.is_initialized()
+    assert top.main(["explain", "--schedule", "ulysses", "--mesh", "4", "--causal", "--heads",
+                     "8", "--kv-heads", "1", "--head-dim", "64", "--option",
+                     "partition=documents", "--documents", "4096x2,1024x4,128x64",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    assert [r["cut_over_ranks"] for r in rows] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    assert all(r["bytes_sent"] > 0 for r in rows)
+
+
 def test_explain_refuses_a_mesh_that_is_no_shape(capsys):
     with pytest.raises(SystemExit) as exit_info:
         top.main(["explain", "--schedule", "ring", "--mesh", "2x"])
