@@ -442,7 +442,8 @@ def _cost_rows() -> list[tuple[Run, dict, int, tuple, float]]:
     out = []
     for run in COST_RUNS:
         for r in run.record()["rows"]:
-            if r.get("status") != "ok" or r.get("partition") != "documents" or r["ranks"] < 2:
+            if (r.get("status") != "ok" or r.get("partition") != "documents" or r["ranks"] < 2
+                    or not r["schedule"].startswith("ring")):
                 continue
             for rank, d in enumerate(r.get("rank_device_ms") or []):
                 if d and d.get("graph_ms"):
