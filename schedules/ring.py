@@ -192,16 +192,8 @@ class Ring(Transported, SequenceSchedule):
             return rows
         return min(rows, mask[0] + mask[1] + 1)
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
-        return runner.forward(plan, q, k, v, spec, kernel, self.mover(k.device), dropout,
-                              out=out, lse=lse)
-
-    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None):
-        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
-        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, self.mover(k.device),
-                               dropout, dq=dq, dk=dk, dv=dv)
+    def rings_mover(self, device):
+        return self.mover(device)
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:

@@ -14,7 +14,7 @@ import torch
 
 from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 
-from . import heads
+from . import heads, runner
 from . import partition as partitions
 from .base import Schedule
 from .packing import LocalPacking, Split, global_packing, split_by
@@ -64,6 +64,26 @@ class SequenceSchedule(Schedule):
                              f"{self.partition.name} partition reorders them. Use "
                              f"partition='load_balanced', or schedule 'ulysses' (which attends the "
                              f"whole sequence in order)")
+
+    # ---- the plan (schedules.runner) -------------------------------------------------------
+    def plan(self, spec, q, k, *, backward: bool):
+        """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``."""
+        raise NotImplementedError(f"schedule {self.name!r} has no plan")
+
+    def rings_mover(self, device):
+        """The mover of the plans' K/V and dK/dV rings on ``device`` (None: they have none)."""
+        return None
+
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
+        return runner.forward(plan, q, k, v, spec, kernel, self.rings_mover(k.device), dropout,
+                              out=out, lse=lse)
+
+    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
+                 dv=None):
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
+        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel,
+                               self.rings_mover(k.device), dropout, dq=dq, dk=dk, dv=dv)
 
     # ---- head groups (schedules.heads) ----------------------------------------------------
     def check_groups(self, groups: int, spec) -> None:

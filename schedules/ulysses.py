@@ -206,16 +206,6 @@ class Ulysses(Transported, SequenceSchedule):
                 f"{self.size}; use 'auto' or fewer groups"
             )
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
-        return runner.forward(plan, q, k, v, spec, kernel, None, dropout, out=out, lse=lse)
-
-    def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None):
-        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
-        return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel, None, dropout,
-                               dq=dq, dk=dk, dv=dv)
-
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, spec, q, k, *, backward: bool) -> runner.Plan:
         """This rank's ``runner.Plan`` of a forward (or ``backward``) on the local ``spec``."""
