@@ -22,12 +22,15 @@ The ops of a ring forward over P = 3 ranks, one head group, at rank r (block j: 
 Forward folds calls into a merged result (Open, Fold, Finish); backward sums dQ (OpenDq ...
 FinishDq) and sends a block's dK/dV where ``Grads.into`` says. Rings of K/V blocks and dK/dV
 sums go through the schedule's transport (``schedules.transport``), other transfers through
-the plan's ``transfers``. The runner knows no schedule: the order of the ops is the schedule.
+the plan's ``transfers``. ``Beside`` ops run work a caller gives (partition ``documents``:
+the whole documents' calls) where a transfer is in flight (``with_beside``). The runner knows
+no schedule: the order of the ops is the schedule.
 ``schedules.dry_run`` runs the same code on data-less tensors for ``describe()``'s memory.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -165,6 +168,14 @@ class Land:
 
 
 @dataclasses.dataclass(frozen=True)
+class Beside:
+    """Run the caller's ``index``-th piece of other work (partition ``documents``: a part of
+    the whole documents' kernel calls) while the transfers started before it are in flight."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
 class FinishDq:
     """Backward: the dQ sum is complete (written into dq)."""
 
@@ -203,14 +214,36 @@ def plans_of(schedule, spec) -> tuple[Plan, Plan]:
     return tuple(schedule.plan(local, q, k, backward=b) for b in (False, True))
 
 
+def waits(op) -> bool:
+    """Whether ``op`` waits for a transfer in flight."""
+    return (isinstance(op, KV) and op.arrives) or isinstance(op, (Land, AddSums)) or \
+        (isinstance(op, Grads) and op.into == ARRIVING)
+
+
+def with_beside(plan: Plan, pieces: int) -> Plan:
+    """``plan`` running ``pieces`` pieces of other work where nothing else hides a transfer:
+    the first before the first op that waits, the last before the last op that waits (the
+    ends of a plan: Ulysses' first and last exchanges, the ring's dK/dV sums coming home),
+    any others spread between."""
+    waiting = [i for i, op in enumerate(plan.ops) if waits(op)] or [0]
+    at = collections.defaultdict(list)
+    for j in range(pieces):
+        at[waiting[j * (len(waiting) - 1) // max(pieces - 1, 1)]].append(Beside(j))
+    ops = [o for i, op in enumerate(plan.ops) for o in (*at[i], op)]
+    return dataclasses.replace(plan, ops=tuple(ops))
+
+
 # ---- the runner -----------------------------------------------------------------------------
-def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None, lse=None):
-    """(out, lse) of the forward ``plan`` on this rank's q, k, v."""
+def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None, lse=None,
+            beside=()):
+    """(out, lse) of the forward ``plan`` on this rank's q, k, v (``beside``: the callables
+    its Beside ops run)."""
     packed = spec.layout.is_varlen
     if packed:
         q, k, v = (as_block(t) for t in (q, k, v))
     out, lse = outputs(q, out, lse, packed)
-    run = _Run(plan, dict(q=q, k=k, v=v, out=out, lse=lse), spec, kernel, mover, dropout)
+    run = _Run(plan, dict(q=q, k=k, v=v, out=out, lse=lse), spec, kernel, mover, dropout,
+               beside)
     (run.kv,) = run.rings((k.dtype, plan.kv_slots))
     merged = None
     for op in plan.ops:
@@ -229,14 +262,15 @@ def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None,
 
 
 def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=None, *, dq=None,
-             dk=None, dv=None):
-    """(dq, dk, dv) of the backward ``plan`` on this rank's tensors and the global out, lse."""
+             dk=None, dv=None, beside=()):
+    """(dq, dk, dv) of the backward ``plan`` on this rank's tensors and the global out, lse
+    (``beside``: the callables its Beside ops run)."""
     packed = spec.layout.is_varlen
     if packed:
         dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
     dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
     run = _Run(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv),
-               spec, kernel, mover, dropout)
+               spec, kernel, mover, dropout, beside)
     run.kv, sums = run.rings((k.dtype, plan.kv_slots), plan.sums or (None, 0))
     dq_sum = outgoing = pending = args = None
 
@@ -291,9 +325,9 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
 class _Run:
     """What the ops of one call share: tensors, head groups, blocks, results and parts."""
 
-    def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout):
+    def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout, beside):
         self.plan, self.tensors, self.spec, self.kernel = plan, tensors, spec, kernel
-        self.mover, self.dropout = mover, dropout
+        self.mover, self.dropout, self.beside = mover, dropout, beside
         q, k, v = tensors["q"], tensors["k"], tensors["v"]
         self.groups = heads.groups_of(plan.groups, q.shape[1], k.shape[1])
         self.own = [(g.of_kv(k), g.of_kv(v)) for g in self.groups]
@@ -331,6 +365,8 @@ class _Run:
             self.pending = self.kv.shift(block, hops=op.hops)
         elif isinstance(op, Drop):
             self.block = None
+        elif isinstance(op, Beside):
+            self.beside[op.index]()
         elif isinstance(op, KV):
             self.group = self.groups[op.group]
             if op.arrives:  # what the transfer held goes with it

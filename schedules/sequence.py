@@ -74,16 +74,24 @@ class SequenceSchedule(Schedule):
         """The mover of the plans' K/V and dK/dV rings on ``device`` (None: they have none)."""
         return None
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
-        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=False)
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=()):
+        """(out, lse); ``beside``: other work to run where transfers are in flight
+        (``runner.with_beside``)."""
+        plan = self._planned(spec, q, k, False, len(beside))
         return runner.forward(plan, q, k, v, spec, kernel, self.rings_mover(k.device), dropout,
-                              out=out, lse=lse)
+                              out=out, lse=lse, beside=beside)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None):
-        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=True)
+                 dv=None, beside=()):
+        """(dq, dk, dv); ``beside`` as for ``forward``."""
+        plan = self._planned(spec, q, k, True, len(beside))
         return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel,
-                               self.rings_mover(k.device), dropout, dq=dq, dk=dk, dv=dv)
+                               self.rings_mover(k.device), dropout, dq=dq, dk=dk, dv=dv,
+                               beside=beside)
+
+    def _planned(self, spec, q, k, backward: bool, pieces: int):
+        plan = self.plan(spec, *runner.blocks(spec, q, k), backward=backward)
+        return runner.with_beside(plan, pieces) if pieces else plan
 
     # ---- head groups (schedules.heads) ----------------------------------------------------
     def check_groups(self, groups: int, spec) -> None:

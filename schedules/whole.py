@@ -3,23 +3,35 @@ schedule (``ring``, ``allgather``, ``ulysses``, and the outer schedule of ``hybr
 rows are its whole documents, then its part of each cut packing of its groups
 (``schedules.documents``), disjoint sets that no merge joins:
 
-    rows [0, W)   one local varlen kernel call over the whole documents
+    rows [0, W)   local varlen kernel calls over the whole documents
     then, per group of ranks that cuts documents (most ranks first), that group's rows: the
                   schedule's own packed path on its cut packing, run by a *twin* (the same
                   schedule, mesh, communicator and buffers, load-balanced partition; over
                   the group's ranks only where they are not all of them: ``schedules.groups``)
+
+No merge, and no call waits for a transfer: the whole documents' calls run in pieces of about
+equal work inside the groups' plans, where a transfer is in flight that nothing else hides
+(``runner.with_beside``): per group, one piece beside its first transfer (Ulysses' first
+exchange, the first K/V shift) and one beside its last (Ulysses' last exchange, the dK/dV
+sums coming home). One group, two pieces:
+
+    Gather(0)  Beside(0)  KV(0, arrives)  Attend  StartScatter(0)  Beside(1)  Land(0)
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import functools
+import itertools
 
 import torch
 
 from sdpa_fusion.local import local_backward, local_forward
 
 from . import dry_run
+from .assign import work
 from .base import DESCRIBED, Description, Schedule
 from .documents import DocumentPacking, DocumentSplit
 from .choice import packed_partition
@@ -32,6 +44,38 @@ def whole_spec(spec):
     cu = spec.packing.whole_offsets
     return spec.replace(packing=None, q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu,
                         cu_seqlens_padded=None)
+
+
+def whole_pieces(spec, count: int) -> list:
+    """(rows, local problem) of ``count`` runs of consecutive whole documents of ``spec`` (its
+    packing a DocumentPacking) of about equal work (``assign.work``); fewer where there are
+    fewer documents, none where they have no token."""
+    lengths, cu = spec.packing.whole_lengths, spec.packing.whole_offsets
+    if not sum(lengths):
+        return []
+    count = min(max(count, 1), len(lengths))
+    done = list(itertools.accumulate(work(n) for n in lengths))
+    bounds = [0]
+    for j in range(1, count):  # after the document where the work reaches j / count
+        at = bisect.bisect_left(done, done[-1] * j / count) + 1
+        bounds.append(min(max(at, bounds[-1] + 1), len(lengths) - count + j))
+    bounds.append(len(lengths))
+    pieces = []
+    for a, b in zip(bounds, bounds[1:]):
+        offsets = tuple(c - cu[a] for c in cu[a:b + 1])
+        pieces.append((slice(cu[a], cu[b]), spec.replace(
+            packing=None, q_len=offsets[-1], kv_len=offsets[-1], cu_seqlens=offsets,
+            cu_seqlens_padded=None)))
+    return pieces
+
+
+def whole_calls(spec) -> int:
+    """Kernel calls on the whole documents of ``spec``: one when no document is cut, else
+    the pieces run beside the cut groups' transfers (``WholeDocuments._beside``)."""
+    cuts = len(spec.packing.cuts)
+    if not cuts:
+        return 1 if spec.packing.whole_tokens else 0
+    return len(whole_pieces(spec, 2 * cuts))
 
 
 def cut_specs(spec) -> list:
@@ -138,15 +182,16 @@ class WholeDocuments:
                 max([longest, *(keys for _, keys in extents)]))
 
     def kernel_calls(self, spec) -> int:
-        """Those of the cut documents' schedules; one when every document is whole."""
+        """Those of the cut documents' schedules and of the whole documents (``whole_calls``)."""
         if not isinstance(spec.packing, DocumentPacking):
             return super().kernel_calls(spec)
         cuts = cut_specs(spec)
-        return sum(self.twin(group).kernel_calls(cut) for group, _, cut in cuts) if cuts else 1
+        return sum(self.twin(group).kernel_calls(cut) for group, _, cut in cuts) + \
+            (whole_calls(spec) if cuts else 1)
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, **beside):
         if not isinstance(spec.packing, DocumentPacking):
-            return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse)
+            return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse, **beside)
         w, cuts = spec.packing.whole_tokens, cut_specs(spec)
         if not cuts:  # every document whole: the local call's results as they are
             return local_forward(kernel, q, k, v, whole_spec(spec), out=out, lse=lse)
@@ -156,19 +201,23 @@ class WholeDocuments:
         out = torch.empty_like(q) if out is None else out
         if lse is None:
             lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        if w:
-            local_forward(kernel, q[:w], k[:w], v[:w], whole_spec(spec), out=out[:w],
-                          lse=lse[:, :, :w])
-        for group, rows, cut in cuts:
+
+        def whole(rows, piece):
+            local_forward(kernel, q[rows], k[rows], v[rows], piece, out=out[rows],
+                          lse=lse[:, :, rows])
+
+        pieces = self._beside(spec, whole, len(cuts))
+        for (group, rows, cut), beside in zip(cuts, pieces):
             self._running_twin(group).forward(q[rows], k[rows], v[rows], cut, kernel,
-                                              out=out[rows], lse=lse[:, :, rows])
+                                              out=out[rows], lse=lse[:, :, rows], beside=beside)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None):
+                 dv=None, **beside):
         grads = dict(dq=dq, dk=dk, dv=dv)
         if not isinstance(spec.packing, DocumentPacking):
-            return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout, **grads)
+            return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout, **grads,
+                                    **beside)
         w, cuts = spec.packing.whole_tokens, cut_specs(spec)
         if not cuts:
             return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec), **grads)
@@ -178,28 +227,40 @@ class WholeDocuments:
                                                       **grads)
         dq, dk, dv = (torch.empty_like(t) if g is None else g
                       for g, t in zip(grads.values(), (q, k, v)))
-        if w:
-            local_backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w],
-                           lse[:, :, :w].contiguous(), whole_spec(spec), dq=dq[:w], dk=dk[:w],
-                           dv=dv[:w])
-        for group, rows, cut in cuts:
+
+        def whole(rows, piece):
+            local_backward(kernel, dout[rows], q[rows], k[rows], v[rows], out[rows],
+                           lse[:, :, rows].contiguous(), piece, dq=dq[rows], dk=dk[rows],
+                           dv=dv[rows])
+
+        pieces = self._beside(spec, whole, len(cuts))
+        for (group, rows, cut), beside in zip(cuts, pieces):
             self._running_twin(group).backward(
                 dout[rows], q[rows], k[rows], v[rows], out[rows], lse[:, :, rows].contiguous(),
-                cut, kernel, dq=dq[rows], dk=dk[rows], dv=dv[rows])
+                cut, kernel, dq=dq[rows], dk=dk[rows], dv=dv[rows], beside=beside)
         return dq, dk, dv
+
+    def _beside(self, spec, whole, groups: int) -> list[list]:
+        """The whole documents' calls ``whole(rows, piece)`` as the work each of the ``groups``
+        cut groups' plans runs beside its transfers: two pieces each, where documents allow
+        (``runner.with_beside``: one beside its first transfer, one beside its last)."""
+        calls = [functools.partial(whole, rows, piece)
+                 for rows, piece in whole_pieces(spec, 2 * groups)]
+        return [calls[2 * i:2 * i + 2] for i in range(groups)]
 
     def describe(self, spec):
         if not (spec.layout.is_varlen and self._documents(spec)):
             return self._chosen(spec, super().describe(spec))
         local = self.local_spec(spec)
         packing, whole = local.packing, whole_spec(local)
-        call = 1 if packing.whole_tokens else 0
-        forward = whole.flops() if call else 0.0
-        d = Description(self.name, self.size, steps=call, bytes_sent=0, bytes_received=0,
-                        flops=forward, backward_steps=call,
-                        backward_flops=whole.flops(backward=True) - forward if call else 0.0)
+        calls = whole_calls(local)
+        forward = whole.flops() if calls else 0.0
+        d = Description(self.name, self.size, steps=calls, bytes_sent=0, bytes_received=0,
+                        flops=forward, backward_steps=calls,
+                        backward_flops=whole.flops(backward=True) - forward if calls else 0.0)
+        beside = " beside the cut documents' transfers" if packing.cuts else ""
         notes = [f"{len(packing.whole_lengths)} whole documents ({packing.whole_tokens} tokens, "
-                 f"one local kernel call, nothing travels)"]
+                 f"{calls} local kernel call(s){beside}, nothing travels)"]
         for group, rows, _ in packing.cuts:
             first, size = group
             part = self.twin(group).describe(self._cut_global(spec, group))

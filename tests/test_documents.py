@@ -17,6 +17,7 @@ from schedules.assign import CUT, assign, plan, work
 from schedules.assign import plan as plan_of
 from schedules.documents import DocumentSplit
 from schedules.partition import Documents
+from schedules.whole import whole_pieces
 
 
 @pytest.mark.parametrize("lengths, parts, tolerance, owner", [
@@ -177,6 +178,35 @@ def test_every_token_once_whole_documents_first():
     assert [split.part(r).tokens for r in (0, 1)] == [7, 7]
 
 
+@settings(max_examples=60, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300)), min_size=1, max_size=40),
+       st.sampled_from([2, 3, 4, 8]), st.integers(1, 6))
+def test_whole_pieces_cover_the_whole_documents_by_work(lengths, parts, count):
+    """The pieces run beside the cut groups' transfers: consecutive runs of a rank's whole
+    documents, each once, in order, as many as asked where documents allow, none where they
+    hold no token; each within one document's work of an even share."""
+    split = split_of(lengths, parts, tolerance=0.05)
+    spec = sdpa_fusion.AttentionSpec(1, 2, 2, 8, 8, 8, causal=True)
+    for r in range(parts):
+        local = split.part(r)
+        pieces = whole_pieces(spec.replace(packing=local), count)
+        whole = local.whole_lengths
+        if not sum(whole):
+            assert pieces == []
+            continue
+        assert len(pieces) == min(count, len(whole))
+        assert [rows.start for rows, _ in pieces] == [0, *(rows.stop for rows, _ in pieces[:-1])]
+        assert pieces[-1][0].stop == local.whole_tokens
+        docs = [n for _, piece in pieces for n in torch.tensor(piece.cu_seqlens).diff().tolist()]
+        assert tuple(docs) == whole
+        for rows, piece in pieces:
+            assert piece.packing is None and piece.q_len == rows.stop - rows.start
+            assert piece.cu_seqlens[0] == 0 and piece.cu_seqlens[-1] == piece.q_len
+        works = [sum(work(n) for n in torch.tensor(p.cu_seqlens).diff().tolist())
+                 for _, p in pieces]
+        assert max(works) <= sum(works) / len(pieces) + max(work(n) for n in whole) + 1e-6
+
+
 @settings(max_examples=40, derandomize=True, database=None, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([2, 3, 4, 8]),
        st.booleans(), st.sampled_from([0.05, 100.0]))
@@ -226,7 +256,9 @@ def test_describe_counts_each_rank_and_only_cut_documents_travel():
 def test_kernel_calls_are_the_cut_documents_schedules():
     """``kernel="auto"`` weighs a way's host time once per call the schedule makes on the
     rank's sequences: a ring step each for the cut documents of each of its groups (here
-    40 tokens over every rank, 8 over ranks 0-1), one call for the whole ones."""
+    40 tokens over every rank, 8 over ranks 0-1), and the whole ones' calls: rank 1's two
+    whole documents (1 and 2 tokens) in two pieces beside the transfers; one call when no
+    document is cut."""
     p, lengths = 4, [1, 3, 0, 40, 2, 8, 1, 4, 6, 2]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     mesh = sdpa_fusion.VirtualMesh((p,), ("seq",), rank=1)
@@ -241,7 +273,7 @@ def test_kernel_calls_are_the_cut_documents_schedules():
                                 cu_seqlens=local)
         calls[name, partition, len(cu_rank)] = sched.kernel_calls(plan.spec)
     assert plan_of(lengths, p).groups_of(1) == ((0, 4), (0, 2))
-    assert calls == {("ring", "documents", 11): p + 2, ("allgather", "documents", 11): 2,
+    assert calls == {("ring", "documents", 11): p + 2 + 2, ("allgather", "documents", 11): 2 + 2,
                      # load_balanced: rank 1's late rows of the two later steps lie in two
                      # sequences, a call on each one's consecutive rows (calls.part_calls)
                      ("ring", "load_balanced", 11): p + 2, ("ring", "documents", 5): 1}
@@ -262,6 +294,8 @@ def test_ring_kernel_calls_are_those_of_the_steps_it_takes(window, calls):
 
 @pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
 def test_hybrid_kernel_calls_are_its_outer_rings(inner):
+    """The outer ring's steps over the cut document (40 tokens), and rank 1's two whole
+    documents (3 and 5 tokens) in two pieces beside its transfers."""
     lengths = [3, 40, 5, 8]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     mesh = sdpa_fusion.VirtualMesh((2, 2), ("heads", "seq"), rank=3)
@@ -269,7 +303,7 @@ def test_hybrid_kernel_calls_are_its_outer_rings(inner):
     local = sched.pack(cu)
     q = torch.randn(local.tokens, 4, 8) if inner == "ulysses" else torch.randn(local.tokens, 2, 8)
     plan = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched, cu_seqlens=local)
-    assert sched.kernel_calls(plan.spec) == sched.outer.size == 2
+    assert sched.kernel_calls(plan.spec) == sched.outer.size + 2 == 4
 
 
 def test_bad_tolerance_or_groups():

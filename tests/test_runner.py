@@ -46,7 +46,7 @@ def plans(name: str, options: dict, p: int):
             runs = [(sched, spec)]
             if spec.layout.is_varlen and getattr(sched, "by_documents", lambda *_: False)(
                     spec.cu_seqlens, spec.cu_seqlens_padded):
-                # whole documents: one local call, no plan; each group's cut ones on a twin
+                # whole documents: local calls, no plan; each group's cut ones on a twin
                 runs = [(sched.twin(group), sched._cut_global(spec, group))
                         for group, _, _ in sched.local_spec(spec).packing.cuts]
             for twin, planned in runs:
@@ -114,6 +114,67 @@ def test_plans_are_well_formed_and_backward_runs_the_forward_calls(name, options
         assert {_key(c) for c in ran} == {_key(c) for c in differentiated}, where
         planned += 1
     assert planned
+
+
+@pytest.mark.parametrize("p", [2, 4, 8], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("name, options", SCHEDULES,
+                         ids=[f"{n}-{'-'.join(map(str, o.values())) or 'default'}"
+                              for n, o in SCHEDULES])
+def test_beside_runs_while_a_transfer_is_in_flight(name, options, p):
+    """``with_beside`` (the whole documents' calls under partition ``documents``) adds its
+    pieces in order, the first before the plan's first wait, the last before its last, each
+    while a transfer is in flight, and changes nothing else."""
+    for where, *both in plans(name, options, p):
+        for plan in both:
+            for pieces in (1, 2, 3):
+                beside = runner.with_beside(plan, pieces)
+                ops = beside.ops
+                assert [op for op in ops if not isinstance(op, runner.Beside)] == list(plan.ops)
+                at = [i for i, op in enumerate(ops) if isinstance(op, runner.Beside)]
+                assert [ops[i].index for i in at] == list(range(pieces)), where
+                waiting = [i for i, op in enumerate(ops) if runner.waits(op)]
+                assert at[0] < waiting[0], where
+                assert all(isinstance(op, runner.Beside) for op in ops[at[0]:waiting[0]]), where
+                if pieces > 1:
+                    assert at[-1] == waiting[-1] - 1, where
+                flying = _in_flight(ops)
+                assert all(flying[i] for i in at), (where, "nothing in flight beside", ops)
+
+
+def test_beside_hides_ulysses_first_and_last_exchanges():
+    """Packed ulysses: the first piece after the first exchange starts, the second while
+    the last comes home."""
+    spec = sdpa_fusion.AttentionSpec(1, 4, 4, 12, 12, 8, layout="thd", cu_seqlens=(0, 5, 12),
+                                     causal=True)
+    sched = schedules.get("ulysses", VirtualMesh((2,), ("seq",), rank=0))
+    local, (q, k, _, _) = dry_run.local_problem(sched, spec)
+    for backward in (False, True):
+        plan = sched.plan(local, *runner.blocks(local, q, k), backward=backward)
+        ops = runner.with_beside(plan, 2).ops
+        assert ops[:3] == (runner.Gather(0), runner.Beside(0), runner.KV(0, arrives=True))
+        assert ops[-2:] == (runner.Beside(1), runner.Land(plan.groups - 1))
+
+
+def _in_flight(ops) -> list[bool]:
+    """Per op, whether a transfer started before it is still in flight when it runs."""
+    pending = landing = sums = 0
+    flying = []
+    for op in ops:
+        flying.append(bool(pending or landing or sums))
+        if isinstance(op, (runner.Send, runner.Gather)):
+            pending += 1
+        elif isinstance(op, runner.KV) and op.arrives:
+            pending -= 1
+        elif isinstance(op, runner.StartScatter):
+            landing += 1
+        elif isinstance(op, runner.Land):
+            landing -= 1
+        elif isinstance(op, runner.SendSums):
+            sums += 1
+        elif isinstance(op, runner.AddSums) or (isinstance(op, runner.Grads)
+                                                 and op.into == runner.ARRIVING):
+            sums -= 1
+    return flying
 
 
 def _key(call):
