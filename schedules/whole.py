@@ -48,18 +48,17 @@ def whole_spec(spec):
 
 def whole_pieces(spec, count: int) -> list:
     """(rows, local problem) of ``count`` runs of consecutive whole documents of ``spec`` (its
-    packing a DocumentPacking) of about equal work (``assign.work``); fewer where there are
-    fewer documents, none where they have no token."""
+    packing a DocumentPacking) of about equal work (``assign.work``), each with a token;
+    fewer where fewer documents have one."""
     lengths, cu = spec.packing.whole_lengths, spec.packing.whole_offsets
-    if not sum(lengths):
-        return []
-    count = min(max(count, 1), len(lengths))
-    done = list(itertools.accumulate(work(n) for n in lengths))
-    bounds = [0]
+    real = [i for i, n in enumerate(lengths) if n]
+    count = min(max(count, 1), len(real))
+    done = list(itertools.accumulate(work(lengths[i]) for i in real))
+    at = [0]  # the first document of each run, among the real ones
     for j in range(1, count):  # after the document where the work reaches j / count
-        at = bisect.bisect_left(done, done[-1] * j / count) + 1
-        bounds.append(min(max(at, bounds[-1] + 1), len(lengths) - count + j))
-    bounds.append(len(lengths))
+        cut = bisect.bisect_left(done, done[-1] * j / count) + 1
+        at.append(min(max(cut, at[-1] + 1), len(real) - count + j))
+    bounds = [0, *(real[i] for i in at[1:]), len(lengths)] if real else []
     pieces = []
     for a, b in zip(bounds, bounds[1:]):
         offsets = tuple(c - cu[a] for c in cu[a:b + 1])
