@@ -147,7 +147,12 @@ class DocumentPacking(LocalPacking):
     @functools.cached_property
     def whole_lengths(self) -> tuple[int, ...]:
         """Lengths of the documents this rank holds whole, in batch order."""
-        return tuple(self.split.lengths[self.split.whole(self.rank)].tolist())
+        return tuple(self.split.lengths[list(self.whole_documents)].tolist())
+
+    @functools.cached_property
+    def whole_documents(self) -> tuple[int, ...]:
+        """The indices in the batch of the documents this rank holds whole, in batch order."""
+        return tuple(self.split.whole(self.rank).tolist())
 
     @property
     def whole_tokens(self) -> int:

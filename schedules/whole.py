@@ -42,8 +42,15 @@ from .partition import Auto, Documents, LoadBalanced
 def whole_spec(spec):
     """The local problem of the whole documents of ``spec`` (its packing a DocumentPacking)."""
     cu = spec.packing.whole_offsets
-    return spec.replace(packing=None, q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu,
-                        cu_seqlens_padded=None)
+    return over_documents(spec, spec.packing.whole_documents).replace(
+        packing=None, q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None)
+
+
+def over_documents(spec, documents):
+    """``spec`` for a part of its batch: the documents ``documents`` (their indices in the
+    batch), numbered from 0 there. A mask names sequences by their index in the batch, so it
+    takes those documents' rows (``Mask.select``)."""
+    return spec if spec.mask is None else spec.replace(mask=spec.mask.select(documents))
 
 
 def whole_pieces(spec, count: int) -> list:
@@ -59,10 +66,10 @@ def whole_pieces(spec, count: int) -> list:
         cut = bisect.bisect_left(done, done[-1] * j / count) + 1
         at.append(min(max(cut, at[-1] + 1), len(real) - count + j))
     bounds = [0, *(real[i] for i in at[1:]), len(lengths)] if real else []
-    pieces = []
+    documents, pieces = spec.packing.whole_documents, []
     for a, b in zip(bounds, bounds[1:]):
         offsets = tuple(c - cu[a] for c in cu[a:b + 1])
-        pieces.append((slice(cu[a], cu[b]), spec.replace(
+        pieces.append((slice(cu[a], cu[b]), over_documents(spec, documents[a:b]).replace(
             packing=None, q_len=offsets[-1], kv_len=offsets[-1], cu_seqlens=offsets,
             cu_seqlens_padded=None)))
     return pieces
@@ -80,11 +87,12 @@ def whole_calls(spec) -> int:
 def cut_specs(spec) -> list:
     """(group, rows, local problem) of each cut packing of ``spec`` (its packing a
     DocumentPacking), in row order."""
-    out = []
+    out, split = [], spec.packing.split
     for group, rows, cut in spec.packing.cuts:
         cu, padded = cut.offsets
-        out.append((group, rows, spec.replace(packing=cut, q_len=cut.tokens, kv_len=cut.tokens,
-                                              cu_seqlens=cu, cu_seqlens_padded=padded)))
+        out.append((group, rows, over_documents(spec, split.cut_docs[group]).replace(
+            packing=cut, q_len=cut.tokens, kv_len=cut.tokens, cu_seqlens=cu,
+            cu_seqlens_padded=padded)))
     return out
 
 
@@ -286,5 +294,5 @@ class WholeDocuments:
         """The global problem of the cut packing of ``group`` of the global ``spec``."""
         split = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu")
         cu = split.cuts[group].cu_seqlens
-        return spec.replace(q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None,
-                            packing=None)
+        return over_documents(spec, split.cut_docs[group]).replace(
+            q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None, packing=None)

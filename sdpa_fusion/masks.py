@@ -24,12 +24,17 @@ torch ops; masks that vary over heads are not supported (h is 0).
 
 from __future__ import annotations
 
+import collections
+import copy
 import hashlib
 
 import torch
 
 from .mask import _UNBOUNDED as INF, Window  # INF: an unbounded side of an interval of k - q
 _EMPTY = (2 * INF, 2 * INF - 1)  # an empty interval, sorted after every real one
+
+
+_SELECTIONS_KEPT = 8  # the parts of a batch whose ``select`` a mask keeps
 
 
 class Mask:
@@ -51,6 +56,25 @@ class Mask:
 
     def leaves(self) -> list["Mask"]:
         return [self]
+
+    def select(self, seqs) -> "Mask":
+        """This mask over the batch elements ``seqs`` of a larger batch (element i here is
+        element ``seqs[i]`` there; packed: sequences), for a part of the batch numbered
+        from 0; itself when it does not differ between batch elements (made once per
+        ``seqs``)."""
+        seqs = tuple(int(i) for i in seqs)
+        if not self.batched or not seqs:
+            return self
+        kept = self.__dict__.setdefault("_selected", collections.OrderedDict())
+        if seqs not in kept:
+            kept[seqs] = self._select(torch.tensor(seqs))
+            while len(kept) > _SELECTIONS_KEPT:
+                kept.popitem(last=False)
+        return kept[seqs]
+
+    def _select(self, seqs: torch.Tensor) -> "Mask":
+        """``select`` of a mask that differs between batch elements."""
+        raise NotImplementedError
 
     def classes(self, b: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
         """Class of every token (b[i], pos[i]) (1-D tensors) for masks that compare classes,
@@ -98,6 +122,9 @@ class _Node(Mask):
 
     def leaves(self):
         return [leaf for p in self.parts for leaf in p.leaves()]
+
+    def _select(self, seqs):
+        return _Node(self.op, tuple(p.select(seqs) for p in self.parts))
 
     def intervals(self, cls):
         got = [p.intervals(cls) for p in self.parts]
@@ -212,9 +239,19 @@ class _Classes(Mask):
                              f"batch elements (packed: sequences); give one row, or one per "
                              f"batch element")
 
+    rows = ()  # the attributes holding one row per batch element (``_table`` is the first)
+
     @property
     def batched(self):
         return len(self._table) > 1
+
+    def _select(self, seqs):
+        picked = copy.copy(self)
+        picked.__dict__.pop("_selected", None)
+        for name in self.rows:
+            setattr(picked, name, getattr(self, name)[seqs])
+        picked._table = getattr(picked, self.rows[0])
+        return picked
 
     def intervals(self, cls):
         c_q, c_k = cls[id(self)]
@@ -248,6 +285,7 @@ def _rows(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class _Documents(_Classes):
     what = "document_ids"
+    rows = ("ids",)
 
     def __init__(self, ids):
         ids = _per_batch(ids, "document_ids", "an int tensor [S] or [B, S] of document ids")
@@ -268,6 +306,7 @@ class _Documents(_Classes):
 
 class _Spans(_Classes):
     what = "bidirectional_spans"
+    rows = ("starts", "stops")
 
     def __init__(self, spans):
         rows = spans if any(isinstance(r, (list, tuple)) and (not r or isinstance(
@@ -307,6 +346,7 @@ def _span(s) -> tuple[int, int]:
 
 class _Prefix(_Classes):
     what = "prefix"
+    rows = ("n",)
 
     def __init__(self, n):
         self.n = _per_batch(n, "prefix", "a length, or one per batch element").flatten()
@@ -339,10 +379,14 @@ class _MaskMod(Mask):
     structured = False
     batched = True  # b may matter
 
-    def __init__(self, fn):
+    def __init__(self, fn, of=None):
         if not callable(fn):
             raise ValueError(f"mask_mod={fn!r} must be callable as fn(b, h, q, k) -> bool")
-        self.fn = fn
+        self.fn, self.of = fn, of  # ``of``: the mask_mod this one selects a part of
+
+    def _select(self, seqs):
+        fn = self.fn
+        return _MaskMod(lambda b, h, q, k: fn(seqs.to(b.device)[b], h, q, k), self)
 
     def visible(self, b, q, k):
         seen = self.fn(torch.as_tensor(b), torch.zeros((), dtype=torch.long), q, k)
@@ -363,6 +407,8 @@ class _MaskMod(Mask):
                                  f"for every head here: drop h from it")
 
     def __repr__(self):
+        if self.of is not None:
+            return f"{self.of!r} of part of the batch"
         fn = self.fn
         return f"mask_mod({getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)})"
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import sdpa_fusion
 from benchmarks import masks as bench
@@ -36,6 +37,23 @@ def test_random_masks_match_the_reference(monkeypatch, d):
     out = sdpa_fusion.attention(*leaves, mask=described.built(d), kernel="reference")
     out.backward(dout)
     reference.assert_results((out, *(t.grad for t in leaves)), want, msg=str(d))
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(d=described.description(S, 5), seqs=st.lists(st.integers(0, 4), min_size=1, max_size=5))
+def test_a_mask_of_part_of_the_batch_is_its_rows(d, seqs):
+    """``select(seqs)``, as a rank's part of a packed batch numbers its sequences from 0:
+    element i sees what element seqs[i] of the whole batch sees (every kind of leaf, joined),
+    made once per part."""
+    mask = described.built(d)
+    part = mask.select(seqs)
+    q, k = torch.arange(S).unsqueeze(1), torch.arange(S).unsqueeze(0)
+    for i, b in enumerate(seqs):
+        assert torch.equal(part.visible(torch.tensor(i), q, k), described.boolean(d, b, S, S))
+    assert mask.select(torch.tensor(seqs)) is part
+    if not mask.batched:
+        assert part is mask
 
 
 def test_one_row_of_document_ids_serves_every_batch_element():

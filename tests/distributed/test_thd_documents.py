@@ -15,7 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import schedules
+import sdpa_fusion
 from schedules.partition import Documents
+from sdpa_fusion import masks
+from tests import reference
 
 from .conftest import assert_matches, make_problem, run_schedule
 from .packed import (assert_packed_matches, assert_round_trip, global_positions, make_packed,
@@ -70,6 +73,60 @@ def test_random_packings_match_reference(mesh, name):
         assert torch.equal(local.position_ids, local.shard(global_positions(problem)))
 
     check()
+
+
+MASKED_LENGTHS = [20, 3, 5, 4, 6, 2, 3, 80, 7, 1, 0, 9]  # 80 is cut at every P
+
+
+def per_document(kind: str):
+    """(mask, seen(b, n) -> [n, n] bool): masks that differ between documents, and what
+    document b of n tokens sees under each, written out."""
+    docs = len(MASKED_LENGTHS)
+    if kind == "prefix":
+        n = [(3 * b) % 7 for b in range(docs)]
+        return masks.causal() | masks.prefix(n), lambda b, q, k: (k <= q) | ((q < n[b]) & (k < n[b]))
+    if kind == "spans":
+        spans = [(b % 3, b % 3 + 2 + b % 4) for b in range(docs)]
+        return (masks.causal() | masks.bidirectional_spans([[s] for s in spans]),
+                lambda b, q, k: (k <= q) | ((q >= spans[b][0]) & (q < spans[b][1])
+                                            & (k >= spans[b][0]) & (k < spans[b][1])))
+    if kind == "ids":
+        ids = torch.arange(max(MASKED_LENGTHS)).unsqueeze(0) // torch.arange(2, docs + 2).unsqueeze(1)
+        return (masks.causal() & masks.document_ids(ids),
+                lambda b, q, k: (k <= q) & (ids[b][q] == ids[b][k]))
+    return (masks.mask_mod(lambda b, h, q, k: (k <= q) & (q - k <= b % 5)),
+            lambda b, q, k: (k <= q) & (q - k <= b % 5))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("kind", ["prefix", "spans", "ids", "mask_mod"])
+def test_masks_that_differ_between_documents(mesh, name, kind):
+    """A mask names a document by its index in the batch; a rank's whole documents and each
+    cut packing are numbered from 0 on the rank, so each takes its documents' rows of the
+    mask (``Mask.select``): forward and backward per document against the reference."""
+    p = mesh.size()
+    mask, seen = per_document(kind)
+    problem = make_packed(MASKED_LENGTHS, **heads(name, p, 2, 2))
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
+    sched = schedules.get(name, mesh, partition="documents")
+    local = sched.pack(problem.cu_seqlens).split
+    renumbered = [local.whole(r).tolist() != list(range(len(local.whole(r)))) for r in range(p)]
+    assert any(renumbered) and local.assignment.cut  # numbered apart from the batch: both
+    shards = [sched.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v)]
+    out = sdpa_fusion.attention(*shards, mask=mask, kernel="reference", schedule=sched, **kw)
+    out.backward(sched.shard(problem.dout, **kw))
+    got = [sched.unshard(t, **kw) for t in (out, *(s.grad for s in shards))]
+    cu = problem.cu_seqlens.tolist()
+    for b, (a, z) in enumerate(zip(cu, cu[1:])):
+        if z == a:
+            continue
+        pos = torch.arange(z - a)
+        views = [t[a:z].transpose(0, 1).unsqueeze(0).double()
+                 for t in (problem.q, problem.k, problem.v, problem.dout)]
+        want = reference.attention(*views, mask=seen(b, pos.unsqueeze(1), pos.unsqueeze(0)))
+        for what, g, w in zip(reference.NAMES, got, want.results):
+            reference.assert_close(g[a:z], w[0].transpose(0, 1), torch.float32,
+                                   msg=f"{what} of document {b}")
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
