@@ -221,14 +221,28 @@ def waits(op) -> bool:
 
 
 def with_beside(plan: Plan, pieces: int) -> Plan:
-    """``plan`` running ``pieces`` pieces of other work where nothing else hides a transfer:
-    the first before the first op that waits, the last before the last op that waits (the
-    ends of a plan: Ulysses' first and last exchanges, the ring's dK/dV sums coming home),
-    any others spread between."""
-    waiting = [i for i, op in enumerate(plan.ops) if waits(op)] or [0]
+    """``plan`` running ``pieces`` pieces of other work where no kernel call hides a transfer:
+    the first before the first wait with no call since a transfer started (Ulysses' first
+    exchange, the ring's first block in backward), else before the last wait; the last before
+    the last wait (Ulysses' last exchange, the dK/dV sums coming home, the last K/V block:
+    nothing waits on a relay behind it); any others spread over the unhidden waits between."""
+    waiting, exposed, called = [], [], True
+    for i, op in enumerate(plan.ops):
+        if waits(op):
+            waiting.append(i)
+            if not called:
+                exposed.append(i)
+        if isinstance(op, (Send, Gather, StartScatter, SendSums)):
+            called = False
+        elif isinstance(op, (Fold, Grads, Attend)):
+            called = True
+    if not waiting:
+        waiting = [0]
+    first = exposed[0] if exposed else waiting[-1]
+    places = sorted({*exposed, waiting[-1]} - set(range(first)))
     at = collections.defaultdict(list)
     for j in range(pieces):
-        at[waiting[j * (len(waiting) - 1) // max(pieces - 1, 1)]].append(Beside(j))
+        at[places[j * (len(places) - 1) // max(pieces - 1, 1)]].append(Beside(j))
     ops = [o for i, op in enumerate(plan.ops) for o in (*at[i], op)]
     return dataclasses.replace(plan, ops=tuple(ops))
 

@@ -9,11 +9,12 @@ rows are its whole documents, then its part of each cut packing of its groups
                   schedule, mesh, communicator and buffers, load-balanced partition; over
                   the group's ranks only where they are not all of them: ``schedules.groups``)
 
-No merge, and no call waits for a transfer: the whole documents' calls run in pieces of about
-equal work inside the groups' plans, where a transfer is in flight that nothing else hides
-(``runner.with_beside``): per group, one piece beside its first transfer (Ulysses' first
-exchange, the first K/V shift) and one beside its last (Ulysses' last exchange, the dK/dV
-sums coming home). One group, two pieces:
+No merge joins them. The whole documents' calls run in pieces of about equal work inside the
+groups' plans, where a transfer is in flight that no call of the plan hides
+(``runner.with_beside``): per group, one piece beside its first such transfer (Ulysses' first
+exchange, the ring's first block in backward) and one beside its last (Ulysses' last
+exchange, the dK/dV sums coming home; the ring's last block in forward, which no rank
+relays). Ulysses, one group, two pieces:
 
     Gather(0)  Beside(0)  KV(0, arrives)  Attend  StartScatter(0)  Beside(1)  Land(0)
 """
@@ -196,9 +197,11 @@ class WholeDocuments:
         return sum(self.twin(group).kernel_calls(cut) for group, _, cut in cuts) + \
             (whole_calls(spec) if cuts else 1)
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, **beside):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=()):
         if not isinstance(spec.packing, DocumentPacking):
-            return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse, **beside)
+            return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse,
+                                   beside=beside)
+        assert not beside, "a documents split runs its own work beside its cut groups'"
         w, cuts = spec.packing.whole_tokens, cut_specs(spec)
         if not cuts:  # every document whole: the local call's results as they are
             return local_forward(kernel, q, k, v, whole_spec(spec), out=out, lse=lse)
@@ -220,11 +223,12 @@ class WholeDocuments:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None, **beside):
+                 dv=None, beside=()):
         grads = dict(dq=dq, dk=dk, dv=dv)
         if not isinstance(spec.packing, DocumentPacking):
             return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout, **grads,
-                                    **beside)
+                                    beside=beside)
+        assert not beside, "a documents split runs its own work beside its cut groups'"
         w, cuts = spec.packing.whole_tokens, cut_specs(spec)
         if not cuts:
             return local_backward(kernel, dout, q, k, v, out, lse, whole_spec(spec), **grads)
@@ -262,8 +266,10 @@ class WholeDocuments:
         packing, whole = local.packing, whole_spec(local)
         calls = whole_calls(local)
         forward = whole.flops() if calls else 0.0
-        d = Description(self.name, self.size, steps=calls, bytes_sent=0, bytes_received=0,
-                        flops=forward, backward_steps=calls,
+        # steps: the cut groups' (the cost model sizes their transfers by them), else the call
+        steps = 0 if packing.cuts else calls
+        d = Description(self.name, self.size, steps=steps, bytes_sent=0, bytes_received=0,
+                        flops=forward, backward_steps=steps,
                         backward_flops=whole.flops(backward=True) - forward if calls else 0.0)
         beside = " beside the cut documents' transfers" if packing.cuts else ""
         notes = [f"{len(packing.whole_lengths)} whole documents ({packing.whole_tokens} tokens, "

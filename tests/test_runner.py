@@ -122,23 +122,37 @@ def test_plans_are_well_formed_and_backward_runs_the_forward_calls(name, options
                               for n, o in SCHEDULES])
 def test_beside_runs_while_a_transfer_is_in_flight(name, options, p):
     """``with_beside`` (the whole documents' calls under partition ``documents``) adds its
-    pieces in order, the first before the plan's first wait, the last before its last, each
-    while a transfer is in flight, and changes nothing else."""
+    pieces in order, each right before a wait while a transfer is in flight, the last before
+    the plan's last wait, none before a wait that a call since the transfer started hides
+    (but the last), and changes nothing else."""
     for where, *both in plans(name, options, p):
         for plan in both:
             for pieces in (1, 2, 3):
-                beside = runner.with_beside(plan, pieces)
-                ops = beside.ops
+                ops = runner.with_beside(plan, pieces).ops
                 assert [op for op in ops if not isinstance(op, runner.Beside)] == list(plan.ops)
                 at = [i for i, op in enumerate(ops) if isinstance(op, runner.Beside)]
                 assert [ops[i].index for i in at] == list(range(pieces)), where
                 waiting = [i for i, op in enumerate(ops) if runner.waits(op)]
-                assert at[0] < waiting[0], where
-                assert all(isinstance(op, runner.Beside) for op in ops[at[0]:waiting[0]]), where
+                flying, hidden = _in_flight(ops)
+                for i in at:
+                    before = next(j for j in range(i, len(ops))
+                                  if not isinstance(ops[j], runner.Beside))
+                    assert before in waiting and flying[i], (where, ops)
+                    assert not hidden[before] or before == waiting[-1], (where, ops)
                 if pieces > 1:
                     assert at[-1] == waiting[-1] - 1, where
-                flying = _in_flight(ops)
-                assert all(flying[i] for i in at), (where, "nothing in flight beside", ops)
+
+
+def test_beside_delays_no_relay_of_the_ring_forward():
+    """The ring's forward hides each shift behind the calls before it and relays each block
+    on: the pieces run before its last block, which no rank relays."""
+    spec = sdpa_fusion.AttentionSpec(1, 2, 2, 64, 64, 16, causal=True)
+    sched = schedules.get("ring", VirtualMesh((4,), ("seq",), rank=1), head_groups=1)
+    local, (q, k, _, _) = dry_run.local_problem(sched, spec)
+    ops = runner.with_beside(sched.plan(local, q, k, backward=False), 2).ops
+    names = [type(op).__name__ for op in ops]
+    assert names[-5:] == ["Beside", "Beside", "KV", "Fold", "Finish"]
+    assert "Send" not in names[names.index("Beside"):]
 
 
 def test_beside_hides_ulysses_first_and_last_exchanges():
@@ -155,12 +169,18 @@ def test_beside_hides_ulysses_first_and_last_exchanges():
         assert ops[-2:] == (runner.Beside(1), runner.Land(plan.groups - 1))
 
 
-def _in_flight(ops) -> list[bool]:
-    """Per op, whether a transfer started before it is still in flight when it runs."""
+def _in_flight(ops) -> tuple[list[bool], list[bool]]:
+    """Per op, whether a transfer started before it is still in flight when it runs, and
+    whether a kernel call ran since the latest transfer started."""
     pending = landing = sums = 0
-    flying = []
+    flying, hidden, called = [], [], True
     for op in ops:
         flying.append(bool(pending or landing or sums))
+        hidden.append(called)
+        if isinstance(op, (runner.Send, runner.Gather, runner.StartScatter, runner.SendSums)):
+            called = False
+        elif isinstance(op, (runner.Fold, runner.Grads, runner.Attend)):
+            called = True
         if isinstance(op, (runner.Send, runner.Gather)):
             pending += 1
         elif isinstance(op, runner.KV) and op.arrives:
@@ -174,7 +194,7 @@ def _in_flight(ops) -> list[bool]:
         elif isinstance(op, runner.AddSums) or (isinstance(op, runner.Grads)
                                                  and op.into == runner.ARRIVING):
             sums -= 1
-    return flying
+    return flying, hidden
 
 
 def _key(call):

@@ -228,8 +228,9 @@ def test_packed_allgather_in_padded_parts(mesh, dtype):
 
 @pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
 def test_whole_documents(mesh, name):
-    """Whole documents in one local call, the one document longer than a rank's share cut
-    and run by the schedule's packed path (ulysses: by heads over the ranks)."""
+    """Whole documents in local calls beside the transfers of the one document longer than a
+    rank's share, cut and run by the schedule's packed path (ulysses: by heads over the
+    ranks)."""
     p = mesh.size()
     problem = make_packed([24 * p, 3, 5, 1, 7, 4], h=4, e=64, causal=True)
     sched = schedules.get(name, mesh, partition="documents")
