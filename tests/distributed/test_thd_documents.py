@@ -9,6 +9,8 @@ table and bounds: tests/test_documents.py).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -84,14 +86,15 @@ def per_document(kind: str):
     docs = len(MASKED_LENGTHS)
     if kind == "prefix":
         n = [(3 * b) % 7 for b in range(docs)]
-        return masks.causal() | masks.prefix(n), lambda b, q, k: (k <= q) | ((q < n[b]) & (k < n[b]))
+        return (masks.causal() | masks.prefix(n),
+                lambda b, q, k: (k <= q) | ((q < n[b]) & (k < n[b])))
     if kind == "spans":
         spans = [(b % 3, b % 3 + 2 + b % 4) for b in range(docs)]
         return (masks.causal() | masks.bidirectional_spans([[s] for s in spans]),
                 lambda b, q, k: (k <= q) | ((q >= spans[b][0]) & (q < spans[b][1])
                                             & (k >= spans[b][0]) & (k < spans[b][1])))
     if kind == "ids":
-        ids = torch.arange(max(MASKED_LENGTHS)).unsqueeze(0) // torch.arange(2, docs + 2).unsqueeze(1)
+        ids = torch.arange(max(MASKED_LENGTHS)) // torch.arange(2, docs + 2).unsqueeze(1)
         return (masks.causal() & masks.document_ids(ids),
                 lambda b, q, k: (k <= q) & (ids[b][q] == ids[b][k]))
     return (masks.mask_mod(lambda b, h, q, k: (k <= q) & (q - k <= b % 5)),
@@ -105,13 +108,30 @@ def test_masks_that_differ_between_documents(mesh, name, kind):
     cut packing are numbered from 0 on the rank, so each takes its documents' rows of the
     mask (``Mask.select``): forward and backward per document against the reference."""
     p = mesh.size()
-    mask, seen = per_document(kind)
-    problem = make_packed(MASKED_LENGTHS, **heads(name, p, 2, 2))
-    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
     sched = schedules.get(name, mesh, partition="documents")
-    local = sched.pack(problem.cu_seqlens).split
-    renumbered = [local.whole(r).tolist() != list(range(len(local.whole(r)))) for r in range(p)]
-    assert any(renumbered) and local.assignment.cut  # numbered apart from the batch: both
+    split = sched.pack(torch.tensor([0, *itertools.accumulate(MASKED_LENGTHS)])).split
+    renumbered = [split.whole(r).tolist() != list(range(len(split.whole(r)))) for r in range(p)]
+    assert any(renumbered) and split.assignment.cut  # numbered apart from the batch: both
+    assert_per_document_mask(sched, kind, **heads(name, p, 2, 2))
+
+
+@shapes
+@pytest.mark.parametrize("inner", ["ulysses", "head_parallel"])
+def test_hybrid_masks_that_differ_between_documents(meshes, shape, inner):  # noqa: F811
+    """The same with documents over the outer dim of hybrid."""
+    pi, _ = shape
+    sched = schedules.get("hybrid", meshes(shape), inner=inner, outer="ring",
+                          partition="documents")
+    for kind in ("prefix", "mask_mod"):
+        assert_per_document_mask(sched, kind, h=2 * pi, h_kv=2 * pi)
+
+
+def assert_per_document_mask(sched, kind: str, h: int, h_kv: int) -> None:
+    """Forward and backward of MASKED_LENGTHS under ``per_document(kind)`` against the
+    reference, document by document."""
+    mask, seen = per_document(kind)
+    problem = make_packed(MASKED_LENGTHS, h=h, h_kv=h_kv)
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
     shards = [sched.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v)]
     out = sdpa_fusion.attention(*shards, mask=mask, kernel="reference", schedule=sched, **kw)
     out.backward(sched.shard(problem.dout, **kw))
