@@ -195,6 +195,12 @@ class AllGather(Transported, SequenceSchedule):
                 f"schedule 'ring' for 'striped')"
             )
 
+    def kernel_calls(self, spec) -> int:
+        """The kernel calls this rank makes on the local ``spec``: on its own keys and on the
+        gathered ones."""
+        own, calls, _ = self._plan(spec)
+        return max(1, len(own) + len(calls))
+
     def _plan(self, spec):
         """(own calls, gathered calls, whether ``others`` is in rank order) of this rank."""
         mask, packing = window_band(spec), spec.packing

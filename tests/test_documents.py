@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import schedules
 import sdpa_fusion
+from schedules import dry_run
 from schedules.assign import CUT, assign, plan, work
-from schedules.assign import plan as plan_of
 from schedules.documents import DocumentSplit
 from schedules.partition import Documents
 from schedules.whole import whole_pieces
@@ -254,30 +254,27 @@ def test_describe_counts_each_rank_and_only_cut_documents_travel():
     assert (d.bytes_sent, d.backward_bytes_sent, d.steps) == (0, 0, 1)
 
 
-def test_kernel_calls_are_the_cut_documents_schedules():
+@pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("partition", ["documents", "load_balanced"])
+def test_kernel_calls_are_the_calls_a_rank_makes(name, partition):
     """``kernel="auto"`` weighs a way's host time once per call the schedule makes on the
-    rank's sequences: a ring step each for the cut documents of each of its groups (here
-    40 tokens over every rank, 8 over ranks 0-1), and the whole ones' calls: rank 1's two
-    whole documents (1 and 2 tokens) in two pieces beside the transfers; one call when no
-    document is cut."""
-    p, lengths = 4, [1, 3, 0, 40, 2, 8, 1, 4, 6, 2]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    mesh = sdpa_fusion.VirtualMesh((p,), ("seq",), rank=1)
-    calls = {}
-    for name, partition, cu_rank in (("ring", "documents", cu), ("allgather", "documents", cu),
-                                     ("ring", "load_balanced", cu),
-                                     ("ring", "documents", torch.tensor([0, 2, 4, 6, 8]))):
-        sched = schedules.get(name, mesh, partition=partition)
-        local = sched.pack(cu_rank)
-        q = torch.randn(local.tokens, 4, 8)
-        plan = sdpa_fusion.plan(q, q, q, layout="thd", causal=True, schedule=sched,
-                                cu_seqlens=local)
-        calls[name, partition, len(cu_rank)] = sched.kernel_calls(plan.spec)
-    assert plan_of(lengths, p).groups_of(1) == ((0, 4), (0, 2))
-    assert calls == {("ring", "documents", 11): p + 2 + 2, ("allgather", "documents", 11): 2 + 2,
-                     # load_balanced: rank 1's late rows of the two later steps lie in two
-                     # sequences, a call on each one's consecutive rows (calls.part_calls)
-                     ("ring", "load_balanced", 11): p + 2, ("ring", "documents", 5): 1}
+    rank's sequences: ``kernel_calls`` is what the kernel of a dry run receives in a forward,
+    on every rank (documents: 40 tokens cut over every rank, 8 over ranks 0-1, and the whole
+    ones' pieces; one call when every document is whole; a rank that makes none counts one,
+    as the kernel choice weighs every call past the first)."""
+    lengths = [1, 3, 0, 40, 2, 8, 1, 4, 6, 2]
+    for p, packed in ((2, lengths), (4, lengths), (4, [2, 2, 2, 2])):
+        cu = (0, *torch.tensor(packed).cumsum(0).tolist())
+        spec = sdpa_fusion.AttentionSpec(1, 8, 8, cu[-1], cu[-1], 8, layout="thd",
+                                         cu_seqlens=cu, causal=True)
+        for rank in range(p):
+            sched = schedules.get(name, sdpa_fusion.VirtualMesh((p,), ("seq",), rank=rank),
+                                  partition=partition, head_groups=1)
+            calls = sched.kernel_calls(sched.local_spec(spec))
+            made = dry_run.run(sched, spec)[0].calls
+            assert calls == max(made, 1), (p, packed, rank)  # none made: the way's one
+            if partition == "documents" and packed != lengths:
+                assert calls == 1
 
 
 @pytest.mark.parametrize("window,calls", [(None, 6), ((3, 0), 2), ((20, 0), 4)])
