@@ -210,11 +210,13 @@ def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
     n_k = len(k.pos)
     tiles = -(-n_k // TILE)
     found = []
+    # padding's slots may lie past a table (document_ids): asked at position 0, never seen
+    k_pos = torch.where(k.seq >= 0, k.pos, 0).unsqueeze(0)
     for r0 in range(0, len(q.pos), TILE):
         rows = slice(r0, min(r0 + TILE, len(q.pos)))
-        sq, pq = q.seq[rows].unsqueeze(1), q.pos[rows].unsqueeze(1)
-        seen = (sq == k.seq.unsqueeze(0)) & (sq >= 0) & \
-            mask.visible(sq.clamp(min=0), pq, k.pos.unsqueeze(0))
+        sq = q.seq[rows].unsqueeze(1)
+        pq = torch.where(sq >= 0, q.pos[rows].unsqueeze(1), 0)
+        seen = (sq == k.seq.unsqueeze(0)) & (sq >= 0) & mask.visible(sq.clamp(min=0), pq, k_pos)
         padded = torch.zeros(seen.shape[0], tiles * TILE, dtype=torch.long)
         padded[:, :n_k] = seen
         counts = padded.view(seen.shape[0], tiles, TILE).sum((0, 2))

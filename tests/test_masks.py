@@ -56,6 +56,24 @@ def test_a_mask_of_part_of_the_batch_is_its_rows(d, seqs):
         assert part is mask
 
 
+def test_padding_slots_past_a_table_are_never_read():
+    """A split pads sequences, and its padding slots carry positions past the sequence (past
+    a document_ids table as long as the longest one): joined with a mask_mod, every pair is
+    asked per tile, padding at position 0, and no padding slot is seen."""
+    ids = torch.tensor([[0, 0, 1, 1, 1]])
+    mask = masks.document_ids(ids) & masks.mask_mod(lambda b, h, q, k: k <= q)
+    seq = torch.tensor([0, 0, 0, -1, 0, 0, -1])
+    pos = torch.tensor([0, 1, 2, 6, 3, 4, 5])
+    tokens = Tokens(seq, pos)
+    seen = torch.zeros(7, 7, dtype=torch.bool)
+    for piece in pieces(mask, tokens, tokens):
+        block = seen[piece.rows, piece.keys]
+        block |= True if piece.seen is None else piece.seen
+    want = (seq[:, None] >= 0) & (seq[None, :] >= 0) & (pos[None, :] <= pos[:, None]) & \
+        (ids[0][pos.clamp(max=4)][:, None] == ids[0][pos.clamp(max=4)][None, :])
+    assert torch.equal(seen, want)
+
+
 def test_one_row_of_document_ids_serves_every_batch_element():
     """document_ids [1, S] broadcast over a batch of 2 (as tests/gpu/test_masks.py gives
     them); rows of another count are a ValueError naming the fix."""
