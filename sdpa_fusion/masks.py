@@ -19,7 +19,9 @@ prefix classes do not change, it keeps an interval of k - q (causal, a window, e
 nothing), so a mask compiles to kernel calls on bands (``sdpa_fusion.masked``); a
 ``mask_mod`` is evaluated per tile. ``fn`` gets int64 tensors that broadcast (b and h as
 0-d tensors or columns, q a column, k a row) and returns a bool tensor, with elementwise
-torch ops; masks that vary over heads are not supported (h is 0).
+torch ops; masks that vary over heads are not supported (h is 0). A mask is a value: it
+copies the ids, lengths and spans it is given (a mask_mod's ``fn`` is its own: build a new
+mask rather than change what it reads in place).
 """
 
 from __future__ import annotations
@@ -275,7 +277,7 @@ def _per_batch(values, what: str, fix: str) -> torch.Tensor:
     if t.dtype in (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64) \
             or t.dim() > 2 or t.numel() == 0:
         raise ValueError(f"{what} must be {fix}, got a {t.dtype} tensor of shape {list(t.shape)}")
-    return t.cpu().long()
+    return t.cpu().long().clone()  # the mask's own: plans made of it stay right
 
 
 def _rows(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,18 @@ def test_padding_slots_past_a_table_are_never_read():
     assert torch.equal(seen, want)
 
 
+def test_a_mask_keeps_its_tables():
+    """Changing the tensors a mask was built from in place leaves the mask as built (plans
+    made of it stay right)."""
+    ids, n = torch.tensor([[0, 0, 1, 1]]), torch.tensor([2])
+    mask = masks.document_ids(ids) | masks.prefix(n)
+    q, k = torch.arange(4).unsqueeze(1), torch.arange(4).unsqueeze(0)
+    before = mask.visible(torch.tensor(0), q, k)
+    ids.fill_(0)
+    n.fill_(4)
+    assert torch.equal(mask.visible(torch.tensor(0), q, k), before)
+
+
 def test_one_row_of_document_ids_serves_every_batch_element():
     """document_ids [1, S] broadcast over a batch of 2 (as tests/gpu/test_masks.py gives
     them); rows of another count are a ValueError naming the fix."""
