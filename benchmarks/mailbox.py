@@ -231,8 +231,10 @@ class VirtualMover(Mover):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._copy(copies)
-            for target, _ in copies:
-                target.record_stream(side)  # its memory is not reused before the copy is done
+            for target, source in copies:  # their memory is not reused before the copy is done
+                target.record_stream(side)
+                if isinstance(source, torch.Tensor):  # a put to this rank itself
+                    source.record_stream(side)
             event = torch.cuda.Event()
             event.record(side)
         return [event]
