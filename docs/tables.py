@@ -315,7 +315,7 @@ SERIES = (
             Run("virtual_ranks.json", "97f4da5"), Run("virtual_ranks.json", "16d30ad"),
             Run("virtual_ranks.json", "ea9adb8"), Run("virtual_ranks.json", "630ff60"),
             Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "7e8596f"),
-            Run("virtual_ranks.json", "3cbf3dc")),
+            Run("virtual_ranks.json", "3cbf3dc"), Run("virtual_ranks.json", "44879e9")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
@@ -415,7 +415,8 @@ def ranks() -> str:
 
 
 # ---- costs: what a rank's step costs beyond its share of the work ---------------------------
-COST_RUNS = (Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "3cbf3dc"))
+COST_RUNS = (Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "3cbf3dc"),
+             Run("virtual_ranks.json", "44879e9"))
 COST_TERMS = ("M pairs", "K tokens", "ring steps", "K tokens cut over its rings")
 
 
