@@ -193,9 +193,8 @@ class WholeDocuments:
         """Those of the cut documents' schedules and of the whole documents (``whole_calls``)."""
         if not isinstance(spec.packing, DocumentPacking):
             return super().kernel_calls(spec)
-        cuts = cut_specs(spec)
-        return sum(self.twin(group).kernel_calls(cut) for group, _, cut in cuts) + \
-            (whole_calls(spec) if cuts else 1)
+        return max(1, whole_calls(spec) + sum(self.twin(group).kernel_calls(cut)
+                                              for group, _, cut in cut_specs(spec)))
 
     def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=()):
         if not isinstance(spec.packing, DocumentPacking):
