@@ -16,8 +16,10 @@ full, causal or a window otherwise):
 
 A band without a left edge and a right edge r > 0 runs as keys [0, r) unmasked and the
 rest causal, so kernels without windows run every mask without ``masks.window`` or ``~``.
-A ``mask_mod`` is evaluated per ``TILE`` x ``TILE`` tile: empty tiles make no call, full
-ones run unmasked (neighbours joined), partial ones with the explicit mask.
+A ``mask_mod`` is evaluated per ``TILE`` x ``TILE`` tile, cut within each run of rows of one
+sequence and each run of its keys (a call never reads another sequence's rows or keys, nor
+padding): empty tiles make no call, full ones run unmasked (neighbours joined), partial ones
+with the explicit mask.
 """
 
 from __future__ import annotations
@@ -207,31 +209,57 @@ def _lowered(rows: slice, keys: slice, full: bool, left: int, right: int) -> lis
 
 # ---- mask_mod: tiles ------------------------------------------------------------------------
 def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
-    n_k = len(k.pos)
-    tiles = -(-n_k // TILE)
+    """Tiles cut within each run of rows of one sequence and each run of its keys: a call
+    reads no other sequence's keys or rows, nor padding (masked entries still meet the
+    values they are masked from: 0 * NaN)."""
+    keys_of = collections.defaultdict(list)
+    for s, start, stop in _runs(k.seq):
+        keys_of[s].append(slice(start, stop))
     found = []
-    # padding's slots may lie past a table (document_ids): asked at position 0, never seen
-    k_pos = torch.where(k.seq >= 0, k.pos, 0).unsqueeze(0)
-    for r0 in range(0, len(q.pos), TILE):
-        rows = slice(r0, min(r0 + TILE, len(q.pos)))
-        sq = q.seq[rows].unsqueeze(1)
-        pq = torch.where(sq >= 0, q.pos[rows].unsqueeze(1), 0)
-        seen = (sq == k.seq.unsqueeze(0)) & (sq >= 0) & mask.visible(sq.clamp(min=0), pq, k_pos)
-        padded = torch.zeros(seen.shape[0], tiles * TILE, dtype=torch.long)
-        padded[:, :n_k] = seen
-        counts = padded.view(seen.shape[0], tiles, TILE).sum((0, 2))
-        widths = torch.full((tiles,), TILE)
-        widths[-1] = n_k - (tiles - 1) * TILE
-        kind = torch.where(counts == 0, 0, torch.where(counts == widths * seen.shape[0], 1, 2))
-        t = 0
-        for each, run in itertools.groupby(kind.tolist()):
-            end = t + len(list(run))
-            keys = slice(t * TILE, min(end * TILE, n_k))
-            if each == 1:
-                found.append(Piece(rows, keys))
-            elif each == 2:
-                found.append(Piece(rows, keys, seen=seen[:, keys].clone()))
-            t = end
+    for s, start, stop in _runs(q.seq):
+        for r0 in range(start, stop, TILE):
+            rows = slice(r0, min(r0 + TILE, stop))
+            b = torch.full((rows.stop - r0, 1), s, dtype=torch.long)
+            pq = q.pos[rows].unsqueeze(1)
+            for run in keys_of[s]:
+                seen = mask.visible(b, pq, k.pos[run].unsqueeze(0))
+                found += _tiles(rows, run, seen.expand(len(b), run.stop - run.start))
+    return found
+
+
+def _runs(seq: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(sequence, start, stop) of each run of rows of one sequence (padding in none)."""
+    if not len(seq):
+        return []
+    first = torch.ones(len(seq), dtype=torch.bool)
+    first[1:] = seq[1:] != seq[:-1]
+    starts = first.nonzero()[:, 0].tolist()
+    return [(s, start, stop) for s, start, stop in
+            zip(seq[starts].tolist(), starts, starts[1:] + [len(seq)]) if s >= 0]
+
+
+def _tiles(rows: slice, keys: slice, seen: torch.Tensor) -> list[Piece]:
+    """The pieces of ``rows`` x the run ``keys`` (``seen`` [rows, keys]) per ``TILE`` keys:
+    none where empty, unmasked where full, the explicit mask otherwise (neighbours of a kind
+    joined)."""
+    n_r, n_k = seen.shape
+    tiles = -(-n_k // TILE)
+    padded = torch.zeros(n_r, tiles * TILE, dtype=torch.long)
+    padded[:, :n_k] = seen
+    counts = padded.view(n_r, tiles, TILE).sum((0, 2))
+    widths = torch.full((tiles,), TILE)
+    widths[-1] = n_k - (tiles - 1) * TILE
+    kind = torch.where(counts == 0, 0, torch.where(counts == widths * n_r, 1, 2))
+    found, t = [], 0
+    for each, run in itertools.groupby(kind.tolist()):
+        end = t + len(list(run))
+        cols = slice(t * TILE, min(end * TILE, n_k))
+        span = slice(keys.start + cols.start, keys.start + cols.stop)
+        if each == 1:
+            found.append(Piece(rows, span))
+        elif each == 2:
+            found.append(Piece(rows, span, seen=seen[:, cols].clone()))
+        t = end
     return found
 
 

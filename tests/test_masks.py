@@ -170,3 +170,98 @@ def test_benchmark_tiny(tmp_path):
                for r in rows)
     docs = next(r for r in rows if r["panel"] == "spans+docs")
     assert docs["ring_bytes"] < next(r for r in rows if r["panel"] == "causal")["ring_bytes"]
+
+
+# packed documents (lengths, padding after each) for the tests of non-finite neighbours
+_LENGTHS, _PADDING = [5, 11, 3, 9], [2, 0, 3, 1]
+_POISONED = 1  # the document whose K and V get a non-finite value
+_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]])  # per position, as long as the longest
+
+
+@pytest.mark.parametrize("tile", [4, 8, 128])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("d", [("mod", "sink", 2), ("and", ("mod", "batch", 2), ("docs", _IDS))],
+                         ids=["mask_mod", "mask_mod&document_ids"])
+def test_nonfinite_neighbours_leave_a_document_alone(monkeypatch, d, value, tile):
+    """Packed documents with padding slots between them (cu_seqlens_padded) under a mask_mod:
+    NaN or Inf in every padding slot's q, k and v, and in one document's K and V, leave every
+    other document's out, dQ, dK and dV those of the reference on that document alone, and
+    padding's results 0. A mask_mod's tiles run per document: masked entries of a tile over
+    several documents still meet the other documents' keys and values (0 * NaN)."""
+    monkeypatch.setattr(mask_plan, "TILE", tile)
+    room = [n + p for n, p in zip(_LENGTHS, _PADDING)]
+    starts = [0, *torch.tensor(room).cumsum(0).tolist()]
+    cu = [0, *torch.tensor(_LENGTHS).cumsum(0).tolist()]
+    total = starts[-1]
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(total, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(total, 2, 8, generator=g) for _ in range(2))
+    clean = [t.clone() for t in (q, k, v)]
+    real = torch.zeros(total, dtype=torch.bool)
+    for a, n in zip(starts, _LENGTHS):
+        real[a:a + n] = True
+    bad = float(value)
+    for t in (q, k, v):
+        t[~real] = bad
+    a = starts[_POISONED]
+    k[a + 3, 0, 1] = bad
+    v[a + 5, 1, 2] = bad
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, layout="thd", cu_seqlens=cu,
+                                cu_seqlens_padded=torch.tensor(starts), mask=described.built(d),
+                                kernel="reference")
+    out.backward(dout)
+    got = (out.detach(), *(t.grad for t in leaves))
+    for i, (a, n) in enumerate(zip(starts, _LENGTHS)):
+        if i == _POISONED:
+            continue
+        one = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (*clean, dout)]
+        seen = described.boolean(d, i, n, n)[None, None]
+        want = reference.attention(*one, mask=seen)
+        mine = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in got]
+        reference.assert_results(mine, want, msg=f"document {i}")
+    for name, t in zip(reference.NAMES, got):
+        assert torch.equal(t[~real], torch.zeros_like(t[~real])), f"{name} is 0 on padding"
+
+
+@st.composite
+def _scattered(draw, length: int, sequences: int):
+    """``Tokens`` of up to ``sequences`` sequences of up to ``length`` positions, each in one
+    or two runs, the runs in any order with padding slots (any position) between them."""
+    runs = []
+    for s in range(draw(st.integers(1, sequences))):
+        n = draw(st.integers(1, length))
+        cut = draw(st.integers(0, n))
+        runs += [(s, a, z) for a, z in ((0, cut), (cut, n)) if a < z]
+    order = draw(st.permutations(runs))
+    seq, pos = [], []
+    for s, a, z in order:
+        gap = draw(st.integers(0, 3))
+        seq += [-1] * gap + [s] * (z - a)
+        pos += [draw(st.integers(0, length - 1)) for _ in range(gap)] + list(range(a, z))
+    return Tokens(torch.tensor(seq), torch.tensor(pos))
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(d=described.description(12, 3), tokens=_scattered(12, 3))
+def test_a_call_reads_one_sequence(monkeypatch, d, tokens):
+    """Every call's rows and keys are of one sequence, no padding (a masked entry still meets
+    its key and value: 0 * NaN), and the calls see what the mask does, for every kind of mask
+    (mask_mod tiles of 4 here), sequences in runs apart and padding between them."""
+    monkeypatch.setattr(mask_plan, "TILE", 4)
+    seq, pos = tokens.seq, tokens.pos
+    n = len(seq)
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for p in pieces(described.built(d), tokens, tokens):
+        rows, keys = seq[p.rows], seq[p.keys]
+        assert len(rows) and len(keys) and (rows[0] >= 0).all(), p
+        assert (rows == rows[0]).all() and (keys == rows[0]).all(), p
+        band = reference.visible(len(rows), len(keys), p.causal, p.window)
+        seen[p.rows, p.keys] |= p.seen if p.seen is not None else True if band is None else band
+    want = torch.zeros(n, n, dtype=torch.bool)
+    for s in seq[seq >= 0].unique().tolist():
+        mine = (seq == s).nonzero()[:, 0]
+        full = described.boolean(d, s, 12, 12)
+        want[mine.unsqueeze(1), mine] = full[pos[mine].unsqueeze(1), pos[mine]]
+    assert torch.equal(seen, want), d
