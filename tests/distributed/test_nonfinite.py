@@ -13,6 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import schedules
 import sdpa_fusion
+from tests import masks as described
+from tests import reference
 from tests.nonfinite import VALUES, mismatch, plant
 
 SCHEDULES = [("ring", "load_balanced"), ("ring", "contiguous"), ("allgather", "load_balanced"),
@@ -70,6 +72,70 @@ def test_packed(mesh, name, causal, where, value):
             return t[a:b].transpose(0, 1).unsqueeze(0)
         found = found or mismatch([seq(t) for t in got], *(seq(t) for t in (q, k, v, dout)),
                                   causal=causal)
+    assert mesh.agree(found) == [None] * mesh.world_size, found
+
+
+MASKED = [("ring", "load_balanced"), ("ring", "documents"), ("allgather", "load_balanced"),
+          ("allgather", "documents"), ("ulysses", "load_balanced"), ("head_parallel", None)]
+_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2] + [3] * 30])  # per position
+MASK_MODS = {"mask_mod": ("mod", "sink", 2),
+             "mask_mod&document_ids": ("and", ("mod", "batch", 2), ("docs", _IDS))}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("mask", sorted(MASK_MODS))
+@pytest.mark.parametrize("name,partition", MASKED, ids=[f"{n}-{p}" for n, p in MASKED])
+def test_packed_mask_mod(mesh, name, partition, mask, value):
+    """Packed documents with padding slots (cu_seqlens_padded) under a mask_mod (alone, and
+    joined with document_ids): NaN or Inf in every global padding slot, in every padding row
+    of the split and in one document's K and V leave every other document's out, dQ, dK and
+    dV those of the reference on that document alone, and the padding slots' results 0 (a
+    mask_mod's tiles over several documents met their keys and values: 0 * NaN)."""
+    p = mesh.size()
+    d = MASK_MODS[mask]
+    lengths, slack, poisoned = [4 * p + 1, 3 * p + 2, 2 * p + 1, 3], [2, 0, 3, 1], 1
+    starts = [0, *torch.tensor([n + x for n, x in zip(lengths, slack)]).cumsum(0).tolist()]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    padded = torch.tensor(starts)
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(starts[-1], 2 * p, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(starts[-1], p, 8, generator=g) for _ in range(2))
+    clean = [t.clone() for t in (q, k, v)]
+    real = torch.zeros(starts[-1], dtype=torch.bool)
+    for a, n in zip(starts, lengths):
+        real[a:a + n] = True
+    bad = float(value)
+    for t in (q, k, v):
+        t[~real] = bad
+    k[starts[poisoned] + 1, 0, 1] = bad
+    v[starts[poisoned] + 2, p - 1, 0] = bad
+    sched = schedules.get(name, mesh, **({"partition": partition} if partition else {}))
+    kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=padded)
+    shards = [sched.shard(t, **kw) for t in (q, k, v)]
+    if hasattr(sched, "pack"):  # the split's own padding rows too
+        split_padding = sched.pack(cu, padded).token_index < 0
+        for t in shards:
+            t[split_padding] = bad
+    leaves = [t.requires_grad_() for t in shards]
+    out = sdpa_fusion.attention(*leaves, mask=described.built(d), kernel="reference",
+                                schedule=sched, **kw)
+    out.backward(sched.shard(dout, **kw))
+    got = [sched.unshard(t, **kw) for t in (out.detach(), *(t.grad for t in leaves))]
+    atol, rtol = reference.TOLERANCES[torch.float32]
+    found = None
+    for i, (a, n) in enumerate(zip(starts, lengths)):
+        if i == poisoned:
+            continue
+        views = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (*clean, dout)]
+        want = reference.attention(*views, mask=described.boolean(d, i, n, n)[None, None])
+        for what, t, w in zip(reference.NAMES, got, want.results):
+            mine = t[a:a + n].transpose(0, 1).unsqueeze(0).double()
+            if found is None and not torch.allclose(mine, w, rtol=rtol, atol=atol):
+                found = (f"document {i} {what}: {int((~mine.isfinite()).sum())} non-finite, "
+                         f"max |error| {(mine - w).abs().nan_to_num(float('inf')).max():.2e}")
+    for what, t in zip(reference.NAMES, got):
+        if found is None and t[~real].any():
+            found = f"{what} is not 0 in the padding slots"
     assert mesh.agree(found) == [None] * mesh.world_size, found
 
 
