@@ -393,16 +393,11 @@ class _Transfers:
         base = g.index % 2 * self._region_bytes(k.dtype)
         pending, offsets = self._to_slots([[send] * p for send in sends], item, tokens, base,
                                           k.device)
-        own = slice(self.index * tokens, (self.index + 1) * tokens)  # no rank puts them
-
-        def place(flat):
-            blocks = [rows_at(flat, at, p * tokens, item) for at in offsets]
-            if self.spec.mask is not None:  # a mask_mod's tiles may span the own slot's keys
-                for t in blocks:  # (no query sees them): a stale NaN would still spread
-                    t[own].zero_()
-            return [as_block(t) for t in blocks]
-
-        return runner.Arriving(InFlight(pending, place).finish)
+        # no rank puts the own slot's rows, and no call reads them: the plain plan gathers
+        # the other ranks' keys only, a composed mask's takes them for padding (never read)
+        in_flight = InFlight(pending, lambda flat: [as_block(rows_at(flat, at, p * tokens, item))
+                                                    for at in offsets])
+        return runner.Arriving(in_flight.finish)
 
     def _region_bytes(self, dtype) -> int:
         """Bytes of a region of a group's packed K and V (or sums) of every rank in ``dtype``."""
