@@ -3,8 +3,8 @@
 #   1. single-process tests:   pytest -q tests  (tests/distributed left out)
 #   2. distributed tests:      mpirun -np 2 ... pytest -q tests/distributed
 #   3.                         mpirun -np 4 ... pytest -q tests/distributed
-#   4.                         mpirun -np 3 ... (whole documents: ranks that do not divide
-#                              the batch's powers of two)
+#   4.                         mpirun -np 3 ... (whole documents and non-finite values:
+#                              ranks that do not divide the batch's powers of two)
 #   5.                         mpirun -np 8 ... (the tests whose plans change past four
 #                              ranks: whole documents, 2-D meshes, hybrid)
 # Each stage runs under `timeout`; the script fails if any stage fails, times out or
@@ -78,7 +78,8 @@ distributed() {
 
 distributed 2 "" tests/distributed "$@"
 distributed 4 "" tests/distributed "$@"
-distributed 3 ", documents" tests/distributed/test_thd_documents.py "$@"
+distributed 3 ", documents" tests/distributed/test_thd_documents.py \
+  tests/distributed/test_nonfinite.py "$@"
 # Eight ranks on a small CI machine run each test four to a core; the whole directory there
 # takes past any sensible limit, and every schedule's other paths already ran at 2 and 4.
 distributed 8 ", documents and 2-D meshes" tests/distributed/test_thd_documents.py \

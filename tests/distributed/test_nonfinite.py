@@ -57,8 +57,8 @@ def test_packed(mesh, name, causal, where, value):
     g = torch.Generator().manual_seed(seed)
     lengths = [4 * p + 1, 3 * p + 1]
     cu = torch.tensor([0, lengths[0], sum(lengths)])
-    q, dout = (torch.randn(sum(lengths), 2 * p, 8, generator=g) for _ in range(2))
-    k, v = (torch.randn(sum(lengths), p, 8, generator=g) for _ in range(2))
+    q, dout = (torch.randn(sum(lengths), 4 * p, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(sum(lengths), 2 * p, 8, generator=g) for _ in range(2))
     q, k, v = plant(q, k, v, where, value, seed)
     sched = schedules.get(name, mesh, head_groups=2)
     kw = dict(layout="thd", cu_seqlens=cu)
