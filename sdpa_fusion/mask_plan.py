@@ -213,10 +213,10 @@ def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
     reads no other sequence's keys or rows, nor padding (masked entries still meet the
     values they are masked from: 0 * NaN)."""
     keys_of = collections.defaultdict(list)
-    for s, start, stop in _runs(k.seq):
+    for s, start, stop in sequence_runs(k.seq):
         keys_of[s].append(slice(start, stop))
     found = []
-    for s, start, stop in _runs(q.seq):
+    for s, start, stop in sequence_runs(q.seq):
         for r0 in range(start, stop, TILE):
             rows = slice(r0, min(r0 + TILE, stop))
             b = torch.full((rows.stop - r0, 1), s, dtype=torch.long)
@@ -227,8 +227,8 @@ def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
     return found
 
 
-def _runs(seq: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(sequence, start, stop) of each run of rows of one sequence (padding in none)."""
+def sequence_runs(seq: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(sequence, start, stop) of each run of rows of one sequence (padding, -1, in none)."""
     if not len(seq):
         return []
     first = torch.ones(len(seq), dtype=torch.bool)

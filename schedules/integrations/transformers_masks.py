@@ -41,6 +41,7 @@ import operator
 import torch
 
 from sdpa_fusion import masks
+from sdpa_fusion.mask_plan import sequence_runs
 
 _TRANSFORMERS = "transformers.masking_utils"
 
@@ -238,14 +239,11 @@ class Sequences:
 
 def _runs(ids: torch.Tensor) -> list:
     """[(start, stop)] of the runs of one id >= 0; Unsupported where an id has two runs."""
-    starts = torch.ones(len(ids), dtype=torch.bool)
-    starts[1:] = ids[1:] != ids[:-1]
-    first = starts.nonzero()[:, 0].tolist()
-    runs = [(a, z, int(ids[a])) for a, z in zip(first, first[1:] + [len(ids)]) if ids[a] >= 0]
-    if len({g for _, _, g in runs}) < len(runs):
+    runs = sequence_runs(ids)
+    if len({g for g, _, _ in runs}) < len(runs):
         raise Unsupported("an image block (block_sequence_ids) whose tokens are not one run of "
                           "the sequence")
-    return [(a, z) for a, z, _ in runs]
+    return [(a, z) for _, a, z in runs]
 
 
 def exact(mask_function, sequences: Sequences) -> masks.Mask:
