@@ -53,3 +53,41 @@ def mismatch(got, q, k, v, dout, *, causal: bool, scale=None) -> str | None:
         if not torch.allclose(g[both], lo[both], rtol=rtol, atol=atol):
             return f"{name}: finite values differ by {(g[both] - lo[both]).abs().max():.2e}"
     return None
+
+
+class PoisonedDocuments:
+    """Packed documents of ``lengths`` with ``padding`` slots after each (``starts``:
+    cu_seqlens_padded), q and dout of ``heads`` heads, k and v of ``kv_heads`` (head dim 8):
+    ``clean`` as drawn; q, k, v with ``value`` in every padding slot (``real`` marks the
+    documents' tokens) and in one K and one V element of document ``poisoned``."""
+
+    def __init__(self, lengths, padding, heads: int, kv_heads: int, value: str,
+                 poisoned: int, seed: int):
+        self.lengths, self.poisoned = list(lengths), poisoned
+        room = [n + p for n, p in zip(lengths, padding)]
+        self.starts = [0, *torch.tensor(room).cumsum(0).tolist()]
+        self.cu = [0, *torch.tensor(self.lengths).cumsum(0).tolist()]
+        total = self.starts[-1]
+        g = torch.Generator().manual_seed(seed)
+        self.q, self.dout = (torch.randn(total, heads, 8, generator=g) for _ in range(2))
+        self.k, self.v = (torch.randn(total, kv_heads, 8, generator=g) for _ in range(2))
+        self.clean = [t.clone() for t in (self.q, self.k, self.v)]
+        self.real = torch.zeros(total, dtype=torch.bool)
+        for a, n in zip(self.starts, self.lengths):
+            self.real[a:a + n] = True
+        bad = VALUES[value]
+        for t in (self.q, self.k, self.v):
+            t[~self.real] = bad
+        a = self.starts[poisoned]
+        self.k[a + 1, 0, 1] = bad
+        self.v[a + 2, kv_heads - 1, 0] = bad
+
+    def others(self):
+        """(index, start, length) of every document but the poisoned one."""
+        return [(i, a, n) for i, (a, n) in enumerate(zip(self.starts, self.lengths))
+                if i != self.poisoned]
+
+    @staticmethod
+    def document(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Rows ``start`` .. ``start + n`` of packed ``t`` as one [1, H, n, E] sequence."""
+        return t[start:start + n].transpose(0, 1).unsqueeze(0)

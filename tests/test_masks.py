@@ -19,6 +19,7 @@ from sdpa_fusion.mask_plan import Tokens, pieces
 from sdpa_fusion.masked import block_call
 from tests import masks as described
 from tests import reference
+from tests.nonfinite import PoisonedDocuments
 
 S = 40
 
@@ -189,37 +190,20 @@ def test_nonfinite_neighbours_leave_a_document_alone(monkeypatch, d, value, tile
     padding's results 0. A mask_mod's tiles run per document: masked entries of a tile over
     several documents still meet the other documents' keys and values (0 * NaN)."""
     monkeypatch.setattr(mask_plan, "TILE", tile)
-    room = [n + p for n, p in zip(_LENGTHS, _PADDING)]
-    starts = [0, *torch.tensor(room).cumsum(0).tolist()]
-    cu = [0, *torch.tensor(_LENGTHS).cumsum(0).tolist()]
-    total = starts[-1]
-    g = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(total, 4, 8, generator=g) for _ in range(2))
-    k, v = (torch.randn(total, 2, 8, generator=g) for _ in range(2))
-    clean = [t.clone() for t in (q, k, v)]
-    real = torch.zeros(total, dtype=torch.bool)
-    for a, n in zip(starts, _LENGTHS):
-        real[a:a + n] = True
-    bad = float(value)
-    for t in (q, k, v):
-        t[~real] = bad
-    a = starts[_POISONED]
-    k[a + 3, 0, 1] = bad
-    v[a + 5, 1, 2] = bad
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = sdpa_fusion.attention(*leaves, layout="thd", cu_seqlens=cu,
-                                cu_seqlens_padded=torch.tensor(starts), mask=described.built(d),
-                                kernel="reference")
-    out.backward(dout)
+    docs = PoisonedDocuments(_LENGTHS, _PADDING, 4, 2, value, _POISONED, seed=0)
+    leaves = [t.clone().requires_grad_() for t in (docs.q, docs.k, docs.v)]
+    out = sdpa_fusion.attention(*leaves, layout="thd", cu_seqlens=docs.cu,
+                                cu_seqlens_padded=torch.tensor(docs.starts),
+                                mask=described.built(d), kernel="reference")
+    out.backward(docs.dout)
     got = (out.detach(), *(t.grad for t in leaves))
-    for i, (a, n) in enumerate(zip(starts, _LENGTHS)):
-        if i == _POISONED:
-            continue
-        one = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (*clean, dout)]
+    for i, a, n in docs.others():
+        one = [docs.document(t, a, n) for t in (*docs.clean, docs.dout)]
         seen = described.boolean(d, i, n, n)[None, None]
         want = reference.attention(*one, mask=seen)
-        mine = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in got]
+        mine = [docs.document(t, a, n) for t in got]
         reference.assert_results(mine, want, msg=f"document {i}")
+    real = docs.real
     for name, t in zip(reference.NAMES, got):
         assert torch.equal(t[~real], torch.zeros_like(t[~real])), f"{name} is 0 on padding"
 

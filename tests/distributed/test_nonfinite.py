@@ -15,7 +15,7 @@ import schedules
 import sdpa_fusion
 from tests import masks as described
 from tests import reference
-from tests.nonfinite import VALUES, mismatch, plant
+from tests.nonfinite import VALUES, PoisonedDocuments, mismatch, plant
 
 SCHEDULES = [("ring", "load_balanced"), ("ring", "contiguous"), ("allgather", "load_balanced"),
              ("ulysses", "load_balanced"), ("head_parallel", None)]
@@ -93,48 +93,33 @@ def test_packed_mask_mod(mesh, name, partition, mask, value):
     mask_mod's tiles over several documents met their keys and values: 0 * NaN)."""
     p = mesh.size()
     d = MASK_MODS[mask]
-    lengths, slack, poisoned = [4 * p + 1, 3 * p + 2, 2 * p + 1, 3], [2, 0, 3, 1], 1
-    starts = [0, *torch.tensor([n + x for n, x in zip(lengths, slack)]).cumsum(0).tolist()]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    padded = torch.tensor(starts)
-    g = torch.Generator().manual_seed(3)
-    q, dout = (torch.randn(starts[-1], 2 * p, 8, generator=g) for _ in range(2))
-    k, v = (torch.randn(starts[-1], p, 8, generator=g) for _ in range(2))
-    clean = [t.clone() for t in (q, k, v)]
-    real = torch.zeros(starts[-1], dtype=torch.bool)
-    for a, n in zip(starts, lengths):
-        real[a:a + n] = True
-    bad = float(value)
-    for t in (q, k, v):
-        t[~real] = bad
-    k[starts[poisoned] + 1, 0, 1] = bad
-    v[starts[poisoned] + 2, p - 1, 0] = bad
+    docs = PoisonedDocuments([4 * p + 1, 3 * p + 2, 2 * p + 1, 3], [2, 0, 3, 1], 2 * p, p,
+                             value, poisoned=1, seed=3)
     sched = schedules.get(name, mesh, **({"partition": partition} if partition else {}))
-    kw = dict(layout="thd", cu_seqlens=cu, cu_seqlens_padded=padded)
-    shards = [sched.shard(t, **kw) for t in (q, k, v)]
+    kw = dict(layout="thd", cu_seqlens=torch.tensor(docs.cu),
+              cu_seqlens_padded=torch.tensor(docs.starts))
+    shards = [sched.shard(t, **kw) for t in (docs.q, docs.k, docs.v)]
     if hasattr(sched, "pack"):  # the split's own padding rows too
-        split_padding = sched.pack(cu, padded).token_index < 0
+        split_padding = sched.pack(kw["cu_seqlens"], kw["cu_seqlens_padded"]).token_index < 0
         for t in shards:
-            t[split_padding] = bad
+            t[split_padding] = VALUES[value]
     leaves = [t.requires_grad_() for t in shards]
     out = sdpa_fusion.attention(*leaves, mask=described.built(d), kernel="reference",
                                 schedule=sched, **kw)
-    out.backward(sched.shard(dout, **kw))
+    out.backward(sched.shard(docs.dout, **kw))
     got = [sched.unshard(t, **kw) for t in (out.detach(), *(t.grad for t in leaves))]
     atol, rtol = reference.TOLERANCES[torch.float32]
     found = None
-    for i, (a, n) in enumerate(zip(starts, lengths)):
-        if i == poisoned:
-            continue
-        views = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (*clean, dout)]
+    for i, a, n in docs.others():
+        views = [docs.document(t, a, n) for t in (*docs.clean, docs.dout)]
         want = reference.attention(*views, mask=described.boolean(d, i, n, n)[None, None])
         for what, t, w in zip(reference.NAMES, got, want.results):
-            mine = t[a:a + n].transpose(0, 1).unsqueeze(0).double()
+            mine = docs.document(t, a, n).double()
             if found is None and not torch.allclose(mine, w, rtol=rtol, atol=atol):
                 found = (f"document {i} {what}: {int((~mine.isfinite()).sum())} non-finite, "
                          f"max |error| {(mine - w).abs().nan_to_num(float('inf')).max():.2e}")
     for what, t in zip(reference.NAMES, got):
-        if found is None and t[~real].any():
+        if found is None and t[~docs.real].any():
             found = f"{what} is not 0 in the padding slots"
     assert mesh.agree(found) == [None] * mesh.world_size, found
 
