@@ -315,7 +315,7 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
     alone and checked; the slowest kept."""
     left, per_rank, recorded, replayed = list(range(parts)), [None] * parts, None, [None] * parts
     tokens, sent, received, runs, kept = [0] * parts, [0] * parts, [0] * parts, 0, []
-    device_ms = [None] * parts
+    device_ms, terms = [None] * parts, None
     name, options = impl_options(schedule)
     free(args.device)  # the last row's cycles, before the budget is read
     budget, halved = record_bytes(args), 0
@@ -345,6 +345,9 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
             if runs == 1:
                 recorded = check.merge(reports)
                 tokens = [s.pack(cu).tokens for s in scheds]
+                assignment = getattr(scheds[0].pack(cu), "assignment", None)
+                terms = None if assignment is None else [
+                    assignment.cost_terms(r) for r in range(parts)]
                 sent = [s.comm.bytes_sent for s in scheds]
                 received = [s.comm.bytes_received for s in scheds]
             done = box.recorded
@@ -375,7 +378,8 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
     return dict(measurement=m, schedule=schedule, partition=partition, ranks=parts,
                 record_runs=runs,
                 record_gib=kept, record_budget_gib=round(budget / common.GIB, 3),
-                rank_tokens=tokens, bytes_sent_per_rank=sent, bytes_received_per_rank=received,
+                rank_tokens=tokens, rank_cost_terms=terms,
+                bytes_sent_per_rank=sent, bytes_received_per_rank=received,
                 rank_ms=[x.median_ms if x else None for x in per_rank],
                 rank_device_ms=device_ms if args.profile else None,
                 check_record=None if recorded is None else check.line(recorded),

@@ -420,18 +420,18 @@ COST_RUNS = (Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "3c
 COST_TERMS = ("M pairs", "K tokens", "ring steps", "K tokens cut over its rings")
 
 
-def rank_terms(lengths: list[int], parts: int, rank: int) -> tuple[float, ...]:
-    """The terms of ``COST_TERMS`` for ``rank`` under partition ``documents``' plan of
-    ``lengths`` over ``parts`` ranks: its causal query-key pairs and tokens (a cut document's
-    share), the steps of the rings of its groups (a ring over n ranks takes n), and the tokens
-    of the documents those rings cut (a step moves and merges a block: 1/n of them)."""
-    from schedules.assign import TOKEN_PAIRS, plan
+def rank_terms(row: dict, lengths: list[int], rank: int) -> tuple[float, ...]:
+    """The terms of ``COST_TERMS`` for ``rank`` of ``row`` (partition documents): its causal
+    query-key pairs and tokens (a cut document's share), the steps of the rings of its groups
+    (a ring over n ranks takes n), and the tokens of the documents those rings cut (a step
+    moves and merges a block: 1/n of them); as the row recorded them, else (rows before
+    ``rank_cost_terms`` was recorded) from the plan those rows ran: by work alone."""
+    from schedules.assign import plan
 
-    a = plan(lengths, parts)
-    groups = a.groups_of(rank)
-    pairs = a.work[rank] - TOKEN_PAIRS * a.tokens[rank]  # the plan's work less its token term
-    cut = sum(lengths[i] for g in groups for i in a.cut_over(g))
-    return pairs / 1e6, a.tokens[rank] / K, float(sum(g[1] for g in groups)), cut / K
+    terms = (row["rank_cost_terms"][rank] if row.get("rank_cost_terms")
+             else plan(lengths, row["ranks"], rings=False).cost_terms(rank))
+    pairs, tokens, steps, cut = terms
+    return pairs / 1e6, tokens / K, float(steps), cut / K
 
 
 def _cost_rows() -> list[tuple[Run, dict, int, tuple, float]]:
@@ -448,7 +448,7 @@ def _cost_rows() -> list[tuple[Run, dict, int, tuple, float]]:
                 continue
             for rank, d in enumerate(r.get("rank_device_ms") or []):
                 if d and d.get("graph_ms"):
-                    out.append((run, r, rank, rank_terms(lengths[r["batch"]], r["ranks"], rank),
+                    out.append((run, r, rank, rank_terms(r, lengths[r["batch"]], rank),
                                 d["graph_ms"]))
     return out
 

@@ -35,6 +35,18 @@ the tolerance of the batch's mean (else ``assign``'s, every cut document over ev
     plan:                  the first cut over ranks 0-3, the second over ranks 0-1 (it does
                            not fit rank 0 beside its share of the first): every rank within
                            0.6% of the mean
+
+A rank's rings cost it beyond its share of the work: a step per rank of each group it is
+in and a little per token of the documents those groups cut (``rings``). Where they differ
+between ranks (groups of a plan), ``plan`` places the whole documents again, the cuts kept:
+largest first, each on the rank of least work and rings that it keeps within the tolerance
+of the mean tokens; the placement is kept where it lowers the slowest rank's work and rings
+within the same bounds:
+
+    batch (c), P = 8: ranks 0-3 share one document over 0-3 and one over their pair, 6 ring
+    steps; ranks 4-7 one or two over their pair, 2 steps. Placed by work alone, every rank
+    held 130-133 M pairs of work and ranks 0-3 152 M with their rings; placed again, ranks
+    0-3 hold 127 M (148 M with their rings: -2.9%) and ranks 4-7 134-137 M.
 """
 
 from __future__ import annotations
@@ -88,6 +100,23 @@ class Assignment:
         """Indices of the documents ``rank`` holds whole, in batch order."""
         return tuple(i for i, o in enumerate(self.owner) if o == rank)
 
+    def cost_terms(self, rank: int) -> tuple[float, float, int, int]:
+        """(causal query-key pairs, tokens, ring steps, tokens cut) of ``rank``: its whole
+        documents and its shares of the cut ones, the ranks of each group it is in (a ring
+        over n ranks takes n steps) and the tokens of the documents those groups cut."""
+        pairs = sum(self.lengths[i] ** 2 / 2 / self.over[i][1] for i in self.whole(rank))
+        groups = self.groups_of(rank)
+        cut = [(i, size) for first, size in groups for i in self.cut_over((first, size))]
+        pairs += sum(self.lengths[i] ** 2 / 2 / size for i, size in cut)
+        return (pairs, self.tokens[rank], sum(size for _, size in groups),
+                sum(self.lengths[i] for i, _ in cut))
+
+    @functools.cached_property
+    def rings(self) -> tuple[float, ...]:
+        """What each rank's rings cost it beyond its share of the work, in pairs."""
+        return tuple(STEP_PAIRS * steps + CUT_TOKEN_PAIRS * cut
+                     for _, _, steps, cut in map(self.cost_terms, range(self.parts)))
+
     @property
     def imbalance(self) -> tuple[float, float]:
         """(most tokens, most work) of a rank over the mean (1.0: even)."""
@@ -100,6 +129,11 @@ class Assignment:
 # batches a-d in benchmarks/results/virtual_ranks.json (FA4, bf16, 32 heads of 128, H200):
 # 617 pairs a token, within 2 ms of each batch's time.
 TOKEN_PAIRS = 600
+# What a rank's rings cost beyond its share of the work, in pairs: a least-squares fit over
+# the ranks' steps replayed as CUDA graphs (docs/benchmarks.md, the costs table: 0.235 ms a
+# ring step and 0.0193 ms per K tokens its rings cut, beside 0.0925 ms per M pairs).
+STEP_PAIRS = 2_500_000  # per ring step: a block moved, merged and summed, the launches
+CUT_TOKEN_PAIRS = 200  # per token of the documents the rank's rings cut
 
 
 def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
@@ -152,25 +186,64 @@ def _owners(lengths, works, parts, tolerance, base=(0.0, 0.0)):
 
 
 def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
-         token_pairs: float = TOKEN_PAIRS) -> Assignment:
+         token_pairs: float = TOKEN_PAIRS, rings: bool = True) -> Assignment:
     """``assign``'s plan when it cuts nothing or ``groups`` is False; else each document cut
     over as few ranks as the levels allow (``_nested``), where that keeps every rank within
-    ``tolerance`` of the mean (pure, cached)."""
-    return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs)
+    ``tolerance`` of the mean, and its whole documents placed again counting each rank's
+    ``rings`` where that lowers the slowest rank (``rings=False``: by work alone; pure,
+    cached)."""
+    return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs, rings)
 
 
 @functools.lru_cache(maxsize=8)
 def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
-          token_pairs: float) -> Assignment:
+          token_pairs: float, rings: bool) -> Assignment:
     flat = _assign(lengths, parts, tolerance, token_pairs)
     if not (flat.cut and groups) or _factor(parts) == parts:
         return flat
     nested = _nested(lengths, parts, tolerance, token_pairs)
-    limit = 1.0 + tolerance
-    if (max(nested.tokens) > limit * sum(nested.tokens) / parts + 1e-9
-            or max(nested.work) > limit * sum(nested.work) / parts + 1e-9):
+    if not _within(nested, tolerance):
         return flat
-    return nested
+    return _placed_with_rings(nested, tolerance, token_pairs) if rings else nested
+
+
+def _within(a: Assignment, tolerance: float) -> bool:
+    """Whether every rank's tokens and work are within ``tolerance`` of the mean."""
+    limit = (1.0 + tolerance) / a.parts
+    return (max(a.tokens) <= limit * sum(a.tokens) + 1e-9
+            and max(a.work) <= limit * sum(a.work) + 1e-9)
+
+
+def _placed_with_rings(a: Assignment, tolerance: float, token_pairs: float) -> Assignment:
+    """``a`` with its whole documents placed again, the cuts kept: largest first, each on the
+    rank of least work and rings (``rings``) among those it keeps within ``tolerance`` of
+    the mean tokens; ``a`` where that is not within ``tolerance`` or does not lower the
+    slowest rank's work and rings."""
+    if min(a.rings) == max(a.rings):
+        return a
+    lengths, parts = a.lengths, a.parts
+    works = tuple(work(n, token_pairs) for n in lengths)
+    placed = [i for i, o in enumerate(a.owner) if o != CUT and lengths[i]]
+    tokens, loads = list(a.tokens), [w + r for w, r in zip(a.work, a.rings)]
+    for i in placed:
+        tokens[a.owner[i]] -= lengths[i]
+        loads[a.owner[i]] -= works[i]
+    bound = (1.0 + tolerance) * sum(lengths) / parts + 1e-9
+    owner = list(a.owner)
+    for i in sorted(placed, key=lambda i: (-lengths[i], i)):
+        fits = [r for r in range(parts) if tokens[r] + lengths[i] <= bound]
+        rank = min(fits, key=lambda r: (loads[r], r)) if fits else \
+            min(range(parts), key=lambda r: (tokens[r], r))
+        owner[i] = rank
+        tokens[rank] += lengths[i]
+        loads[rank] += works[i]
+    again = Assignment(lengths, parts, tuple(owner), tuple(tokens),
+                       tuple(x - r for x, r in zip(loads, a.rings)),
+                       tuple(a.over[i] if o == CUT else (o, 1) for i, o in enumerate(owner)))
+    if not _within(again, tolerance) or max(loads) >= max(w + r for w, r in
+                                                          zip(a.work, a.rings)) - 1e-9:
+        return a
+    return again
 
 
 def _nested(lengths, parts, tolerance, token_pairs) -> Assignment:

@@ -9,7 +9,7 @@ from sdpa_fusion.cli import spec_text
 from sdpa_fusion.spec import AttentionSpec
 
 from . import predict
-from .assign import work
+from .assign import CUT_TOKEN_PAIRS, STEP_PAIRS, work
 from .base import DESCRIBED
 from .plan import mesh_names, plan_ranks
 
@@ -51,18 +51,22 @@ class MeshReport:
 
 def documents(packing) -> dict:
     """What a rank holds of a packed batch: tokens, documents whole and cut (those of its
-    groups, and the ranks each group is), and its work."""
+    groups, and the ranks each group is), its work and what its rings cost beyond it
+    (``Assignment.rings``), in pairs."""
     assignment = getattr(packing, "assignment", None)
     if assignment is not None:  # partition documents
         groups = [g for g, _, _ in packing.cuts]
         return {"tokens": packing.tokens, "whole_documents": len(packing.whole_lengths),
                 "cut_documents": sum(len(assignment.cut_over(g)) for g in groups),
                 "cut_over_ranks": [[first, first + size - 1] for first, size in groups],
-                "work_pairs": assignment.work[packing.rank]}
+                "work_pairs": assignment.work[packing.rank],
+                "ring_pairs": assignment.rings[packing.rank]}
     lengths = [n for n in packing.split.lengths.tolist() if n]  # every document is cut
     return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
             "cut_over_ranks": [[0, packing.parts - 1]],
-            "work_pairs": sum(work(n) for n in lengths) / packing.parts}
+            "work_pairs": sum(work(n) for n in lengths) / packing.parts,
+            "ring_pairs": (STEP_PAIRS * packing.parts + CUT_TOKEN_PAIRS * sum(lengths)
+                           if packing.parts > 1 else 0)}
 
 
 def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
@@ -96,7 +100,7 @@ def _cells(report: MeshReport, row: dict) -> list[str]:
     cells = [] if "tokens" not in row else [
         str(row["tokens"]), f"{row['whole_documents']}/{row['cut_documents']}",
         " ".join(_ranks(list(range(a, b + 1))) for a, b in row["cut_over_ranks"]) or "-",
-        f"{row['work_pairs'] / 1e6:.4g}"]
+        f"{row['work_pairs'] / 1e6:.4g}", f"{row['ring_pairs'] / 1e6:.3g}"]
     cells += [f"{row['steps']}/{row['backward_steps']}",
              f"{_gib(row['bytes_sent'])}/{_gib(row['backward_bytes_sent'])}",
              f"{_gib(row['bytes_received'])}/{_gib(row['backward_bytes_received'])}",
@@ -111,7 +115,8 @@ def table(report: MeshReport) -> list[str]:
     """The per-rank table, ranks with the same numbers on one line."""
     header = ["ranks", "steps", "GiB sent", "GiB received", "TFLOP", "memory GiB"]
     if report.spec.layout.is_varlen:
-        header[1:1] = ["tokens", "documents whole/cut", "cut over", "work M pairs"]
+        header[1:1] = ["tokens", "documents whole/cut", "cut over", "work M pairs",
+                       "rings M pairs"]
     if report.predicted is not None:
         header.append("predicted ms")
     groups: dict[tuple, list[int]] = {}

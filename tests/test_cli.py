@@ -175,7 +175,7 @@ def test_explain_on_a_mesh_reports_a_bad_argument_in_one_line(capsys, args, mess
 def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
     """--documents: per rank its tokens, whole and cut documents, work and bytes; documents
     that fit whole move nothing, and the numbers are those of the assignment."""
-    from schedules.assign import plan as plan_of
+    from schedules.assign import CUT_TOKEN_PAIRS, STEP_PAIRS, plan as plan_of
 
     lengths = [4096] * 2 + [1024] * 4 + [128] * 64
     args = ["explain", "--schedule", "ring", "--mesh", "4", "--causal", "--heads", "8",
@@ -189,13 +189,16 @@ def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
         sum(lengths[i] for i in plan.whole(r)) + sum(lengths[i] for i in cut[r]) // 2
         for r in range(4)]
     assert [r["work_pairs"] for r in rows] == list(plan.work)
+    assert [r["ring_pairs"] for r in rows] == [  # two steps, one 4096-token document each
+        STEP_PAIRS * 2 + CUT_TOKEN_PAIRS * 4096] * 4
     assert all(r["whole_documents"] == len(plan.whole(r["rank"])) for r in rows)
     assert all(r["cut_documents"] == len(cut[r["rank"]]) for r in rows)
     assert [r["cut_over_ranks"] for r in rows] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
     assert all((r["bytes_sent"] == 0) == (not cut[r["rank"]]) for r in rows)
     assert top.main(args) == 0
     out = capsys.readouterr().out
-    assert "tokens  documents whole/cut  cut over  work M pairs" in out and "thd causal" in out
+    assert "tokens  documents whole/cut  cut over  work M pairs  rings M pairs" in out
+    assert "thd causal" in out
     assert top.main(["explain", "--schedule", "ring", "--mesh", "2", "--causal",
                      "--documents", "128x64", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["ranks"]  # all short: whole, nothing travels

@@ -66,12 +66,16 @@ def test_the_tables_from_committed_results_are_current(tables, doc):
 def test_a_rank_s_cost_terms_are_its_share_of_the_plan(tables):
     # P = 2: the 100-token document has more tokens than a share and is cut over both ranks
     # (a ring of two steps over its 100 tokens); the two 1-token ones stay whole, one a rank
+    row = {"ranks": 2}  # a row from before the terms were recorded: the plan by work alone
     for rank in (0, 1):
-        pairs, tokens, steps, cut = tables.rank_terms([100, 1, 1], 2, rank)
+        pairs, tokens, steps, cut = tables.rank_terms(row, [100, 1, 1], rank)
         assert pairs == pytest.approx((100 * 100 / 2 / 2 + 0.5) / 1e6)
         assert (tokens, steps, cut) == pytest.approx((51 / 1024, 2.0, 100 / 1024))
     # nothing cut: no ring
-    assert tables.rank_terms([3, 3], 2, 1) == pytest.approx((4.5e-6, 3 / 1024, 0.0, 0.0))
+    assert tables.rank_terms(row, [3, 3], 1) == pytest.approx((4.5e-6, 3 / 1024, 0.0, 0.0))
+    # a row that recorded them: its own, in M pairs, K tokens, steps and K tokens cut
+    recorded = {"ranks": 2, "rank_cost_terms": [[2e6, 2048, 2, 1024], [1e6, 1024, 4, 3072]]}
+    assert tables.rank_terms(recorded, [3, 3], 1) == pytest.approx((1.0, 1.0, 4.0, 3.0))
 
 
 def test_the_cost_fit_recovers_the_costs_it_was_made_from(tables):

@@ -48,27 +48,34 @@ def test_a_rank_in_two_groups_runs_both_rings_right():
     from schedules.assign import plan
 
     lengths = [4 * n for n in (44, 1, 2, 16, 3, 1, 2, 3, 2, 1, 4, 2, 2, 3, 1, 2)]
-    assert plan(lengths, 4).groups == ((0, 4), (0, 2))
-    sent = _sent_per_rank(lengths, 4)["documents"]
-    assert sent[0] == sent[1] > sent[2] == sent[3] > 0
+    a = plan(lengths, 4)
+    assert a.groups == ((0, 4), (0, 2))
+    sent, terms = _sent_per_rank(lengths, 4, terms=True)
+    assert sent["documents"][0] == sent["documents"][1] > sent["documents"][2] \
+        == sent["documents"][3] > 0
+    # each rank's terms of the cost fit (docs/tables.py), as the plan that ran says
+    assert terms["documents"] == [list(a.cost_terms(r)) for r in range(4)]
+    assert [t[2:] for t in terms["documents:groups=False"]] == [[4, 240]] * 4
 
 
-def _sent_per_rank(lengths, ranks: int) -> dict:
+def _sent_per_rank(lengths, ranks: int, terms: bool = False):
     """{partition: bytes each rank sends} of ``lengths`` over ``ranks`` virtual ranks (tiny
-    shapes, ring, documents and documents:groups=False), every rank's step checked right."""
+    shapes, ring, documents and documents:groups=False), every rank's step checked right;
+    with ``terms``, also {partition: each rank's recorded cost terms}."""
     args = virtual_ranks.parse_args(["--tiny", "--ranks", str(ranks), "--schedules", "ring",
                                      "--partitions", "documents,documents:groups=False"])
     rows = []
     virtual_ranks.batch_rows(args, "g", lengths, lambda text: None,
                              lambda row: row is not None and rows.append(row))
-    sent = {}
+    sent, recorded = {}, {}
     for row in rows[1:]:
         assert row["ranks"] == ranks and row["status"] == "ok", row
         assert row["check"].startswith("right"), row
         assert row["check_record"].startswith("right"), row
         sent[row["partition"]] = row["bytes_sent_per_rank"]
+        recorded[row["partition"]] = [list(t) for t in row["rank_cost_terms"]]
         assert sent[row["partition"]] == row["bytes_received_per_rank"]
-    return sent
+    return (sent, recorded) if terms else sent
 
 
 def test_profile_splits_each_rank_s_device_time():
