@@ -231,9 +231,12 @@ def _placed_with_rings(a: Assignment, tolerance: float, token_pairs: float) -> A
     bound = (1.0 + tolerance) * sum(lengths) / parts + 1e-9
     owner = list(a.owner)
     for i in sorted(placed, key=lambda i: (-lengths[i], i)):
-        fits = [r for r in range(parts) if tokens[r] + lengths[i] <= bound]
-        rank = min(fits, key=lambda r: (loads[r], r)) if fits else \
-            min(range(parts), key=lambda r: (tokens[r], r))
+        n, rank, least = lengths[i], -1, math.inf  # a loop: this runs for every document
+        for r in range(parts):
+            if tokens[r] + n <= bound and loads[r] < least:
+                rank, least = r, loads[r]
+        if rank < 0:  # fits no rank: the fewest tokens (the bounds below then refuse it)
+            rank = min(range(parts), key=lambda r: (tokens[r], r))
         owner[i] = rank
         tokens[rank] += lengths[i]
         loads[rank] += works[i]
