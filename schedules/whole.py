@@ -54,7 +54,8 @@ def over_documents(spec, documents):
     return spec if spec.mask is None else spec.replace(mask=spec.mask.select(documents))
 
 
-def whole_pieces(spec, count: int) -> list:
+@functools.lru_cache(maxsize=16)  # every layer's calls on a batch ask for the same pieces
+def whole_pieces(spec, count: int) -> tuple:
     """(rows, local problem) of ``count`` runs of consecutive whole documents of ``spec`` (its
     packing a DocumentPacking) of about equal work (``assign.work``), each with a token;
     fewer where fewer documents have one."""
@@ -73,7 +74,7 @@ def whole_pieces(spec, count: int) -> list:
         pieces.append((slice(cu[a], cu[b]), over_documents(spec, documents[a:b]).replace(
             packing=None, q_len=offsets[-1], kv_len=offsets[-1], cu_seqlens=offsets,
             cu_seqlens_padded=None)))
-    return pieces
+    return tuple(pieces)
 
 
 def whole_calls(spec) -> int:

@@ -247,6 +247,7 @@ def test_whole_pieces_cover_the_whole_documents_by_work(lengths, parts, count):
     for r in range(parts):
         local = split.part(r)
         pieces = whole_pieces(spec.replace(packing=local), count)
+        assert whole_pieces(spec.replace(packing=local), count) is pieces  # made once a batch
         whole = local.whole_lengths
         assert len(pieces) == min(count, sum(n > 0 for n in whole))
         if not pieces:
