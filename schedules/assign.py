@@ -104,7 +104,7 @@ class Assignment:
         """(causal query-key pairs, tokens, ring steps, tokens cut) of ``rank``: its whole
         documents and its shares of the cut ones, the ranks of each group it is in (a ring
         over n ranks takes n steps) and the tokens of the documents those groups cut."""
-        pairs = sum(self.lengths[i] ** 2 / 2 / self.over[i][1] for i in self.whole(rank))
+        pairs = sum(self.lengths[i] ** 2 / 2 for i in self.whole(rank))
         groups = self.groups_of(rank)
         cut = [(i, size) for first, size in groups for i in self.cut_over((first, size))]
         pairs += sum(self.lengths[i] ** 2 / 2 / size for i, size in cut)
