@@ -54,11 +54,19 @@ def over_documents(spec, documents):
     return spec if spec.mask is None else spec.replace(mask=spec.mask.select(documents))
 
 
-@functools.lru_cache(maxsize=16)  # every layer's calls on a batch ask for the same pieces
 def whole_pieces(spec, count: int) -> tuple:
     """(rows, local problem) of ``count`` runs of consecutive whole documents of ``spec`` (its
     packing a DocumentPacking) of about equal work (``assign.work``), each with a token;
-    fewer where fewer documents have one."""
+    fewer where fewer documents have one. Made once per problem and kept on the packing
+    (every layer's calls on a batch ask for the same pieces)."""
+    kept = spec.packing.__dict__.setdefault("_whole_pieces", {})
+    key = (spec.replace(packing=None), count)  # the packing holds it: no cycle through it
+    if key not in kept:
+        kept[key] = _whole_pieces(spec, count)
+    return kept[key]
+
+
+def _whole_pieces(spec, count: int) -> tuple:
     lengths, cu = spec.packing.whole_lengths, spec.packing.whole_offsets
     real = [i for i, n in enumerate(lengths) if n]
     count = min(max(count, 1), len(real))
