@@ -14,7 +14,9 @@ The plan knows how many calls reach each range of rows and of keys (``MaskedCall
 A call whose span holds only ranges it may write is handed views of the results (a kernel
 that writes given buffers, FA4, copies nothing); else its results are copied in. Partial
 tiles of a ``mask_mod`` run through a kernel that ``supports_mask`` (the reference); other
-kernels' go through the reference's fp32 math (exact, on any device).
+kernels' go through the reference's fp32 math (exact, on any device). The members of a
+``Batch`` (short sequences' tiles) are gathered into one such call, each a batch element
+padded to the largest (pads read nothing and see nothing), and put back in place.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -205,6 +208,9 @@ def _forward(self: Piece, kernel, q, k, v, scale, into=None):
     """(out, lse) of one piece (written into ``into`` = (out, lse) when given)."""
     r, c = self.rows, self.keys
     args = (q[:, :, r], k[:, :, c], v[:, :, c])
+    if self.batch is not None:
+        got = _batched_forward(self, _masking(kernel), q, k, v, scale)
+        return got if into is None else tuple(t.copy_(g) for t, g in zip(into, got))
     if self.seen is not None:
         got = _masking(kernel).masked_forward(*args, self.seen, scale)
         return got if into is None else tuple(t.copy_(g) for t, g in zip(into, got))
@@ -218,11 +224,77 @@ def _backward(self: Piece, kernel, dout, q, k, v, out, lse, scale, targets):
     r, c = self.rows, self.keys
     args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
             lse[:, :, r].contiguous())
-    if self.seen is None:
+    if self.seen is None and self.batch is None:
         return kernel.backward(*args, causal=self.causal, scale=scale, window=self.window,
                                dq=targets[0], dk=targets[1], dv=targets[2])
-    grads = _masking(kernel).masked_backward(*args, self.seen, scale)
+    if self.batch is not None:
+        grads = _batched_backward(self, _masking(kernel), dout, q, k, v, out, lse, scale)
+    else:
+        grads = _masking(kernel).masked_backward(*args, self.seen, scale)
     return tuple(g if t is None else t.copy_(g) for g, t in zip(grads, targets))
+
+
+# ---- a Batch: its members gathered into one call, their results put back -------------------
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One side (rows or keys) of a ``Batch`` on a device: ``index`` [n, m] (pads at 0),
+    ``real`` [n, m] (False on pads), and the flat positions ``taken`` of the real entries
+    with their rows ``at`` in the block (integer indices: no device sync)."""
+
+    index: torch.Tensor
+    real: torch.Tensor
+    taken: torch.Tensor
+    at: torch.Tensor
+
+    @classmethod
+    def of(cls, index: torch.Tensor, device) -> "_Side":
+        real = index >= 0
+        taken = real.flatten().nonzero()[:, 0]
+        return cls(index.clamp(min=0).to(device), real.to(device), taken.to(device),
+                   index.flatten()[taken].to(device))
+
+    def gathered(self, t, fill=0.0):
+        """This side's rows of ``t`` [B, H, S, ...] as [B * n, H, m, ...], ``fill`` on pads
+        (a pad reads no value of ``t``)."""
+        got = t[:, :, self.index]  # [B, H, n, m, ...]
+        real = self.real.view(*self.real.shape, *([1] * (got.dim() - 4)))
+        return torch.where(real, got, fill).transpose(1, 2).flatten(0, 1)
+
+    def put(self, result, span: slice, length: int, fill=0.0):
+        """A batched call's ``result`` [B * n, H, m, ...] as [B, H, rows of ``span``, ...]:
+        each member's rows in place, ``fill`` on those no member holds."""
+        n, m = self.index.shape
+        result = result.unflatten(0, (-1, n)).transpose(1, 2).flatten(2, 3)  # [B, H, n m, ...]
+        start, stop, _ = span.indices(length)
+        out = result.new_full((*result.shape[:2], stop - start, *result.shape[3:]), fill)
+        out[:, :, self.at - start] = result[:, :, self.taken]
+        return out
+
+
+def _sides(batch, device):
+    """(rows, keys, seen [n, 1, 1, r, k]) of ``batch`` on ``device``, made once."""
+    kept = batch.__dict__.setdefault("_on", {})
+    if device not in kept:
+        kept[device] = (_Side.of(batch.rows, device), _Side.of(batch.keys, device),
+                        batch.seen.to(device)[:, None, None])
+    return kept[device]
+
+
+def _batched_forward(self: Piece, kernel, q, k, v, scale):
+    rows, keys, seen = _sides(self.batch, q.device)
+    o, l = kernel.masked_forward(rows.gathered(q), keys.gathered(k), keys.gathered(v),
+                                 seen.repeat(q.shape[0], 1, 1, 1, 1), scale)
+    return rows.put(o, self.rows, q.shape[2]), rows.put(l, self.rows, q.shape[2], -math.inf)
+
+
+def _batched_backward(self: Piece, kernel, dout, q, k, v, out, lse, scale):
+    rows, keys, seen = _sides(self.batch, q.device)
+    dq, dk, dv = kernel.masked_backward(
+        rows.gathered(dout), rows.gathered(q), keys.gathered(k), keys.gathered(v),
+        rows.gathered(out), rows.gathered(lse, -math.inf), seen.repeat(q.shape[0], 1, 1, 1, 1),
+        scale)
+    return (rows.put(dq, self.rows, q.shape[2]), keys.put(dk, self.keys, k.shape[2]),
+            keys.put(dv, self.keys, k.shape[2]))
 
 
 def _masking(kernel):

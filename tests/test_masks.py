@@ -208,6 +208,46 @@ def test_nonfinite_neighbours_leave_a_document_alone(monkeypatch, d, value, tile
         assert torch.equal(t[~real], torch.zeros_like(t[~real])), f"{name} is 0 on padding"
 
 
+def _members(p, n: int):
+    """(rows, keys, seen) of each problem a piece's call attends: its own, or each member of
+    its batch (pads left out)."""
+    if p.batch is None:
+        rows, keys = torch.arange(n)[p.rows], torch.arange(n)[p.keys]
+        band = reference.visible(len(rows), len(keys), p.causal, p.window)
+        seen = p.seen if p.seen is not None else torch.ones(len(rows), len(keys), dtype=torch.bool) \
+            if band is None else band
+        return [(rows, keys, seen)]
+    b = p.batch
+    return [(r[r >= 0], c[c >= 0], s[r >= 0][:, c >= 0]) for r, c, s in zip(b.rows, b.keys, b.seen)]
+
+
+def test_short_documents_share_calls(monkeypatch):
+    """300 documents of 1-16 tokens under a causal mask_mod (tiles of 16): each document's
+    tile alone would be a call; they run in batches of at most 8 tiles' rows, a few calls,
+    every document's results those of the reference on that document alone."""
+    monkeypatch.setattr(mask_plan, "TILE", 16)
+    lengths = torch.randint(1, 17, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    mask = masks.mask_mod(lambda b, h, q, k: q >= k)
+    tokens = mask_plan.packed_tokens(list(zip(cu, lengths)), cu[-1])
+    found = pieces(mask, tokens, tokens)
+    assert len(found) <= -(-cu[-1] // (mask_plan.BATCH_TILES * 16)) + 1
+    assert sum(len(_members(p, cu[-1])) for p in found) == 300
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(cu[-1], 2, 8, generator=g)
+                     for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, layout="thd", cu_seqlens=cu, mask=mask,
+                                kernel="reference")
+    out.backward(dout)
+    for a, n in zip(cu, lengths):
+        one = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v, dout)]
+        want = reference.attention(*one, causal=True)
+        mine = [t[a:a + n].transpose(0, 1).unsqueeze(0)
+                for t in (out.detach(), *(x.grad for x in leaves))]
+        reference.assert_results(mine, want, msg=f"document at {a}")
+
+
 @st.composite
 def _scattered(draw, length: int, sequences: int):
     """``Tokens`` of up to ``sequences`` sequences of up to ``length`` positions, each in one
@@ -237,12 +277,12 @@ def test_a_call_reads_one_sequence(monkeypatch, d, tokens):
     seq, pos = tokens.seq, tokens.pos
     n = len(seq)
     seen = torch.zeros(n, n, dtype=torch.bool)
-    for p in pieces(described.built(d), tokens, tokens):
-        rows, keys = seq[p.rows], seq[p.keys]
-        assert len(rows) and len(keys) and (rows[0] >= 0).all(), p
-        assert (rows == rows[0]).all() and (keys == rows[0]).all(), p
-        band = reference.visible(len(rows), len(keys), p.causal, p.window)
-        seen[p.rows, p.keys] |= p.seen if p.seen is not None else True if band is None else band
+    for rows_at, keys_at, sees in (m for p in pieces(described.built(d), tokens, tokens)
+                                   for m in _members(p, n)):
+        rows, keys = seq[rows_at], seq[keys_at]
+        assert len(rows) and len(keys) and (rows[0] >= 0).all(), (rows_at, keys_at)
+        assert (rows == rows[0]).all() and (keys == rows[0]).all(), (rows_at, keys_at)
+        seen[rows_at.unsqueeze(1), keys_at] |= sees
     want = torch.zeros(n, n, dtype=torch.bool)
     for s in seq[seq >= 0].unique().tolist():
         mine = (seq == s).nonzero()[:, 0]
