@@ -270,9 +270,10 @@ def _scattered(draw, length: int, sequences: int):
           suppress_health_check=list(HealthCheck))
 @given(d=described.description(12, 3), tokens=_scattered(12, 3))
 def test_a_call_reads_one_sequence(monkeypatch, d, tokens):
-    """Every call's rows and keys are of one sequence, no padding (a masked entry still meets
-    its key and value: 0 * NaN), and the calls see what the mask does, for every kind of mask
-    (mask_mod tiles of 4 here), sequences in runs apart and padding between them."""
+    """Every call's rows and keys (each member's, in a batch of short sequences' tiles) are of
+    one sequence, no padding (a masked entry still meets its key and value: 0 * NaN), and the
+    calls see what the mask does, for every kind of mask (mask_mod tiles of 4 here),
+    sequences in runs apart and padding between them."""
     monkeypatch.setattr(mask_plan, "TILE", 4)
     seq, pos = tokens.seq, tokens.pos
     n = len(seq)
