@@ -67,9 +67,8 @@ def test_padding_slots_past_a_table_are_never_read():
     pos = torch.tensor([0, 1, 2, 6, 3, 4, 5])
     tokens = Tokens(seq, pos)
     seen = torch.zeros(7, 7, dtype=torch.bool)
-    for piece in pieces(mask, tokens, tokens):
-        block = seen[piece.rows, piece.keys]
-        block |= True if piece.seen is None else piece.seen
+    for rows, keys, sees in (m for p in pieces(mask, tokens, tokens) for m in _members(p, 7)):
+        seen[rows.unsqueeze(1), keys] |= sees
     want = (seq[:, None] >= 0) & (seq[None, :] >= 0) & (pos[None, :] <= pos[:, None]) & \
         (ids[0][pos.clamp(max=4)][:, None] == ids[0][pos.clamp(max=4)][None, :])
     assert torch.equal(seen, want)
@@ -246,6 +245,31 @@ def test_short_documents_share_calls(monkeypatch):
         mine = [t[a:a + n].transpose(0, 1).unsqueeze(0)
                 for t in (out.detach(), *(x.grad for x in leaves))]
         reference.assert_results(mine, want, msg=f"document at {a}")
+
+
+@pytest.mark.parametrize("past", [0, 3])
+def test_diagonal_tiles_of_a_causal_mask_mod_run_as_causal_calls(monkeypatch, past):
+    """A 64-token sequence under a mask_mod that keeps k <= q + past (tiles of 16): no call
+    takes an explicit mask: each diagonal tile runs causal (with ``past`` keys unmasked
+    before it), the tiles below unmasked; out and gradients those of the reference under
+    that mask."""
+    monkeypatch.setattr(mask_plan, "TILE", 16)
+    mask = masks.mask_mod(lambda b, h, q, k: k <= q + past)
+    tokens = mask_plan.packed_tokens([(0, 64)], 64)
+    found = pieces(mask, tokens, tokens)
+    assert all(p.seen is None and p.batch is None for p in found)
+    assert sum(p.causal for p in found) == 4
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(64, 2, 8, generator=g) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa_fusion.attention(*leaves, layout="thd", cu_seqlens=[0, 64], mask=mask,
+                                kernel="reference")
+    out.backward(dout)
+    seen = torch.arange(64).unsqueeze(0) <= torch.arange(64).unsqueeze(1) + past
+    one = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, dout)]
+    want = reference.attention(*one, mask=seen)
+    got = [t.transpose(0, 1).unsqueeze(0) for t in (out.detach(), *(x.grad for x in leaves))]
+    reference.assert_results(got, want)
 
 
 @st.composite
