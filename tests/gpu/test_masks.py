@@ -1,8 +1,8 @@
 """Composed masks (sdpa_fusion.masks) on one CUDA GPU: each mask against torch SDPA with the
 explicit boolean mask, in fp32 (tests/reference.py, fp64 math), forward and backward, for
 every GPU kernel that runs it and ``auto``: documents, prefix-LM, bidirectional image spans
-in a causal sequence, chunked attention, windows mixed in, and a mask_mod (its partial tiles
-through the reference's fp32 math).
+in a causal sequence, chunked attention, windows mixed in, and a mask_mod (its causal tiles
+as the kernel's causal calls, its other partial tiles through the reference's fp32 math).
 
 Run on a GPU machine: python -m pytest -q tests/gpu/test_masks.py
 """
