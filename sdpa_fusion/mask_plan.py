@@ -19,7 +19,7 @@ rest causal, so kernels without windows run every mask without ``masks.window`` 
 A ``mask_mod`` is evaluated per ``TILE`` x ``TILE`` tile, cut within each run of rows of one
 sequence and each run of its keys (a call never reads another sequence's rows or keys, nor
 padding): empty tiles make no call, full ones run unmasked (neighbours joined), partial ones
-with the explicit mask, or as causal calls where that mask is causal (a diagonal tile).
+with the explicit mask, or as a causal call where that mask is (a diagonal tile).
 Tiles that no other call reaches (short sequences) run together, ``Batch`` members of one
 call, each attending its own rows and keys only:
 
@@ -313,18 +313,14 @@ def _batched(found: list[Piece], n_q: int, n_k: int) -> list[Piece]:
 
 
 def _causal_tiles(found: list[Piece]) -> list[Piece]:
-    """Partial tiles whose mask is causal, or causal and a few keys past the diagonal (the
-    diagonal tiles of a causal ``mask_mod``), as the kernel's causal calls (``_lowered``)."""
+    """Square partial tiles whose mask is causal (the diagonal tiles of a causal
+    ``mask_mod``) as the kernel's causal calls: square, so that kernels aligning the mask
+    bottom-right agree."""
     out = []
     for p in found:
-        if p.seen is None:
-            out.append(p)
-            continue
-        r, c = p.seen.shape
-        d = torch.arange(c).unsqueeze(0) - torch.arange(r).unsqueeze(1)  # key - row
-        right = int(d[p.seen].max())
-        if right >= 0 and torch.equal(p.seen, d <= right):
-            out += _lowered(p.rows, p.keys, False, _FAR, right)
+        r, c = (0, 0) if p.seen is None else p.seen.shape
+        if r == c and r and torch.equal(p.seen, torch.ones(r, r, dtype=torch.bool).tril()):
+            out.append(Piece(p.rows, p.keys, causal=True))
         else:
             out.append(p)
     return out

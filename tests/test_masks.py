@@ -249,16 +249,21 @@ def test_short_documents_share_calls(monkeypatch):
 
 @pytest.mark.parametrize("past", [0, 3])
 def test_diagonal_tiles_of_a_causal_mask_mod_run_as_causal_calls(monkeypatch, past):
-    """A 64-token sequence under a mask_mod that keeps k <= q + past (tiles of 16): no call
-    takes an explicit mask: each diagonal tile runs causal (with ``past`` keys unmasked
-    before it), the tiles below unmasked; out and gradients those of the reference under
-    that mask."""
+    """A 64-token sequence under a mask_mod that keeps k <= q + past (tiles of 16): causal
+    (past 0), its four diagonal tiles run as the kernel's causal calls, the tiles below
+    unmasked, no explicit mask; with keys past the diagonal they keep their explicit mask (a
+    kernel aligning causal bottom-right would misread a tile that is not square). Out and
+    gradients those of the reference under that mask."""
     monkeypatch.setattr(mask_plan, "TILE", 16)
     mask = masks.mask_mod(lambda b, h, q, k: k <= q + past)
     tokens = mask_plan.packed_tokens([(0, 64)], 64)
     found = pieces(mask, tokens, tokens)
-    assert all(p.seen is None and p.batch is None for p in found)
-    assert sum(p.causal for p in found) == 4
+    causal = [p for p in found if p.causal]
+    assert all(p.rows.stop - p.rows.start == p.keys.stop - p.keys.start for p in causal)
+    if past == 0:
+        assert len(causal) == 4 and all(p.seen is None and p.batch is None for p in found)
+    else:
+        assert not causal and any(p.seen is not None for p in found)
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(64, 2, 8, generator=g) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
