@@ -18,7 +18,7 @@ from sdpa_fusion import AttentionSpec, Layout  # noqa: E402
 from sdpa_fusion.definitions import (  # noqa: E402
     LseMerge, MergeWeights, SdpaBackward, SdpaForward, SdpaForwardBackward, WeightedSum,
 )
-from sdpa_fusion.kernels import get  # noqa: E402
+from sdpa_fusion.kernels import KernelUnavailable, get  # noqa: E402
 
 H, E = 8, 64
 LAYOUTS = pytest.mark.parametrize("layout", [Layout.BHSE, Layout.BSHE], ids=str)
@@ -331,6 +331,13 @@ def test_kernel_reasons():
     assert "bottom-right" in reason and "q_len=128 != kv_len=256" in reason
     assert "head_dim <= 256" in kernel._unavailable_reason(make_spec(head_dim=512), "cuda")
     assert "runs on CUDA GPUs only" in kernel.unavailable_reason(make_spec(), "cpu")
+    # a call another layer makes (a mask's piece, a schedule's block) is refused alike,
+    # before any fusion runs: never the bottom-right mask in place of the top-left one
+    q, k = torch.zeros(1, 2, 128, 64), torch.zeros(1, 2, 256, 64)
+    with pytest.raises(KernelUnavailable, match=r"q_len=128 != kv_len=256"):
+        kernel.forward(q, k, k, causal=True, scale=1.0)
+    with pytest.raises(KernelUnavailable, match=r"bottom-right"):
+        kernel.backward(q, q, k, k, q, torch.zeros(1, 2, 128), causal=True, scale=1.0)
     split = type(kernel)(mesh(2), 2)
     assert split.parts == 2 and "split over 2" in repr(split)
 

@@ -15,8 +15,8 @@ import torch
 
 from ..layout import exact_strides
 from ..spec import AttentionSpec
-from .base import (Dropout, Kernel, expand_kv_heads, layout_of, on_cuda, reduce_kv_heads,
-                   register)
+from .base import (Dropout, Kernel, KernelUnavailable, expand_kv_heads, layout_of, on_cuda,
+                   reduce_kv_heads, register)
 from .limits import Limits, dense_pieces, fits
 
 INSTALL_HINT = "pip install nvfuser-cu128-torch210 (or nvfuser-cu130-torch210)"
@@ -47,9 +47,7 @@ class NvFuserKernel(Kernel):
         if error is not None:
             return f"kernel 'nvfuser' needs nvfuser_direct ({INSTALL_HINT}): {error}"
         if spec.causal and spec.q_len != spec.kv_len:
-            return (f"kernel 'nvfuser' runs ATen flash, which aligns the causal mask bottom-right, "
-                    f"so causal with q_len={spec.q_len} != kv_len={spec.kv_len} is not the "
-                    f"top-left mask asked for")
+            return _bottom_right(spec)
         if spec.head_dim > 256:
             return f"kernel 'nvfuser' supports head_dim <= 256, got {spec.head_dim}"
         return None
@@ -107,13 +105,18 @@ class NvFuserKernel(Kernel):
         return out, lse, dq, reduce_kv_heads(dk, groups), reduce_kv_heads(dv, groups)
 
     def _spec(self, q, k, causal, scale, dropout) -> AttentionSpec:
-        """The problem the fusion is defined for: global head counts under a head split."""
+        """The problem the fusion is defined for: global head counts under a head split; a
+        call that the fusion would mask otherwise than asked (causal, q_len != kv_len) is
+        refused, whichever caller made it."""
         b, h, s_q, e = q.shape
-        return AttentionSpec(
+        spec = AttentionSpec(
             batch=b, heads=h * self.parts, kv_heads=k.shape[1] * self.parts, q_len=s_q,
             kv_len=k.shape[2], head_dim=e, dtype=q.dtype, causal=bool(causal), scale=scale,
             dropout_p=dropout.p if dropout is not None else 0.0, layout=layout_of(q),
         )
+        if spec.causal and spec.q_len != spec.kv_len:
+            raise KernelUnavailable(_bottom_right(spec))
+        return spec
 
     def _execute(self, name: str, spec: AttentionSpec, inputs, dropout=None):
         """The shared fusion ``name`` of ``spec`` run on ``inputs`` (a forward: under the CUDA
@@ -152,3 +155,9 @@ def _zero_rng_state(device: torch.device):
 
 
 register(NvFuserKernel())
+
+
+def _bottom_right(spec: AttentionSpec) -> str:
+    return (f"kernel 'nvfuser' runs ATen flash, which aligns the causal mask bottom-right, "
+            f"so causal with q_len={spec.q_len} != kv_len={spec.kv_len} is not the "
+            f"top-left mask asked for")
