@@ -284,32 +284,63 @@ BATCH_TILES = 8  # a call of batched tiles spans this many tiles' rows at most
 
 
 def _batched(found: list[Piece], n_q: int, n_k: int) -> list[Piece]:
-    """Runs of partial tiles whose rows and keys no other piece reaches, in row order, each
-    joined into one ``Batch`` call while the rows and keys its span covers are its members'
-    or no piece's, and its rows span ``BATCH_TILES`` tiles at most."""
+    """Runs of tiles whose rows and keys no other piece reaches, in row order, each joined
+    into one ``Batch`` call while ``_Run.takes`` the next."""
     depth = {side: _reached([getattr(p, side) for p in found], n)
              for side, n in (("rows", n_q), ("keys", n_k))}
     busy = {side: [0, *itertools.accumulate(d > 0 for d in at)] for side, at in depth.items()}
     alone = sorted((p for p in found if _small(p)
                     and all(max(depth[side][getattr(p, side)]) == 1 for side in depth)),
                    key=lambda p: p.rows.start)
-    runs = []  # [members, {side: (start, stop)}, {side: rows or keys of the members}]
+    runs: list[_Run] = []
     for p in alone:
-        own = {side: (getattr(p, side).start, getattr(p, side).stop) for side in depth}
-        if runs:
-            members, span, count = runs[-1]
-            wider = {side: (min(span[side][0], own[side][0]), max(span[side][1], own[side][1]))
-                     for side in depth}
-            more = {side: count[side] + own[side][1] - own[side][0] for side in depth}
-            if wider["rows"][1] - wider["rows"][0] <= BATCH_TILES * TILE and all(
-                    busy[side][b] - busy[side][a] == more[side]
-                    for side, (a, b) in wider.items()):
-                runs[-1] = [members + [p], wider, more]
-                continue
-        runs.append([[p], own, {side: b - a for side, (a, b) in own.items()}])
-    joined = [members for members, _, _ in runs if len(members) > 1]
+        if runs and runs[-1].takes(p, busy):
+            runs[-1].add(p)
+        else:
+            runs.append(_Run(p))
+    joined = [run.members for run in runs if len(run.members) > 1]
     taken = {id(p) for members in joined for p in members}
     return [p for p in found if id(p) not in taken] + [_batch(members) for members in joined]
+
+
+class _Run:
+    """Tiles joined into one batched call so far: its ``members``, the rows and keys it
+    spans, how many of them its members hold, and its largest member's rows and keys."""
+
+    SIDES = ("rows", "keys")
+
+    def __init__(self, p: Piece):
+        self.members = [p]
+        self.span = {side: (getattr(p, side).start, getattr(p, side).stop) for side in self.SIDES}
+        self.held = {side: b - a for side, (a, b) in self.span.items()}
+        self.most = dict(self.held)
+
+    def takes(self, p: Piece, busy: dict) -> bool:
+        """Whether ``p`` joins: the rows and keys the run then spans are its members' or no
+        piece's (``busy``: running counts of those some piece reaches), its rows span
+        ``BATCH_TILES`` tiles at most, and its members padded to the largest hold as many
+        scores as ``BATCH_TILES`` tiles at most."""
+        own = {side: getattr(p, side) for side in self.SIDES}
+        wider = {side: (min(self.span[side][0], own[side].start),
+                        max(self.span[side][1], own[side].stop)) for side in self.SIDES}
+        most = {side: max(self.most[side], own[side].stop - own[side].start)
+                for side in self.SIDES}
+        rows = wider["rows"]
+        return (rows[1] - rows[0] <= BATCH_TILES * TILE
+                and (len(self.members) + 1) * most["rows"] * most["keys"]
+                <= BATCH_TILES * TILE * TILE
+                and all(busy[side][b] - busy[side][a]
+                        == self.held[side] + own[side].stop - own[side].start
+                        for side, (a, b) in wider.items()))
+
+    def add(self, p: Piece) -> None:
+        self.members.append(p)
+        for side in self.SIDES:
+            span = getattr(p, side)
+            self.span[side] = (min(self.span[side][0], span.start),
+                               max(self.span[side][1], span.stop))
+            self.held[side] += span.stop - span.start
+            self.most[side] = max(self.most[side], span.stop - span.start)
 
 
 def _causal_tiles(found: list[Piece]) -> list[Piece]:

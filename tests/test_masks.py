@@ -220,21 +220,28 @@ def _members(p, n: int):
     return [(r[r >= 0], c[c >= 0], s[r >= 0][:, c >= 0]) for r, c, s in zip(b.rows, b.keys, b.seen)]
 
 
-def test_short_documents_share_calls(monkeypatch):
-    """300 documents of 1-16 tokens under a causal mask_mod (tiles of 16): each document's
-    tile alone would be a call; they run in batches of at most 8 tiles' rows, a few calls,
-    every document's results those of the reference on that document alone."""
+@pytest.mark.parametrize("draw", ["1-16", "16 then 1s"])
+def test_short_documents_share_calls(monkeypatch, draw):
+    """300 documents of 1-16 tokens under a causal mask_mod (tiles of 16), or documents of 16
+    each followed by twenty of 1: each document's tile alone would be a call; they run in
+    batches spanning at most 8 tiles' rows, their members padded to the largest holding at
+    most 8 tiles' scores, a few calls; every document's results those of the reference on
+    that document alone."""
     monkeypatch.setattr(mask_plan, "TILE", 16)
-    lengths = torch.randint(1, 17, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    lengths = torch.randint(1, 17, (300,), generator=torch.Generator().manual_seed(1)).tolist() \
+        if draw == "1-16" else ([16] + [1] * 20) * 14
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     mask = masks.mask_mod(lambda b, h, q, k: q >= k)
     tokens = mask_plan.packed_tokens(list(zip(cu, lengths)), cu[-1])
     found = pieces(mask, tokens, tokens)
-    assert len(found) <= -(-cu[-1] // (mask_plan.BATCH_TILES * 16)) + 1
-    assert sum(len(_members(p, cu[-1])) for p in found) == 300
+    assert sum(len(_members(p, cu[-1])) for p in found) == len(lengths)
+    assert len(found) <= len(lengths) / 8
+    for p in (p for p in found if p.batch is not None):
+        rows = p.rows.stop - p.rows.start
+        assert rows <= mask_plan.BATCH_TILES * 16
+        assert p.batch.seen.numel() <= mask_plan.BATCH_TILES * 16 * 16
     g = torch.Generator().manual_seed(2)
-    q, k, v, dout = (torch.randn(cu[-1], 2, 8, generator=g)
-                     for _ in range(4))
+    q, k, v, dout = (torch.randn(cu[-1], 2, 8, generator=g) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = sdpa_fusion.attention(*leaves, layout="thd", cu_seqlens=cu, mask=mask,
                                 kernel="reference")
