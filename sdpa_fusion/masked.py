@@ -206,11 +206,11 @@ def block_call(mask: Mask, q: Tokens, k: Tokens, batch: int = 1) -> MaskedCall |
 
 def _forward(self: Piece, kernel, q, k, v, scale, into=None):
     """(out, lse) of one piece (written into ``into`` = (out, lse) when given)."""
-    r, c = self.rows, self.keys
-    args = (q[:, :, r], k[:, :, c], v[:, :, c])
     if self.batch is not None:
         got = _batched_forward(self, _masking(kernel), q, k, v, scale)
         return got if into is None else tuple(t.copy_(g) for t, g in zip(into, got))
+    r, c = self.rows, self.keys
+    args = (q[:, :, r], k[:, :, c], v[:, :, c])
     if self.seen is not None:
         got = _masking(kernel).masked_forward(*args, self.seen, scale)
         return got if into is None else tuple(t.copy_(g) for t, g in zip(into, got))
@@ -221,16 +221,16 @@ def _forward(self: Piece, kernel, q, k, v, scale, into=None):
 def _backward(self: Piece, kernel, dout, q, k, v, out, lse, scale, targets):
     """(dq, dk, dv) of one piece, given the global out and lse of its rows (written into the
     ``targets`` that are not None)."""
+    if self.batch is not None:
+        grads = _batched_backward(self, _masking(kernel), dout, q, k, v, out, lse, scale)
+        return tuple(g if t is None else t.copy_(g) for g, t in zip(grads, targets))
     r, c = self.rows, self.keys
     args = (dout[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r],
             lse[:, :, r].contiguous())
-    if self.seen is None and self.batch is None:
+    if self.seen is None:
         return kernel.backward(*args, causal=self.causal, scale=scale, window=self.window,
                                dq=targets[0], dk=targets[1], dv=targets[2])
-    if self.batch is not None:
-        grads = _batched_backward(self, _masking(kernel), dout, q, k, v, out, lse, scale)
-    else:
-        grads = _masking(kernel).masked_backward(*args, self.seen, scale)
+    grads = _masking(kernel).masked_backward(*args, self.seen, scale)
     return tuple(g if t is None else t.copy_(g) for g, t in zip(grads, targets))
 
 

@@ -32,7 +32,7 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _probabilities(q, k, lse, *, causal, scale, window, seen=None):
     """P [B, H_kv, G, S_q, S_kv] in fp32 from the given lse; masked entries are 0 (``seen``:
-    an explicit bool mask [S_q, S_kv] instead of the band)."""
+    an explicit bool mask [S_q, S_kv], or [B, 1, 1, S_q, S_kv], instead of the band)."""
     kv_heads = k.shape[1]
     scores = torch.einsum("bhgqe,bhke->bhgqk", _grouped(q, kv_heads), k.float()) * scale
     mask = band(causal, window)
@@ -95,7 +95,8 @@ class ReferenceKernel(Kernel):
         return _out(dq, q), kv_layout.to(dk.to(k.dtype)), kv_layout.to(dv.to(v.dtype))
 
     def masked_forward(self, q, k, v, seen, scale):
-        """(out, lse) of q, k, v under the explicit bool mask ``seen`` [S_q, S_kv]."""
+        """(out, lse) of q, k, v under the explicit bool mask ``seen`` [S_q, S_kv] (or one per
+        batch element, [B, 1, 1, S_q, S_kv])."""
         return self._forward(q, k, v, causal=False, scale=scale, window=None, dropout=None,
                              out=None, lse=None, seen=seen)
 
