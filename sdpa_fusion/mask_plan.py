@@ -228,19 +228,59 @@ def _lowered(rows: slice, keys: slice, full: bool, left: int, right: int) -> lis
 def _tiled(mask: Mask, q: Tokens, k: Tokens) -> list[Piece]:
     """Tiles cut within each run of rows of one sequence and each run of its keys: a call
     reads no other sequence's keys or rows, nor padding (masked entries still meet the
-    values they are masked from: 0 * NaN)."""
+    values they are masked from: 0 * NaN). A run of rows that is one tile against its
+    sequence's one run of keys, one tile too, is asked of the mask with others like it
+    (``_single_tiles``)."""
     keys_of = collections.defaultdict(list)
     for s, start, stop in sequence_runs(k.seq):
         keys_of[s].append(slice(start, stop))
-    found = []
+    found, single = [], []
     for s, start, stop in sequence_runs(q.seq):
+        runs = keys_of[s]
+        if stop - start <= TILE and len(runs) == 1 and runs[0].stop - runs[0].start <= TILE:
+            single.append((s, slice(start, stop), runs[0]))
+            continue
         for r0 in range(start, stop, TILE):
             rows = slice(r0, min(r0 + TILE, stop))
             b = torch.full((rows.stop - r0, 1), s, dtype=torch.long)
             pq = q.pos[rows].unsqueeze(1)
-            for run in keys_of[s]:
+            for run in runs:
                 seen = mask.visible(b, pq, k.pos[run].unsqueeze(0))
                 found += _tiles(rows, run, seen.expand(len(b), run.stop - run.start))
+    for at in range(0, len(single), SINGLE_TILES):
+        found += _single_tiles(mask, q, k, single[at:at + SINGLE_TILES])
+    return found
+
+
+SINGLE_TILES = 256  # single tiles asked of a mask_mod in one call at most
+
+
+def _single_tiles(mask: Mask, q: Tokens, k: Tokens, single) -> list[Piece]:
+    """The pieces of ``single`` = [(sequence, rows, keys)], each one tile: the mask asked once
+    for all of them, padded to the largest (pads at position 0, and never seen)."""
+    n_r = max(rows.stop - rows.start for _, rows, _ in single)
+    n_k = max(keys.stop - keys.start for _, _, keys in single)
+
+    def side(spans, n: int, t: Tokens):
+        first = torch.tensor([span.start for span in spans]).unsqueeze(1)
+        size = torch.tensor([span.stop - span.start for span in spans]).unsqueeze(1)
+        real = torch.arange(n).unsqueeze(0) < size
+        at = torch.where(real, first + torch.arange(n).unsqueeze(0), 0)
+        return torch.where(real, t.pos[at], 0), real
+
+    pq, real_q = side([rows for _, rows, _ in single], n_r, q)
+    pk, real_k = side([keys for _, _, keys in single], n_k, k)
+    b = torch.tensor([s for s, _, _ in single]).view(-1, 1, 1)
+    seen = mask.visible(b, pq.unsqueeze(2), pk.unsqueeze(1)) & real_q.unsqueeze(2) \
+        & real_k.unsqueeze(1)
+    counts = seen.sum((1, 2)).tolist()
+    found = []
+    for (_, rows, keys), count, tile in zip(single, counts, seen):
+        r, c = rows.stop - rows.start, keys.stop - keys.start
+        if count == r * c:
+            found.append(Piece(rows, keys))
+        elif count:
+            found.append(Piece(rows, keys, seen=tile[:r, :c].clone()))
     return found
 
 

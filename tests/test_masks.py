@@ -223,7 +223,8 @@ def _members(p, n: int):
 @pytest.mark.parametrize("draw", ["1-16", "16 then 1s"])
 def test_short_documents_share_calls(monkeypatch, draw):
     """300 documents of 1-16 tokens under a causal mask_mod (tiles of 16), or documents of 16
-    each followed by twenty of 1: each document's tile alone would be a call; they run in
+    each followed by twenty of 1: the mask is asked for 256 documents' tiles at once; each
+    document's tile alone would be a call; they run in
     batches spanning at most 8 tiles' rows, their members padded to the largest holding at
     most 8 tiles' scores, a few calls; every document's results those of the reference on
     that document alone."""
@@ -231,9 +232,12 @@ def test_short_documents_share_calls(monkeypatch, draw):
     lengths = torch.randint(1, 17, (300,), generator=torch.Generator().manual_seed(1)).tolist() \
         if draw == "1-16" else ([16] + [1] * 20) * 14
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    mask = masks.mask_mod(lambda b, h, q, k: q >= k)
+    asked = []
+    mask = masks.mask_mod(lambda b, h, q, k: asked.append(b.shape) or q >= k)
     tokens = mask_plan.packed_tokens(list(zip(cu, lengths)), cu[-1])
     found = pieces(mask, tokens, tokens)
+    # every document is one tile: the mask is asked for 256 of them at once
+    assert len(asked) == -(-len(lengths) // mask_plan.SINGLE_TILES)
     assert sum(len(_members(p, cu[-1])) for p in found) == len(lengths)
     assert len(found) <= len(lengths) / 8
     for p in (p for p in found if p.batch is not None):
