@@ -114,7 +114,7 @@ class Assignment:
     @functools.cached_property
     def rings(self) -> tuple[float, ...]:
         """What each rank's rings cost it beyond its share of the work, in pairs."""
-        return tuple(STEP_PAIRS * steps + CUT_TOKEN_PAIRS * cut
+        return tuple(ring_cost(steps, cut)
                      for _, _, steps, cut in map(self.cost_terms, range(self.parts)))
 
     @property
@@ -134,6 +134,12 @@ TOKEN_PAIRS = 600
 # ring step and 0.0193 ms per K tokens its rings cut, beside 0.0925 ms per M pairs).
 STEP_PAIRS = 2_500_000  # per ring step: a block moved, merged and summed, the launches
 CUT_TOKEN_PAIRS = 200  # per token of the documents the rank's rings cut
+
+
+def ring_cost(steps: int, cut_tokens: int) -> float:
+    """What rings of ``steps`` steps in all, cutting documents of ``cut_tokens`` tokens, cost
+    a rank beyond its share of the work, in pairs."""
+    return STEP_PAIRS * steps + CUT_TOKEN_PAIRS * cut_tokens
 
 
 def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:

@@ -9,7 +9,7 @@ from sdpa_fusion.cli import spec_text
 from sdpa_fusion.spec import AttentionSpec
 
 from . import predict
-from .assign import CUT_TOKEN_PAIRS, STEP_PAIRS, work
+from .assign import ring_cost, work
 from .base import DESCRIBED
 from .plan import mesh_names, plan_ranks
 
@@ -65,8 +65,7 @@ def documents(packing) -> dict:
     return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
             "cut_over_ranks": [[0, packing.parts - 1]],
             "work_pairs": sum(work(n) for n in lengths) / packing.parts,
-            "ring_pairs": (STEP_PAIRS * packing.parts + CUT_TOKEN_PAIRS * sum(lengths)
-                           if packing.parts > 1 else 0)}
+            "ring_pairs": ring_cost(packing.parts, sum(lengths)) if packing.parts > 1 else 0}
 
 
 def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
