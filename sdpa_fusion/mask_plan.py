@@ -62,8 +62,9 @@ class Tokens:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Batch:
-    """Partial tiles run as one call: member i attends the rows ``rows[i]`` (indices into the
-    block; -1 pads) to the keys ``keys[i]`` under ``seen[i]`` [rows, keys] (False on pads)."""
+    """Tiles of short sequences run as one call: member i attends the rows ``rows[i]``
+    (indices into the block; -1 pads) to the keys ``keys[i]`` under ``seen[i]`` [rows, keys]
+    (False on pads)."""
 
     rows: torch.Tensor
     keys: torch.Tensor
@@ -84,8 +85,10 @@ class Piece:
     batch: Batch | None = None
 
     def pairs(self, n_q: int, n_k: int) -> int:
-        if self.seen is not None or self.batch is not None:
-            return int((self.seen if self.batch is None else self.batch.seen).sum())
+        if self.batch is not None:
+            return int(self.batch.seen.sum())
+        if self.seen is not None:
+            return int(self.seen.sum())
         return visible_pairs(len(range(n_q)[self.rows]), len(range(n_k)[self.keys]),
                              band(self.causal, self.window))
 
@@ -404,17 +407,12 @@ def _small(p: Piece) -> bool:
 
 
 def _reached(spans, n: int) -> list[int]:
-    """How many of the slices ``spans`` reach each of range(n)."""
-    delta = [0] * (n + 1)
-    for span in spans:
-        start, stop, _ = span.indices(n)
-        delta[start] += 1
-        delta[stop] -= 1
-    return list(itertools.accumulate(delta[:n]))
+    """How many of the slices ``spans`` reach each of range(n) (``coverage``, per index)."""
+    return [calls for start, stop, calls in coverage(spans, n) for _ in range(start, stop)]
 
 
 def _batch(run: list[Piece]) -> Piece:
-    """One call of the partial tiles ``run``, padded to the largest of them."""
+    """One call of the tiles ``run`` (partial or unmasked), padded to the largest of them."""
     n_r = max(p.rows.stop - p.rows.start for p in run)
     n_k = max(p.keys.stop - p.keys.start for p in run)
     rows = torch.full((len(run), n_r), -1, dtype=torch.long)
