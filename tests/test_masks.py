@@ -251,9 +251,9 @@ def test_short_documents_share_calls(monkeypatch, draw):
                                 kernel="reference")
     out.backward(dout)
     for a, n in zip(cu, lengths):
-        one = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v, dout)]
+        one = [PoisonedDocuments.document(t, a, n) for t in (q, k, v, dout)]
         want = reference.attention(*one, causal=True)
-        mine = [t[a:a + n].transpose(0, 1).unsqueeze(0)
+        mine = [PoisonedDocuments.document(t, a, n)
                 for t in (out.detach(), *(x.grad for x in leaves))]
         reference.assert_results(mine, want, msg=f"document at {a}")
 
@@ -282,9 +282,10 @@ def test_diagonal_tiles_of_a_causal_mask_mod_run_as_causal_calls(monkeypatch, pa
                                 kernel="reference")
     out.backward(dout)
     seen = torch.arange(64).unsqueeze(0) <= torch.arange(64).unsqueeze(1) + past
-    one = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, dout)]
+    one = [PoisonedDocuments.document(t, 0, 64) for t in (q, k, v, dout)]
     want = reference.attention(*one, mask=seen)
-    got = [t.transpose(0, 1).unsqueeze(0) for t in (out.detach(), *(x.grad for x in leaves))]
+    got = [PoisonedDocuments.document(t, 0, 64)
+           for t in (out.detach(), *(x.grad for x in leaves))]
     reference.assert_results(got, want)
 
 
