@@ -25,9 +25,10 @@ measures every row N times, each pass with a one-GPU step of its own, and keeps 
 ``--profile`` each rank's device time of two more steps, back to back, is split into
 attention kernels, device-to-device copies and the rest, beside the device's idle time and
 the largest kernels of the rest (``device_time``); the host's time to issue one step and the
-places where a step waits for the device are taken (``host_time``), and the step's time as
-one CUDA graph replayed without the host (``graph_time``); and the caching allocator's
-device calls over the timed steps are counted (``allocator_events``).
+places where a step waits for the device are taken (``host_time``, with where the host's
+time goes by package and function: ``host_profile``), and the step's time as one CUDA graph
+replayed without the host (``graph_time``); and the caching allocator's device calls over
+the timed steps are counted (``allocator_events``).
 
 Batches (bf16, 32 heads of 128): a 15 documents of 1K-32K; b 2048 x 128; c 6 of 8K-24K
 and 1,500 of 16-600; d log-normal lengths (median 600, sigma 1.2) in [16, 65536] packed to
@@ -239,7 +240,49 @@ def host_time(step, leaves) -> dict:
     syncs = collections.Counter(f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
                                 if "synchroniz" in str(w.message))
     return dict(host_ms=round(statistics.median(times) * 1e3, 3),
-                syncs=[[where, n / HOST_STEPS] for where, n in syncs.most_common()])
+                syncs=[[where, n / HOST_STEPS] for where, n in syncs.most_common()],
+                **host_profile(step, leaves))
+
+
+HOST_TOP = 12  # functions of the most host time kept (host_profile)
+
+
+def host_profile(step, leaves) -> dict:
+    """Where the host's time to issue one more ``step`` goes (cProfile, each function's own
+    time in ms): ``host_by_package`` sums it by top-level package (``schedules``, ``torch``,
+    ``flash_attn``, ...; builtins and torch's C++ ops as ``~``), ``host_top`` the
+    ``HOST_TOP`` functions of the most own time."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step(leaves)
+    profiler.disable()
+    sync()
+    own = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, _, own s, cum s, _)
+    packages, functions = collections.Counter(), collections.Counter()
+    for (path, line, name), (_, _, own_s, _, _) in own.items():
+        packages[_package(path)] += own_s * 1e3
+        functions[f"{'/'.join(path.rsplit('/', 2)[-2:])}:{line}({name})"] += own_s * 1e3
+    return dict(host_by_package={k: round(v, 3) for k, v in packages.most_common()},
+                host_top=[[k, round(v, 3)] for k, v in functions.most_common(HOST_TOP)])
+
+
+def _package(path: str) -> str:
+    """The top-level package of the source file ``path`` ("~": builtins, C++ ops)."""
+    if path == "~" or not path.endswith(".py"):
+        return "~"
+    parts = path.split("/")
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return parts[parts.index(marker) + 1].removesuffix(".py")
+    here = [p for p in ("schedules", "sdpa_fusion", "benchmarks") if p in parts]
+    if here:
+        return here[-1]
+    return "stdlib" if any(p.startswith("python3") for p in parts[:-1]) else parts[-1]
 
 
 GRAPH_STEPS = 20  # replays of a captured step timed back to back (graph_time)

@@ -88,6 +88,24 @@ def test_profile_splits_each_rank_s_device_time():
                       "allocator": {"mallocs": 0, "frees": 0, "retries": 0}}] * 2, split
 
 
+def test_host_profile_says_where_the_host_time_goes():
+    """A step that plans whole documents to ranks (Python of ``schedules``) and runs a torch
+    op: both get host time, and the functions of most time come first."""
+    from schedules.assign import plan
+
+    def step(x):
+        plan([600, 24, 3000, 17, 90, 1200, 5, 64] * 8, 4)
+        return x[0] @ x[0]
+
+    found = virtual_ranks.host_profile(step, [torch.randn(256, 256)])
+    packages = found["host_by_package"]
+    assert packages["schedules"] > 0 and packages["~"] > 0, packages
+    top = found["host_top"]
+    assert 0 < len(top) <= virtual_ranks.HOST_TOP
+    assert [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
+    assert any(name.startswith("schedules/") for name, _ in top), top
+
+
 def test_idle_is_the_time_no_device_work_covers():
     assert virtual_ranks.idle_ms([]) == 0.0
     # 0-1000 and 500-2000 overlap; 2500-3000 starts 500 us after them; 2600-2700 inside it
