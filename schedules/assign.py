@@ -156,11 +156,22 @@ def assign(lengths, parts: int, *, tolerance: float = 0.05,
 @functools.lru_cache(maxsize=8)
 def _assign(lengths: tuple[int, ...], parts: int, tolerance: float,
             token_pairs: float) -> Assignment:
-    if parts < 1 or any(n < 0 for n in lengths):
-        raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
+    _check(lengths, parts)
     works = tuple(work(n, token_pairs) for n in lengths)
     owner, tokens, loads = _owners(lengths, works, parts, tolerance)
     return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads))
+
+
+def _check(lengths: tuple[int, ...], parts: int) -> None:
+    if parts < 1 or any(n < 0 for n in lengths):
+        raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
+
+
+def _too_large(lengths: tuple[int, ...], parts: int, token_pairs: float) -> bool:
+    """Whether a document has more tokens or work than a rank's share (``_owners`` cuts it)."""
+    works = [work(n, token_pairs) for n in lengths]
+    return parts > 1 and (max(lengths, default=0) > sum(lengths) / parts
+                          or max(works, default=0.0) > sum(works) / parts)
 
 
 def _owners(lengths, works, parts, tolerance, base=(0.0, 0.0)):
@@ -204,12 +215,16 @@ def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
 @functools.lru_cache(maxsize=8)
 def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
           token_pairs: float, rings: bool) -> Assignment:
-    flat = _assign(lengths, parts, tolerance, token_pairs)
-    if not (flat.cut and groups) or _factor(parts) == parts:
-        return flat
+    _check(lengths, parts)
+    # assign's plan is made only where it is the answer: a document too large for a rank
+    # says that it cuts one without placing the others (almost half of batch c's planning)
+    if not groups or _factor(parts) == parts or not (
+            _too_large(lengths, parts, token_pairs)
+            or _assign(lengths, parts, tolerance, token_pairs).cut):
+        return _assign(lengths, parts, tolerance, token_pairs)
     nested = _nested(lengths, parts, tolerance, token_pairs)
     if not _within(nested, tolerance):
-        return flat
+        return _assign(lengths, parts, tolerance, token_pairs)
     return _placed_with_rings(nested, tolerance, token_pairs) if rings else nested
 
 
