@@ -43,6 +43,7 @@ are its ``_Exchanges``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -103,6 +104,24 @@ class Routes:
         real = torch.zeros(place.local, dtype=torch.bool, device=rows.device)
         real[rows] = True
         return cls(rows, counts, order, back, local, (~real).nonzero().flatten())
+
+    def send_rows(self, stride: int) -> torch.Tensor:
+        """Rank by rank, the rows of this rank's real tokens in a [T, H, E] tensor seen as rows
+        of one rank's heads, ``stride`` rows a token (row i * stride + j: token i's heads of
+        rank j): one gather fills a send buffer (made once per stride)."""
+        kept = self.__dict__.setdefault("_send_rows", {})
+        if stride not in kept:
+            ranks = torch.arange(len(self.counts), device=self.rows.device)
+            kept[stride] = (self.rows[None, :] * stride + ranks[:, None]).flatten()
+        return kept[stride]
+
+    @functools.cached_property
+    def place_rows(self) -> torch.Tensor:
+        """Per local row i and rank j (row i * P + j), its row among every rank's returned
+        rows [P * n, H / P * E] (padding rows: rank j's first, filled afterwards)."""
+        p, n = len(self.counts), len(self.rows)
+        ranks = torch.arange(p, device=self.rows.device)
+        return (ranks[None, :] * n + self.local[:, None]).flatten()
 
 
 def packed_placement(split) -> Placement:
@@ -398,10 +417,9 @@ class _Exchanges:
         for t, (width, e, _), at in zip(tensors, items, offsets):
             row = width * e * t.element_size()
             send = t.new_empty((p * n, width, e))
+            self._fill_send(as_packed(t), send)
             for j in range(p):
                 part = send[j * n:(j + 1) * n]
-                torch.index_select(as_packed(t).narrow(1, self.first_head(j, t.shape[1]), width),
-                                   0, routes.rows, out=part)
                 puts.append(Put(part, (j - me) % p, at + starts[me] * row))
                 takes.append(Take((me - j) % p, at + starts[j] * row, routes.counts[j] * row))
         pending = mover.exchange(puts, takes, region)
@@ -413,6 +431,25 @@ class _Exchanges:
                     for item, at in zip(items, offsets)]
 
         return InFlight(pending, place)
+
+    def _fill_send(self, packed: torch.Tensor, send: torch.Tensor) -> None:
+        """``send`` [P * n, width, E]: this rank's real rows of ``packed`` [T, H, E], the heads
+        of rank 0, then of rank 1, ...: one gather where each token's heads are rows of
+        ``width`` heads side by side in memory (a head group of a dense tensor too: the rows
+        of the tensor it is part of, ``Routes.send_rows``), else one per rank."""
+        routes, p, width = self.routes, self.size, send.shape[1]
+        row = width * send.shape[2]
+        t, h, e = packed.shape
+        if (h == p * width and t and packed.stride(2) == 1 and packed.stride(1) == e
+                and packed.stride(0) % row == 0):
+            stride = packed.stride(0) // row
+            rows = packed.as_strided(((t - 1) * stride + p, row), (row, 1))
+            torch.index_select(rows, 0, routes.send_rows(stride), out=send.view(len(send), row))
+            return
+        n = len(routes.rows)
+        for j in range(p):
+            torch.index_select(packed.narrow(1, self.first_head(j, packed.shape[1]), width), 0,
+                               routes.rows, out=send[j * n:(j + 1) * n])
 
     def _start_sequence(self, tensors, targets, fills, base: int) -> InFlight:
         """Start sending this rank's heads of every real token home, into ``targets``."""
@@ -443,15 +480,21 @@ class _Exchanges:
 
     def _place_rows(self, received, target, fill: float) -> None:
         """``target`` from every rank's rows [P, n, h, E] of this rank's real tokens: one
-        gather per rank straight into its heads (the GPU's vectorized gather, no temporary)."""
-        p, n, width, _ = received.shape
+        gather straight into its heads where ``target`` is dense (``Routes.place_rows``; the
+        GPU's vectorized gather, no temporary), else one per rank."""
+        p, n, width, e = received.shape
         routes = self.routes
         dest = as_packed(target)
         if n == 0:  # every local row is padding
             dest.fill_(fill)
             return
-        for j in range(p):
-            torch.index_select(received[j], 0, routes.local, out=dest.narrow(1, j * width, width))
+        if dest.is_contiguous() and dest.shape[1] == p * width:
+            torch.index_select(received.view(p * n, width * e), 0, routes.place_rows,
+                               out=dest.view(len(dest) * p, width * e))
+        else:
+            for j in range(p):
+                torch.index_select(received[j], 0, routes.local,
+                                   out=dest.narrow(1, j * width, width))
         if len(routes.padding):
             dest.index_fill_(0, routes.padding, fill)
 
