@@ -363,27 +363,27 @@ class _Run:
         piece's (``busy``: running counts of those some piece reaches), its rows span
         ``BATCH_TILES`` tiles at most, and its members padded to the largest hold as many
         scores as ``BATCH_TILES`` tiles at most."""
-        own = {side: getattr(p, side) for side in self.SIDES}
-        wider = {side: (min(self.span[side][0], own[side].start),
-                        max(self.span[side][1], own[side].stop)) for side in self.SIDES}
-        most = {side: max(self.most[side], own[side].stop - own[side].start)
-                for side in self.SIDES}
-        rows = wider["rows"]
+        span, held, most = self._with(p)
+        rows = span["rows"]
         return (rows[1] - rows[0] <= BATCH_TILES * TILE
                 and (len(self.members) + 1) * most["rows"] * most["keys"]
                 <= BATCH_TILES * TILE * TILE
-                and all(busy[side][b] - busy[side][a]
-                        == self.held[side] + own[side].stop - own[side].start
-                        for side, (a, b) in wider.items()))
+                and all(busy[side][b] - busy[side][a] == held[side]
+                        for side, (a, b) in span.items()))
 
     def add(self, p: Piece) -> None:
         self.members.append(p)
+        self.span, self.held, self.most = self._with(p)
+
+    def _with(self, p: Piece) -> tuple[dict, dict, dict]:
+        """(span, held, most) of this run with ``p`` joined."""
+        span, held, most = {}, {}, {}
         for side in self.SIDES:
-            span = getattr(p, side)
-            self.span[side] = (min(self.span[side][0], span.start),
-                               max(self.span[side][1], span.stop))
-            self.held[side] += span.stop - span.start
-            self.most[side] = max(self.most[side], span.stop - span.start)
+            own = getattr(p, side)
+            span[side] = (min(self.span[side][0], own.start), max(self.span[side][1], own.stop))
+            held[side] = self.held[side] + own.stop - own.start
+            most[side] = max(self.most[side], own.stop - own.start)
+        return span, held, most
 
 
 def _causal_tiles(found: list[Piece]) -> list[Piece]:
