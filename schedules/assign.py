@@ -167,11 +167,13 @@ def _check(lengths: tuple[int, ...], parts: int) -> None:
         raise ValueError(f"assign takes lengths >= 0 and parts >= 1, got {lengths}, {parts}")
 
 
-def _too_large(lengths: tuple[int, ...], parts: int, token_pairs: float) -> bool:
-    """Whether a document has more tokens or work than a rank's share (``_owners`` cuts it)."""
-    works = [work(n, token_pairs) for n in lengths]
-    return parts > 1 and (max(lengths, default=0) > sum(lengths) / parts
-                          or max(works, default=0.0) > sum(works) / parts)
+def _past_share(lengths, works, parts: int, base=(0.0, 0.0)) -> set:
+    """The documents with more tokens or work than a rank's share (over ``parts`` ranks that
+    each hold ``base`` already): ``_owners`` cuts them whatever it places."""
+    mean_tokens = base[0] + sum(lengths) / parts
+    mean_work = base[1] + sum(works) / parts
+    return {i for i, (n, w) in enumerate(zip(lengths, works))
+            if parts > 1 and (n > mean_tokens or w > mean_work)}
 
 
 def _owners(lengths, works, parts, tolerance, base=(0.0, 0.0)):
@@ -180,8 +182,7 @@ def _owners(lengths, works, parts, tolerance, base=(0.0, 0.0)):
     mean_tokens = base[0] + sum(lengths) / parts
     mean_work = base[1] + sum(works) / parts
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    cut = {i for i in order
-           if parts > 1 and (lengths[i] > mean_tokens or works[i] > mean_work)}
+    cut = _past_share(lengths, works, parts, base)
     limit = 1.0 + tolerance
     while True:
         whole = [i for i in order if i not in cut]
@@ -219,7 +220,7 @@ def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
     # assign's plan is made only where it is the answer: a document too large for a rank
     # says that it cuts one without placing the others (almost half of batch c's planning)
     if not groups or _factor(parts) == parts or not (
-            _too_large(lengths, parts, token_pairs)
+            _past_share(lengths, [work(n, token_pairs) for n in lengths], parts)
             or _assign(lengths, parts, tolerance, token_pairs).cut):
         return _assign(lengths, parts, tolerance, token_pairs)
     nested = _nested(lengths, parts, tolerance, token_pairs)
