@@ -317,8 +317,9 @@ SERIES = (
             Run("virtual_ranks.json", "e2a18af"), Run("virtual_ranks.json", "7e8596f"),
             Run("virtual_ranks.json", "3cbf3dc"), Run("virtual_ranks.json", "44879e9")),
            virtual_ranks_goals),
-    Series("The same on one H100 (80 GB; its host issues steps more slowly)",
-           (Run("virtual_ranks_h100.json", "2b87f8b"), Run("virtual_ranks_h100.json", "a88014a")),
+    Series("The same on one H100 (80 GB; hosts of differing speed)",
+           (Run("virtual_ranks_h100.json", "2b87f8b"), Run("virtual_ranks_h100.json", "a88014a"),
+            Run("virtual_ranks_h100.json", "e90dfcd")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
