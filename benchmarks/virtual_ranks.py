@@ -98,8 +98,9 @@ def direct_step(args, sched, inputs, cu):
     q, k, v, dout = (local.shard(t) for t in inputs)
     p = sdpa_fusion.plan(q, k, v, layout="thd", causal=True, kernel=args.kernel,
                          schedule=sched, cu_seqlens=local)
-    out, lse = sched.forward(q, k, v, p.spec, p.kernel)
-    return (local, out, *sched.backward(dout, q, k, v, out, lse, p.spec, p.kernel))
+    kept = {"kept": {}} if sched.keeps_forward else {}  # as attention's autograd keeps it
+    out, lse = sched.forward(q, k, v, p.spec, p.kernel, **kept)
+    return (local, out, *sched.backward(dout, q, k, v, out, lse, p.spec, p.kernel, **kept))
 
 
 def record(args, scheds, inputs, cu, box: Mailbox, problem) -> list[dict | None]:

@@ -67,6 +67,8 @@ class Schedule(abc.ABC):
     sharded_dim: int | None = None  # logical dim of q/k/v split over the mesh (None: replicated)
     supports_thd: bool = False  # takes packed layout='thd' tensors on more than one rank
     takes_dtensors: bool = True  # False: attention() refuses DTensor inputs
+    # True: forward(..., kept={}) leaves there what backward(..., kept=) reuses, not sent again
+    keeps_forward: bool = False
 
     def __init__(self, mesh: Mesh | None, *, dim: str | None = None):
         if mesh is not None and not isinstance(mesh, Mesh):

@@ -257,14 +257,15 @@ def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory
         return Counts(kernel.calls, kernel.flops, sum(s.bytes_sent for s in stats),
                       sum(s.bytes_received for s in stats))
 
+    kept = {"kept": {}} if dry.keeps_forward else {}
     with torch.no_grad():
         with Allocations() as allocated:
-            out, lse = dry.forward(q, k, v, local, kernel)
+            out, lse = dry.forward(q, k, v, local, kernel, **kept)
         forward = so_far()
-        outputs = _bytes(out) + _bytes(lse)
+        outputs = _bytes(out) + _bytes(lse) + sum(map(_bytes, _tensors(kept)))
         forward_peak = allocated.peak - outputs
         with Allocations() as allocated:
-            grads = dry.backward(dout, q, k, v, out, lse, local, kernel)
+            grads = dry.backward(dout, q, k, v, out, lse, local, kernel, **kept)
             del grads
         backward = so_far() - forward
     return forward, backward, Memory(outputs, forward_peak, allocated.peak,
@@ -273,6 +274,14 @@ def run(schedule: Schedule, spec: AttentionSpec) -> tuple[Counts, Counts, Memory
 
 def _bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
+
+
+def _tensors(kept) -> list[torch.Tensor]:
+    """The tensors of what a forward kept (dicts and lists of them, nested)."""
+    if isinstance(kept, torch.Tensor):
+        return [kept]
+    parts = kept.values() if isinstance(kept, dict) else kept
+    return [t for part in parts for t in _tensors(part)]
 
 
 def _dry(schedule, done: dict):

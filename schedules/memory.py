@@ -16,7 +16,8 @@ from sdpa_fusion.spec import AttentionSpec
 class Memory:
     """Bytes one rank allocates for one call of a schedule, its inputs not counted.
 
-    outputs   out and lse, made by the forward and held (saved for backward) until it ends
+    outputs   out and lse, made by the forward and held (saved for backward) until it ends,
+              with what the forward keeps for its backward (``keeps_forward``)
     forward   the forward's peak beyond its outputs (slots, accumulators, kernel results)
     backward  the backward's peak beyond the saved outputs (dq, dk, dv included)
     kept      held between calls outside torch's caching allocator (the copy-engine

@@ -186,7 +186,8 @@ class Plan:
     (start, rows) of a block that travel (None: all); ``kv_slots`` of the K/V ring; ``sums``
     = (dtype, ring slots) of the dK/dV sums; ``carried``: the rows of this rank's block that
     received sums carry (None: all); ``transfers``: gathers and scatters (``begin``,
-    ``gather``, ``scatter``, ``start_scatter``, ``land``)."""
+    ``gather``, ``scatter``, ``start_scatter``, ``land``; ``begin`` is given the call's
+    ``kept``: what a forward leaves there, its backward needs not move again)."""
 
     ops: tuple
     groups: int
@@ -249,15 +250,15 @@ def with_beside(plan: Plan, pieces: int) -> Plan:
 
 # ---- the runner -----------------------------------------------------------------------------
 def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None, lse=None,
-            beside=()):
+            beside=(), kept=None):
     """(out, lse) of the forward ``plan`` on this rank's q, k, v (``beside``: the callables
-    its Beside ops run)."""
+    its Beside ops run; ``kept``: where the plan's transfers leave what backward reuses)."""
     packed = spec.layout.is_varlen
     if packed:
         q, k, v = (as_block(t) for t in (q, k, v))
     out, lse = outputs(q, out, lse, packed)
     run = _Run(plan, dict(q=q, k=k, v=v, out=out, lse=lse), spec, kernel, mover, dropout,
-               beside)
+               beside, kept)
     (run.kv,) = run.rings((k.dtype, plan.kv_slots))
     merged = None
     for op in plan.ops:
@@ -276,15 +277,16 @@ def forward(plan: Plan, q, k, v, spec, kernel, mover, dropout=None, *, out=None,
 
 
 def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=None, *, dq=None,
-             dk=None, dv=None, beside=()):
+             dk=None, dv=None, beside=(), kept=None):
     """(dq, dk, dv) of the backward ``plan`` on this rank's tensors and the global out, lse
-    (``beside``: the callables its Beside ops run)."""
+    (``beside``: the callables its Beside ops run; ``kept``: what the forward's transfers
+    left)."""
     packed = spec.layout.is_varlen
     if packed:
         dout, q, k, v, out = (as_block(t) for t in (dout, q, k, v, out))
     dq, dk, dv = gradients((q, k, v), (dq, dk, dv), packed)
     run = _Run(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv),
-               spec, kernel, mover, dropout, beside)
+               spec, kernel, mover, dropout, beside, kept)
     run.kv, sums = run.rings((k.dtype, plan.kv_slots), plan.sums or (None, 0))
     dq_sum = outgoing = pending = args = None
 
@@ -339,7 +341,7 @@ def backward(plan: Plan, dout, q, k, v, out, lse, spec, kernel, mover, dropout=N
 class _Run:
     """What the ops of one call share: tensors, head groups, blocks, results and parts."""
 
-    def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout, beside):
+    def __init__(self, plan: Plan, tensors: dict, spec, kernel, mover, dropout, beside, kept):
         self.plan, self.tensors, self.spec, self.kernel = plan, tensors, spec, kernel
         self.mover, self.dropout, self.beside = mover, dropout, beside
         q, k, v = tensors["q"], tensors["k"], tensors["v"]
@@ -349,7 +351,8 @@ class _Run:
         self.group = self.block = self.pending = self.kv = self.results = None
         self.parts, self.landing = {}, {}
         if plan.transfers is not None:  # before the first op: what they keep for the call
-            plan.transfers.begin(tensors, self.groups, "dout" in tensors)
+            keeping = {} if kept is None else {"kept": kept}  # only a keeping schedule's
+            plan.transfers.begin(tensors, self.groups, "dout" in tensors, **keeping)
 
     def sent(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of a block ``t`` that travel."""

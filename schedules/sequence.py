@@ -74,20 +74,22 @@ class SequenceSchedule(Schedule):
         """The mover of the plans' K/V and dK/dV rings on ``device`` (None: they have none)."""
         return None
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=()):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=(),
+                kept=None):
         """(out, lse); ``beside``: other work to run where transfers are in flight
-        (``runner.with_beside``)."""
+        (``runner.with_beside``); ``kept``: where forward leaves what backward reuses
+        (``keeps_forward``)."""
         plan = self._planned(spec, q, k, False, len(beside))
         return runner.forward(plan, q, k, v, spec, kernel, self.rings_mover(k.device), dropout,
-                              out=out, lse=lse, beside=beside)
+                              out=out, lse=lse, beside=beside, kept=kept)
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None, beside=()):
-        """(dq, dk, dv); ``beside`` as for ``forward``."""
+                 dv=None, beside=(), kept=None):
+        """(dq, dk, dv); ``beside`` and ``kept`` as for ``forward``."""
         plan = self._planned(spec, q, k, True, len(beside))
         return runner.backward(plan, dout, q, k, v, out, lse, spec, kernel,
                                self.rings_mover(k.device), dropout, dq=dq, dk=dk, dv=dv,
-                               beside=beside)
+                               beside=beside, kept=kept)
 
     def _planned(self, spec, q, k, backward: bool, pieces: int):
         plan = self.plan(spec, *runner.blocks(spec, q, k), backward=backward)

@@ -205,17 +205,19 @@ class WholeDocuments:
         return max(1, whole_calls(spec) + sum(self.twin(group).kernel_calls(cut)
                                               for group, _, cut in cut_specs(spec)))
 
-    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=()):
+    def forward(self, q, k, v, spec, kernel, dropout=None, *, out=None, lse=None, beside=(),
+                kept=None):
         if not isinstance(spec.packing, DocumentPacking):
             return super().forward(q, k, v, spec, kernel, dropout, out=out, lse=lse,
-                                   beside=beside)
+                                   beside=beside, kept=kept)
         assert not beside, "a documents split runs its own work beside its cut groups'"
         w, cuts = spec.packing.whole_tokens, cut_specs(spec)
         if not cuts:  # every document whole: the local call's results as they are
             return local_forward(kernel, q, k, v, whole_spec(spec), out=out, lse=lse)
         if not w and len(cuts) == 1:  # every row cut over one group
             group, _, cut = cuts[0]
-            return self._running_twin(group).forward(q, k, v, cut, kernel, out=out, lse=lse)
+            return self._running_twin(group).forward(q, k, v, cut, kernel, out=out, lse=lse,
+                                                     kept=_of_group(kept, group))
         out = torch.empty_like(q) if out is None else out
         if lse is None:
             lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -227,15 +229,16 @@ class WholeDocuments:
         pieces = self._beside(spec, whole, len(cuts))
         for (group, rows, cut), beside in zip(cuts, pieces):
             self._running_twin(group).forward(q[rows], k[rows], v[rows], cut, kernel,
-                                              out=out[rows], lse=lse[:, :, rows], beside=beside)
+                                              out=out[rows], lse=lse[:, :, rows], beside=beside,
+                                              kept=_of_group(kept, group))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, spec, kernel, dropout=None, *, dq=None, dk=None,
-                 dv=None, beside=()):
+                 dv=None, beside=(), kept=None):
         grads = dict(dq=dq, dk=dk, dv=dv)
         if not isinstance(spec.packing, DocumentPacking):
             return super().backward(dout, q, k, v, out, lse, spec, kernel, dropout, **grads,
-                                    beside=beside)
+                                    beside=beside, kept=kept)
         assert not beside, "a documents split runs its own work beside its cut groups'"
         w, cuts = spec.packing.whole_tokens, cut_specs(spec)
         if not cuts:
@@ -243,7 +246,7 @@ class WholeDocuments:
         if not w and len(cuts) == 1:
             group, _, cut = cuts[0]
             return self._running_twin(group).backward(dout, q, k, v, out, lse, cut, kernel,
-                                                      **grads)
+                                                      **grads, kept=_of_group(kept, group))
         dq, dk, dv = (torch.empty_like(t) if g is None else g
                       for g, t in zip(grads.values(), (q, k, v)))
 
@@ -256,7 +259,8 @@ class WholeDocuments:
         for (group, rows, cut), beside in zip(cuts, pieces):
             self._running_twin(group).backward(
                 dout[rows], q[rows], k[rows], v[rows], out[rows], lse[:, :, rows].contiguous(),
-                cut, kernel, dq=dq[rows], dk=dk[rows], dv=dv[rows], beside=beside)
+                cut, kernel, dq=dq[rows], dk=dk[rows], dv=dv[rows], beside=beside,
+                kept=_of_group(kept, group))
         return dq, dk, dv
 
     def _beside(self, spec, whole, groups: int) -> list[list]:
@@ -310,3 +314,8 @@ class WholeDocuments:
         cu = split.cuts[group].cu_seqlens
         return over_documents(spec, split.cut_docs[group]).replace(
             q_len=cu[-1], kv_len=cu[-1], cu_seqlens=cu, cu_seqlens_padded=None, packing=None)
+
+
+def _of_group(kept: dict | None, group) -> dict | None:
+    """What a call's forward keeps for the cut documents of ``group`` (None: nothing kept)."""
+    return None if kept is None else kept.setdefault(group, {})

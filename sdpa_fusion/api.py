@@ -218,13 +218,17 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: Plan, call: int):
         q, k, v = (plan.spec.layout.to(t) for t in (q, k, v))  # layout="auto": one layout
         dropout = Dropout.draw(plan.spec.dropout_p) if plan.spec.dropout_p > 0 else None
+        # what the schedule's forward leaves for its backward (Ulysses: the heads it gathered)
+        keeps = plan.schedule is not None and plan.schedule.keeps_forward
+        kept = {} if keeps and any(ctx.needs_input_grad[:3]) else None
         if plan.schedule is None:
             out, lse = local_forward(plan.kernel, q, k, v, plan.spec, dropout)
         else:
             with plan.schedule.running(f"forward of call {call}"):
-                out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout)
+                out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout,
+                                                 **_kept(kept))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.dropout, ctx.call = plan, dropout, call
+        ctx.plan, ctx.dropout, ctx.call, ctx.kept = plan, dropout, call, kept
         return out
 
     @staticmethod
@@ -236,8 +240,15 @@ class _Attention(torch.autograd.Function):
             dq, dk, dv = local_backward(p.kernel, dout, q, k, v, out, lse, p.spec, dropout)
         else:
             with p.schedule.running(f"backward of call {ctx.call}"):
-                dq, dk, dv = p.schedule.backward(dout, q, k, v, out, lse, p.spec, p.kernel, dropout)
+                dq, dk, dv = p.schedule.backward(dout, q, k, v, out, lse, p.spec, p.kernel,
+                                                 dropout, **_kept(ctx.kept))
+        ctx.kept = None  # freed now; a second backward (retain_graph) sends them again
         return dq, dk, dv, None, None
+
+
+def _kept(kept: dict | None) -> dict:
+    """The ``kept`` keyword of a schedule's forward and backward (none: it keeps nothing)."""
+    return {} if kept is None else {"kept": kept}
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,

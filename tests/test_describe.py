@@ -63,28 +63,31 @@ def test_allgather(p, partition, causal):
 
 
 # ---- ulysses ------------------------------------------------------------------------------
-def _ulysses_formula(spec, p):
+def _ulysses_formula(spec, p, keep_forward: bool = False):
     """Bytes per rank, forward and backward, from the definition: (P-1)/P of what each
-    all-to-all moves."""
+    all-to-all moves (backward: dout alone there when the forward kept q, k, v, out, lse)."""
     token_head = spec.batch * (spec.q_len // p) * spec.head_dim * spec.dtype.itemsize
     h, h_kv = spec.heads // p, max(spec.kv_heads // p, 1)
     lse = spec.batch * h * (spec.q_len // p) * 4
     qkv = (h + 2 * h_kv) * token_head
     forward = (p - 1) * (qkv + h * token_head + lse)                  # q,k,v; out; lse
     backward = (p - 1) * (qkv + 2 * h * token_head + lse + qkv)        # dout,q,k,v,out; lse; grads
+    if keep_forward:
+        backward = (p - 1) * (h * token_head + qkv)                     # dout; grads
     return forward, backward
 
 
 @worlds
 @pytest.mark.parametrize("kv_heads", [8, 1], ids=["mha", "mqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ulysses(p, kv_heads, causal):
-    """q, k, v to heads and out, lse back; backward also dout and the gradients; 1/P of the
-    FLOPs on every rank."""
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "resend"])
+def test_ulysses(p, kv_heads, causal, keep):
+    """q, k, v to heads and out, lse back; backward dout there (with them again unless the
+    forward kept them) and the gradients back; 1/P of the FLOPs on every rank."""
     spec = sdpa_fusion.AttentionSpec(2, 8, kv_heads, 64 * p, 64 * p, 64, causal=causal)
-    forward, backward = _ulysses_formula(spec, p)
+    forward, backward = _ulysses_formula(spec, p, keep)
     for mesh in ranks(p):
-        d = schedules.get("ulysses", mesh).describe(spec)
+        d = schedules.get("ulysses", mesh, keep_forward=keep).describe(spec)
         assert (d.bytes_sent, d.bytes_received) == (forward, forward), mesh
         assert (d.backward_bytes_sent, d.backward_bytes_received) == (backward, backward), mesh
         assert d.flops == pytest.approx(spec.flops() / p)

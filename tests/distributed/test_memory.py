@@ -240,6 +240,29 @@ def test_whole_documents(mesh, name):
                      causal=True, cu_seqlens=local)
 
 
+@pytest.mark.parametrize("partition", ["load_balanced", "documents"])
+def test_ulysses_keeping_its_forward(mesh, partition):
+    """``keep_forward=True``: the heads the forward gathered and its out and lse are held
+    until the backward (described as outputs), whose peak is what it gathers of dout and
+    its gradients; dense, and packed with whole documents beside a cut one."""
+    p = mesh.size()
+    sched = schedules.get("ulysses", mesh, keep_forward=True, partition=partition)
+    if partition == "documents":
+        problem = make_packed([24 * p, 3, 5, 1, 7, 4], h=4, e=64, causal=True)
+        local, (q, k, v, dout), spec = packed_inputs(sched, problem)
+        scratch, call = _merge_scratch(q.transpose(0, 1).unsqueeze(0)), dict(
+            layout="thd", cu_seqlens=local)
+    else:
+        q, k, v, dout = (torch.randn(1, 2 * p, 32, 64) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        spec = sched.global_spec(sdpa_fusion.AttentionSpec.from_tensors(q, k, v, causal=True))
+        scratch, call = _merge_scratch(q), {}
+    memory = sched.describe(spec).memory
+    resent = schedules.get("ulysses", mesh, partition=partition).describe(spec).memory
+    assert memory.outputs > resent.outputs and memory.backward < resent.backward
+    assert_described(sched, q, k, v, dout, memory, scratch, causal=True, **call)
+
+
 @pytest.mark.parametrize("name", ["ring", "allgather", "ulysses"])
 def test_mask(mesh, name):
     """A composed mask: blocks it hides make no call, partial ones go through the mask."""

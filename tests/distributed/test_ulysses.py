@@ -12,6 +12,7 @@ import torch
 
 import schedules
 import sdpa_fusion
+from tests.comms import counting
 
 from .conftest import assert_matches, make_problem, run_schedule, schedule_with
 from .packed import assert_packed_matches, make_packed, run_packed
@@ -117,3 +118,106 @@ def test_packed_pipeline_matches_reference(mesh, kv, lengths, causal):
     assert_packed_matches(problem, run_packed(sched, problem))
 
 
+
+
+def _counted_step(sched, problem, layout: str, **kw):
+    """(results unsharded, what the forward moved, what the backward moved) of ``sched``."""
+    q, k, v = (sched.shard(t, layout=layout, **kw).requires_grad_()
+               for t in (problem.q, problem.k, problem.v))
+    dout = sched.shard(problem.dout, layout=layout, **kw)
+    with counting() as forward:
+        out = sdpa_fusion.attention(q, k, v, causal=problem.causal, scale=problem.scale,
+                                    layout=layout, kernel="reference", schedule=sched, **kw)
+    with counting() as backward:
+        out.backward(dout)
+    results = [sched.unshard(t, layout=layout, **kw) for t in (out, q.grad, k.grad, v.grad)]
+    return results, forward, backward
+
+
+@pytest.mark.usefixtures("several_ranks")
+@pytest.mark.parametrize("case", ["bhse", "thd", "documents"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_backward_reuses_what_the_forward_gathered(mesh, case, groups):
+    """With ``keep_forward=True`` the backward sends dout to the heads' owners and nothing
+    else of q, k, v, out, lse: it moves exactly the bytes of those less than without (the
+    default; dense: what the forward moved, q, k, v there and out, lse back),
+    makes one all-to-all fewer per head group, and gives the same numbers, bit for bit, as
+    the reference does within tolerance; describe() says both. Packed "documents": whole
+    documents beside one cut over every rank, whose heads are kept."""
+    p = mesh.size()
+    h = 2 * p * groups
+    layout, options = ("bhse", {}) if case == "bhse" else ("thd", {})
+    if case == "documents":
+        options = dict(partition="documents")
+        problem = make_packed([24 * p, 3, 5, 1, 7, 4], h=h, h_kv=h, causal=True, scale=0.3)
+        kw = dict(cu_seqlens=problem.cu_seqlens)
+    elif layout == "thd":
+        problem = make_packed([3 * p + 1, 0, 1, 5 * p, 2], h=h, h_kv=h, causal=True, scale=0.3)
+        kw = dict(cu_seqlens=problem.cu_seqlens)
+    else:
+        problem = make_problem(b=2, h=h, h_kv=h, s=8 * p, e=8, layout=layout, causal=True,
+                               scale=0.3)
+        kw = {}
+    runs = {}
+    for keep in (True, False):
+        sched = schedules.get("ulysses", mesh, head_groups=groups, keep_forward=keep,
+                              **options)
+        runs[keep] = (sched, *_counted_step(sched, problem, layout, **kw))
+    (sched, kept, forward, backward), (_, again, _, resent) = runs[True], runs[False]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), kept, again):
+        assert torch.equal(a, b), name
+    if layout == "thd":
+        assert_packed_matches(problem, kept)
+    else:
+        assert_matches(problem, kept)
+    group = sched.group
+    assert backward.sent(group) < resent.sent(group)
+    if layout != "thd":  # every rank sends every tensor's blocks alike
+        assert resent.sent(group) - backward.sent(group) == forward.sent(group)
+        assert backward.ops(group) == {"all_to_all_single": 2 * groups}
+        assert resent.ops(group) == {"all_to_all_single": 3 * groups}
+    spec = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True,
+                                                  layout=layout, **kw)
+    for keep, (s, _, _, moved) in runs.items():
+        d = s.describe(spec)
+        assert (moved.sent(group), moved.received(group)) == (
+            d.backward_bytes_sent, d.backward_bytes_received), keep
+        assert ("kept from forward" in d.notes) == keep
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_a_second_backward_sends_the_heads_again(mesh):
+    """The kept heads are let go after the first backward: a second one (retain_graph) sends
+    them again, on every rank alike, and adds the same gradients."""
+    p = mesh.size()
+    problem = make_problem(b=1, h=2 * p, h_kv=p, s=8 * p, e=8, layout="bshe", causal=True)
+    sched = schedules.get("ulysses", mesh, keep_forward=True)
+    q, k, v = (sched.shard(t, layout="bshe").requires_grad_()
+               for t in (problem.q, problem.k, problem.v))
+    dout = sched.shard(problem.dout, layout="bshe")
+    out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference",
+                                schedule=sched)
+    out.backward(dout, retain_graph=True)
+    first = [t.grad.clone() for t in (q, k, v)]
+    with counting() as second:
+        out.backward(dout)
+    assert second.ops(sched.group) == {"all_to_all_single": 3}  # q, k, v, out, lse sent again
+    for a, t in zip(first, (q, k, v)):
+        torch.testing.assert_close(t.grad, 2 * a)
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_bad_keep_forward_on_one_rank_then_a_correct_call(mesh):
+    """keep_forward is True or False; a bad value on rank 0 alone fails on every rank, and a
+    rank whose schedule keeps otherwise than the others' is refused at the call."""
+    with pytest.raises(ValueError, match=r"keep_forward='yes' must be True"):
+        schedules.get("ulysses", mesh, keep_forward="yes" if mesh.rank == 0 else True)
+    p = mesh.size()
+    problem = make_problem(b=1, h=2 * p, h_kv=p, s=4 * p, e=8, layout="bshe", causal=True)
+    good = schedules.get("ulysses", mesh)
+    other = schedules.Ulysses(mesh, keep_forward=True) if mesh.rank == 0 else good
+    q, k, v = (good.shard(t, layout="bshe") for t in (problem.q, problem.k, problem.v))
+    with pytest.raises(ValueError, match=r"differ in schedule.keep_forward"):
+        sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference",
+                              schedule=other)
+    assert_matches(problem, run_schedule(good, problem))
