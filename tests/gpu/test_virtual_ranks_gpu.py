@@ -44,14 +44,16 @@ def test_replayed_receives_run_beside_the_rank_s_work_and_are_right(monkeypatch)
 
 
 @pytest.mark.parametrize("head_groups", [1, 2])
-def test_ulysses_cut_documents_are_right(head_groups):
+@pytest.mark.parametrize("keep", [False, True], ids=["resend", "keep_forward"])
+def test_ulysses_cut_documents_are_right(head_groups, keep):
     """Batch d (shrunk 32 times): its longest document is cut over every rank, its tokens
-    travel by heads and each rank attends it whole in one call."""
+    travel by heads and each rank attends it whole in one call (its backward sending the
+    heads again, or reusing those its forward kept)."""
     args = virtual_ranks.parse_args([
         "--ranks", "2,4", "--batches", "d", "--shrink", "32", "--heads", "8",
         "--head-dim", "64", "--kernel", "auto", "--schedules",
-        f"ulysses:head_groups={head_groups}", "--partitions", "documents", "--iters", "2",
-        "--profile"])
+        f"ulysses:head_groups={head_groups}" + (":keep_forward=True" if keep else ""),
+        "--partitions", "documents", "--iters", "2", "--profile"])
     rows = batch_rows(args, "d", 32)
     assert len(rows) == 1 + 2, [r.get("impl") for r in rows]
     assert_right(rows[1:])
