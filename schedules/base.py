@@ -193,6 +193,12 @@ class Schedule(abc.ABC):
                  dropout: Dropout | None = None):
         """(dq, dk, dv) of the local shards."""
 
+    def backward_reads_inputs(self, spec: AttentionSpec) -> bool:
+        """Whether a backward given what its forward kept (``keeps_forward``) still reads the
+        local q, k, v and out of ``spec``; where not, ``attention`` holds their shapes alone
+        and hands the backward its gradients' buffers in their place."""
+        return True
+
     @abc.abstractmethod
     def describe(self, spec: AttentionSpec) -> Description:
         """Steps, bytes and FLOPs per rank for the *global* ``spec``."""

@@ -17,7 +17,9 @@ goes to the P / kv_heads ranks whose query heads use it, and their dK/dV are sum
 Backward sends dout, q, k, v, out and lse the same way and returns dq, dk, dv. With
 ``keep_forward=True`` the forward keeps the q, k, v that arrived and the out and lse it
 attended (as TransformerEngine's a2a does) and backward sends only dout: a third fewer bytes
-and gathers per step, at the memory of those tensors from forward to backward. Any
+and gathers per step. What is kept stands in for the local q, k, v and out, which
+``attention`` then no longer holds (a packed rank's whole documents' excepted): the memory
+held from forward to backward grows by out's heads alone. Any
 partition, causal mask and sliding window works: the tokens are attended in global order.
 
 Packed sequences: each rank's real tokens go to their place among the real tokens of the
@@ -165,6 +167,9 @@ class Ulysses(Transported, SequenceSchedule):
     @property
     def keeps_forward(self) -> bool:
         return self.keep_forward
+
+    def backward_reads_inputs(self, spec) -> bool:
+        return not self.keep_forward  # else the kept heads are all it reads (and dout)
 
     def least_groups(self, spec) -> int:
         overlaps = spec.layout.is_varlen and self.routes_packed and self.keeps_buffers()

@@ -263,6 +263,11 @@ class WholeDocuments:
                 kept=_of_group(kept, group))
         return dq, dk, dv
 
+    def backward_reads_inputs(self, spec) -> bool:
+        if isinstance(spec.packing, DocumentPacking) and spec.packing.whole_tokens:
+            return True  # the whole documents' calls read them
+        return super().backward_reads_inputs(spec)
+
     def _beside(self, spec, whole, groups: int) -> list[list]:
         """The whole documents' calls ``whole(rows, piece)`` as the work each of the ``groups``
         cut groups' plans runs beside its transfers: two pieces each, where documents allow

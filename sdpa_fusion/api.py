@@ -18,7 +18,7 @@ from . import kernels, masks
 from .agreement import agree
 from .kernels import Dropout, Kernel
 from .kernels.base import like_layout
-from .layout import Layout, tensor_layout
+from .layout import Layout, layout_of, tensor_layout
 from .local import local_backward, local_forward
 from .mask import Window
 from .spec import AttentionSpec
@@ -227,22 +227,39 @@ class _Attention(torch.autograd.Function):
             with plan.schedule.running(f"forward of call {call}"):
                 out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout,
                                                  **_kept(kept))
-        ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.dropout, ctx.call, ctx.kept = plan, dropout, call, kept
+        ctx.shapes = None  # q, k, v and out are saved, unless the backward reads what was kept
+        if kept is not None and not plan.schedule.backward_reads_inputs(plan.spec):
+            ctx.shapes = [(t.shape, t.dtype, t.dim() == 4 and layout_of(t)) for t in (q, k, v)]
+            ctx.save_for_backward(None, None, None, None, lse)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        p, dropout = ctx.plan, ctx.dropout
+        p, dropout, grads = ctx.plan, ctx.dropout, {}
+        if ctx.shapes is not None:  # the gradients' buffers stand in for q, k, v and dout for out
+            if ctx.kept is None:
+                raise RuntimeError(
+                    f"a second backward through attention call {ctx.call} (retain_graph=True): "
+                    f"its forward kept what schedule {p.schedule.name!r} gathered instead of "
+                    f"q, k, v, and the first backward let it go; build the schedule with "
+                    f"keep_forward=False to backward through a call more than once")
+            q, k, v = (layout.empty(shape, dtype=dtype, device=lse.device) if layout else
+                       torch.empty(shape, dtype=dtype, device=lse.device)
+                       for shape, dtype, layout in ctx.shapes)
+            grads = dict(dq=q, dk=k, dv=v)
         dout = p.spec.layout.to(dout) if p.spec.layout.is_varlen else like_layout(dout, q)
         if p.schedule is None:
             dq, dk, dv = local_backward(p.kernel, dout, q, k, v, out, lse, p.spec, dropout)
         else:
             with p.schedule.running(f"backward of call {ctx.call}"):
-                dq, dk, dv = p.schedule.backward(dout, q, k, v, out, lse, p.spec, p.kernel,
-                                                 dropout, **_kept(ctx.kept))
-        ctx.kept = None  # freed now; a second backward (retain_graph) sends them again
+                dq, dk, dv = p.schedule.backward(dout, q, k, v, dout if out is None else out,
+                                                 lse, p.spec, p.kernel, dropout, **grads,
+                                                 **_kept(ctx.kept))
+        ctx.kept = None  # let go; a second backward (retain_graph) sends q, k, v, out again
         return dq, dk, dv, None, None
 
 

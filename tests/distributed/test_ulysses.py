@@ -7,6 +7,9 @@ tests/test_describe.py; its traffic: test_traffic.py).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -186,22 +189,50 @@ def test_backward_reuses_what_the_forward_gathered(mesh, case, groups):
 
 
 @pytest.mark.usefixtures("several_ranks")
-def test_a_second_backward_sends_the_heads_again(mesh):
-    """The kept heads are let go after the first backward: a second one (retain_graph) sends
-    them again, on every rank alike, and adds the same gradients."""
+def test_a_forward_that_kept_its_heads_holds_no_q_k_v(mesh):
+    """keep_forward=True: what the backward reads is kept, so attention holds q, k, v and out
+    no longer (a non-leaf q is freed once the caller drops it); a second backward
+    (retain_graph) is refused on every rank with the fix, and the next call is right."""
     p = mesh.size()
     problem = make_problem(b=1, h=2 * p, h_kv=p, s=8 * p, e=8, layout="bshe", causal=True)
     sched = schedules.get("ulysses", mesh, keep_forward=True)
-    q, k, v = (sched.shard(t, layout="bshe").requires_grad_()
-               for t in (problem.q, problem.k, problem.v))
+    leaves = [sched.shard(t, layout="bshe").requires_grad_()
+              for t in (problem.q, problem.k, problem.v)]
     dout = sched.shard(problem.dout, layout="bshe")
-    out = sdpa_fusion.attention(q, k, v, causal=True, layout="bshe", kernel="reference",
+    q = leaves[0] * 1.0  # made here: only what holds it keeps it
+    held = weakref.ref(q)
+    out = sdpa_fusion.attention(q, *leaves[1:], causal=True, layout="bshe", kernel="reference",
                                 schedule=sched)
+    del q
+    gc.collect()
+    assert held() is None
+    out.backward(dout, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"keep_forward=False to backward through a call"):
+        out.backward(dout)
+    assert_matches(problem, run_schedule(sched, problem))
+
+
+@pytest.mark.usefixtures("several_ranks")
+def test_a_second_backward_sends_the_heads_again(mesh):
+    """Packed whole documents beside a cut one: the backward reads the local q, k, v of the
+    whole ones, so they are held; the kept heads are let go after the first backward and a
+    second one (retain_graph) sends them again, on every rank alike, adding the same
+    gradients."""
+    p = mesh.size()
+    problem = make_packed([24 * p, 3, 5, 1, 7, 4], h=2 * p, h_kv=p, causal=True)
+    sched = schedules.get("ulysses", mesh, keep_forward=True, partition="documents")
+    kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
+    q, k, v = (sched.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
+    dout = sched.shard(problem.dout, **kw)
+    out = sdpa_fusion.attention(q, k, v, causal=True, kernel="reference", schedule=sched, **kw)
     out.backward(dout, retain_graph=True)
     first = [t.grad.clone() for t in (q, k, v)]
     with counting() as second:
         out.backward(dout)
-    assert second.ops(sched.group) == {"all_to_all_single": 3}  # q, k, v, out, lse sent again
+    sent_again = schedules.get("ulysses", mesh, partition="documents")
+    spec = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True,
+                                                  **kw)
+    assert second.sent(sched.group) == sent_again.describe(spec).backward_bytes_sent
     for a, t in zip(first, (q, k, v)):
         torch.testing.assert_close(t.grad, 2 * a)
 
