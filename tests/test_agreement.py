@@ -78,7 +78,8 @@ def test_verdict_of_ranks_at_different_calls():
 @pytest.mark.parametrize("name,expected", [
     ("ring", ["dim", "grad_dtype", "head_groups", "partition", "transport"]),
     ("allgather", ["dim", "head_groups", "partition", "transport"]),
-    ("ulysses", ["dim", "head_groups", "partition", "transport"]), ("head_parallel", ["dim"]),
+    ("ulysses", ["dim", "head_groups", "keep_forward", "partition", "transport"]),
+    ("head_parallel", ["dim"]),
     ("replicated", ["dim"]),
 ])
 def test_schedule_options(name, expected):
