@@ -228,6 +228,7 @@ class _Attention(torch.autograd.Function):
                 out, lse = plan.schedule.forward(q, k, v, plan.spec, plan.kernel, dropout,
                                                  **_kept(kept))
         ctx.plan, ctx.dropout, ctx.call, ctx.kept = plan, dropout, call, kept
+        ctx.keeps = kept is not None  # alike on every rank (the schedule's and the call's)
         ctx.shapes = None  # q, k, v and out are saved, unless the backward reads what was kept
         if kept is not None and not plan.schedule.backward_reads_inputs(plan.spec):
             ctx.shapes = [(t.shape, t.dtype, t.dim() == 4 and layout_of(t)) for t in (q, k, v)]
@@ -240,13 +241,13 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         p, dropout, grads = ctx.plan, ctx.dropout, {}
+        if ctx.keeps and ctx.kept is None:  # on every rank alike (some hold no q, k, v)
+            raise RuntimeError(
+                f"a second backward through attention call {ctx.call} (retain_graph=True): "
+                f"its forward kept what schedule {p.schedule.name!r} gathered for one "
+                f"backward, which let it go; build the schedule with keep_forward=False to "
+                f"backward through a call more than once")
         if ctx.shapes is not None:  # the gradients' buffers stand in for q, k, v and dout for out
-            if ctx.kept is None:
-                raise RuntimeError(
-                    f"a second backward through attention call {ctx.call} (retain_graph=True): "
-                    f"its forward kept what schedule {p.schedule.name!r} gathered instead of "
-                    f"q, k, v, and the first backward let it go; build the schedule with "
-                    f"keep_forward=False to backward through a call more than once")
             q, k, v = (layout.empty(shape, dtype=dtype, device=lse.device) if layout else
                        torch.empty(shape, dtype=dtype, device=lse.device)
                        for shape, dtype, layout in ctx.shapes)
@@ -259,7 +260,7 @@ class _Attention(torch.autograd.Function):
                 dq, dk, dv = p.schedule.backward(dout, q, k, v, dout if out is None else out,
                                                  lse, p.spec, p.kernel, dropout, **grads,
                                                  **_kept(ctx.kept))
-        ctx.kept = None  # let go; a second backward (retain_graph) sends q, k, v, out again
+        ctx.kept = None  # let go: a second backward (retain_graph) is refused
         return dq, dk, dv, None, None
 
 

@@ -191,14 +191,12 @@ def test_backward_reuses_what_the_forward_gathered(mesh, case, groups):
 @pytest.mark.usefixtures("several_ranks")
 def test_a_forward_that_kept_its_heads_holds_no_q_k_v(mesh):
     """keep_forward=True: what the backward reads is kept, so attention holds q, k, v and out
-    no longer (a non-leaf q is freed once the caller drops it); a second backward
-    (retain_graph) is refused on every rank with the fix, and the next call is right."""
+    no longer (a non-leaf q is freed once the caller drops it)."""
     p = mesh.size()
     problem = make_problem(b=1, h=2 * p, h_kv=p, s=8 * p, e=8, layout="bshe", causal=True)
     sched = schedules.get("ulysses", mesh, keep_forward=True)
     leaves = [sched.shard(t, layout="bshe").requires_grad_()
               for t in (problem.q, problem.k, problem.v)]
-    dout = sched.shard(problem.dout, layout="bshe")
     q = leaves[0] * 1.0  # made here: only what holds it keeps it
     held = weakref.ref(q)
     out = sdpa_fusion.attention(q, *leaves[1:], causal=True, layout="bshe", kernel="reference",
@@ -206,35 +204,28 @@ def test_a_forward_that_kept_its_heads_holds_no_q_k_v(mesh):
     del q
     gc.collect()
     assert held() is None
-    out.backward(dout, retain_graph=True)
-    with pytest.raises(RuntimeError, match=r"keep_forward=False to backward through a call"):
-        out.backward(dout)
-    assert_matches(problem, run_schedule(sched, problem))
+    out.backward(sched.shard(problem.dout, layout="bshe"))
+    assert_matches(problem, [sched.unshard(t, layout="bshe")
+                             for t in (out, *(leaf.grad for leaf in leaves))])
 
 
 @pytest.mark.usefixtures("several_ranks")
-def test_a_second_backward_sends_the_heads_again(mesh):
-    """Packed whole documents beside a cut one: the backward reads the local q, k, v of the
-    whole ones, so they are held; the kept heads are let go after the first backward and a
-    second one (retain_graph) sends them again, on every rank alike, adding the same
-    gradients."""
+@pytest.mark.parametrize("partition", ["load_balanced", "documents"])
+def test_a_second_backward_through_a_keeping_call_is_refused_everywhere(mesh, partition):
+    """The kept heads go with the first backward: a second one (retain_graph) is refused on
+    every rank with the fix, those that hold q, k, v (whole documents) too, and the next call
+    is right."""
     p = mesh.size()
     problem = make_packed([24 * p, 3, 5, 1, 7, 4], h=2 * p, h_kv=p, causal=True)
-    sched = schedules.get("ulysses", mesh, keep_forward=True, partition="documents")
+    sched = schedules.get("ulysses", mesh, keep_forward=True, partition=partition)
     kw = dict(layout="thd", cu_seqlens=problem.cu_seqlens)
     q, k, v = (sched.shard(t, **kw).requires_grad_() for t in (problem.q, problem.k, problem.v))
     dout = sched.shard(problem.dout, **kw)
     out = sdpa_fusion.attention(q, k, v, causal=True, kernel="reference", schedule=sched, **kw)
     out.backward(dout, retain_graph=True)
-    first = [t.grad.clone() for t in (q, k, v)]
-    with counting() as second:
+    with pytest.raises(RuntimeError, match=r"keep_forward=False to backward through a call"):
         out.backward(dout)
-    sent_again = schedules.get("ulysses", mesh, partition="documents")
-    spec = sdpa_fusion.AttentionSpec.from_tensors(problem.q, problem.k, problem.v, causal=True,
-                                                  **kw)
-    assert second.sent(sched.group) == sent_again.describe(spec).backward_bytes_sent
-    for a, t in zip(first, (q, k, v)):
-        torch.testing.assert_close(t.grad, 2 * a)
+    assert_packed_matches(problem, run_packed(sched, problem))
 
 
 @pytest.mark.usefixtures("several_ranks")
