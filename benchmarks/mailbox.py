@@ -17,7 +17,8 @@ A replayed rank's receives on a GPU run as the copy-engine transport runs them
 (``schedules.transport``): on a side stream behind the rank's work so far, the rank's stream
 waiting for them only where it reads what arrived, so that they pass beside its kernels
 (``transfers="side"``); with ``transfers="inline"`` they run on the rank's stream where it
-makes them, never beside its work.
+makes them, never beside its work. Either way into one buffer the rank keeps across calls,
+as that transport keeps its own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 
 import torch
 
-from schedules.transport import Mover
+from schedules.transport import Mover, Region
 
 
 TRANSFERS = ("side", "inline")  # where a replayed rank's receives run (see above)
@@ -190,12 +191,28 @@ class VirtualMover(Mover):
     def __init__(self, comm: VirtualComm, mailbox: Mailbox):
         super().__init__(comm)
         self.mailbox = mailbox
+        self._flat = None  # the buffer a replayed rank keeps
 
     def over(self, comm: VirtualComm) -> "VirtualMover":
         return VirtualMover(comm, self.mailbox)
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        """A fresh buffer while the ranks record; a replayed rank keeps one across calls, as
+        the copy-engine transport does (a larger one replaces it), so that its timed steps
+        allocate no buffer the real transport would not."""
+        if self.mailbox.replaying is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self._flat is None or self._flat.numel() < nbytes:
+            self._flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._flat
+
+    def reserve(self, nbytes: int, device) -> None:
+        self.buffer(nbytes, device)
+
+    def region(self, base: int, nbytes: int, device):
+        if self.mailbox.replaying is None:
+            return super().region(base, nbytes, device)
+        return Region(self.buffer(base + nbytes, device)[base:base + nbytes], base)
 
     def push(self, tensors, ring, slot, hops=1):
         comm, box = self.comm, self.mailbox

@@ -284,3 +284,31 @@ def test_transfers_name_where_receives_run():
         Mailbox(2, transfers="both")
     rows, _ = _rows("--ranks", "2", "--partitions", "documents", "--transfers", "inline")
     assert rows[1]["status"] == "ok" and rows[1]["check"].startswith("right"), rows[1]
+
+
+@pytest.mark.parametrize("schedule", ["ring", "ulysses"])
+def test_a_replayed_rank_keeps_one_receive_buffer(monkeypatch, schedule):
+    """As the copy-engine transport does: every step of a replayed rank receives (the ring's
+    K/V slots, ulysses' exchange regions) into one buffer the rank keeps, where the ranks
+    recording take fresh ones; every rank right."""
+    from benchmarks.mailbox import VirtualMover
+
+    given = {True: [], False: []}  # replaying: every buffer handed out, held
+    buffer = VirtualMover.buffer
+
+    def watched(self, nbytes, device):
+        flat = buffer(self, nbytes, device)
+        given[self.mailbox.replaying is not None].append(flat)
+        return flat
+
+    monkeypatch.setattr(VirtualMover, "buffer", watched)
+    args = virtual_ranks.parse_args(["--tiny", "--ranks", "2", "--schedules", schedule,
+                                     "--partitions", "load_balanced"])
+    rows = []
+    virtual_ranks.batch_rows(args, "a", virtual_ranks.batches(True)["a"], lambda text: None,
+                             lambda row: row is not None and rows.append(row))
+    assert len(rows) == 2 and rows[1]["check"].startswith("right"), rows
+    replayed, recorded = given[True], given[False]
+    # per rank the forward's, then the backward's larger one, kept for every later step
+    assert len(replayed) >= 8 and len({t.data_ptr() for t in replayed}) <= 2 * 2
+    assert len({t.data_ptr() for t in recorded}) == len(recorded) > 2
