@@ -22,7 +22,8 @@ recorded as such. A row is the slowest rank's median time next to one
 GPU's on the whole batch (same run): the goal is slowest x P <= 1.1 x one GPU. ``--runs N``
 measures every row N times, each pass with a one-GPU step of its own, and keeps the N ratios
 (``slowest_x_p_over_one_gpu_runs``: the goals' spread, ``docs/tables.py``). With
-``--profile`` each rank's device time of two more steps, back to back, is split into
+``--profile`` (once every rank of the row is timed: the profiler slows the steps timed
+after it) each rank's device time of two more steps, back to back, is split into
 attention kernels, device-to-device copies and the rest, beside the device's idle time and
 the largest kernels of the rest (``device_time``); the host's time to issue one step and the
 places where a step waits for the device are taken (``host_time``, with where the host's
@@ -134,9 +135,11 @@ def record(args, scheds, inputs, cu, box: Mailbox, problem) -> list[dict | None]
 
 
 def replay(args, sched, inputs, cu, box: Mailbox, problem):
-    """(measurement, check report, device time split or None) of ``sched``'s rank alone,
-    its receives from ``box``; the split (``device_time``) with ``--profile``, with the
-    ``allocator_events`` of the timed steps."""
+    """(measurement, check report, profile) of ``sched``'s rank alone, its receives from
+    ``box``; ``profile()`` gives with ``--profile`` the split of its device time
+    (``device_time``, ``host_time``, ``graph_time``) and the ``allocator_events`` of the
+    timed steps (None without): called once every rank is timed, as the profiler slows the
+    steps timed after it."""
     import sdpa_fusion
 
     local = sched.pack(cu)
@@ -155,9 +158,15 @@ def replay(args, sched, inputs, cu, box: Mailbox, problem):
                        budget_s=args.budget_s)
     timed = allocator_events(leaves[0].device, since=before)
     report = check_rank(problem, local, *(t.detach() for t in step(leaves)))
-    return m, report, (dict(device_time(step, leaves), **host_time(step, leaves),
-                            **graph_time(step, leaves), allocator=timed)
-                       if args.profile else None)
+
+    def profile():
+        if not args.profile:
+            return None
+        box.replay(sched.index)
+        return dict(device_time(step, leaves), **host_time(step, leaves),
+                    **graph_time(step, leaves), allocator=timed)
+
+    return m, report, profile
 
 
 def allocator_events(device, since: dict | None = None) -> dict:
@@ -403,15 +412,19 @@ def ranks_row(args, schedule, parts, partition, inputs, cu, problem, say) -> dic
                 raise RuntimeError(f"one rank's receives ({max(received) / common.GIB:.2f} "
                                    f"GiB) exceed the record budget {budget / common.GIB:.2f} "
                                    f"GiB; raise --record-gib")
+            profiles = {}
             for r in done:
                 start = time.monotonic()
-                per_rank[r], replayed[r], device_ms[r] = replay(args, scheds[r], inputs, cu,
-                                                                box, problem)
-                box.drop(r)
+                per_rank[r], replayed[r], profiles[r] = replay(args, scheds[r], inputs, cu,
+                                                               box, problem)
                 say(f"rank {r}: {tokens[r]} tokens, {common.number(per_rank[r].median_ms)} ms "
                     f"({per_rank[r].status}), {check.line(replayed[r])}, "
-                    f"{time.monotonic() - start:.1f} s"
-                    + (f", device ms {device_ms[r]}" if device_ms[r] else ""))
+                    f"{time.monotonic() - start:.1f} s")
+            for r in done:  # every rank timed before any is profiled
+                device_ms[r] = profiles.pop(r)()
+                box.drop(r)
+                if device_ms[r]:
+                    say(f"rank {r}: device ms {device_ms[r]}")
             left = [r for r in left if r not in done]
             del scheds, box, reports
         m = common.combine_ranks(per_rank)

@@ -88,6 +88,21 @@ def test_profile_splits_each_rank_s_device_time():
                       "allocator": {"mallocs": 0, "frees": 0, "retries": 0}}] * 2, split
 
 
+def test_every_rank_is_timed_before_any_is_profiled(monkeypatch):
+    """The profiler slows the steps timed after it: a row times its ranks, then profiles."""
+    from benchmarks import common
+
+    order = []
+    measure, device_time = common.measure, virtual_ranks.device_time
+    monkeypatch.setattr(common, "measure", lambda *a, **k: order.append("timed") or
+                        measure(*a, **k))
+    monkeypatch.setattr(virtual_ranks, "device_time", lambda *a: order.append("profiled") or
+                        device_time(*a))
+    rows, _ = _rows("--ranks", "3", "--partitions", "documents", "--profile")
+    assert rows[1]["status"] == "ok" and len(rows[1]["rank_device_ms"]) == 3, rows[1]
+    assert order == ["timed"] * 4 + ["profiled"] * 3  # one GPU's step, then the three ranks
+
+
 def test_host_profile_says_where_the_host_time_goes():
     """A step that plans whole documents to ranks (Python of ``schedules``) and runs a torch
     op: both get host time, and the functions of most time come first."""
