@@ -231,7 +231,8 @@ class _Attention(torch.autograd.Function):
         ctx.keeps = kept is not None  # alike on every rank (the schedule's and the call's)
         ctx.shapes = None  # q, k, v and out are saved, unless the backward reads what was kept
         if kept is not None and not plan.schedule.backward_reads_inputs(plan.spec):
-            ctx.shapes = [(t.shape, t.dtype, t.dim() == 4 and layout_of(t)) for t in (q, k, v)]
+            ctx.shapes = [(t.shape, t.dtype, layout_of(t) if t.dim() == 4 else None)
+                          for t in (q, k, v)]
             ctx.save_for_backward(None, None, None, None, lse)
         else:
             ctx.save_for_backward(q, k, v, out, lse)
@@ -248,8 +249,8 @@ class _Attention(torch.autograd.Function):
                 f"backward, which let it go; build the schedule with keep_forward=False to "
                 f"backward through a call more than once")
         if ctx.shapes is not None:  # the gradients' buffers stand in for q, k, v and dout for out
-            q, k, v = (layout.empty(shape, dtype=dtype, device=lse.device) if layout else
-                       torch.empty(shape, dtype=dtype, device=lse.device)
+            q, k, v = (torch.empty(shape, dtype=dtype, device=lse.device) if layout is None
+                       else layout.empty(shape, dtype=dtype, device=lse.device)
                        for shape, dtype, layout in ctx.shapes)
             grads = dict(dq=q, dk=k, dv=v)
         dout = p.spec.layout.to(dout) if p.spec.layout.is_varlen else like_layout(dout, q)
