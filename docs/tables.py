@@ -435,33 +435,35 @@ def rank_terms(row: dict, lengths: list[int], rank: int) -> tuple[float, ...]:
     from schedules.assign import plan
 
     terms = (row["rank_cost_terms"][rank] if row.get("rank_cost_terms")
-             else plan(lengths, row["ranks"], rings=False).cost_terms(rank))
-    pairs, tokens, steps, cut = terms
+             else plan(lengths, row["ranks"], exchanges=False).cost_terms(rank))
+    pairs, tokens, steps, cut = terms[:4]
     return pairs / 1e6, tokens / K, float(steps), cut / K
 
 
-def _cost_rows() -> list[tuple[Run, dict, int, tuple, float]]:
-    """(run, row, rank, terms, graph ms) of every rank with a graph replay in ``COST_RUNS``'
-    rows of ring under partition ``documents`` on P > 1 ranks."""
+def _cost_rows(runs=COST_RUNS, schedule="ring", terms_of=rank_terms
+               ) -> list[tuple[Run, dict, int, tuple, float]]:
+    """(run, row, rank, terms, graph ms) of every rank with a graph replay in ``runs``' rows
+    of ``schedule`` under partition ``documents`` on P > 1 ranks (``terms_of`` its terms)."""
     from benchmarks.virtual_ranks import batches
 
     lengths = batches(False)
     out = []
-    for run in COST_RUNS:
+    for run in runs:
         for r in run.record()["rows"]:
             if (r.get("status") != "ok" or r.get("partition") != "documents" or r["ranks"] < 2
-                    or not r["schedule"].startswith("ring")):
+                    or r["schedule"].partition(":")[0] != schedule):
                 continue
             for rank, d in enumerate(r.get("rank_device_ms") or []):
                 if d and d.get("graph_ms"):
-                    out.append((run, r, rank, rank_terms(r, lengths[r["batch"]], rank),
+                    out.append((run, r, rank, terms_of(r, lengths[r["batch"]], rank),
                                 d["graph_ms"]))
     return out
 
 
 def cost_fit(found) -> list[float]:
-    """Least-squares ms per unit of each of ``COST_TERMS`` over the ranks of ``found`` that
-    take part in a ring (a batch that cuts nothing, all short documents, has its own rate)."""
+    """Least-squares ms per unit of each term of ``found`` over its ranks that exchange cut
+    documents (the third term not 0: ring steps, tokens held of cut documents; a batch that
+    cuts nothing, all short documents, has its own rate)."""
     used = [(terms, ms) for *_, terms, ms in found if terms[2]]
     x = torch.tensor([t for t, _ in used], dtype=torch.float64)
     y = torch.tensor([[ms] for _, ms in used], dtype=torch.float64)
@@ -518,9 +520,101 @@ def costs() -> str:
     return "\n".join(lines)
 
 
+# ---- ulysses' costs: what its all-to-alls of cut documents cost a rank ----------------------
+ULYSSES_COST_RUNS = (Run("virtual_ranks_h100.json", "fd12e36"),
+                     Run("virtual_ranks_h100.json", "7f21d3a"))
+ULYSSES_TERMS = ("M pairs", "K tokens", "K tokens held of cut documents")
+
+
+def held_terms(row: dict, lengths: list[int], rank: int) -> tuple[float, float, float]:
+    """The terms of ``ULYSSES_TERMS`` for ``rank`` of ``row`` (partition documents): its
+    causal query-key pairs and tokens, and the tokens it holds of its groups' cut documents
+    (1/n of each, cut over n ranks); as the row recorded them, else (rows recording four
+    terms) from the plan those rows ran, placed for the ring's costs, checked against them."""
+    from schedules.assign import plan
+
+    terms = row["rank_cost_terms"][rank]
+    if len(terms) < 5:
+        planned = plan(lengths, row["ranks"]).cost_terms(rank)
+        if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(planned, terms)):
+            raise ValueError(f"the plan of {row['batch']} at P = {row['ranks']} is not the "
+                             f"one that row ran (rank {rank}: {planned} != {terms})")
+        terms = planned
+    return terms[0] / 1e6, terms[1] / K, terms[4] / K
+
+
+def _exchange(setting: str):
+    """The ``Exchange`` of the schedule a row names, e.g. "ulysses:keep_forward=True"."""
+    from benchmarks.context_parallel import impl_options
+    from schedules import get
+    from sdpa_fusion import VirtualMesh
+
+    name, options = impl_options(setting)
+    return get(name, VirtualMesh((2,), ("seq",), rank=0), partition="documents",
+               **options).exchange
+
+
+def ulysses_costs() -> str:
+    """``cost_fit`` over the ranks of each ``ulysses`` setting of ``ULYSSES_COST_RUNS`` and,
+    per batch and P of the newest run, the slowest rank's replay (placed for the ring's
+    costs, as those runs were), the fit of it, the ranks' mean, and the slowest by the fit
+    when placed for the setting's own costs (``Ulysses.exchange``)."""
+    from benchmarks.virtual_ranks import batches
+    from schedules.assign import plan
+
+    found = _cost_rows(ULYSSES_COST_RUNS, "ulysses", held_terms)
+    settings = sorted({r["schedule"] for _, r, *_ in found})
+    fits, said = {}, []
+    for setting in settings:
+        mine = [x for x in found if x[1]["schedule"] == setting]
+        c = fits[setting] = cost_fit(mine)
+        errors = sorted(abs(sum(a * b for a, b in zip(c, t)) / ms - 1) for *_, t, ms in mine)
+        exchange = _exchange(setting)
+        said.append(f"`{setting}`, {len(mine)} ranks: "
+                    + " + ".join(f"{v:.3g} x {name}" for v, name in zip(c, ULYSSES_TERMS))
+                    + f" (within {100 * errors[-1]:.1f}% of every one, "
+                    f"{100 * errors[len(errors) // 2]:.1f}% the median): a token held costs "
+                    f"as much as {1e3 * c[2] / c[0]:,.0f} pairs ({exchange.name}: "
+                    f"{exchange.per_held_token:,.0f})")
+    lines = [f"Generated by `{COMMAND}` from {' and '.join(r.source for r in ULYSSES_COST_RUNS)}"
+             " (one H100): each rank's step replayed as a CUDA graph (ms, no host) fitted "
+             "by least squares per setting of `ulysses`, " + "; ".join(said) + ". Per batch, "
+             "P and setting of the newest run: the slowest rank's replay, placed for the "
+             "ring's costs as then; the fit of it; the ranks' mean by the fit; the slowest "
+             "by the fit when placed for the setting's own costs (`schedules.assign`, "
+             "`Ulysses.exchange`; predicted, not measured here); the goal (1.1 x one GPU's "
+             "step / P).", "",
+             "| batch, P, setting | slowest replay | its fit | mean fit | placed for it | goal |",
+             "|---|---|---|---|---|---|"]
+    newest = {}
+    for run, r, *_ in found:
+        newest.setdefault((r["batch"], r["ranks"], r["schedule"]), {})[run] = r
+    for (batch, parts, setting), by_run in sorted(newest.items()):
+        c = fits[setting]
+
+        def fit(t):
+            return sum(x * y for x, y in zip(c, t))
+
+        run = max(by_run, key=ULYSSES_COST_RUNS.index)
+        row = by_run[run]
+        one = next(x["median_ms"] for x in run.record()["rows"]
+                   if x["batch"] == batch and x["ranks"] == 1)
+        ranks = [(t, ms) for _, r, _, t, ms in found if r is row]
+        t, ms = max(ranks, key=lambda x: x[1])
+        lengths = batches(False)[batch]
+        placed = plan(lengths, parts, exchange=_exchange(setting))
+        ideal = max(fit(held_terms({"rank_cost_terms": [placed.cost_terms(k)]}, lengths, 0))
+                    for k in range(parts))
+        cells = [ms, fit(t), sum(fit(x) for x, _ in ranks) / len(ranks), ideal, 1.1 * one / parts]
+        lines.append(f"| ({batch}), {parts}, {setting} | "
+                     + " | ".join(f"{x:.2f}" for x in cells) + " |")
+    return "\n".join(lines)
+
+
 # ---- the docs ------------------------------------------------------------------------------
 TABLES: dict[str, Callable[[], str]] = {"memory": memory, "headline": headline, "goals": goals,
-                                        "ranks": ranks, "costs": costs}
+                                        "ranks": ranks, "costs": costs,
+                                        "ulysses_costs": ulysses_costs}
 DOCS = ("README.md", "docs/benchmarks.md")
 
 

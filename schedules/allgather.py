@@ -44,6 +44,7 @@ import torch
 from sdpa_fusion.kernels.base import layout_of
 
 from . import dry_run, mask_plans, runner
+from .assign import RING
 from .bands import (check_runs, dense_calls, dense_runs, packed_calls, run_index, spec_runs,
                     window_band)
 from .base import Description
@@ -165,6 +166,7 @@ class AllGather(Transported, SequenceSchedule):
 
     name = "allgather"
     overlap = Overlap(hidden=lambda p: 1 / p, splits_keys=True)  # the own block hides the gather
+    exchange = RING  # priced as the ring's (no fit of its own)
 
     def __init__(self, mesh, *, dim=None, partition="auto", transport="auto",
                  head_groups="auto"):

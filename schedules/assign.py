@@ -36,17 +36,21 @@ the tolerance of the batch's mean (else ``assign``'s, every cut document over ev
                            not fit rank 0 beside its share of the first): every rank within
                            0.6% of the mean
 
-A rank's rings cost it beyond its share of the work: a step per rank of each group it is
-in and a little per token of the documents those groups cut (``rings``). Where they differ
-between ranks (groups of a plan), ``plan`` places the whole documents again, the cuts kept:
-largest first, each on the rank of least work and rings that it keeps within the tolerance
-of the mean tokens; the placement is kept where it lowers the slowest rank's work and rings
-within the same bounds:
+A rank's exchanges of its cut documents cost it beyond its share of the work, by the
+schedule's ``Exchange``: the ring's a step per rank of each group it is in and a little per
+token of the documents those groups cut (``RING``); ``ulysses``' per token the rank holds of
+them (``ULYSSES``: its all-to-alls carry the rank's share of each cut document, whatever the
+group's size). Where they differ between ranks (groups of a plan), ``plan`` places the whole
+documents again, the cuts kept: largest first, each on the rank of least work and exchanges
+that it keeps within the tolerance of the mean tokens; the placement is kept where it lowers
+the slowest rank's work and exchanges within the same bounds:
 
     batch (c), P = 8: ranks 0-3 share one document over 0-3 and one over their pair, 6 ring
     steps; ranks 4-7 one or two over their pair, 2 steps. Placed by work alone, every rank
     held 130-133 M pairs of work and ranks 0-3 152 M with their rings; placed again, ranks
-    0-3 hold 127 M (148 M with their rings: -2.9%) and ranks 4-7 134-137 M.
+    0-3 hold 127 M (148 M with their rings: -2.9%) and ranks 4-7 134-137 M. Under
+    ``ulysses`` ranks 0-3 hold 10.4 K tokens of cut documents, ranks 6-7 12.6 K: the
+    placement for the ring (ranks 6-7 of least exchanges) made those two the slowest.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ Group = tuple  # (first rank, ranks): the consecutive ranks a cut document is sp
 class Assignment:
     """The owner rank of every document (``CUT``: split over the ranks ``over`` names) and
     each rank's ``tokens`` and ``work`` (cut documents as their even shares over their
-    ranks). ``over`` defaults to every rank for each cut document."""
+    ranks). ``over`` defaults to every rank for each cut document; ``exchange`` prices each
+    rank's exchanges of them (``exchanges``), ``RING`` by default."""
 
     lengths: tuple[int, ...]
     parts: int
@@ -71,11 +76,14 @@ class Assignment:
     tokens: tuple[float, ...]
     work: tuple[float, ...]
     over: tuple[Group, ...] = ()  # per document: (first, ranks) it is cut over; (r, 1) whole
+    exchange: "Exchange" = None  # what exchanging the cut documents costs (None: RING)
 
     def __post_init__(self):
         if not self.over:
             object.__setattr__(self, "over", tuple((0, self.parts) if o == CUT else (o, 1)
                                                    for o in self.owner))
+        if self.exchange is None:
+            object.__setattr__(self, "exchange", RING)
 
     @functools.cached_property
     def cut(self) -> tuple[int, ...]:
@@ -100,22 +108,23 @@ class Assignment:
         """Indices of the documents ``rank`` holds whole, in batch order."""
         return tuple(i for i, o in enumerate(self.owner) if o == rank)
 
-    def cost_terms(self, rank: int) -> tuple[float, float, int, int]:
-        """(causal query-key pairs, tokens, ring steps, tokens cut) of ``rank``: its whole
-        documents and its shares of the cut ones, the ranks of each group it is in (a ring
-        over n ranks takes n steps) and the tokens of the documents those groups cut."""
+    def cost_terms(self, rank: int) -> tuple[float, float, int, int, float]:
+        """(causal query-key pairs, tokens, ring steps, tokens cut, tokens held cut) of
+        ``rank``: its whole documents and its shares of the cut ones, the ranks of each group
+        it is in (a ring over n ranks takes n steps), the tokens of the documents those
+        groups cut, and its shares of them (1/n of each)."""
         pairs = sum(self.lengths[i] ** 2 / 2 for i in self.whole(rank))
         groups = self.groups_of(rank)
         cut = [(i, size) for first, size in groups for i in self.cut_over((first, size))]
         pairs += sum(self.lengths[i] ** 2 / 2 / size for i, size in cut)
         return (pairs, self.tokens[rank], sum(size for _, size in groups),
-                sum(self.lengths[i] for i, _ in cut))
+                sum(self.lengths[i] for i, _ in cut), sum(self.lengths[i] / size for i, size in cut))
 
     @functools.cached_property
-    def rings(self) -> tuple[float, ...]:
-        """What each rank's rings cost it beyond its share of the work, in pairs."""
-        return tuple(ring_cost(steps, cut)
-                     for _, _, steps, cut in map(self.cost_terms, range(self.parts)))
+    def exchanges(self) -> tuple[float, ...]:
+        """What each rank's exchanges of its cut documents cost it beyond its share of the
+        work, in pairs (by ``exchange``)."""
+        return tuple(self.exchange.cost(*self.cost_terms(r)[2:]) for r in range(self.parts))
 
     @property
     def imbalance(self) -> tuple[float, float]:
@@ -129,17 +138,37 @@ class Assignment:
 # batches a-d in benchmarks/results/virtual_ranks.json (FA4, bf16, 32 heads of 128, H200):
 # 617 pairs a token, within 2 ms of each batch's time.
 TOKEN_PAIRS = 600
-# What a rank's rings cost beyond its share of the work, in pairs: a least-squares fit over
-# the ranks' steps replayed as CUDA graphs (docs/benchmarks.md, the costs table: 0.235 ms a
-# ring step and 0.0193 ms per K tokens its rings cut, beside 0.0925 ms per M pairs).
+# What a rank's exchanges cost beyond its share of the work, in pairs. The ring's: a
+# least-squares fit over the ranks' steps replayed as CUDA graphs (docs/benchmarks.md, the
+# costs table: 0.235 ms a ring step and 0.0193 ms per K tokens its rings cut, beside 0.0925
+# ms per M pairs). ``ulysses``': the same over its ranks (the ulysses_costs table, one H100:
+# per K tokens held of cut documents 0.206 ms beside 0.087 ms per M pairs, 0.155 ms beside
+# 0.086 with keep_forward; its groups' number and sizes add nothing measurable).
 STEP_PAIRS = 2_500_000  # per ring step: a block moved, merged and summed, the launches
 CUT_TOKEN_PAIRS = 200  # per token of the documents the rank's rings cut
 
 
-def ring_cost(steps: int, cut_tokens: int) -> float:
-    """What rings of ``steps`` steps in all, cutting documents of ``cut_tokens`` tokens, cost
-    a rank beyond its share of the work, in pairs."""
-    return STEP_PAIRS * steps + CUT_TOKEN_PAIRS * cut_tokens
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What a schedule's exchanges of cut documents cost a rank beyond its share of the
+    work, in pairs: per ring step (each rank of each group it is in), per token of the
+    documents its groups cut, per token it holds of them."""
+
+    name: str
+    per_step: float = 0.0
+    per_cut_token: float = 0.0
+    per_held_token: float = 0.0
+
+    def cost(self, steps: int, cut_tokens: float, held_tokens: float) -> float:
+        """Pairs that ``steps`` ring steps over documents of ``cut_tokens`` tokens, of which
+        the rank holds ``held_tokens``, cost it."""
+        return (self.per_step * steps + self.per_cut_token * cut_tokens
+                + self.per_held_token * held_tokens)
+
+
+RING = Exchange("ring", per_step=STEP_PAIRS, per_cut_token=CUT_TOKEN_PAIRS)
+ULYSSES = Exchange("ulysses", per_held_token=2_400)  # per token the rank holds of cut documents
+ULYSSES_KEPT = Exchange("ulysses:keep_forward", per_held_token=1_800)  # its backward sends less
 
 
 def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
@@ -204,29 +233,33 @@ def _owners(lengths, works, parts, tolerance, base=(0.0, 0.0)):
 
 
 def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
-         token_pairs: float = TOKEN_PAIRS, rings: bool = True) -> Assignment:
+         token_pairs: float = TOKEN_PAIRS, exchange: Exchange = RING,
+         exchanges: bool = True) -> Assignment:
     """``assign``'s plan when it cuts nothing or ``groups`` is False; else each document cut
     over as few ranks as the levels allow (``_nested``), where that keeps every rank within
-    ``tolerance`` of the mean, and its whole documents placed again counting each rank's
-    ``rings`` where that lowers the slowest rank (``rings=False``: by work alone; pure,
-    cached)."""
-    return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs, rings)
+    ``tolerance`` of the mean, and its whole documents placed again counting what each
+    rank's exchanges cost by ``exchange`` where that lowers the slowest rank
+    (``exchanges=False``: by work alone; pure, cached)."""
+    return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs,
+                 exchange, exchanges)
 
 
 @functools.lru_cache(maxsize=8)
 def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
-          token_pairs: float, rings: bool) -> Assignment:
+          token_pairs: float, exchange: Exchange, exchanges: bool) -> Assignment:
     _check(lengths, parts)
     # assign's plan is made only where it is the answer: a document too large for a rank
     # says that it cuts one without placing the others (almost half of batch c's planning)
     if not groups or _factor(parts) == parts or not (
             _past_share(lengths, [work(n, token_pairs) for n in lengths], parts)
             or _assign(lengths, parts, tolerance, token_pairs).cut):
-        return _assign(lengths, parts, tolerance, token_pairs)
-    nested = _nested(lengths, parts, tolerance, token_pairs)
+        return dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
+                                   exchange=exchange)
+    nested = _nested(lengths, parts, tolerance, token_pairs, exchange)
     if not _within(nested, tolerance):
-        return _assign(lengths, parts, tolerance, token_pairs)
-    return _placed_with_rings(nested, tolerance, token_pairs) if rings else nested
+        return dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
+                                   exchange=exchange)
+    return _placed_with_exchanges(nested, tolerance, token_pairs) if exchanges else nested
 
 
 def _within(a: Assignment, tolerance: float) -> bool:
@@ -236,17 +269,17 @@ def _within(a: Assignment, tolerance: float) -> bool:
             and max(a.work) <= limit * sum(a.work) + 1e-9)
 
 
-def _placed_with_rings(a: Assignment, tolerance: float, token_pairs: float) -> Assignment:
+def _placed_with_exchanges(a: Assignment, tolerance: float, token_pairs: float) -> Assignment:
     """``a`` with its whole documents placed again, the cuts kept: largest first, each on the
-    rank of least work and rings (``rings``) among those it keeps within ``tolerance`` of
-    the mean tokens; ``a`` where that is not within ``tolerance`` or does not lower the
-    slowest rank's work and rings."""
-    if min(a.rings) == max(a.rings):
+    rank of least work and exchanges (``exchanges``) among those it keeps within
+    ``tolerance`` of the mean tokens; ``a`` where that is not within ``tolerance`` or does
+    not lower the slowest rank's work and exchanges."""
+    if min(a.exchanges) == max(a.exchanges):
         return a
     lengths, parts = a.lengths, a.parts
     works = tuple(work(n, token_pairs) for n in lengths)
     placed = [i for i, o in enumerate(a.owner) if o != CUT and lengths[i]]
-    tokens, loads = list(a.tokens), [w + r for w, r in zip(a.work, a.rings)]
+    tokens, loads = list(a.tokens), [w + r for w, r in zip(a.work, a.exchanges)]
     for i in placed:
         tokens[a.owner[i]] -= lengths[i]
         loads[a.owner[i]] -= works[i]
@@ -263,15 +296,16 @@ def _placed_with_rings(a: Assignment, tolerance: float, token_pairs: float) -> A
         tokens[rank] += lengths[i]
         loads[rank] += works[i]
     again = Assignment(lengths, parts, tuple(owner), tuple(tokens),
-                       tuple(x - r for x, r in zip(loads, a.rings)),
-                       tuple(a.over[i] if o == CUT else (o, 1) for i, o in enumerate(owner)))
+                       tuple(x - r for x, r in zip(loads, a.exchanges)),
+                       tuple(a.over[i] if o == CUT else (o, 1) for i, o in enumerate(owner)),
+                       a.exchange)
     if not _within(again, tolerance) or max(loads) >= max(w + r for w, r in
-                                                          zip(a.work, a.rings)) - 1e-9:
+                                                          zip(a.work, a.exchanges)) - 1e-9:
         return a
     return again
 
 
-def _nested(lengths, parts, tolerance, token_pairs) -> Assignment:
+def _nested(lengths, parts, tolerance, token_pairs, exchange) -> Assignment:
     """Level by level: ``_owners`` over the f groups of a level (f the smallest factor of
     its ranks) cuts what fits none whole over the level's ranks; each group is planned the
     same way with the documents it holds, the level's cut shares its base."""
@@ -301,7 +335,8 @@ def _nested(lengths, parts, tolerance, token_pairs) -> Assignment:
         for r in range(first, first + size):
             tokens[r] += lengths[i] / size
             loads[r] += works[i] / size
-    return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads), tuple(over))
+    return Assignment(lengths, parts, tuple(owner), tuple(tokens), tuple(loads), tuple(over),
+                      exchange)
 
 
 def _factor(n: int) -> int:

@@ -26,7 +26,7 @@ def packed_partition(schedule, lengths: tuple, tolerance: float, transport: str 
     """("documents" | "load_balanced", why) for a packed batch of document ``lengths``
     (``tolerance`` and ``groups`` of ``partition.Documents``); pure."""
     parts = schedule.size
-    chosen = plan(lengths, parts, tolerance=tolerance, groups=groups)
+    chosen = plan(lengths, parts, tolerance=tolerance, groups=groups, exchange=schedule.exchange)
     if not chosen.cut:
         return "documents", "no document needs cutting: every one stays whole, nothing travels"
     try:

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .assign import Assignment, plan
+from .assign import RING, Assignment, Exchange, plan
 from .packing import LocalPacking, Split
 from .partition import LoadBalanced, Partition
 
@@ -33,20 +33,22 @@ class DocumentSplit:
     cu_seqlens_padded: tuple[int, ...] | None
     device: torch.device
     gather: object = dataclasses.field(default=None, repr=False)
+    exchange: Exchange = RING  # what the schedule's exchanges of cut documents cost
 
     def __post_init__(self):
         cu = torch.tensor(self.cu_seqlens)
         lengths = cu.diff()
         starts = torch.tensor(self.cu_seqlens_padded or self.cu_seqlens)[:-1]
         assignment = plan(lengths.tolist(), self.parts, tolerance=self.partition.tolerance,
-                          groups=self.partition.groups)
+                          groups=self.partition.groups, exchange=self.exchange)
         cut_docs, cuts = {}, {}
         for group in assignment.groups:
             docs = torch.tensor(assignment.cut_over(group), dtype=torch.long)
             cut_docs[group] = docs
             cuts[group] = Split(LoadBalanced(), group[1], (0, *torch.cumsum(lengths[docs], 0)
                                                            .tolist()), None, self.device)
-        key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
+        key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device,
+               self.exchange)
         fields = dict(lengths=lengths, starts=starts, assignment=assignment, cuts=cuts,
                       cut_docs=cut_docs, key=key, key_hash=hash(key))
         for name, value in fields.items():

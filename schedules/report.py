@@ -9,7 +9,7 @@ from sdpa_fusion.cli import spec_text
 from sdpa_fusion.spec import AttentionSpec
 
 from . import predict
-from .assign import ring_cost, work
+from .assign import RING, work
 from .base import DESCRIBED
 from .plan import mesh_names, plan_ranks
 
@@ -31,6 +31,13 @@ class MeshReport:
     predicted: list[dict[str, object]] | None  # per rank: mode -> StepTime
     why_not: str = ""  # why there is no prediction
 
+    @property
+    def exchange(self):
+        """What the schedule's exchanges of cut documents cost a rank (``schedules.assign``)."""
+        from . import _class
+
+        return getattr(_class(self.schedule), "exchange", RING)
+
     def rows(self) -> list[dict]:
         """One dict of numbers per rank (what ``--json`` prints)."""
         rows = []
@@ -44,15 +51,16 @@ class MeshReport:
                 row.update({f"predicted_{mode}_ms": self.predicted[i][mode].seconds * 1e3
                             for mode in MODES})
             if p.local.packing is not None:
-                row.update(documents(p.local.packing))
+                row.update(documents(p.local.packing, self.exchange))
             rows.append(row)
         return rows
 
 
-def documents(packing) -> dict:
+def documents(packing, exchange) -> dict:
     """What a rank holds of a packed batch: tokens, documents whole and cut (those of its
-    groups, and the ranks each group is), its work and what its rings cost beyond it
-    (``Assignment.rings``), in pairs."""
+    groups, and the ranks each group is), its work and what its exchanges of the cut ones
+    cost beyond it (``Assignment.exchanges``; by ``exchange`` where every document is cut),
+    in pairs."""
     assignment = getattr(packing, "assignment", None)
     if assignment is not None:  # partition documents
         groups = [g for g, _, _ in packing.cuts]
@@ -60,12 +68,14 @@ def documents(packing) -> dict:
                 "cut_documents": sum(len(assignment.cut_over(g)) for g in groups),
                 "cut_over_ranks": [[first, first + size - 1] for first, size in groups],
                 "work_pairs": assignment.work[packing.rank],
-                "ring_pairs": assignment.rings[packing.rank]}
+                "exchange_pairs": assignment.exchanges[packing.rank]}
     lengths = [n for n in packing.split.lengths.tolist() if n]  # every document is cut
     return {"tokens": packing.tokens, "whole_documents": 0, "cut_documents": len(lengths),
             "cut_over_ranks": [[0, packing.parts - 1]],
             "work_pairs": sum(work(n) for n in lengths) / packing.parts,
-            "ring_pairs": ring_cost(packing.parts, sum(lengths)) if packing.parts > 1 else 0}
+            "exchange_pairs": exchange.cost(packing.parts, sum(lengths),
+                                            sum(lengths) / packing.parts)
+            if packing.parts > 1 else 0}
 
 
 def mesh_report(name: str, spec: AttentionSpec, shape: tuple[int, ...],
@@ -99,7 +109,7 @@ def _cells(report: MeshReport, row: dict) -> list[str]:
     cells = [] if "tokens" not in row else [
         str(row["tokens"]), f"{row['whole_documents']}/{row['cut_documents']}",
         " ".join(_ranks(list(range(a, b + 1))) for a, b in row["cut_over_ranks"]) or "-",
-        f"{row['work_pairs'] / 1e6:.4g}", f"{row['ring_pairs'] / 1e6:.3g}"]
+        f"{row['work_pairs'] / 1e6:.4g}", f"{row['exchange_pairs'] / 1e6:.3g}"]
     cells += [f"{row['steps']}/{row['backward_steps']}",
              f"{_gib(row['bytes_sent'])}/{_gib(row['backward_bytes_sent'])}",
              f"{_gib(row['bytes_received'])}/{_gib(row['backward_bytes_received'])}",
@@ -115,7 +125,7 @@ def table(report: MeshReport) -> list[str]:
     header = ["ranks", "steps", "GiB sent", "GiB received", "TFLOP", "memory GiB"]
     if report.spec.layout.is_varlen:
         header[1:1] = ["tokens", "documents whole/cut", "cut over", "work M pairs",
-                       "rings M pairs"]
+                       "exchanges M pairs"]
     if report.predicted is not None:
         header.append("predicted ms")
     groups: dict[tuple, list[int]] = {}

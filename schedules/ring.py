@@ -44,6 +44,7 @@ import enum
 import torch
 
 from . import dry_run, heads, mask_plans, runner
+from .assign import RING
 from .bands import check_runs, ring_plan, window_band
 from .base import Description
 from .calls import DenseCall, PackedCall, most_calls_per_row, part_calls
@@ -121,6 +122,7 @@ class Ring(Transported, SequenceSchedule):
 
     name = "ring"
     overlap = Overlap(hidden=lambda p: (p - 1) / p, splits_keys=True, own_transport=True)
+    exchange = RING  # a rank's rings cost per step and per token of the documents they cut
 
     def __init__(self, mesh, *, dim=None, partition="auto", transport="auto",
                  head_groups="auto", grad_dtype="auto"):

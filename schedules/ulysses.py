@@ -54,6 +54,7 @@ import torch
 from sdpa_fusion.layout import Layout
 
 from . import dry_run, heads, mask_plans, runner
+from .assign import ULYSSES, ULYSSES_KEPT
 from .buffers import views
 from .calls import DenseCall, as_block, as_packed, packed_call, put_rows, take
 from .partition import Auto
@@ -167,6 +168,11 @@ class Ulysses(Transported, SequenceSchedule):
     @property
     def keeps_forward(self) -> bool:
         return self.keep_forward
+
+    @property
+    def exchange(self):
+        """A rank's all-to-alls carry its share of each cut document (``schedules.assign``)."""
+        return ULYSSES_KEPT if self.keep_forward else ULYSSES
 
     def backward_reads_inputs(self, spec) -> bool:
         return not self.keep_forward  # else the kept heads are all it reads (and dout)

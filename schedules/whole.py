@@ -114,13 +114,14 @@ def whole_documents(cls: type) -> type:
 
 
 class WholeDocuments:
-    """What ``whole_documents`` puts before a sequence schedule class."""
+    """What ``whole_documents`` puts before a sequence schedule class (which says what its
+    exchanges of cut documents cost a rank: ``exchange``, a ``schedules.assign.Exchange``)."""
 
     def _make_split(self, cu: tuple, padded: tuple | None, device):
         if not self.by_documents(cu, padded):
             return super()._make_split(cu, padded, device)
         return DocumentSplit(self.partition, self.size, cu, padded, device,
-                             gather=self._gather_tokens)
+                             gather=self._gather_tokens, exchange=self.exchange)
 
     def by_documents(self, cu: tuple, padded: tuple | None) -> bool:
         """Whether the packing ``cu``/``padded`` is split by whole documents."""

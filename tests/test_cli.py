@@ -189,7 +189,7 @@ def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
         sum(lengths[i] for i in plan.whole(r)) + sum(lengths[i] for i in cut[r]) // 2
         for r in range(4)]
     assert [r["work_pairs"] for r in rows] == list(plan.work)
-    assert [r["ring_pairs"] for r in rows] == [  # two steps, one 4096-token document each
+    assert [r["exchange_pairs"] for r in rows] == [  # two steps, one 4096-token document each
         STEP_PAIRS * 2 + CUT_TOKEN_PAIRS * 4096] * 4
     assert all(r["whole_documents"] == len(plan.whole(r["rank"])) for r in rows)
     assert all(r["cut_documents"] == len(cut[r["rank"]]) for r in rows)
@@ -197,7 +197,7 @@ def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
     assert all((r["bytes_sent"] == 0) == (not cut[r["rank"]]) for r in rows)
     assert top.main(args) == 0
     out = capsys.readouterr().out
-    assert "tokens  documents whole/cut  cut over  work M pairs  rings M pairs" in out
+    assert "tokens  documents whole/cut  cut over  work M pairs  exchanges M pairs" in out
     assert "thd causal" in out
     assert top.main(["explain", "--schedule", "ring", "--mesh", "2", "--causal",
                      "--documents", "128x64", "--json"]) == 0

@@ -87,6 +87,18 @@ def test_the_cost_fit_recovers_the_costs_it_was_made_from(tables):
     assert tables.cost_fit(found) == pytest.approx(costs, rel=1e-6)
 
 
+def test_the_placements_ulysses_costs_are_its_fits(tables):
+    """``ULYSSES`` and ``ULYSSES_KEPT`` price a token held of a cut document within 5% of
+    what the fit over ``ulysses``' measured ranks says it costs, in pairs."""
+    if not tables.history_available():
+        pytest.skip("needs the git history of benchmarks/results")
+    found = tables._cost_rows(tables.ULYSSES_COST_RUNS, "ulysses", tables.held_terms)
+    for setting in ("ulysses", "ulysses:keep_forward=True"):
+        c = tables.cost_fit([x for x in found if x[1]["schedule"] == setting])
+        priced = tables._exchange(setting).per_held_token
+        assert priced == pytest.approx(1e3 * c[2] / c[0], rel=0.05), setting
+
+
 def test_a_goal_is_met_only_when_three_runs_or_more_all_clear_it(tables):
     assert tables.verdict([0.951, 0.96, 0.97], 0.95, True) == "yes"
     assert tables.verdict([0.951], 0.95, True) == "not shown: 1 run"

@@ -4,6 +4,7 @@ tests/distributed/test_thd_documents.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -14,7 +15,8 @@ from hypothesis import strategies as st
 import schedules
 import sdpa_fusion
 from schedules import dry_run
-from schedules.assign import CUT, CUT_TOKEN_PAIRS, STEP_PAIRS, assign, plan, work
+from schedules.assign import (CUT, CUT_TOKEN_PAIRS, RING, STEP_PAIRS, ULYSSES, ULYSSES_KEPT,
+                              assign, plan, work)
 from schedules.documents import DocumentSplit
 from schedules.partition import Documents
 from schedules.whole import whole_pieces
@@ -169,14 +171,22 @@ def split_of(lengths, parts, slack=None, tolerance=100.0) -> DocumentSplit:
 
 def test_rings_are_the_steps_and_cut_tokens_of_a_ranks_groups():
     """One document cut over ranks 0-3 and one over ranks 0-1: ranks 0-1 take 4 + 2 ring
-    steps and their rings cut 176 + 64 tokens, ranks 2-3 four steps and 176 tokens; a rank's
-    pairs are its whole documents' and its shares of the cut ones."""
+    steps and their rings cut 176 + 64 tokens, of which they hold 44 + 32, ranks 2-3 four
+    steps and 176 tokens, of which they hold 44; a rank's pairs are its whole documents' and
+    its shares of the cut ones. Under ``ulysses`` a rank's exchanges cost by the tokens it
+    holds of the cut documents alone."""
     lengths = [4 * n for n in (44, 1, 2, 16, 3, 1, 2, 3, 2, 1, 4, 2, 2, 3, 1, 2)]
     a = plan(lengths, 4)
     assert a.groups == ((0, 4), (0, 2)) and a.cut == (0, 3)
-    assert [a.cost_terms(r)[2:] for r in range(4)] == [(6, 240), (6, 240), (4, 176), (4, 176)]
-    assert list(a.rings) == [STEP_PAIRS * 6 + CUT_TOKEN_PAIRS * 240] * 2 + [
+    assert [a.cost_terms(r)[2:] for r in range(4)] == [(6, 240, 76), (6, 240, 76),
+                                                       (4, 176, 44), (4, 176, 44)]
+    assert list(a.exchanges) == [STEP_PAIRS * 6 + CUT_TOKEN_PAIRS * 240] * 2 + [
         STEP_PAIRS * 4 + CUT_TOKEN_PAIRS * 176] * 2
+    u = plan(lengths, 4, exchange=ULYSSES)
+    assert u.groups == a.groups and u.cut == a.cut  # the cuts are the exchange's to price only
+    assert [u.cost_terms(r)[2:] for r in range(4)] == [a.cost_terms(r)[2:] for r in range(4)]
+    assert list(u.exchanges) == [ULYSSES.per_held_token * 76] * 2 + [
+        ULYSSES.per_held_token * 44] * 2
     for r in range(4):
         pairs = sum(lengths[i] ** 2 / 2 for i in a.whole(r)) + 176 ** 2 / 2 / 4 \
             + (64 ** 2 / 2 / 2 if r < 2 else 0)
@@ -185,19 +195,21 @@ def test_rings_are_the_steps_and_cut_tokens_of_a_ranks_groups():
 
 def slowest(a) -> float:
     """The most work and rings of a rank of the plan ``a``."""
-    return max(w + r for w, r in zip(a.work, a.rings))
+    return max(w + r for w, r in zip(a.work, a.exchanges))
 
 
 @settings(max_examples=80, derandomize=True, database=None, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 400)), min_size=1, max_size=40),
-       st.sampled_from([2, 4, 6, 8]), st.sampled_from([0.05, 0.2]))
-def test_whole_documents_are_placed_again_by_what_rings_cost(lengths, parts, tolerance):
-    """``plan`` keeps the cuts of the plan by work alone (``rings=False``) and places its
-    whole documents again only where that lowers the slowest rank's work and rings, within
-    the same bounds; each rank's rings are the steps and cut tokens of the groups holding
-    it."""
-    a, by_work = plan(lengths, parts, tolerance=tolerance), \
-        plan(lengths, parts, tolerance=tolerance, rings=False)
+       st.sampled_from([2, 4, 6, 8]), st.sampled_from([0.05, 0.2]),
+       st.sampled_from([RING, ULYSSES, ULYSSES_KEPT]))
+def test_whole_documents_are_placed_again_by_what_exchanges_cost(lengths, parts, tolerance,
+                                                                  exchange):
+    """``plan`` keeps the cuts of the plan by work alone (``exchanges=False``) and places its
+    whole documents again only where that lowers the slowest rank's work and exchanges,
+    within the same bounds; each rank's exchanges are priced by the steps, cut tokens and
+    held tokens of the groups holding it."""
+    a, by_work = plan(lengths, parts, tolerance=tolerance, exchange=exchange), \
+        plan(lengths, parts, tolerance=tolerance, exchange=exchange, exchanges=False)
     assert a.cut == by_work.cut and [a.over[i] for i in a.cut] == [by_work.over[i] for i in a.cut]
     assert all(a.over[i] == (a.owner[i], 1) for i in range(len(lengths)) if a.owner[i] != CUT)
     if a != by_work:
@@ -206,7 +218,10 @@ def test_whole_documents_are_placed_again_by_what_rings_cost(lengths, parts, tol
     for r in range(parts):
         groups = {a.over[i] for i in a.cut if a.over[i][0] <= r < a.over[i][0] + a.over[i][1]}
         cut = sum(lengths[i] for i in a.cut if a.over[i] in groups)
-        assert a.rings[r] == STEP_PAIRS * sum(size for _, size in groups) + CUT_TOKEN_PAIRS * cut
+        held = sum(lengths[i] / a.over[i][1] for i in a.cut if a.over[i] in groups)
+        assert a.exchanges[r] == pytest.approx(
+            exchange.per_step * sum(size for _, size in groups)
+            + exchange.per_cut_token * cut + exchange.per_held_token * held)
 
 
 @pytest.mark.parametrize("batch, parts", [("c", 4), ("c", 8), ("d", 4), ("d", 8)])
@@ -217,10 +232,33 @@ def test_ranks_in_more_rings_take_less_whole_work(batch, parts):
     the rank of the costliest rings holds less work than the rank of the cheapest."""
     from benchmarks.thd import BATCHES
 
-    a, by_work = plan(BATCHES[batch], parts), plan(BATCHES[batch], parts, rings=False)
+    a, by_work = plan(BATCHES[batch], parts), plan(BATCHES[batch], parts, exchanges=False)
     assert slowest(a) < 0.995 * slowest(by_work) and max(a.imbalance) <= 1.05
-    most, least = (f(range(parts), key=lambda r: a.rings[r]) for f in (max, min))
+    most, least = (f(range(parts), key=lambda r: a.exchanges[r]) for f in (max, min))
     assert a.work[most] < a.work[least]
+
+
+@pytest.mark.parametrize("batch, parts, gain", [("c", 8, 0.05), ("d", 8, 0.02)])
+def test_ulysses_places_by_the_tokens_its_ranks_hold_of_cut_documents(batch, parts, gain):
+    """Under ``ulysses`` a rank's all-to-alls cost by the tokens it holds of its groups' cut
+    documents, not by ring steps: placed for the ring, ranks 6-7 of (c) at P = 8 hold the most
+    of them and are the slowest by ``ulysses``' costs; placed for ``ulysses`` the slowest
+    rank's work and exchanges drop by 5% on (c), 2% on (d), the cuts and bounds the same.
+    The schedule's packing is planned so."""
+    from benchmarks.thd import BATCHES
+
+    lengths = BATCHES[batch]
+    for_ring = dataclasses.replace(plan(lengths, parts), exchange=ULYSSES)  # priced so
+    a = plan(lengths, parts, exchange=ULYSSES)
+    assert a.cut == for_ring.cut and [a.over[i] for i in a.cut] == [for_ring.over[i]
+                                                                     for i in a.cut]
+    assert slowest(a) < (1 - gain) * slowest(for_ring) and max(a.imbalance) <= 1.05
+    cu = [0, *itertools.accumulate(lengths)]
+    for name, options, exchange in (("ulysses", {}, ULYSSES), ("ring", {}, RING),
+                                    ("ulysses", {"keep_forward": True}, ULYSSES_KEPT)):
+        mesh = sdpa_fusion.VirtualMesh((parts,), ("seq",), rank=0)
+        packing = schedules.get(name, mesh, partition="documents", **options).pack(cu)
+        assert packing.assignment == plan(lengths, parts, exchange=exchange)
 
 
 def test_every_token_once_whole_documents_first():

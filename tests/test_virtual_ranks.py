@@ -55,7 +55,7 @@ def test_a_rank_in_two_groups_runs_both_rings_right():
         == sent["documents"][3] > 0
     # each rank's terms of the cost fit (docs/tables.py), as the plan that ran says
     assert terms["documents"] == [list(a.cost_terms(r)) for r in range(4)]
-    assert [t[2:] for t in terms["documents:groups=False"]] == [[4, 240]] * 4
+    assert [t[2:] for t in terms["documents:groups=False"]] == [[4, 240, 60]] * 4
 
 
 def _sent_per_rank(lengths, ranks: int, terms: bool = False):
