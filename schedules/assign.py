@@ -26,7 +26,9 @@ halves says which documents fit one half whole; the others are cut over every ra
 level, and each half is planned the same way with its documents, the cut documents' shares
 counted as already there. A document is thus cut over every rank, a half, a quarter, ...,
 its K/V travelling inside those ranks only; the plan is kept where every rank stays within
-the tolerance of the batch's mean (else ``assign``'s, every cut document over every rank):
+the tolerance of the batch's mean (else ``assign``'s, every cut document over every rank),
+and under an exchange that takes no ring steps (``ulysses``) where its slowest rank costs
+less than under ``assign``'s, exchanges counted (below):
 
     P = 4, one document with 61% of the work, one with 38%, many short ones (batch d)
     assign over 4 ranks:   the first cut over ranks 0-3; the second whole on rank 0, which
@@ -51,6 +53,10 @@ the slowest rank's work and exchanges within the same bounds:
     0-3 hold 127 M (148 M with their rings: -2.9%) and ranks 4-7 134-137 M. Under
     ``ulysses`` ranks 0-3 hold 10.4 K tokens of cut documents, ranks 6-7 12.6 K: the
     placement for the ring (ranks 6-7 of least exchanges) made those two the slowest.
+
+    batch (a), P = 8, under ``ulysses``: cut over halves and pairs, ranks 0, 1, 4 and 5
+    hold 32.8 K tokens of cut documents and the most work, the others 24.6 K; every cut
+    document over every rank evens both (-1.9% on the slowest rank): ``assign``'s plan.
 """
 
 from __future__ import annotations
@@ -238,7 +244,8 @@ def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
     """``assign``'s plan when it cuts nothing or ``groups`` is False; else each document cut
     over as few ranks as the levels allow (``_nested``), where that keeps every rank within
     ``tolerance`` of the mean, and its whole documents placed again counting what each
-    rank's exchanges cost by ``exchange`` where that lowers the slowest rank
+    rank's exchanges cost by ``exchange`` where that lowers the slowest rank; under an
+    exchange of no ring steps, ``assign``'s plan where its slowest rank costs less
     (``exchanges=False``: by work alone; pure, cached)."""
     return _plan(tuple(int(n) for n in lengths), parts, tolerance, groups, token_pairs,
                  exchange, exchanges)
@@ -250,16 +257,27 @@ def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
     _check(lengths, parts)
     # assign's plan is made only where it is the answer: a document too large for a rank
     # says that it cuts one without placing the others (almost half of batch c's planning)
+    flat = dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
+                               exchange=exchange)
     if not groups or _factor(parts) == parts or not (
-            _past_share(lengths, [work(n, token_pairs) for n in lengths], parts)
-            or _assign(lengths, parts, tolerance, token_pairs).cut):
-        return dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
-                                   exchange=exchange)
+            _past_share(lengths, [work(n, token_pairs) for n in lengths], parts) or flat.cut):
+        return flat
     nested = _nested(lengths, parts, tolerance, token_pairs, exchange)
     if not _within(nested, tolerance):
-        return dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
-                                   exchange=exchange)
-    return _placed_with_exchanges(nested, tolerance, token_pairs) if exchanges else nested
+        return flat
+    if not exchanges:
+        return nested
+    nested = _placed_with_exchanges(nested, tolerance, token_pairs)
+    # an exchange that takes no ring steps (ulysses) saves nothing by cutting over fewer
+    # ranks but what the balance gives: every cut over every rank where that costs less
+    if not exchange.per_step and _slowest(flat) < _slowest(nested):
+        return flat
+    return nested
+
+
+def _slowest(a: Assignment) -> float:
+    """The most work and exchanges of a rank of ``a``, in pairs."""
+    return max(w + x for w, x in zip(a.work, a.exchanges))
 
 
 def _within(a: Assignment, tolerance: float) -> bool:
