@@ -124,7 +124,8 @@ class Assignment:
         cut = [(i, size) for first, size in groups for i in self.cut_over((first, size))]
         pairs += sum(self.lengths[i] ** 2 / 2 / size for i, size in cut)
         return (pairs, self.tokens[rank], sum(size for _, size in groups),
-                sum(self.lengths[i] for i, _ in cut), sum(self.lengths[i] / size for i, size in cut))
+                sum(self.lengths[i] for i, _ in cut),
+                sum(self.lengths[i] / size for i, size in cut))
 
     @functools.cached_property
     def exchanges(self) -> tuple[float, ...]:
@@ -257,21 +258,24 @@ def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
     _check(lengths, parts)
     # assign's plan is made only where it is the answer: a document too large for a rank
     # says that it cuts one without placing the others (almost half of batch c's planning)
-    flat = dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
-                               exchange=exchange)
+    def flat():
+        return dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
+                                   exchange=exchange)
+
     if not groups or _factor(parts) == parts or not (
-            _past_share(lengths, [work(n, token_pairs) for n in lengths], parts) or flat.cut):
-        return flat
+            _past_share(lengths, [work(n, token_pairs) for n in lengths], parts)
+            or _assign(lengths, parts, tolerance, token_pairs).cut):
+        return flat()
     nested = _nested(lengths, parts, tolerance, token_pairs, exchange)
     if not _within(nested, tolerance):
-        return flat
+        return flat()
     if not exchanges:
         return nested
     nested = _placed_with_exchanges(nested, tolerance, token_pairs)
     # an exchange that takes no ring steps (ulysses) saves nothing by cutting over fewer
     # ranks but what the balance gives: every cut over every rank where that costs less
-    if not exchange.per_step and _slowest(flat) < _slowest(nested):
-        return flat
+    if not exchange.per_step and _slowest(flat()) < _slowest(nested):
+        return flat()
     return nested
 
 
