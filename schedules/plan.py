@@ -18,6 +18,7 @@ from sdpa_fusion.mesh import VirtualMesh
 from sdpa_fusion.spec import AttentionSpec
 
 from . import dry_run
+from .assign import RING, Exchange
 from .base import Description
 from .memory import Memory, input_bytes
 
@@ -45,12 +46,14 @@ class RankMemory:
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    """One rank's coordinates, local problem, ``describe`` of the global problem and memory."""
+    """One rank's coordinates, local problem, ``describe`` of the global problem and memory,
+    and what its schedule's exchanges of cut documents cost (``schedules.assign``)."""
 
     rank: int
     coordinates: dict[str, int]
     local: AttentionSpec
     description: Description
+    exchange: Exchange = RING
 
     @functools.cached_property
     def memory(self) -> RankMemory:
@@ -91,7 +94,7 @@ def plan_ranks(name: str, spec: AttentionSpec, shape: tuple[int, ...],
             schedule.validate(local)
             description = schedule.describe(spec)
             plans.append(RankPlan(rank, {n: mesh.coordinate(n) for n in names}, local,
-                                  description))
+                                  description, getattr(schedule, "exchange", RING)))
     return plans
 
 

@@ -9,7 +9,7 @@ from sdpa_fusion.cli import spec_text
 from sdpa_fusion.spec import AttentionSpec
 
 from . import predict
-from .assign import RING, work
+from .assign import work
 from .base import DESCRIBED
 from .plan import mesh_names, plan_ranks
 
@@ -31,13 +31,6 @@ class MeshReport:
     predicted: list[dict[str, object]] | None  # per rank: mode -> StepTime
     why_not: str = ""  # why there is no prediction
 
-    @property
-    def exchange(self):
-        """What the schedule's exchanges of cut documents cost a rank (``schedules.assign``)."""
-        from . import _class
-
-        return getattr(_class(self.schedule), "exchange", RING)
-
     def rows(self) -> list[dict]:
         """One dict of numbers per rank (what ``--json`` prints)."""
         rows = []
@@ -51,7 +44,7 @@ class MeshReport:
                 row.update({f"predicted_{mode}_ms": self.predicted[i][mode].seconds * 1e3
                             for mode in MODES})
             if p.local.packing is not None:
-                row.update(documents(p.local.packing, self.exchange))
+                row.update(documents(p.local.packing, p.exchange))
             rows.append(row)
         return rows
 

@@ -209,6 +209,26 @@ def test_explain_shows_each_ranks_documents_of_a_packed_batch(capsys):
     assert "'12y' is not a list of document lengths" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("options, exchange", [([], "ULYSSES"),
+                                               (["--option", "keep_forward=True"], "ULYSSES_KEPT")])
+def test_explain_prices_ulysses_exchanges_as_ulysses_does(capsys, options, exchange):
+    """Every document cut (load_balanced) or some (documents): each rank's exchanges are
+    priced by the tokens it holds of cut documents, as ulysses' placement prices them."""
+    from schedules import assign
+
+    priced = getattr(assign, exchange)
+    lengths = [4096] * 2 + [1024] * 4 + [128] * 64
+    args = ["explain", "--schedule", "ulysses", "--mesh", "4", "--causal", "--heads", "8",
+            "--head-dim", "64", "--documents", "4096x2,1024x4,128x64", "--json", *options]
+    assert top.main(args + ["--option", "partition=load_balanced"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    assert [r["exchange_pairs"] for r in rows] == [priced.per_held_token * sum(lengths) / 4] * 4
+    assert top.main(args + ["--option", "partition=documents"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    plan = assign.plan(lengths, 4, exchange=priced)
+    assert [r["exchange_pairs"] for r in rows] == list(plan.exchanges) and max(plan.exchanges) > 0
+
+
 def test_explain_plans_ulysses_whole_documents_in_groups_without_a_process_group(capsys):
     """Ulysses, each 4096 cut over a pair of ranks, one K/V head (replicated over the pair):
     its dK/dV sums over the pair are planned dry, moving bytes on the cut documents' ranks."""
