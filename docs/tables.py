@@ -541,6 +541,11 @@ def held_terms(row: dict, lengths: list[int], rank: int) -> tuple[float, float, 
             raise ValueError(f"the plan of {row['batch']} at P = {row['ranks']} is not the "
                              f"one that row ran (rank {rank}: {planned} != {terms})")
         terms = planned
+    return _held_units(terms)
+
+
+def _held_units(terms) -> tuple[float, float, float]:
+    """``Assignment.cost_terms`` as ``ULYSSES_TERMS``: M pairs, K tokens, K tokens held."""
     return terms[0] / 1e6, terms[1] / K, terms[4] / K
 
 
@@ -565,12 +570,12 @@ def ulysses_costs() -> str:
 
     found = _cost_rows(ULYSSES_COST_RUNS, "ulysses", held_terms)
     settings = sorted({r["schedule"] for _, r, *_ in found})
-    fits, said = {}, []
+    fits, exchanges, said = {}, {}, []
     for setting in settings:
         mine = [x for x in found if x[1]["schedule"] == setting]
         c = fits[setting] = cost_fit(mine)
         errors = sorted(abs(sum(a * b for a, b in zip(c, t)) / ms - 1) for *_, t, ms in mine)
-        exchange = _exchange(setting)
+        exchange = exchanges[setting] = _exchange(setting)
         said.append(f"`{setting}`, {len(mine)} ranks: "
                     + " + ".join(f"{v:.3g} x {name}" for v, name in zip(c, ULYSSES_TERMS))
                     + f" (within {100 * errors[-1]:.1f}% of every one, "
@@ -603,9 +608,8 @@ def ulysses_costs() -> str:
         ranks = [(t, ms) for _, r, _, t, ms in found if r is row]
         t, ms = max(ranks, key=lambda x: x[1])
         lengths = batches(False)[batch]
-        placed = plan(lengths, parts, exchange=_exchange(setting))
-        ideal = max(fit(held_terms({"rank_cost_terms": [placed.cost_terms(k)]}, lengths, 0))
-                    for k in range(parts))
+        placed = plan(lengths, parts, exchange=exchanges[setting])
+        ideal = max(fit(_held_units(placed.cost_terms(k))) for k in range(parts))
         cells = [ms, fit(t), sum(fit(x) for x, _ in ranks) / len(ranks), ideal, 1.1 * one / parts]
         lines.append(f"| ({batch}), {parts}, {setting} | "
                      + " | ".join(f"{x:.2f}" for x in cells) + " |")

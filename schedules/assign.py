@@ -69,6 +69,39 @@ CUT = -1  # the owner of a cut document (split over the ranks of its group)
 Group = tuple  # (first rank, ranks): the consecutive ranks a cut document is split over
 
 
+# What a rank's exchanges cost beyond its share of the work, in pairs. The ring's: a
+# least-squares fit over the ranks' steps replayed as CUDA graphs (docs/benchmarks.md, the
+# costs table: 0.235 ms a ring step and 0.0193 ms per K tokens its rings cut, beside 0.0925
+# ms per M pairs). ``ulysses``': the same over its ranks (the ulysses_costs table, one H100:
+# per K tokens held of cut documents 0.206 ms beside 0.087 ms per M pairs, 0.155 ms beside
+# 0.086 with keep_forward; its groups' number and sizes add nothing measurable).
+STEP_PAIRS = 2_500_000  # per ring step: a block moved, merged and summed, the launches
+CUT_TOKEN_PAIRS = 200  # per token of the documents the rank's rings cut
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What a schedule's exchanges of cut documents cost a rank beyond its share of the
+    work, in pairs: per ring step (each rank of each group it is in), per token of the
+    documents its groups cut, per token it holds of them."""
+
+    name: str
+    per_step: float = 0.0
+    per_cut_token: float = 0.0
+    per_held_token: float = 0.0
+
+    def cost(self, steps: int, cut_tokens: float, held_tokens: float) -> float:
+        """Pairs that ``steps`` ring steps over documents of ``cut_tokens`` tokens, of which
+        the rank holds ``held_tokens``, cost it."""
+        return (self.per_step * steps + self.per_cut_token * cut_tokens
+                + self.per_held_token * held_tokens)
+
+
+RING = Exchange("ring", per_step=STEP_PAIRS, per_cut_token=CUT_TOKEN_PAIRS)
+ULYSSES = Exchange("ulysses", per_held_token=2_400)  # per token the rank holds of cut documents
+ULYSSES_KEPT = Exchange("ulysses:keep_forward", per_held_token=1_800)  # its backward sends less
+
+
 @dataclasses.dataclass(frozen=True)
 class Assignment:
     """The owner rank of every document (``CUT``: split over the ranks ``over`` names) and
@@ -82,14 +115,12 @@ class Assignment:
     tokens: tuple[float, ...]
     work: tuple[float, ...]
     over: tuple[Group, ...] = ()  # per document: (first, ranks) it is cut over; (r, 1) whole
-    exchange: "Exchange" = None  # what exchanging the cut documents costs (None: RING)
+    exchange: Exchange = RING  # what exchanging the cut documents costs a rank
 
     def __post_init__(self):
         if not self.over:
             object.__setattr__(self, "over", tuple((0, self.parts) if o == CUT else (o, 1)
                                                    for o in self.owner))
-        if self.exchange is None:
-            object.__setattr__(self, "exchange", RING)
 
     @functools.cached_property
     def cut(self) -> tuple[int, ...]:
@@ -145,37 +176,6 @@ class Assignment:
 # batches a-d in benchmarks/results/virtual_ranks.json (FA4, bf16, 32 heads of 128, H200):
 # 617 pairs a token, within 2 ms of each batch's time.
 TOKEN_PAIRS = 600
-# What a rank's exchanges cost beyond its share of the work, in pairs. The ring's: a
-# least-squares fit over the ranks' steps replayed as CUDA graphs (docs/benchmarks.md, the
-# costs table: 0.235 ms a ring step and 0.0193 ms per K tokens its rings cut, beside 0.0925
-# ms per M pairs). ``ulysses``': the same over its ranks (the ulysses_costs table, one H100:
-# per K tokens held of cut documents 0.206 ms beside 0.087 ms per M pairs, 0.155 ms beside
-# 0.086 with keep_forward; its groups' number and sizes add nothing measurable).
-STEP_PAIRS = 2_500_000  # per ring step: a block moved, merged and summed, the launches
-CUT_TOKEN_PAIRS = 200  # per token of the documents the rank's rings cut
-
-
-@dataclasses.dataclass(frozen=True)
-class Exchange:
-    """What a schedule's exchanges of cut documents cost a rank beyond its share of the
-    work, in pairs: per ring step (each rank of each group it is in), per token of the
-    documents its groups cut, per token it holds of them."""
-
-    name: str
-    per_step: float = 0.0
-    per_cut_token: float = 0.0
-    per_held_token: float = 0.0
-
-    def cost(self, steps: int, cut_tokens: float, held_tokens: float) -> float:
-        """Pairs that ``steps`` ring steps over documents of ``cut_tokens`` tokens, of which
-        the rank holds ``held_tokens``, cost it."""
-        return (self.per_step * steps + self.per_cut_token * cut_tokens
-                + self.per_held_token * held_tokens)
-
-
-RING = Exchange("ring", per_step=STEP_PAIRS, per_cut_token=CUT_TOKEN_PAIRS)
-ULYSSES = Exchange("ulysses", per_held_token=2_400)  # per token the rank holds of cut documents
-ULYSSES_KEPT = Exchange("ulysses:keep_forward", per_held_token=1_800)  # its backward sends less
 
 
 def work(length: int, token_pairs: float = TOKEN_PAIRS) -> float:
@@ -256,12 +256,13 @@ def plan(lengths, parts: int, *, tolerance: float = 0.05, groups: bool = True,
 def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
           token_pairs: float, exchange: Exchange, exchanges: bool) -> Assignment:
     _check(lengths, parts)
-    # assign's plan is made only where it is the answer: a document too large for a rank
-    # says that it cuts one without placing the others (almost half of batch c's planning)
+
     def flat():
         return dataclasses.replace(_assign(lengths, parts, tolerance, token_pairs),
                                    exchange=exchange)
 
+    # assign's plan is made only where it is the answer: a document too large for a rank
+    # says that it cuts one without placing the others (almost half of batch c's planning)
     if not groups or _factor(parts) == parts or not (
             _past_share(lengths, [work(n, token_pairs) for n in lengths], parts)
             or _assign(lengths, parts, tolerance, token_pairs).cut):
@@ -272,11 +273,12 @@ def _plan(lengths: tuple[int, ...], parts: int, tolerance: float, groups: bool,
     if not exchanges:
         return nested
     nested = _placed_with_exchanges(nested, tolerance, token_pairs)
+    if exchange.per_step:
+        return nested
     # an exchange that takes no ring steps (ulysses) saves nothing by cutting over fewer
     # ranks but what the balance gives: every cut over every rank where that costs less
-    if not exchange.per_step and _slowest(flat()) < _slowest(nested):
-        return flat()
-    return nested
+    every = flat()
+    return every if _slowest(every) < _slowest(nested) else nested
 
 
 def _slowest(a: Assignment) -> float:
@@ -321,8 +323,7 @@ def _placed_with_exchanges(a: Assignment, tolerance: float, token_pairs: float) 
                        tuple(x - r for x, r in zip(loads, a.exchanges)),
                        tuple(a.over[i] if o == CUT else (o, 1) for i, o in enumerate(owner)),
                        a.exchange)
-    if not _within(again, tolerance) or max(loads) >= max(w + r for w, r in
-                                                          zip(a.work, a.exchanges)) - 1e-9:
+    if not _within(again, tolerance) or max(loads) >= _slowest(a) - 1e-9:
         return a
     return again
 
