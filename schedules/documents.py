@@ -2,7 +2,9 @@
 
 ``schedules.assign`` gives some documents whole to one rank and cuts the others over a group
 of ranks (every rank, a half, a quarter, ...: ``assign.plan``); the documents cut over one
-group form its "cut packing", split load-balanced over the group (``packing.Split``). Rank r
+group form its "cut packing", split load-balanced over the group (``packing.Split``; for a
+schedule that attends a cut packing whole after one exchange, ``ulysses``, into contiguous
+runs of its documents one after another: ``partition.Concatenated``). Rank r
 stores its whole documents first, in batch order, then its part of each cut packing of its
 groups, most ranks first; only those parts travel:
 
@@ -19,7 +21,7 @@ import functools
 import torch
 
 from .assign import RING, Assignment, Exchange, plan
-from .packing import LocalPacking, Split
+from .packing import LocalPacking, Split, split_by_partition
 from .partition import LoadBalanced, Partition
 
 
@@ -34,6 +36,7 @@ class DocumentSplit:
     device: torch.device
     gather: object = dataclasses.field(default=None, repr=False)
     exchange: Exchange = RING  # what the schedule's exchanges of cut documents cost
+    cut_partition: Partition = LoadBalanced()  # how each group's cut packing is split
 
     def __post_init__(self):
         cu = torch.tensor(self.cu_seqlens)
@@ -45,10 +48,11 @@ class DocumentSplit:
         for group in assignment.groups:
             docs = torch.tensor(assignment.cut_over(group), dtype=torch.long)
             cut_docs[group] = docs
-            cuts[group] = Split(LoadBalanced(), group[1], (0, *torch.cumsum(lengths[docs], 0)
-                                                           .tolist()), None, self.device)
+            cut_cu = (0, *torch.cumsum(lengths[docs], 0).tolist())
+            cuts[group] = split_by_partition(self.cut_partition, group[1], cut_cu, None,
+                                             self.device)
         key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device,
-               self.exchange)
+               self.exchange, self.cut_partition)
         fields = dict(lengths=lengths, starts=starts, assignment=assignment, cuts=cuts,
                       cut_docs=cut_docs, key=key, key_hash=hash(key))
         for name, value in fields.items():
@@ -103,7 +107,7 @@ class DocumentSplit:
         parts = [first + torch.arange(int(n.sum()))]
         for group, cut in self.cuts_of(rank):
             i = rank - group[0]
-            rows = self.starts[self.cut_docs[group]][cut.seq] + cut.positions[i]
+            rows = self.starts[self.cut_docs[group]][cut.sequence(i)] + cut.positions[i]
             parts.append(torch.where(cut.real[i], rows, -1))
         return torch.cat(parts)
 

@@ -20,8 +20,8 @@ def rank_tokens(spec, partition, parts: int, rank: int, keys: bool = False) -> T
     packing = spec.packing
     if packing is not None:
         split = packing.split
-        return Tokens(torch.where(split.real[rank], split.seq, -1), split.positions[rank],
-                      split.partition.stride(split.parts))
+        return Tokens(torch.where(split.real[rank], split.sequence(rank), -1),
+                      split.positions[rank], split.partition.stride(split.parts))
     length = (spec.kv_len if keys else spec.q_len) * parts
     return Tokens.dense(partition.indices(length, parts, rank).cpu(), partition.stride(parts))
 

@@ -24,7 +24,7 @@ import torch
 
 from sdpa_fusion.layout import check_offsets, check_padding, cu_seqlens_values
 
-from .partition import Partition
+from .partition import Concatenated, Partition
 
 
 def global_packing(cu_seqlens, cu_seqlens_padded=None, *, device=None
@@ -98,12 +98,18 @@ class Split:
         return int(self.counts.max()) if self.counts.numel() else 0
 
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples."""
-        return self.part(rank).offsets
+        """(cu_seqlens, cu_seqlens_padded) of ``rank``'s part, as tuples (no device sync)."""
+        real = torch.cumsum(self.counts[rank], 0)
+        return (0, *real.tolist()), tuple(self.offsets.tolist())
+
+    def sequence(self, rank: int) -> torch.Tensor:
+        """The sequence of each of ``rank``'s tokens (padding: the sequence it pads), host."""
+        return self.seq
 
     def rows(self, rank: int) -> torch.Tensor:
         """Row of each of ``rank``'s tokens in the packed tensor split here (-1: padding), host."""
-        return torch.where(self.real[rank], self.starts[self.seq] + self.positions[rank], -1)
+        return torch.where(self.real[rank], self.starts[self.sequence(rank)] +
+                           self.positions[rank], -1)
 
     def part(self, rank: int) -> "LocalPacking":
         """Rank ``rank``'s view (made once)."""
@@ -115,8 +121,58 @@ class Split:
     def _unshard_index(self):
         """(rows of the real tokens in all ranks' parts concatenated, their global tokens)."""
         flat = self.real.flatten().nonzero().flatten()
-        tokens = (self.starts[self.seq][None] + self.positions).flatten()[flat]
+        starts = torch.stack([self.starts[self.sequence(r)] for r in range(self.parts)])
+        tokens = (starts + self.positions).flatten()[flat]
         return flat.to(self.device), tokens.to(self.device)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ConcatenatedSplit(Split):
+    """The sequences of one packing, one after another, split into ``parts`` contiguous runs
+    of equal length (the last padded): rank r holds tokens [r * n, (r + 1) * n) of the
+    concatenation, whatever sequences they belong to. A schedule that attends the whole
+    packing in one call after an exchange (``ulysses``) then finds every rank's tokens in
+    the order it attends them. Sequences, not only their parts, may span ranks:
+
+        sequences a (5 tokens) and b (3), P = 2     rank 0   a0 a1 a2 a3    cu_seqlens [0, 4, 4]
+                                                    rank 1   a4 b0 b1 b2    cu_seqlens [0, 1, 4]
+    """
+
+    def __post_init__(self):
+        cu = torch.tensor(self.cu_seqlens)
+        if self.cu_seqlens_padded is not None:
+            raise ValueError("a concatenated split takes sequences without padding "
+                             "(cu_seqlens_padded=None)")
+        lengths, total, p = cu.diff(), int(cu[-1]), self.parts
+        n = -(-total // p)
+        token = torch.arange(p).unsqueeze(1) * n + torch.arange(n)
+        real = token < total
+        seqs = torch.searchsorted(cu[1:], token.clamp(max=max(total - 1, 0)), right=True)
+        seqs = seqs.clamp(max=max(len(lengths) - 1, 0))
+        positions = torch.where(real, token - cu[seqs], 0)
+        counts = torch.zeros(p, len(lengths), dtype=torch.long)
+        counts.scatter_add_(1, seqs, real.long())
+        key = (self.partition, self.parts, self.cu_seqlens, self.device)
+        fields = dict(lengths=lengths, starts=cu[:-1], storage=None, offsets=None, seq=None,
+                      seqs=seqs, slot=None, positions=positions, real=real, counts=counts,
+                      key=key, key_hash=hash(key), tokens=n)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_parts", {})
+
+    def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        real = (0, *torch.cumsum(self.counts[rank], 0).tolist())
+        return real, (*real[:-1], self.tokens)
+
+    def sequence(self, rank: int) -> torch.Tensor:
+        return self.seqs[rank]
+
+
+def split_by_partition(partition: Partition, parts: int, cu: tuple, padded: tuple | None,
+                       device, gather=None) -> Split:
+    """Every rank's part of the packing ``cu``/``padded`` under ``partition``."""
+    kind = ConcatenatedSplit if isinstance(partition, Concatenated) else Split
+    return kind(partition, parts, cu, padded, device, gather=gather)
 
 
 def _of_split(name: str, doc: str) -> property:
@@ -155,8 +211,7 @@ class LocalPacking:
     @functools.cached_property
     def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(cu_seqlens, cu_seqlens_padded) of the local part as host tuples (no device sync)."""
-        real = torch.cumsum(self.counts[self.rank], 0)
-        return (0, *real.tolist()), tuple(self.split.offsets.tolist())
+        return self.split.part_packing(self.rank)
 
     @functools.cached_property
     def seqlens(self) -> torch.Tensor:

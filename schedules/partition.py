@@ -86,6 +86,14 @@ class Contiguous(Partition):
         return rank * (length // parts) + slot
 
 
+class Concatenated(Contiguous):
+    """Packed sequences one after another, split into contiguous runs of equal length
+    (``packing.ConcatenatedSplit``: a sequence may span ranks); one sequence as ``contiguous``.
+    The split of ``ulysses``' cut documents, whose heads' work is the same whatever the split."""
+
+    name = "concatenated"
+
+
 class LoadBalanced(Partition):
     name = "load_balanced"
 

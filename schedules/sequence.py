@@ -17,7 +17,7 @@ from sdpa_fusion.layout import Layout, shard_layout, unshard_layout
 from . import heads, runner
 from . import partition as partitions
 from .base import Schedule
-from .packing import LocalPacking, Split, global_packing, split_by
+from .packing import LocalPacking, Split, global_packing, split_by, split_by_partition
 
 _KEPT_PACKINGS = 4  # global packings whose splits (and kernel calls) a schedule keeps
 
@@ -29,6 +29,8 @@ class SequenceSchedule(Schedule):
     supports_thd = True
     # Attends each rank's tokens in the partition's order: causal needs increasing tokens.
     needs_ordered_tokens = True
+    # Partition 'documents': how the documents cut over a group of ranks are split over it.
+    cut_partition = partitions.LoadBalanced()
 
     def __init__(self, mesh, *, dim: str | None = None, partition="load_balanced",
                  head_groups="auto"):
@@ -169,7 +171,8 @@ class SequenceSchedule(Schedule):
         return self._splits[key]
 
     def _make_split(self, cu: tuple, padded: tuple | None, device: torch.device):
-        return Split(self.partition, self.size, cu, padded, device, gather=self._gather_tokens)
+        return split_by_partition(self.partition, self.size, cu, padded, device,
+                                  gather=self._gather_tokens)
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
         return self.gather(t, 0)

@@ -6,7 +6,7 @@ rows are its whole documents, then its part of each cut packing of its groups
     rows [0, W)   local varlen kernel calls over the whole documents
     then, per group of ranks that cuts documents (most ranks first), that group's rows: the
                   schedule's own packed path on its cut packing, run by a *twin* (the same
-                  schedule, mesh, communicator and buffers, load-balanced partition; over
+                  schedule, mesh, communicator and buffers, partition ``cut_partition``; over
                   the group's ranks only where they are not all of them: ``schedules.groups``)
 
 No merge joins them. The whole documents' calls run in pieces of about equal work inside the
@@ -37,7 +37,7 @@ from .base import DESCRIBED, Description, Schedule
 from .documents import DocumentPacking, DocumentSplit
 from .choice import packed_partition
 from .groups import SubLine
-from .partition import Auto, Documents, LoadBalanced
+from .partition import Auto, Documents
 
 
 def whole_spec(spec):
@@ -121,7 +121,8 @@ class WholeDocuments:
         if not self.by_documents(cu, padded):
             return super()._make_split(cu, padded, device)
         return DocumentSplit(self.partition, self.size, cu, padded, device,
-                             gather=self._gather_tokens, exchange=self.exchange)
+                             gather=self._gather_tokens, exchange=self.exchange,
+                             cut_partition=self.cut_partition)
 
     def by_documents(self, cu: tuple, padded: tuple | None) -> bool:
         """Whether the packing ``cu``/``padded`` is split by whole documents."""
@@ -149,14 +150,14 @@ class WholeDocuments:
         return super().local_tokens(spec)
 
     def twin(self, group: tuple[int, int] | None = None):
-        """This schedule with the load-balanced partition, sharing mesh, comm and buffers; over
+        """This schedule with partition ``cut_partition``, sharing mesh, comm and buffers; over
         the ranks ``group`` = (first, size) of its line only, when given and not all of them
         (``schedules.groups``; p2p transfers, which need nothing of the other ranks)."""
         twins = self.__dict__.setdefault("_twins", {})
         key = None if group is None or group[1] == self.size else group
         if key not in twins:
             twin = self.copy_without_caches()
-            twin.partition = LoadBalanced()
+            twin.partition = self.cut_partition
             twin._splits, twin._positions, twin._contiguous = collections.OrderedDict(), {}, {}
             twin.__dict__.pop("comm", None)
             if key is not None:

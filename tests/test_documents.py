@@ -18,7 +18,7 @@ from schedules import dry_run
 from schedules.assign import (CUT, CUT_TOKEN_PAIRS, RING, STEP_PAIRS, ULYSSES, ULYSSES_KEPT,
                               assign, plan, work)
 from schedules.documents import DocumentSplit
-from schedules.partition import Documents
+from schedules.partition import Concatenated, Documents, LoadBalanced
 from schedules.whole import whole_pieces
 
 
@@ -162,11 +162,13 @@ def test_plan_bounds(lengths, parts, tolerance):
     assert max(a.imbalance) <= 1 + tolerance + 1e-9
 
 
-def split_of(lengths, parts, slack=None, tolerance=100.0) -> DocumentSplit:
+def split_of(lengths, parts, slack=None, tolerance=100.0, cut_partition=LoadBalanced()
+             ) -> DocumentSplit:
     cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
     padded = None if slack is None else (
         0, *torch.tensor([n + s for n, s in zip(lengths, slack)]).cumsum(0).tolist())
-    return DocumentSplit(Documents(tolerance), parts, cu, padded, torch.device("cpu"))
+    return DocumentSplit(Documents(tolerance), parts, cu, padded, torch.device("cpu"),
+                         cut_partition=cut_partition)
 
 
 def test_rings_are_the_steps_and_cut_tokens_of_a_ranks_groups():
@@ -315,12 +317,14 @@ def test_whole_pieces_cover_the_whole_documents_by_work(lengths, parts, count):
 
 @settings(max_examples=40, derandomize=True, database=None, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([2, 3, 4, 8]),
-       st.booleans(), st.sampled_from([0.05, 100.0]))
-def test_rows_cover_the_batch(lengths, parts, padded, tolerance):
+       st.booleans(), st.sampled_from([0.05, 100.0]),
+       st.sampled_from([LoadBalanced(), Concatenated()]))
+def test_rows_cover_the_batch(lengths, parts, padded, tolerance, cut_partition):
     """Every real token is on exactly one rank, at its position inside its document; local
-    cu_seqlens delimit each rank's tokens."""
+    cu_seqlens delimit each rank's tokens; cut packings split load-balanced (the ring's) or
+    concatenated (ulysses')."""
     slack = [n % 3 for n in lengths] if padded else None
-    split = split_of(lengths, parts, slack, tolerance)
+    split = split_of(lengths, parts, slack, tolerance, cut_partition)
     starts = split.starts.tolist()
     rows = torch.cat([split.rows(r) for r in range(parts)])
     real = rows[rows >= 0]
@@ -464,6 +468,30 @@ def test_ulysses_takes_documents_but_not_auto():
     with pytest.raises(ValueError, match=r"partition='auto' .* 'ring', 'allgather' and "
                                          r"'hybrid', not 'ulysses'; name partition="):
         schedules.get("ulysses", mesh, partition="auto")
+
+
+@settings(max_examples=30, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 60)), min_size=1, max_size=16),
+       st.sampled_from([2, 4, 8]))
+def test_ulysses_cut_documents_travel_in_the_order_they_are_attended(lengths, parts):
+    """Under ``ulysses`` each group's cut packing is split concatenated: every rank of the
+    group holds a run of its documents one after another, so the tokens it sends arrive in
+    the order they are attended and its results go home with no gather (``Routes.in_order``);
+    the ring keeps load-balanced chunks of each document."""
+    from schedules.ulysses import Routes, packed_placement
+
+    cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    for rank in range(parts):
+        mesh = sdpa_fusion.VirtualMesh((parts,), ("seq",), rank=rank)
+        ulysses = schedules.get("ulysses", mesh, partition=Documents(0.05))
+        ring = schedules.get("ring", mesh, partition=Documents(0.05))
+        local, ring_local = ulysses.pack(cu), ring.pack(cu)
+        for (group, _, cut), (_, _, ring_cut) in zip(local.cuts, ring_local.cuts):
+            assert cut.partition == Concatenated() and ring_cut.partition == LoadBalanced()
+            place = packed_placement(cut.split)
+            assert place.in_order
+            routes = Routes.of(place, rank - group[0])
+            assert torch.equal(routes.back, torch.arange(routes.total))
 
 
 def test_auto_takes_documents_where_the_model_says_faster():

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schedules import partition as partitions
-from schedules.packing import Split, global_packing
+from schedules.packing import Split, global_packing, split_by_partition
 from schedules.partition import VideoTiles
 from schedules.ring import block_case, packed_calls
 from sdpa_fusion.mask import band, visible_pairs
@@ -24,7 +24,8 @@ def cumulative(lengths) -> tuple[int, ...]:
 
 def split_of(lengths, parts, partition="load_balanced", slack=None) -> Split:
     padded = None if slack is None else cumulative([n + x for n, x in zip(lengths, slack)])
-    return Split(partitions.get(partition), parts, cumulative(lengths), padded, torch.device("cpu"))
+    return split_by_partition(partitions.get(partition), parts, cumulative(lengths), padded,
+                              torch.device("cpu"))
 
 
 def te_partitioned_indices(cu_seqlens, parts: int, rank: int) -> list[int]:
@@ -107,6 +108,33 @@ def test_ring_causal_calls_are_square_per_sequence(packing):
                              for n_q, n_k in zip(call.seqlens.lengths_q, call.seqlens.lengths_k))
         positions = local.position_ids[local.token_index >= 0]
         assert pairs == int((positions + 1).sum())  # query at position i sees i + 1 keys
+
+
+@given(st.integers(1, 8), st.lists(st.integers(0, 20), min_size=1, max_size=6))
+def test_concatenated_holds_contiguous_runs_of_the_sequences_one_after_another(parts, lengths):
+    """Rank r holds tokens [r n, (r + 1) n) of the packing, n = ceil(T / P), real first; each
+    rank's cu_seqlens counts its tokens of every sequence, in order, padding after the last;
+    positions are inside each sequence, and ``unshard`` restores the packing."""
+    split = split_of(lengths, parts, partitions.Concatenated())
+    total, cu = sum(lengths), cumulative(lengths)
+    n = -(-total // parts)
+    for rank in range(parts):
+        local = split.part(rank)
+        tokens = list(range(rank * n, min((rank + 1) * n, total)))
+        assert local.tokens == n
+        assert local.token_index.tolist() == tokens + [-1] * (n - len(tokens))
+        seq = [next(i for i in range(len(lengths)) if cu[i] <= t < cu[i + 1]) for t in tokens]
+        assert local.position_ids.tolist() == [t - cu[i] for t, i in zip(tokens, seq)] + \
+            [0] * (n - len(tokens))
+        held = [seq.count(i) for i in range(len(lengths))]
+        assert local.cu_seqlens.tolist() == list(cumulative(held))
+        assert local.cu_seqlens_padded.tolist() == list(cumulative(held))[:-1] + [n]
+    parts_of = [split.part(r) for r in range(parts)]
+    packed = torch.arange(total, dtype=torch.float32).unsqueeze(1)
+    shards = [p.shard(packed) for p in parts_of]
+    gathered = torch.cat([torch.cat([s, s.new_zeros(n - len(s), 1)]) for s in shards])
+    object.__setattr__(split, "gather", lambda t: gathered)
+    assert torch.equal(parts_of[0].unshard(shards[0]), packed)
 
 
 def test_load_balanced_pads_each_sequence_to_2p():
