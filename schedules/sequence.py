@@ -121,15 +121,20 @@ class SequenceSchedule(Schedule):
     def groups_for(self, spec) -> int:
         """Head groups of a call on the global ``spec``."""
         if spec.layout.is_varlen:  # each sequence is its own problem: sized by the longest
-            rows = self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu").longest_share
+            rows = self.packed_rows(self.split(spec.cu_seqlens, spec.cu_seqlens_padded, "cpu"))
         else:
             rows = self.local_tokens(spec)
         return self.group_count(spec.heads, spec.kv_heads, self.group_rows(rows, spec),
                                 self.least_groups(spec))
 
+    def packed_rows(self, split) -> int:
+        """The query rows that size the head groups of a call on the packing ``split``: the
+        most tokens a rank holds of one sequence."""
+        return split.longest_share
+
     def groups_of(self, q, k, spec) -> list[heads.HeadGroup]:
         """The head groups of local q and k of the local ``spec``."""
-        rows = q.shape[2] if spec.packing is None else spec.packing.longest_share
+        rows = q.shape[2] if spec.packing is None else self.packed_rows(spec.packing.split)
         count = self.group_count(q.shape[1], k.shape[1], self.group_rows(rows, spec),
                                  self.least_groups(spec))
         return heads.groups_of(count, q.shape[1], k.shape[1])

@@ -190,6 +190,12 @@ class Ulysses(Transported, SequenceSchedule):
     def backward_reads_inputs(self, spec) -> bool:
         return not self.keep_forward  # else the kept heads are all it reads (and dout)
 
+    def packed_rows(self, split) -> int:
+        """A group's call attends every sequence whole with 1/P of the heads: as many query
+        rows per rank as the longest sequence's tokens / P (whatever the split)."""
+        longest = int(split.lengths.max()) if len(split.lengths) else 0
+        return -(-longest // self.size)
+
     def least_groups(self, spec) -> int:
         overlaps = spec.layout.is_varlen and self.routes_packed and self.keeps_buffers()
         return heads.PIPELINE_GROUPS if overlaps else 1
