@@ -323,7 +323,8 @@ SERIES = (
             Run("virtual_ranks_h100.json", "e5a61a6"), Run("virtual_ranks_h100.json", "7f21d3a"),
             Run("virtual_ranks_h100.json", "1ad842c"),
             Run("virtual_ranks_h100.json", "51e8c62"), Run("virtual_ranks_h100.json", "3f2ee5e"),
-            Run("virtual_ranks_h100.json", "4e2c021")),
+            Run("virtual_ranks_h100.json", "4e2c021"), Run("virtual_ranks_h100.json", "432f508"),
+            Run("virtual_ranks_h100.json", "a358094"), Run("virtual_ranks_h100.json", "0832311")),
            virtual_ranks_goals),
     Series("One H200 at 1M tokens, one checked step each (`single_gpu --preset long`; 32 "
            "heads of 128, BSHE, causal forward+backward)",
