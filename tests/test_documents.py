@@ -494,6 +494,32 @@ def test_ulysses_cut_documents_travel_in_the_order_they_are_attended(lengths, pa
             assert torch.equal(routes.back, torch.arange(routes.total))
 
 
+@pytest.mark.parametrize("batch", ["a", "c", "d"])
+def test_ulysses_head_groups_do_not_depend_on_how_cut_documents_are_split(batch, monkeypatch):
+    """A group's call attends each cut document whole with 1/P of the heads, so its head
+    groups are sized by the longest document / P, whatever the split: a concatenated split
+    (a rank may hold a whole 32K document of (a)) takes the groups load-balanced chunks take."""
+    from benchmarks.thd import BATCHES
+    from schedules.ulysses import Ulysses
+    from schedules.whole import cut_specs
+
+    cu = (0, *torch.tensor(BATCHES[batch]).cumsum(0).tolist())
+    groups = {}
+    for cut_partition in (LoadBalanced(), Concatenated()):
+        monkeypatch.setattr(Ulysses, "cut_partition", cut_partition)
+        for rank in range(8):
+            mesh = sdpa_fusion.VirtualMesh((8,), ("seq",), rank=rank)
+            sched = schedules.get("ulysses", mesh, partition=Documents(0.05))
+            spec = sdpa_fusion.AttentionSpec(
+                batch=1, heads=32, kv_heads=32, q_len=cu[-1], kv_len=cu[-1], head_dim=128,
+                dtype=torch.bfloat16, causal=True, layout="thd", cu_seqlens=cu)
+            for group, _, cut in cut_specs(sched.local_spec(spec)):
+                q = torch.empty((cut.q_len, 32, 128), device="meta")
+                count = len(sched.twin(group).groups_of(q, q, cut))
+                groups.setdefault((rank, group), []).append(count)
+    assert groups and all(a == b for a, b in groups.values())
+
+
 def test_auto_takes_documents_where_the_model_says_faster():
     """The default partition: whole documents when none must be cut, or when the model
     predicts them faster; load_balanced where that is faster (and when named); dense
