@@ -74,13 +74,14 @@ class Split:
                              f"the real tokens of a rank's part; give it sequences without padding "
                              f"(no cu_seqlens_padded, lengths it divides) or use partition "
                              f"'load_balanced'")
+        self._hold(lengths=lengths, starts=room[:-1], storage=storage, offsets=offsets, seq=seq,
+                   slot=slot, positions=positions, real=real, counts=counts)
+
+    def _hold(self, **fields) -> None:
+        """Keep the computed ``fields`` on this frozen split, with its key and no parts yet."""
         key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
-        fields = dict(lengths=lengths, starts=room[:-1], storage=storage, offsets=offsets, seq=seq,
-                      slot=slot, positions=positions, real=real, counts=counts, key=key,
-                      key_hash=hash(key))
-        for name, value in fields.items():
+        for name, value in dict(fields, key=key, key_hash=hash(key), _parts={}).items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_parts", {})
 
     @functools.cached_property
     def tokens(self) -> int:
@@ -147,18 +148,13 @@ class ConcatenatedSplit(Split):
         n = -(-total // p)
         token = torch.arange(p).unsqueeze(1) * n + torch.arange(n)
         real = token < total
+        # padding rows: the sequence of the last token (the last sequence that has one)
         seqs = torch.searchsorted(cu[1:], token.clamp(max=max(total - 1, 0)), right=True)
-        seqs = seqs.clamp(max=max(len(lengths) - 1, 0))
         positions = torch.where(real, token - cu[seqs], 0)
         counts = torch.zeros(p, len(lengths), dtype=torch.long)
         counts.scatter_add_(1, seqs, real.long())
-        key = (self.partition, self.parts, self.cu_seqlens, self.device)
-        fields = dict(lengths=lengths, starts=cu[:-1], storage=None, offsets=None, seq=None,
-                      seqs=seqs, slot=None, positions=positions, real=real, counts=counts,
-                      key=key, key_hash=hash(key), tokens=n)
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "_parts", {})
+        self._hold(lengths=lengths, starts=cu[:-1], storage=None, offsets=None, seq=None,
+                   seqs=seqs, slot=None, positions=positions, real=real, counts=counts, tokens=n)
 
     def part_packing(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         real = (0, *torch.cumsum(self.counts[rank], 0).tolist())
