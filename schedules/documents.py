@@ -21,7 +21,7 @@ import functools
 import torch
 
 from .assign import RING, Assignment, Exchange, plan
-from .packing import LocalPacking, Split, split_by_partition
+from .packing import LocalPacking, Split, hold, split_by_partition
 from .partition import LoadBalanced, Partition
 
 
@@ -53,11 +53,8 @@ class DocumentSplit:
                                              self.device)
         key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device,
                self.exchange, self.cut_partition)
-        fields = dict(lengths=lengths, starts=starts, assignment=assignment, cuts=cuts,
-                      cut_docs=cut_docs, key=key, key_hash=hash(key))
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "_parts", {})
+        hold(self, key, lengths=lengths, starts=starts, assignment=assignment, cuts=cuts,
+             cut_docs=cut_docs)
 
     total_tokens = Split.total_tokens
 

@@ -44,6 +44,12 @@ def global_packing(cu_seqlens, cu_seqlens_padded=None, *, device=None
     return tuple(cu), None if padded is None else tuple(padded)
 
 
+def hold(split, key: tuple, **fields) -> None:
+    """Keep the computed ``fields`` on the frozen ``split``, with its ``key`` and no parts yet."""
+    for name, value in dict(fields, key=key, key_hash=hash(key), _parts={}).items():
+        object.__setattr__(split, name, value)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Split:
     """Every rank's part of every sequence of one global packing (host tensors)."""
@@ -78,10 +84,8 @@ class Split:
                    slot=slot, positions=positions, real=real, counts=counts)
 
     def _hold(self, **fields) -> None:
-        """Keep the computed ``fields`` on this frozen split, with its key and no parts yet."""
-        key = (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded, self.device)
-        for name, value in dict(fields, key=key, key_hash=hash(key), _parts={}).items():
-            object.__setattr__(self, name, value)
+        hold(self, (self.partition, self.parts, self.cu_seqlens, self.cu_seqlens_padded,
+                    self.device), **fields)
 
     @functools.cached_property
     def tokens(self) -> int:
